@@ -1,0 +1,92 @@
+"""qlink transports: one API, one module per backend, chosen by URL scheme.
+
+>>> import transports
+>>> sorted(transports.schemes())[:3]
+['inproc', 'shm', 'tcp']
+>>> with transports.listen("inproc://doc") as lis:
+...     client = transports.connect("inproc://doc")
+...     server = lis.accept(timeout_s=1)
+...     client.send(b"ping")
+...     server.recv(timeout_s=1)
+b'ping'
+>>> client.close(); server.close()
+"""
+
+from __future__ import annotations
+
+import importlib
+from urllib.parse import urlsplit
+
+from ._base import (
+    Backoff,
+    BufferTooSmallError,
+    Capabilities,
+    Endpoint,
+    Listener,
+    Notification,
+    Statistics,
+)
+
+__all__ = [
+    "listen",
+    "connect",
+    "schemes",
+    "capabilities",
+    "register_transport",
+    "Endpoint",
+    "Listener",
+    "Capabilities",
+    "Statistics",
+    "Notification",
+    "BufferTooSmallError",
+    "Backoff",
+]
+
+# scheme -> module path; modules are imported lazily so a missing optional stack
+# (ucxx, nixl) only matters when its scheme is used.
+_REGISTRY: dict[str, str] = {
+    "inproc": "transports.inproc",
+    "shm": "transports.shm",
+    "tcp": "transports.tcp",
+    "ucx": "transports.ucx",
+    "udp": "transports.udp",
+}
+
+
+def register_transport(scheme: str, module: str) -> None:
+    """Register a transport module (providing ``listen``, ``connect``, ``CAPABILITIES``) for ``scheme``."""
+    if not scheme.isidentifier():
+        raise ValueError(f"scheme must be an identifier, got {scheme!r}")
+    _REGISTRY[scheme] = module
+
+
+def schemes() -> list[str]:
+    """The registered URL schemes (whether or not their optional stack is installed)."""
+    return list(_REGISTRY)
+
+
+def _module_for(url: str):
+    scheme = urlsplit(url).scheme
+    if not scheme:
+        raise ValueError(f"transport URL needs a scheme like 'shm://name' or 'tcp://127.0.0.1:0', got {url!r}")
+    try:
+        path = _REGISTRY[scheme]
+    except KeyError:
+        raise ValueError(f"unknown transport scheme {scheme!r} in {url!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return importlib.import_module(path)
+
+
+def capabilities(url_or_scheme: str) -> Capabilities:
+    """Declared capabilities of the transport for ``url_or_scheme``."""
+    url = url_or_scheme if "://" in url_or_scheme else url_or_scheme + "://x"
+    return _module_for(url).CAPABILITIES
+
+
+def listen(url: str, **options) -> Listener:
+    """Listen on ``url`` (``inproc://name``, ``shm://name``, ``tcp://127.0.0.1:0``, ``ucx://127.0.0.1:0``)."""
+    return _module_for(url).listen(url, **options)
+
+
+def connect(url: str, *, timeout_s: float | None = 10.0, **options) -> Endpoint:
+    """Connect to a listener at ``url``; raises BrokenLinkError if nobody listens there."""
+    return _module_for(url).connect(url, timeout_s=timeout_s, **options)

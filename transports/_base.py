@@ -1,0 +1,275 @@
+"""The contract every transport implements: Listener, Endpoint, Capabilities, Statistics.
+
+A transport module registers itself by URL scheme (see ``transports/__init__.py``) and
+provides ``listen(url, **opts) -> Listener`` and ``connect(url, *, timeout_s, **opts) -> Endpoint``.
+
+Endpoint semantics (identical across transports; the conformance suite checks them):
+
+* **Two-sided**: ``send(data)`` delivers one message (any size from 0 bytes up to
+  ``capabilities.max_message_bytes``) and ``recv_into(buf)`` receives the next one,
+  in order, returning its size. A receive into a buffer that is too small raises
+  :class:`BufferTooSmallError` and leaves the message queued (nothing is lost).
+* **One-sided**: the target ``register(array)``\\ s a region and sends
+  ``region.descriptor().to_bytes()`` to the initiator, which calls
+  ``put(data, remote, offset=..., notify_id=..., tag=...)``. When the bytes have landed,
+  the target sees a :class:`Notification` from ``wait_notification()``; the notification
+  is never delivered before every byte of its put is in place.
+* **Waiting**: every blocking call takes ``timeout_s`` (``None`` waits without limit but
+  still watches the peer) and raises :class:`~qlink.errors.QlinkTimeoutError`; each has a
+  ``*_nowait`` twin that raises :class:`~qlink.errors.WouldBlock`.
+* **Failure**: a dead peer raises :class:`~qlink.errors.BrokenLinkError` within 1 s;
+  using an endpoint after ``close()`` raises :class:`~qlink.errors.ClosedError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field, fields
+
+from qlink.errors import ClosedError, QlinkError, QlinkTimeoutError, WouldBlock
+from qlink.memory import Region, RemoteRegion
+
+__all__ = [
+    "Capabilities",
+    "Statistics",
+    "Notification",
+    "Endpoint",
+    "Listener",
+    "BufferTooSmallError",
+    "MAX_TAG_BYTES",
+    "Backoff",
+]
+
+MAX_TAG_BYTES = 256
+
+
+class BufferTooSmallError(QlinkError, ValueError):
+    """``recv_into`` was given a buffer smaller than the next message; the message stays queued."""
+
+    def __init__(self, message: str, *, needed_nbytes: int):
+        super().__init__(message)
+        self.needed_nbytes = needed_nbytes
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do; scenarios refuse a transport that cannot serve them."""
+
+    name: str
+    two_sided: bool = True
+    one_sided: bool = False  # put into a registered remote region with a notification
+    zero_copy_put: bool = False  # the put lands without a copy by the target
+    device_memory: bool = False
+    cross_process: bool = True
+    cross_host: bool = False
+    reliable: bool = True  # no loss (UDP is not)
+    ordered: bool = True
+    max_message_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class Notification:
+    """Completion of a one-sided put, as seen by the target."""
+
+    region_id: int
+    offset: int
+    nbytes: int
+    notify_id: int = 0
+    tag: bytes = b""
+
+
+@dataclass
+class _Counters:
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    notifications: int = 0
+    timeouts: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """A frozen snapshot of an endpoint's counters (``endpoint.statistics()``)."""
+
+    transport: str
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    notifications: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Backoff:
+    """Bounded busy-poll, then exponential sleep up to ``max_sleep_s``.
+
+    ``spin`` iterations return immediately (the hot path); after that each call
+    sleeps, doubling from ``min_sleep_s``. ``reset()`` after progress.
+    """
+
+    __slots__ = ("spin", "min_sleep_s", "max_sleep_s", "_n", "_sleep")
+
+    def __init__(self, *, spin: int = 20000, min_sleep_s: float = 5e-6, max_sleep_s: float = 1e-3):
+        self.spin = spin
+        self.min_sleep_s = min_sleep_s
+        self.max_sleep_s = max_sleep_s
+        self._n = 0
+        self._sleep = min_sleep_s
+
+    def reset(self) -> None:
+        self._n = 0
+        self._sleep = self.min_sleep_s
+
+    @property
+    def spinning(self) -> bool:
+        return self._n < self.spin
+
+    def pause(self) -> None:
+        if self._n < self.spin:
+            self._n += 1
+            return
+        time.sleep(self._sleep)
+        self._sleep = min(self._sleep * 2, self.max_sleep_s)
+
+
+def deadline_of(timeout_s: float | None) -> float | None:
+    """Absolute ``time.monotonic()`` deadline for a relative timeout (None: no deadline)."""
+    if timeout_s is None:
+        return None
+    if timeout_s != timeout_s or timeout_s < 0:  # NaN or negative
+        raise ValueError(f"timeout_s must be a non-negative number or None, got {timeout_s!r}")
+    return time.monotonic() + timeout_s
+
+
+class Endpoint(abc.ABC):
+    """One side of a connection. Subclasses implement the ``_``-prefixed hooks;
+    the blocking wrappers, counters and checks live here once."""
+
+    capabilities: Capabilities
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._counters = _Counters()
+
+    # ----- two-sided -----------------------------------------------------------
+    @abc.abstractmethod
+    def send(self, data, *, timeout_s: float | None = None) -> None:
+        """Send one message (a buffer-protocol object). Blocks while the transport is full."""
+
+    @abc.abstractmethod
+    def send_nowait(self, data) -> None:
+        """Send one message or raise WouldBlock (e.g. a full ring) without sending any of it."""
+
+    @abc.abstractmethod
+    def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
+        """Receive the next message into ``buf``; return its size in bytes."""
+
+    @abc.abstractmethod
+    def recv_into_nowait(self, buf) -> int:
+        """Receive the next message if one is ready, else raise WouldBlock."""
+
+    def recv(self, *, timeout_s: float | None = None, max_nbytes: int | None = None) -> bytes:
+        """Receive the next message as ``bytes`` (allocates; for convenience, not the hot path)."""
+        cap = max_nbytes if max_nbytes is not None else 1 << 16
+        while True:
+            buf = bytearray(cap)
+            try:
+                n = self.recv_into(buf, timeout_s=timeout_s)
+            except BufferTooSmallError as e:
+                if max_nbytes is not None:
+                    raise
+                cap = e.needed_nbytes
+                continue
+            return bytes(buf[:n])
+
+    # ----- one-sided -----------------------------------------------------------
+    def register(self, array) -> Region:
+        """Register ``array`` as a put target; send ``region.descriptor().to_bytes()`` to the peer."""
+        from qlink.errors import CapabilityError
+
+        raise CapabilityError(f"transport {self.capabilities.name!r} does not support one-sided put")
+
+    def deregister(self, region: Region) -> None:
+        """Forget a region; later puts into it raise RegistrationError on the initiator."""
+
+    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
+            timeout_s: float | None = None) -> None:
+        """Write ``data`` into the peer's region at ``offset``; the peer gets a Notification."""
+        from qlink.errors import CapabilityError
+
+        raise CapabilityError(f"transport {self.capabilities.name!r} does not support one-sided put")
+
+    def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
+        """Wait for the next put completion targeted at this side."""
+        from qlink.errors import CapabilityError
+
+        raise CapabilityError(f"transport {self.capabilities.name!r} does not support one-sided put")
+
+    def poll_notification_nowait(self) -> Notification:
+        """The next put completion if one has arrived, else raise WouldBlock."""
+        from qlink.errors import CapabilityError
+
+        raise CapabilityError(f"transport {self.capabilities.name!r} does not support one-sided put")
+
+    # ----- lifecycle -----------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.capabilities.name} endpoint was closed by this side")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close this side; the peer sees BrokenLinkError (or EOF) on its next call. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def statistics(self) -> Statistics:
+        c = self._counters
+        return Statistics(transport=self.capabilities.name, **{f.name: getattr(c, f.name) for f in fields(c)})
+
+    def _timed_out(self, what: str, timeout_s: float | None) -> QlinkTimeoutError:
+        self._counters.timeouts += 1
+        return QlinkTimeoutError(f"{self.capabilities.name}: {what} did not complete within timeout_s={timeout_s}")
+
+
+class Listener(abc.ABC):
+    """Accepts connections on a URL. ``url`` is the bound address (a port of 0 is resolved)."""
+
+    url: str
+
+    @abc.abstractmethod
+    def accept(self, *, timeout_s: float | None = None) -> Endpoint:
+        """Wait for the next peer and return its connected Endpoint."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop listening and release the address. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _unused(_: object) -> None:  # keep linters quiet about re-exported names
+    return None
+
+
+_unused(WouldBlock)
