@@ -1,0 +1,114 @@
+"""The ``qlink`` command line.
+
+``qlink run`` is the main job (the default end-to-end scenario on one machine);
+``qlink bench transport|qec|kv|all`` measures figures beside their floors and peers;
+``qlink info`` says which optional stacks are installed.
+
+>>> from qlink.cli import build_parser
+>>> build_parser().parse_args(["bench", "transport", "--quick"]).quick
+True
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+_OPTIONAL = {
+    "stim": "stim", "pymatching": "pymatching", "sinter": "sinter", "ldpc": "ldpc",
+    "cudaq": "cuda-quantum-cu12", "cudaq_qec": "cudaq-qec-cu12", "ucxx": "ucxx-cu12",
+    "nixl_cu12": "nixl-cu12", "cupy": "cupy-cuda12x", "dask.distributed": "dask[distributed]",
+    "nbclient": "nbclient",
+}
+
+
+def _say(msg: str) -> None:
+    print(f"[qlink {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _cmd_info(args) -> int:
+    from ._version_info import versions
+
+    for mod, pkg in _OPTIONAL.items():
+        v = versions().get(mod)
+        print(f"{pkg:22s} {v if v else 'not installed'}")
+    try:
+        import transports._ringc  # noqa: F401
+
+        print("shm ring accelerator   C extension built")
+    except ImportError:
+        print("shm ring accelerator   not built (pure-Python ring in use)")
+    return 0
+
+
+def _bench_transport(args) -> dict:
+    from .bench._report import format_table, write_results
+    from .bench.transport import run_transport_bench
+
+    n = 5000 if args.quick else 50000
+    sizes = (4 << 10, 1 << 20, 16 << 20) if args.quick else (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+    res = run_transport_bench(num_round_trips=n, put_sizes=sizes, progress=_say)
+    out = Path(args.out)
+    write_results(res["round_trip"], out_dir=out, name="transport_round_trip", meta={"num_round_trips": n})
+    write_results(res["bandwidth"], out_dir=out, name="transport_bandwidth", meta={"sizes": list(sizes)})
+    print("\n64-byte round trip between two processes (both busy-poll: 2 cores in use)")
+    print(format_table(res["round_trip"]))
+    print("\nOne-sided put bandwidth into a registered remote region, beside numpy memcpy")
+    print(format_table(res["bandwidth"]))
+    for e in res["errors"]:
+        print(f"  not measured: {e}")
+    print(f"\nwritten: {out}/transport_round_trip.{{json,csv}}, {out}/transport_bandwidth.{{json,csv}}")
+    return res
+
+
+def _bench_module(name: str, args):
+    mod = importlib.import_module(f"qlink.bench.{name}")
+    return mod.main_from_cli(args, say=_say)
+
+
+def _cmd_bench(args) -> int:
+    which = ["transport", "qec", "kv"] if args.what == "all" else [args.what]
+    for w in which:
+        _say(f"bench {w}")
+        if w == "transport":
+            _bench_transport(args)
+        else:
+            _bench_module(w, args)
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from .run import main_job
+
+    return main_job(out_dir=Path(args.out), quick=args.quick, say=_say)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qlink", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the default end-to-end scenario (QEC loop + KV transfer + budget table)")
+    r.add_argument("--out", default="results/run", help="output directory (default: results/run)")
+    r.add_argument("--quick", action="store_true", help="smaller settings (about a minute)")
+    r.set_defaults(func=_cmd_run)
+    b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV")
+    b.add_argument("what", choices=["transport", "qec", "kv", "all"])
+    b.add_argument("--out", default="results/bench", help="output directory (default: results/bench)")
+    b.add_argument("--quick", action="store_true", help="fewer samples (for a smoke run)")
+    b.set_defaults(func=_cmd_bench)
+    i = sub.add_parser("info", help="which optional stacks are installed")
+    i.set_defaults(func=_cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
