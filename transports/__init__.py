@@ -67,6 +67,8 @@ def schemes() -> list[str]:
 
 def _module_for(url: str):
     scheme = urlsplit(url).scheme
+    if scheme.startswith("emulated+"):
+        return importlib.import_module("transports.emulated")
     if not scheme:
         raise ValueError(f"transport URL needs a scheme like 'shm://name' or 'tcp://127.0.0.1:0', got {url!r}")
     try:
@@ -79,11 +81,16 @@ def _module_for(url: str):
 def capabilities(url_or_scheme: str) -> Capabilities:
     """Declared capabilities of the transport for ``url_or_scheme``."""
     url = url_or_scheme if "://" in url_or_scheme else url_or_scheme + "://x"
+    if urlsplit(url).scheme.startswith("emulated+"):
+        from .emulated import capabilities_of
+
+        return capabilities_of(url)
     return _module_for(url).CAPABILITIES
 
 
 def listen(url: str, **options) -> Listener:
-    """Listen on ``url`` (``inproc://name``, ``shm://name``, ``tcp://127.0.0.1:0``, ``ucx://127.0.0.1:0``)."""
+    """Listen on ``url`` (``inproc://name``, ``shm://name``, ``tcp://127.0.0.1:0``, ``ucx://127.0.0.1:0``,
+    or any of them over a modeled link: ``emulated+tcp://127.0.0.1:0?link=ib-ndr``)."""
     return _module_for(url).listen(url, **options)
 
 
