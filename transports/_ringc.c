@@ -1,0 +1,502 @@
+/*
+ * transports._ringc: C accelerator of the shared-memory SPSC ring.
+ *
+ * Same byte layout and the same Python API as transports/_ring.py (read its module
+ * docstring for the layout). The point of this module is the hot path: a send is
+ * one memcpy plus a release store of `head`; a receive is a bounded spin on an
+ * acquire load of `head`, one memcpy and a release store of `tail`. Nothing is
+ * allocated on those paths (results are small ints, which CPython caches).
+ *
+ * The GIL is held while spinning: spins are bounded by the caller (spin_iters) and
+ * releasing/reacquiring it costs more than a typical wait on the hot path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the qlink ring layout is little-endian; this build target is not"
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define HEADER_NBYTES 512
+#define REC_HDR 16
+#define MIN_DATA_NBYTES 1024ULL
+#define MAX_DATA_NBYTES (1ULL << 30)
+#define MAX_RECORD (1ULL << 18)
+#define RING_MAGIC 0x3130474E49524C51ULL /* "QLRING01" little-endian */
+
+#define OFF_MAGIC 0
+#define OFF_SIZE 8
+#define OFF_HEAD 64
+#define OFF_TAIL 128
+#define OFF_PCLOSED 192
+#define OFF_CCLOSED 256
+
+#define KIND_CORRUPT 0
+#define KIND_PAD 1
+#define KIND_MSG 2
+
+#define SEND_OK 1
+#define SEND_FULL 0
+#define SEND_TOO_BIG (-1)
+#define SEND_PEER_CLOSED (-2)
+#define RELEASED (-3)
+#define RECV_EMPTY (-1)
+#define RECV_SLOW (-2)
+
+typedef struct {
+    uint32_t nbytes;
+    uint16_t kind;
+    uint16_t reserved;
+    uint64_t aux;
+} rec_hdr;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buf;
+    int has_buf;
+    uint8_t *hdr;
+    uint8_t *data;
+    uint64_t size, mask, max_payload;
+    uint64_t head, tail_cache; /* producer side, local */
+    uint64_t tail, head_cache; /* consumer side, local */
+    unsigned long long messages, message_bytes;
+    PyObject *data_view; /* memoryview of the data area, created on first use */
+} RingObject;
+
+static inline uint64_t ld_acq(const uint8_t *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }
+static inline uint64_t ld_rlx(const uint8_t *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_RELAXED); }
+static inline void st_rel(uint8_t *p, uint64_t v) { __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELEASE); }
+static inline uint64_t align16(uint64_t n) { return (n + 15) & ~(uint64_t)15; }
+
+/* ------------------------------------------------------------------ producer */
+
+/* Reserve `need` contiguous bytes, writing a pad record first if the end of the data
+ * area is too close. Returns the write position, or -1 when the ring lacks room.
+ * Nothing is published (the caller's release store of head publishes pad + record). */
+static inline int64_t reserve(RingObject *r, uint64_t need) {
+    uint64_t pos = r->head & r->mask;
+    uint64_t contiguous = r->size - pos;
+    uint64_t total = need <= contiguous ? need : contiguous + need;
+    if (r->size - (r->head - r->tail_cache) < total) {
+        r->tail_cache = ld_acq(r->hdr + OFF_TAIL);
+        if (r->size - (r->head - r->tail_cache) < total)
+            return -1;
+    }
+    if (need > contiguous) {
+        rec_hdr pad = {(uint32_t)(contiguous - REC_HDR), KIND_PAD, 0, 0};
+        memcpy(r->data + pos, &pad, REC_HDR);
+        r->head += contiguous;
+        pos = 0;
+    }
+    return (int64_t)pos;
+}
+
+static int send_parts(RingObject *r, unsigned kind, uint64_t aux, const void *p1, uint64_t n1, const void *p2,
+                      uint64_t n2) {
+    if (ld_rlx(r->hdr + OFF_CCLOSED))
+        return SEND_PEER_CLOSED;
+    uint64_t n = n1 + n2;
+    if (n > r->max_payload)
+        return SEND_TOO_BIG;
+    uint64_t need = REC_HDR + align16(n);
+    int64_t pos = reserve(r, need);
+    if (pos < 0)
+        return SEND_FULL;
+    rec_hdr h = {(uint32_t)n, (uint16_t)kind, 0, aux};
+    uint8_t *dst = r->data + pos;
+    memcpy(dst, &h, REC_HDR);
+    if (n1)
+        memcpy(dst + REC_HDR, p1, n1);
+    if (n2)
+        memcpy(dst + REC_HDR + n1, p2, n2);
+    r->head += need;
+    st_rel(r->hdr + OFF_HEAD, r->head); /* the record's bytes become visible no later than head */
+    return SEND_OK;
+}
+
+static PyObject *Ring_try_send_msg(RingObject *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "try_send_msg(data) takes one argument");
+        return NULL;
+    }
+    if (!r->has_buf)
+        return PyLong_FromLong(RELEASED);
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear(); /* not a contiguous buffer: the caller's slow path says why */
+        return PyLong_FromLong(SEND_TOO_BIG);
+    }
+    int rc = send_parts(r, KIND_MSG, (uint64_t)b.len, b.buf, (uint64_t)b.len, NULL, 0);
+    if (rc == SEND_OK) {
+        r->messages++;
+        r->message_bytes += (unsigned long long)b.len;
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *Ring_try_send(RingObject *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 3 || nargs > 4) {
+        PyErr_SetString(PyExc_TypeError, "try_send(kind, aux, part1, part2=None)");
+        return NULL;
+    }
+    if (!r->has_buf)
+        return PyLong_FromLong(RELEASED);
+    long kind = PyLong_AsLong(args[0]);
+    if (kind == -1 && PyErr_Occurred())
+        return NULL;
+    if (kind < 1 || kind > 0xFFFF) {
+        PyErr_SetString(PyExc_ValueError, "record kind must be in 1..65535");
+        return NULL;
+    }
+    unsigned long long aux = PyLong_AsUnsignedLongLong(args[1]);
+    if (aux == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer b1, b2;
+    int has2 = nargs == 4 && args[3] != Py_None;
+    if (PyObject_GetBuffer(args[2], &b1, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (has2 && PyObject_GetBuffer(args[3], &b2, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&b1);
+        return NULL;
+    }
+    int rc = send_parts(r, (unsigned)kind, aux, b1.buf, (uint64_t)b1.len, has2 ? b2.buf : NULL,
+                        has2 ? (uint64_t)b2.len : 0);
+    PyBuffer_Release(&b1);
+    if (has2)
+        PyBuffer_Release(&b2);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *Ring_free_nbytes(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+    if (!r->has_buf)
+        return PyLong_FromLong(0);
+    r->tail_cache = ld_acq(r->hdr + OFF_TAIL);
+    return PyLong_FromUnsignedLongLong(r->size - (r->head - r->tail_cache));
+}
+
+/* ------------------------------------------------------------------ consumer */
+
+/* 1: a non-pad record at the head (*h, *pos filled); 0: empty; -1: corrupt (*h, *pos filled). */
+static inline int head_record(RingObject *r, rec_hdr *h, uint64_t *pos_out) {
+    for (;;) {
+        if (r->tail == r->head_cache) {
+            r->head_cache = ld_acq(r->hdr + OFF_HEAD);
+            if (r->tail == r->head_cache)
+                return 0;
+        }
+        uint64_t pos = r->tail & r->mask;
+        memcpy(h, r->data + pos, REC_HDR);
+        uint64_t stride = REC_HDR + align16(h->nbytes);
+        *pos_out = pos;
+        if (stride > r->size - pos || stride > r->head_cache - r->tail)
+            return -1;
+        if (h->kind != KIND_PAD)
+            return 1;
+        r->tail += stride;
+        st_rel(r->hdr + OFF_TAIL, r->tail);
+    }
+}
+
+static inline int spin_for_record(RingObject *r, rec_hdr *h, uint64_t *pos, long spin_iters) {
+    int st = head_record(r, h, pos);
+    for (long i = 0; st == 0 && i < spin_iters; i++) {
+        CPU_RELAX();
+        st = head_record(r, h, pos);
+    }
+    return st;
+}
+
+static PyObject *Ring_try_recv(RingObject *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "try_recv(out, spin_iters) takes two arguments");
+        return NULL;
+    }
+    if (!r->has_buf)
+        return PyLong_FromLong(RELEASED);
+    long spin = PyLong_AsLong(args[1]);
+    if (spin == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear(); /* read-only or not contiguous: the caller's slow path says why */
+        return PyLong_FromLong(RECV_SLOW);
+    }
+    rec_hdr h;
+    uint64_t pos;
+    long rc;
+    int st = spin_for_record(r, &h, &pos, spin);
+    if (st == 0) {
+        rc = RECV_EMPTY;
+    } else if (st < 0 || h.kind != KIND_MSG || (uint64_t)h.nbytes != h.aux || (Py_ssize_t)h.nbytes > b.len) {
+        rc = RECV_SLOW;
+    } else {
+        memcpy(b.buf, r->data + pos + REC_HDR, h.nbytes);
+        r->tail += REC_HDR + align16(h.nbytes);
+        st_rel(r->hdr + OFF_TAIL, r->tail); /* the producer may reuse the bytes once we have read them */
+        r->messages++;
+        r->message_bytes += h.nbytes;
+        rc = (long)h.nbytes;
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *Ring_poll(RingObject *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "poll(spin_iters) takes one argument");
+        return NULL;
+    }
+    if (!r->has_buf)
+        Py_RETURN_FALSE;
+    long spin = PyLong_AsLong(args[0]);
+    if (spin == -1 && PyErr_Occurred())
+        return NULL;
+    rec_hdr h;
+    uint64_t pos;
+    if (spin_for_record(r, &h, &pos, spin) != 0)
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Ring_peek(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+    if (!r->has_buf)
+        Py_RETURN_NONE;
+    rec_hdr h;
+    uint64_t pos;
+    int st = head_record(r, &h, &pos);
+    if (st == 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(IIKK)", st < 0 ? (unsigned)KIND_CORRUPT : (unsigned)h.kind, (unsigned)h.nbytes,
+                         (unsigned long long)h.aux, (unsigned long long)(pos + REC_HDR));
+}
+
+static PyObject *Ring_consume(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+    if (!r->has_buf)
+        Py_RETURN_NONE;
+    rec_hdr h;
+    uint64_t pos;
+    if (head_record(r, &h, &pos) != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "consume() without a valid record at the head of the ring");
+        return NULL;
+    }
+    r->tail += REC_HDR + align16(h.nbytes);
+    st_rel(r->hdr + OFF_TAIL, r->tail);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ lifecycle */
+
+static void ring_release(RingObject *r) {
+    Py_CLEAR(r->data_view);
+    if (r->has_buf) {
+        r->has_buf = 0;
+        r->hdr = r->data = NULL;
+        PyBuffer_Release(&r->buf);
+    }
+}
+
+static PyObject *Ring_release(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+    ring_release(r);
+    Py_RETURN_NONE;
+}
+
+static int Ring_init(RingObject *r, PyObject *args, PyObject *kwds) {
+    PyObject *obj;
+    static char *kwlist[] = {"buffer", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Ring", kwlist, &obj))
+        return -1;
+    ring_release(r);
+    if (PyObject_GetBuffer(obj, &r->buf, PyBUF_WRITABLE) < 0)
+        return -1;
+    r->has_buf = 1;
+    if (r->buf.len < (Py_ssize_t)(HEADER_NBYTES + MIN_DATA_NBYTES)) {
+        ring_release(r);
+        PyErr_Format(PyExc_ValueError, "buffer of %zd bytes is too small for a ring", r->buf.len);
+        return -1;
+    }
+    uint8_t *base = (uint8_t *)r->buf.buf;
+    if (((uintptr_t)base & 7) != 0) {
+        ring_release(r);
+        PyErr_SetString(PyExc_ValueError, "ring memory must be 8-byte aligned");
+        return -1;
+    }
+    uint64_t magic = ld_acq(base + OFF_MAGIC), size = ld_rlx(base + OFF_SIZE);
+    if (magic != RING_MAGIC) {
+        ring_release(r);
+        PyErr_SetString(PyExc_ValueError, "buffer does not hold a ring (bad magic); call init_ring first");
+        return -1;
+    }
+    if (size < MIN_DATA_NBYTES || size > MAX_DATA_NBYTES || (size & (size - 1)) ||
+        (uint64_t)r->buf.len < HEADER_NBYTES + size) {
+        ring_release(r);
+        PyErr_Format(PyExc_ValueError, "ring header has an invalid data size %llu for a %zd-byte buffer",
+                     (unsigned long long)size, r->buf.len);
+        return -1;
+    }
+    r->hdr = base;
+    r->data = base + HEADER_NBYTES;
+    r->size = size;
+    r->mask = size - 1;
+    r->max_payload = (size / 4 < MAX_RECORD ? size / 4 : MAX_RECORD) - REC_HDR;
+    r->head = r->head_cache = ld_acq(base + OFF_HEAD);
+    r->tail = r->tail_cache = ld_acq(base + OFF_TAIL);
+    r->messages = r->message_bytes = 0;
+    return 0;
+}
+
+static void Ring_dealloc(RingObject *r) {
+    ring_release(r);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+/* ------------------------------------------------------------------ attributes */
+
+static PyObject *Ring_get_data(RingObject *r, void *Py_UNUSED(c)) {
+    if (!r->has_buf) {
+        PyErr_SetString(PyExc_ValueError, "ring was released");
+        return NULL;
+    }
+    if (r->data_view == NULL) {
+        PyObject *whole = PyMemoryView_FromObject(r->buf.obj);
+        if (whole == NULL)
+            return NULL;
+        PyObject *flat = PyObject_CallMethod(whole, "cast", "s", "B");
+        Py_DECREF(whole);
+        if (flat == NULL)
+            return NULL;
+        PyObject *start = PyLong_FromLong(HEADER_NBYTES);
+        PyObject *stop = PyLong_FromUnsignedLongLong(HEADER_NBYTES + r->size);
+        PyObject *sl = (start && stop) ? PySlice_New(start, stop, NULL) : NULL;
+        Py_XDECREF(start);
+        Py_XDECREF(stop);
+        if (sl == NULL) {
+            Py_DECREF(flat);
+            return NULL;
+        }
+        r->data_view = PyObject_GetItem(flat, sl);
+        Py_DECREF(sl);
+        Py_DECREF(flat);
+        if (r->data_view == NULL)
+            return NULL;
+    }
+    Py_INCREF(r->data_view);
+    return r->data_view;
+}
+
+static PyObject *Ring_get_word(RingObject *r, void *closure) {
+    if (!r->has_buf)
+        return PyLong_FromLong(0);
+    return PyLong_FromUnsignedLongLong(ld_acq(r->hdr + (uintptr_t)closure));
+}
+
+static PyObject *Ring_get_flag(RingObject *r, void *closure) {
+    if (!r->has_buf)
+        Py_RETURN_FALSE;
+    return PyBool_FromLong(ld_acq(r->hdr + (uintptr_t)closure) != 0);
+}
+
+static PyObject *Ring_set_producer_closed(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+    if (r->has_buf)
+        st_rel(r->hdr + OFF_PCLOSED, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_set_consumer_closed(RingObject *r, PyObject *Py_UNUSED(ignored)) {
+    if (r->has_buf)
+        st_rel(r->hdr + OFF_CCLOSED, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_get_producer_head(RingObject *r, void *Py_UNUSED(c)) {
+    return PyLong_FromUnsignedLongLong(r->head);
+}
+
+static PyObject *Ring_get_nbytes(RingObject *r, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(r->size); }
+static PyObject *Ring_get_max_payload(RingObject *r, void *Py_UNUSED(c)) {
+    return PyLong_FromUnsignedLongLong(r->max_payload);
+}
+static PyObject *Ring_get_messages(RingObject *r, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(r->messages); }
+static PyObject *Ring_get_message_bytes(RingObject *r, void *Py_UNUSED(c)) {
+    return PyLong_FromUnsignedLongLong(r->message_bytes);
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"try_send_msg", (PyCFunction)(void (*)(void))Ring_try_send_msg, METH_FASTCALL,
+     "try_send_msg(data) -> 1 sent, 0 full, -1 needs the slow path (streaming, or not a contiguous buffer), -2 peer closed, -3 released"},
+    {"try_send", (PyCFunction)(void (*)(void))Ring_try_send, METH_FASTCALL,
+     "try_send(kind, aux, part1, part2=None) -> same codes as try_send_msg"},
+    {"try_recv", (PyCFunction)(void (*)(void))Ring_try_recv, METH_FASTCALL,
+     "try_recv(out, spin_iters) -> n >= 0, -1 empty, -2 use peek() (or out is not a writable contiguous buffer), -3 released"},
+    {"poll", (PyCFunction)(void (*)(void))Ring_poll, METH_FASTCALL, "poll(spin_iters) -> True when a record is there"},
+    {"peek", (PyCFunction)Ring_peek, METH_NOARGS, "peek() -> (kind, nbytes, aux, payload_offset) or None"},
+    {"consume", (PyCFunction)Ring_consume, METH_NOARGS, "consume() -> advance past the head record"},
+    {"free_nbytes", (PyCFunction)Ring_free_nbytes, METH_NOARGS, "bytes the producer could write now"},
+    {"release", (PyCFunction)Ring_release, METH_NOARGS, "drop the reference to the shared memory"},
+    {"set_producer_closed", (PyCFunction)Ring_set_producer_closed, METH_NOARGS, NULL},
+    {"set_consumer_closed", (PyCFunction)Ring_set_consumer_closed, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ring_getset[] = {
+    {"data", (getter)Ring_get_data, NULL, "memoryview of the data area", NULL},
+    {"head", (getter)Ring_get_word, NULL, "shared head", (void *)(uintptr_t)OFF_HEAD},
+    {"tail", (getter)Ring_get_word, NULL, "shared tail", (void *)(uintptr_t)OFF_TAIL},
+    {"producer_closed", (getter)Ring_get_flag, NULL, NULL, (void *)(uintptr_t)OFF_PCLOSED},
+    {"consumer_closed", (getter)Ring_get_flag, NULL, NULL, (void *)(uintptr_t)OFF_CCLOSED},
+    {"producer_head", (getter)Ring_get_producer_head, NULL, NULL, NULL},
+    {"nbytes", (getter)Ring_get_nbytes, NULL, "data area bytes", NULL},
+    {"max_payload", (getter)Ring_get_max_payload, NULL, "largest payload of one record", NULL},
+    {"messages", (getter)Ring_get_messages, NULL, "messages moved by the fast paths", NULL},
+    {"message_bytes", (getter)Ring_get_message_bytes, NULL, "bytes moved by the fast paths", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transports._ringc.Ring",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One end of a shared-memory SPSC ring (C implementation; see transports/_ring.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_getset = Ring_getset,
+};
+
+static struct PyModuleDef ringc_module = {
+    PyModuleDef_HEAD_INIT, "_ringc", "C accelerator of the qlink shared-memory ring.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ringc(void) {
+    if (PyType_Ready(&RingType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&ringc_module);
+    if (m == NULL)
+        return NULL;
+    PyObject *impl = PyUnicode_FromString("c");
+    if (impl == NULL || PyDict_SetItemString(RingType.tp_dict, "impl", impl) < 0) {
+        Py_XDECREF(impl);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(impl);
+    PyType_Modified(&RingType);
+    Py_INCREF(&RingType);
+    if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
+        Py_DECREF(&RingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

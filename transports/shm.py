@@ -1,0 +1,1143 @@
+"""``shm://name``: two processes on one host, a lock-free ring in shared memory per direction.
+
+qlink's intra-node fast path (and its stand-in for NVLink / CUDA IPC on a CPU host).
+
+* **Rendezvous.** ``listen("shm://name")`` binds a Unix-domain ``SOCK_SEQPACKET``
+  socket ``<name>.sock`` in a private directory (``$QLINK_SHM_DIR``, else
+  ``$XDG_RUNTIME_DIR/qlink``, else ``<tmp>/qlink-<uid>``; created 0700, socket 0600).
+  ``connect`` creates one anonymous ``memfd`` holding both rings and both region
+  tables, seals its size, and hands it over the socket (``SCM_RIGHTS``). No named
+  shared-memory segment exists, so nothing outlives the two processes; a socket file
+  left by a killed listener is reclaimed by the next ``listen`` on that name.
+  (Seqpacket rather than stream: each control packet keeps its boundary and its fd.)
+* **Rings.** One single-producer/single-consumer ring per direction
+  (:mod:`transports._ring` has the layout). A message that fits one record is one
+  memcpy in and one memcpy out; larger messages (up to 1 GiB) stream through the
+  ring in chunks of at most 256 KiB. The C accelerator ``transports._ringc`` runs
+  the hot path; without it the pure-Python ring (same bytes) is used.
+* **Waiting.** Blocking calls spin (``spin_s``, default 1 ms, in C when available),
+  then sleep with exponential backoff up to 1 ms, each pause also polling the socket:
+  a peer that dies (even by SIGKILL) is seen as EOF and reported as
+  :class:`~qlink.errors.BrokenLinkError` within about a millisecond of the spin
+  ending. An orderly ``close()`` also sets a flag in each ring's header; the peer
+  still receives everything sent before the close, then gets ``BrokenLinkError``.
+* **One-sided put.** ``register(array)`` publishes the region in this side's region
+  table inside the shared memfd. If the array lives in :func:`qlink.memory.alloc`
+  memory, the initiator maps the same memfd (``/proc/<pid>/fd/<n>``, checked against
+  the inode the owner published) and a ``put`` is a single memcpy into the target's
+  array followed by a ``PUT_DONE`` record (published with release ordering, so the
+  notification is never seen before the bytes). Any other host array is served by
+  ``PUT_INLINE`` records the target applies while it progresses (in ``recv_into`` /
+  ``wait_notification``); ``statistics().extra`` counts both kinds.
+* Messages and notifications share the ring; whichever one a call is not looking
+  for is moved to a small queue on the receiving side, so nothing is lost.
+* One thread may send/put while another receives; two threads must not send (or
+  receive) on one endpoint at the same time.
+
+>>> import os, numpy as np, transports
+>>> from qlink.memory import alloc
+>>> url = f"shm://doc-{os.getpid()}"
+>>> with transports.listen(url) as lis:
+...     a = transports.connect(url)
+...     b = lis.accept(timeout_s=5)
+...     a.send(b"syndrome")
+...     got = b.recv(timeout_s=5)
+...     target = alloc(8, dtype=np.uint8)
+...     region = b.register(target)
+...     a.put(b"\\x01\\x02", region.descriptor(), offset=3, notify_id=9)
+...     note = b.wait_notification(timeout_s=5)
+...     got, (note.offset, note.nbytes, note.notify_id), target.tolist()
+(b'syndrome', (3, 2, 9), [0, 0, 0, 1, 2, 0, 0, 0])
+>>> a.close(); b.close()
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import operator
+import os
+import re
+import secrets
+import select
+import socket
+import stat
+import struct
+import tempfile
+import time
+from collections import deque
+from dataclasses import replace
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from qlink.errors import (
+    BrokenLinkError,
+    CapabilityError,
+    ClosedError,
+    MissingDependencyError,
+    QlinkTimeoutError,
+    RegistrationError,
+    RingFullError,
+    WouldBlock,
+)
+from qlink.memory import Region, RemoteRegion, as_byte_view, is_device_array, shared_fd_of
+
+from . import _ring
+from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, deadline_of
+from ._ring import (
+    KIND_CORRUPT,
+    KIND_MSG,
+    KIND_MSG_CONT,
+    KIND_PUT_DONE,
+    KIND_PUT_INLINE,
+    RELEASED,
+    SEND_FULL,
+    SEND_OK,
+    SEND_PEER_CLOSED,
+    SEND_TOO_BIG,
+)
+
+try:
+    from . import _ringc
+except ImportError:  # the optional C accelerator was not built
+    _ringc = None
+
+__all__ = [
+    "CAPABILITIES",
+    "listen",
+    "connect",
+    "socket_dir",
+    "ring_impls",
+    "ShmEndpoint",
+    "ShmListener",
+    "DEFAULT_RING_NBYTES",
+    "DEFAULT_SPIN_S",
+]
+
+CAPABILITIES = Capabilities(
+    name="shm",
+    one_sided=True,
+    zero_copy_put=True,
+    device_memory=False,
+    cross_process=True,
+    cross_host=False,
+)
+
+DEFAULT_RING_NBYTES = 8 << 20
+DEFAULT_SPIN_S = 1e-3
+_SPIN_ITERS = 2000  # polls per C call while spinning (a few microseconds)
+_MIN_SLEEP_S = 5e-6
+_MAX_SLEEP_S = 1e-3
+_NOWAIT_SOCKET_CHECK_S = 1e-3
+_HANDSHAKE_TIMEOUT_S = 1.0
+
+_PAGE = 4096
+_TABLE_SLOTS = 4096  # regions one side may have registered at once
+_SLOT_BITS = 12
+_SLOT_WORDS = 8  # u64: state, nbytes, block_offset, fd, ino, dev, block_nbytes, pid
+_ACTIVE, _SHARED = 1, 2
+_CONN = struct.Struct("<8sIIQQ")  # magic, version, table slots, ring data bytes, token
+_CONN_MAGIC = b"QLSHMCN1"
+_HELLO_MAGIC = b"QLSHMHI1"
+_VERSION = 1
+_DONE = struct.Struct("<IIQQQ")  # region_id, tag_len, offset, nbytes, notify_id (then the tag)
+_INLINE = struct.Struct("<IIQ")  # region_id, reserved, offset (then the data)
+_KEY = struct.Struct("<QB")  # connection token, owner side
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def ring_impls() -> list[str]:
+    """Ring implementations available here: ``["c", "python"]`` or ``["python"]``."""
+    return (["c"] if _ringc is not None else []) + ["python"]
+
+
+def _ring_class(ring_impl: str | None):
+    if ring_impl is None:
+        return _ringc.Ring if _ringc is not None else _ring.Ring
+    if ring_impl == "python":
+        return _ring.Ring
+    if ring_impl == "c":
+        if _ringc is None:
+            raise MissingDependencyError(
+                "ring_impl='c' needs the C accelerator transports._ringc, which is not built here; build it with "
+                "`python setup.py build_ext --inplace` (needs a C compiler) or pass ring_impl='python'"
+            )
+        return _ringc.Ring
+    raise ValueError(f"ring_impl must be 'c', 'python' or None (best available), got {ring_impl!r}")
+
+
+# ----------------------------------------------------------------------------- naming
+
+
+def _name_of(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme != "shm":
+        raise ValueError(f"shm transport needs a URL like 'shm://name', got {url!r}")
+    name = (parts.netloc + parts.path).strip("/")
+    if not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"shm URL {url!r} needs a name of 1-100 characters from letters, digits, '.', '_' and '-' "
+            "(starting with a letter or digit), like 'shm://decoder-0'"
+        )
+    return name
+
+
+def socket_dir() -> str:
+    """The private directory holding ``shm://`` rendezvous sockets (not created here).
+
+    ``$QLINK_SHM_DIR`` if set, else ``$XDG_RUNTIME_DIR/qlink`` when that runtime
+    directory is ours, else ``<tempdir>/qlink-<uid>``.
+    """
+    override = os.environ.get("QLINK_SHM_DIR")
+    if override:
+        return override
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        try:
+            st = os.stat(xdg)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                return os.path.join(xdg, "qlink")
+        except OSError:
+            pass
+    return os.path.join(tempfile.gettempdir(), f"qlink-{os.getuid()}")
+
+
+def _private_dir(*, create: bool) -> str:
+    d = socket_dir()
+    if create:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)  # FileNotFoundError when absent and not created
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"shm socket directory {d} is not a directory; set QLINK_SHM_DIR to a private directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(
+            f"shm socket directory {d} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+            "set QLINK_SHM_DIR to a directory of your own"
+        )
+    if create and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(d, 0o700)
+    return d
+
+
+def _socket_path(name: str, *, create: bool) -> str:
+    path = os.path.join(_private_dir(create=create), name + ".sock")
+    if len(os.fsencode(path)) > 107:
+        raise ValueError(f"socket path {path!r} is longer than the 107 bytes a Unix socket allows; "
+                         "use a shorter name or set QLINK_SHM_DIR to a shorter directory")
+    return path
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def _ring_stride(ring_nbytes: int) -> int:
+    return -(-(_ring.HEADER_NBYTES + ring_nbytes) // _PAGE) * _PAGE
+
+
+def _ring_offset(side: int, ring_nbytes: int) -> int:
+    return _PAGE + side * _ring_stride(ring_nbytes)
+
+
+def _table_offset(side: int, ring_nbytes: int) -> int:
+    return _PAGE + 2 * _ring_stride(ring_nbytes) + side * _TABLE_SLOTS * _SLOT_WORDS * 8
+
+
+def _layout_nbytes(ring_nbytes: int) -> int:
+    return _table_offset(2, ring_nbytes)
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _space_needed(head: int, ring_nbytes: int, payload_sizes) -> int:
+    """Ring bytes (records, headers and pads) that writing these payloads from ``head`` takes."""
+    total, pos = 0, head & (ring_nbytes - 1)
+    for n in payload_sizes:
+        need = _ring.RECORD_HEADER_NBYTES + ((n + 15) & ~15)
+        if need > ring_nbytes - pos:
+            total += ring_nbytes - pos
+            pos = 0
+        total += need
+        pos = (pos + need) & (ring_nbytes - 1)
+    return total
+
+
+# ----------------------------------------------------------------------------- waiting
+
+
+class _Wait:
+    """Deadline, bounded spin, then sleeps doubling to 1 ms, polling the peer's socket each time."""
+
+    __slots__ = ("ep", "what", "timeout_s", "deadline", "spin_until", "sleep_s")
+
+    def __init__(self, ep: "ShmEndpoint", what: str, timeout_s: float | None) -> None:
+        self.ep = ep
+        self.what = what
+        self.timeout_s = timeout_s
+        self.deadline = deadline_of(timeout_s)
+        self.spin_until = time.monotonic() + ep._spin_s
+        self.sleep_s = _MIN_SLEEP_S
+
+    def progressed(self) -> None:
+        self.spin_until = time.monotonic() + self.ep._spin_s
+        self.sleep_s = _MIN_SLEEP_S
+
+    def pause(self) -> None:
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            raise self.ep._timed_out(self.what, self.timeout_s)
+        if now < self.spin_until:
+            return
+        self.ep._poll_socket()
+        if self.ep._peer_gone is not None:
+            return  # the caller sees it and raises once nothing is left to deliver
+        sleep_s = self.sleep_s if self.deadline is None else min(self.sleep_s, self.deadline - now)
+        time.sleep(sleep_s)
+        self.sleep_s = min(self.sleep_s * 2, _MAX_SLEEP_S)
+
+
+# ----------------------------------------------------------------------------- endpoint
+
+
+class ShmEndpoint(Endpoint):
+    """One side of an ``shm://`` connection (made by :func:`connect` or ``accept``)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, *, url: str, sock: socket.socket, mm: mmap.mmap, side: int, ring_nbytes: int, token: int,
+                 ring_cls, spin_s: float) -> None:
+        super().__init__()
+        self.url = url
+        self._sock = sock
+        self._mm = mm
+        self._side = side
+        self._spin_s = float(spin_s)
+        whole = memoryview(mm)
+        region = _ring.ring_region_nbytes(ring_nbytes)
+        tx_off, rx_off = _ring_offset(side, ring_nbytes), _ring_offset(1 - side, ring_nbytes)
+        self._tx = ring_cls(whole[tx_off:tx_off + region])
+        self._rx = ring_cls(whole[rx_off:rx_off + region])
+        whole.release()
+        self._rx_data = self._rx.data
+        nwords = _TABLE_SLOTS * _SLOT_WORDS
+        self._my_table = np.frombuffer(mm, np.uint64, nwords, _table_offset(side, ring_nbytes)).reshape(_TABLE_SLOTS, -1)
+        self._peer_table = np.frombuffer(mm, np.uint64, nwords, _table_offset(1 - side, ring_nbytes)).reshape(
+            _TABLE_SLOTS, -1)
+        self._my_key = _KEY.pack(token, side)
+        self._peer_key = _KEY.pack(token, 1 - side)
+        # the hot paths call these bound methods directly
+        self._send_msg = self._tx.try_send_msg
+        self._try_recv = self._rx.try_recv
+        self._rx_clean = True  # no queued message and no half-received one: the fast path may run
+        self._msgq: deque = deque()  # whole messages moved aside (oldest first)
+        self._notes: deque = deque()  # notifications moved aside
+        self._partial: bytearray | None = None  # a streamed message being received off the fast path
+        self._partial_filled = 0
+        self._regions: dict[int, tuple[Region, memoryview]] = {}
+        self._free_slots = list(range(_TABLE_SLOTS - 1, -1, -1))
+        self._slot_gen = [0] * _TABLE_SLOTS
+        self._peer_maps: dict[int, tuple[mmap.mmap, memoryview] | None] = {}
+        self._peer_gone: str | None = None
+        self._peer_cause: BaseException | None = None
+        self._last_socket_check = 0.0
+        self._x = dict(zero_copy_puts=0, inline_puts=0, queued_messages=0, queued_notifications=0,
+                       aborted_messages=0, bad_records=0, zero_copy_unavailable=0)
+
+    def __repr__(self) -> str:
+        return f"<ShmEndpoint {self.url} side={self._side} ring={self._tx.impl} {'closed' if self._closed else 'open'}>"
+
+    def statistics(self):
+        s = super().statistics()
+        tx, rx = self._tx, self._rx
+        return replace(
+            s,
+            messages_sent=s.messages_sent + tx.messages,
+            bytes_sent=s.bytes_sent + tx.message_bytes,
+            messages_received=s.messages_received + rx.messages,
+            bytes_received=s.bytes_received + rx.message_bytes,
+            extra={"ring_impl": tx.impl, "ring_nbytes": tx.nbytes, "spin_s": self._spin_s, **self._x},
+        )
+
+    # ----- peer state -------------------------------------------------------------
+    def _peer_flags(self) -> str | None:
+        if self._peer_gone is None and (self._rx.producer_closed or self._tx.consumer_closed):
+            self._peer_gone = "the peer closed its endpoint"
+        return self._peer_gone
+
+    def _poll_socket(self) -> None:
+        """Non-blocking look at the connection socket: EOF or a reset means the peer is gone."""
+        self._last_socket_check = time.monotonic()
+        if self._peer_gone is not None or self._closed:
+            return
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._peer_cause = e
+            self._peer_gone = f"the connection to the peer failed ({e.strerror or e}); the peer process probably died"
+            return
+        if data:  # the peer never sends after the handshake: discard and count
+            self._x["bad_records"] += 1
+            try:
+                self._sock.recv(65536, socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+            return
+        if self._peer_flags() is None:
+            self._peer_cause = EOFError("EOF on the shm connection socket")
+            self._peer_gone = "the peer process exited or was killed without closing its endpoint"
+
+    def _broken(self, what: str) -> BrokenLinkError:
+        self._counters.errors += 1
+        err = BrokenLinkError(f"shm {self.url}: {what}: {self._peer_gone}")
+        err.__cause__ = self._peer_cause
+        return err
+
+    def _check_send_code(self, r: int, what: str) -> None:
+        if r == RELEASED or self._closed:
+            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
+        if r == SEND_PEER_CLOSED:
+            self._peer_flags()
+            raise self._broken(what)
+
+    # ----- two-sided: send ----------------------------------------------------------
+    def send(self, data, *, timeout_s: float | None = None) -> None:
+        """Send one message; waits (up to ``timeout_s``) while the ring is full. Messages
+        larger than one record stream through the ring while the peer drains it."""
+        if timeout_s is not None and not timeout_s >= 0:
+            deadline_of(timeout_s)  # raises ValueError
+        if self._send_msg(data) != SEND_OK:
+            self._send_slow(data, timeout_s, False)
+
+    def send_nowait(self, data) -> None:
+        """Send one message now or raise RingFullError having sent nothing."""
+        if self._send_msg(data) != SEND_OK:
+            self._send_slow(data, None, True)
+
+    def _send_slow(self, data, timeout_s: float | None, nowait: bool) -> None:
+        self._check_open()
+        mv = as_byte_view(data)
+        n = len(mv)
+        if n > CAPABILITIES.max_message_bytes:
+            raise ValueError(f"message of {n} bytes exceeds max_message_bytes={CAPABILITIES.max_message_bytes}")
+        if self._peer_flags() is not None:
+            raise self._broken("send")
+        tx = self._tx
+        if n <= tx.max_payload:
+            w = None
+            while True:
+                r = self._send_msg(mv)
+                if r == SEND_OK:
+                    return
+                self._check_send_code(r, "send")
+                if nowait:
+                    self._nowait_check("send")
+                    raise RingFullError(f"shm ring to the peer is full ({tx.free_nbytes()} of {tx.nbytes} bytes free); "
+                                        "nothing was sent, retry once the peer has received")
+                if self._peer_gone is not None:
+                    raise self._broken("send")
+                if w is None:
+                    w = _Wait(self, "send", timeout_s)
+                w.pause()
+        if nowait:
+            self._send_whole_nowait(mv)
+        else:
+            self._stream(mv, timeout_s)
+        self._counters.messages_sent += 1
+        self._counters.bytes_sent += n
+
+    def _chunks(self, total: int):
+        step = self._tx.max_payload
+        return [(off, min(step, total - off)) for off in range(0, total, step)]
+
+    def _send_whole_nowait(self, mv: memoryview) -> None:
+        tx = self._tx
+        chunks = self._chunks(len(mv))
+        need = _space_needed(tx.producer_head, tx.nbytes, [c for _, c in chunks])
+        if need > tx.nbytes:
+            raise RingFullError(
+                f"message of {len(mv)} bytes needs {need} bytes of ring but the ring holds {tx.nbytes}; send_nowait "
+                "cannot take it in one go: use send(), which streams it, or connect with a larger ring_nbytes"
+            )
+        if tx.free_nbytes() < need:
+            self._nowait_check("send")
+            raise RingFullError(f"shm ring to the peer has {tx.free_nbytes()} bytes free, the message needs {need}; "
+                                "nothing was sent, retry once the peer has received")
+        for off, c in chunks:
+            r = tx.try_send(KIND_MSG if off == 0 else KIND_MSG_CONT, len(mv) if off == 0 else off, mv[off:off + c])
+            if r != SEND_OK:  # only a concurrent close can get here: the space was checked
+                self._check_send_code(r, "send")
+                raise RuntimeError(f"shm ring refused a record after its space was checked (code {r})")
+
+    def _stream(self, mv: memoryview, timeout_s: float | None) -> None:
+        tx = self._tx
+        total = len(mv)
+        w = _Wait(self, "send", timeout_s)
+        chunks = self._chunks(total)
+        i = 0
+        try:
+            while i < len(chunks):
+                off, c = chunks[i]
+                r = tx.try_send(KIND_MSG if i == 0 else KIND_MSG_CONT, total if i == 0 else off, mv[off:off + c])
+                if r == SEND_OK:
+                    i += 1
+                    w.progressed()
+                    continue
+                self._check_send_code(r, "send")
+                if self._peer_gone is not None:
+                    raise self._broken("send")
+                w.pause()
+        except BaseException:
+            if i:  # the receiver drops the part that went out when the next message starts
+                self._x["aborted_messages"] += 1
+            raise
+
+    # ----- two-sided: receive ---------------------------------------------------------
+    def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
+        """Receive the next message into ``buf``; return its size in bytes."""
+        if timeout_s is not None and not timeout_s >= 0:
+            deadline_of(timeout_s)
+        if self._rx_clean:
+            n = self._try_recv(buf, _SPIN_ITERS)
+            if n >= 0:
+                return n
+        return self._recv_slow(buf, timeout_s, False)
+
+    def recv_into_nowait(self, buf) -> int:
+        """Receive the next message if one is ready, else raise WouldBlock."""
+        if self._rx_clean:
+            n = self._try_recv(buf, 0)
+            if n >= 0:
+                return n
+        return self._recv_slow(buf, None, True)
+
+    def _set_clean(self) -> None:
+        self._rx_clean = not self._msgq and self._partial is None
+
+    def _recv_slow(self, buf, timeout_s: float | None, nowait: bool) -> int:
+        self._check_open()
+        out = as_byte_view(buf)
+        if out.readonly:
+            raise TypeError("recv_into needs a writable buffer (bytearray, numpy array...), got a read-only one")
+        w = None
+        rx = self._rx
+        while True:
+            if self._msgq:
+                return self._deliver_queued(out)
+            rec = rx.peek()
+            if rec is None:
+                w = self._idle(w, "recv_into", timeout_s, nowait)
+                continue
+            kind, n, aux, off = rec
+            if kind == KIND_MSG and self._partial is None:
+                if aux > len(out):
+                    raise BufferTooSmallError(
+                        f"next shm message is {aux} bytes but the buffer holds {len(out)}; the message stays "
+                        f"queued, call again with a buffer of at least {aux} bytes",
+                        needed_nbytes=aux,
+                    )
+                out[:n] = self._rx_data[off:off + n]
+                rx.consume()
+                if n == aux:
+                    self._counters.messages_received += 1
+                    self._counters.bytes_received += n
+                    return n
+                got = self._recv_rest(out, aux, n, w, timeout_s, nowait)
+                if got is not None:
+                    return got
+            elif kind in (KIND_MSG, KIND_MSG_CONT):
+                self._stash(kind, n, aux, off)
+            else:
+                self._side_record(kind, n, aux, off)
+
+    def _recv_rest(self, out: memoryview, total: int, filled: int, w, timeout_s, nowait) -> int | None:
+        """Receive the later chunks of a streamed message straight into the caller's buffer."""
+        rx, data = self._rx, self._rx_data
+        while filled < total:
+            rec = rx.peek()
+            if rec is None:
+                try:
+                    w = self._idle(w, "recv_into", timeout_s, nowait, mid_message=True)
+                except (QlinkTimeoutError, WouldBlock):  # keep what arrived; the next call goes on from here
+                    self._partial = bytearray(total)
+                    self._partial[:filled] = out[:filled]
+                    self._partial_filled = filled
+                    self._rx_clean = False
+                    raise
+                continue
+            kind, n, aux, off = rec
+            if kind == KIND_MSG_CONT:
+                if aux != filled or n > total - filled:
+                    self._x["bad_records"] += 1
+                    self._counters.errors += 1
+                else:
+                    out[filled:filled + n] = data[off:off + n]
+                    filled += n
+                rx.consume()
+            elif kind == KIND_MSG:  # the sender gave up on this message (its send timed out)
+                self._x["aborted_messages"] += 1
+                return None
+            else:
+                self._side_record(kind, n, aux, off)
+        self._counters.messages_received += 1
+        self._counters.bytes_received += total
+        return total
+
+    def _stash(self, kind: int, n: int, aux: int, off: int) -> None:
+        """Move a message record off the ring into the receive-side queue."""
+        data = self._rx_data
+        if kind == KIND_MSG:
+            if self._partial is not None:
+                self._x["aborted_messages"] += 1
+                self._partial = None
+            if n == aux:
+                self._msgq.append(bytes(data[off:off + n]))
+                self._x["queued_messages"] += 1
+            else:
+                self._partial = bytearray(aux)
+                self._partial[:n] = data[off:off + n]
+                self._partial_filled = n
+        else:  # KIND_MSG_CONT
+            p = self._partial
+            if p is None or aux != self._partial_filled or n > len(p) - aux:
+                self._x["bad_records"] += 1
+                self._counters.errors += 1
+            else:
+                p[aux:aux + n] = data[off:off + n]
+                self._partial_filled += n
+                if self._partial_filled == len(p):
+                    self._msgq.append(p)
+                    self._x["queued_messages"] += 1
+                    self._partial = None
+        self._rx.consume()
+        self._set_clean()
+
+    def _deliver_queued(self, out: memoryview) -> int:
+        m = self._msgq[0]
+        n = len(m)
+        if n > len(out):
+            raise BufferTooSmallError(
+                f"next shm message is {n} bytes but the buffer holds {len(out)}; the message stays queued, "
+                f"call again with a buffer of at least {n} bytes",
+                needed_nbytes=n,
+            )
+        out[:n] = m
+        self._msgq.popleft()
+        self._set_clean()
+        self._counters.messages_received += 1
+        self._counters.bytes_received += n
+        return n
+
+    def _nowait_check(self, what: str) -> None:
+        """In a ``*_nowait`` call that found nothing: look at the socket at most every millisecond."""
+        if self._peer_gone is None and time.monotonic() - self._last_socket_check > _NOWAIT_SOCKET_CHECK_S:
+            self._poll_socket()
+        if self._peer_flags() is not None and what == "send":
+            raise self._broken(what)
+
+    def _idle(self, w, what: str, timeout_s, nowait: bool, *, mid_message: bool = False):
+        """Nothing to read: spin, back off, or raise (closed, broken, timed out, would block)."""
+        if self._closed:
+            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
+        if self._rx.poll(_SPIN_ITERS if (w is not None or mid_message) else 0):
+            return w
+        if nowait:
+            self._nowait_check(what)
+        if self._peer_flags() is not None:
+            if not self._rx.poll(0):  # everything sent before the peer went away has been delivered
+                if mid_message:
+                    self._peer_gone += " in the middle of a message"
+                raise self._broken(what)
+            return w
+        if nowait:
+            raise WouldBlock(f"shm: nothing for {what} has arrived yet")
+        if w is None:
+            w = _Wait(self, what, timeout_s)
+        w.pause()
+        return w
+
+    # ----- records other than messages ---------------------------------------------------
+    def _side_record(self, kind: int, n: int, aux: int, off: int) -> None:
+        rx, data = self._rx, self._rx_data
+        if kind == KIND_PUT_DONE:
+            note = None
+            if n >= _DONE.size:
+                rid, tag_len, offset, nbytes, notify_id = _DONE.unpack_from(data, off)
+                entry = self._regions.get(rid)
+                if _DONE.size + tag_len == n and entry is not None and offset + nbytes <= entry[0].nbytes:
+                    tag = bytes(data[off + _DONE.size:off + n])
+                    note = Notification(region_id=rid, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
+            if note is None:  # not a put into a region registered here (deregistered meanwhile?)
+                self._x["bad_records"] += 1
+                self._counters.errors += 1
+            else:
+                self._notes.append(note)
+            rx.consume()
+        elif kind == KIND_PUT_INLINE:
+            ok = False
+            if n >= _INLINE.size:
+                rid, _, offset = _INLINE.unpack_from(data, off)
+                entry = self._regions.get(rid)
+                c = n - _INLINE.size
+                if entry is not None and offset + c <= entry[0].nbytes:
+                    entry[1][offset:offset + c] = data[off + _INLINE.size:off + n]
+                    ok = True
+            if not ok:
+                self._x["bad_records"] += 1
+                self._counters.errors += 1
+            rx.consume()
+        elif kind == KIND_CORRUPT:
+            self._peer_gone = (f"the ring from the peer holds a record of {n} bytes that does not fit it "
+                               "(memory corrupted); the connection cannot continue")
+            raise self._broken("receive")
+        else:
+            self._x["bad_records"] += 1
+            self._counters.errors += 1
+            rx.consume()
+
+    # ----- one-sided ------------------------------------------------------------------
+    def register(self, array) -> Region:
+        """Register ``array`` (writable, C-contiguous host memory) as a put target.
+
+        Puts into :func:`qlink.memory.alloc` memory are zero-copy (the initiator writes
+        it directly); any other array is written by this side as it progresses.
+        """
+        self._check_open()
+        if is_device_array(array) and not hasattr(array, "__array_interface__"):
+            raise CapabilityError("shm registers host memory only; device arrays need a transport with device_memory")
+        if not self._free_slots:
+            raise RegistrationError(f"this shm endpoint already has {_TABLE_SLOTS} regions registered; "
+                                    "deregister some (or register one larger pool) first")
+        slot = self._free_slots.pop()
+        gen = self._slot_gen[slot] + 1
+        rid = ((gen << _SLOT_BITS) | slot) & 0xFFFFFFFF
+        try:
+            region = Region.of(array, region_id=rid, key=self._my_key)
+            view = region.view
+            shared = shared_fd_of(array) if region.nbytes else None
+            row = self._my_table[slot]
+            row[0] = 0
+            row[1] = region.nbytes
+            flags = _ACTIVE
+            if shared is not None:
+                fd, block_off, _ = shared
+                st = os.fstat(fd)
+                row[2], row[3], row[4], row[5], row[6], row[7] = block_off, fd, st.st_ino, st.st_dev, st.st_size, os.getpid()
+                flags |= _SHARED
+            row[0] = (rid << 32) | flags  # published last (x86 store order; the peer re-reads it after)
+        except BaseException:
+            self._free_slots.append(slot)
+            raise
+        self._slot_gen[slot] = gen
+        self._regions[rid] = (region, view)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Forget a region; later puts into it raise RegistrationError on the initiator."""
+        rid = region.region_id
+        entry = self._regions.get(rid)
+        if entry is None or entry[0] is not region and entry[0].array is not region.array:
+            raise RegistrationError(f"region {rid} is not registered on this shm endpoint")
+        del self._regions[rid]
+        slot = rid & (_TABLE_SLOTS - 1)
+        if not self._closed:
+            self._my_table[slot, 0] = 0
+        self._free_slots.append(slot)
+
+    def _peer_region(self, remote: RemoteRegion, offset: int, n: int) -> tuple[int, memoryview | None]:
+        """Validate a put against the peer's region table: (state word, mapped view or None)."""
+        if remote.key != self._peer_key:
+            raise RegistrationError(
+                f"region descriptor {remote.region_id} was not issued by this connection's peer "
+                "(register on the peer and pass its descriptor over this connection)"
+            )
+        if remote.kind != "host":
+            raise CapabilityError("shm puts into host memory only; the descriptor is for device memory")
+        rid = remote.region_id
+        row = self._peer_table[rid & (_TABLE_SLOTS - 1)]
+        state = int(row[0])
+        if state >> 32 != rid or not state & _ACTIVE:
+            self._drop_peer_map(rid)
+            raise RegistrationError(f"region {rid} is not registered at the peer (never registered, or deregistered)")
+        nbytes = int(row[1])
+        if nbytes != remote.nbytes:
+            raise RegistrationError(f"descriptor says region {rid} has {remote.nbytes} bytes, the peer registered {nbytes}")
+        if offset < 0 or offset + n > nbytes:
+            raise RegistrationError(
+                f"put of {n} bytes at offset {offset} falls outside region {rid} of {nbytes} bytes; "
+                f"need 0 <= offset and offset + nbytes <= {nbytes}"
+            )
+        view = self._peer_map(rid, row) if state & _SHARED else None
+        if int(row[0]) != state:
+            raise RegistrationError(f"region {rid} was deregistered at the peer during the put")
+        return state, view
+
+    def _peer_map(self, rid: int, row) -> memoryview | None:
+        if rid in self._peer_maps:
+            entry = self._peer_maps[rid]
+            return None if entry is None else entry[1]
+        if len(self._peer_maps) >= 256:
+            self._prune_peer_maps()
+        block_off, fd, ino, dev, block_nbytes, pid = (int(x) for x in row[2:8])
+        entry = None
+        try:
+            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            f = -1
+        if f >= 0:
+            try:
+                st = os.fstat(f)
+                if st.st_ino == ino and st.st_dev == dev and st.st_size >= block_nbytes > 0:
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    mm = mmap.mmap(f, block_nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    entry = (mm, memoryview(mm)[block_off:block_off + int(row[1])])
+            except OSError:
+                entry = None
+            finally:
+                os.close(f)
+        if entry is None:
+            self._x["zero_copy_unavailable"] += 1
+        self._peer_maps[rid] = entry
+        return None if entry is None else entry[1]
+
+    def _drop_peer_map(self, rid: int) -> None:
+        entry = self._peer_maps.pop(rid, None)
+        if entry is not None:
+            entry[1].release()
+            try:
+                entry[0].close()
+            except BufferError:
+                pass
+
+    def _prune_peer_maps(self) -> None:
+        for rid in list(self._peer_maps):
+            state = int(self._peer_table[rid & (_TABLE_SLOTS - 1), 0])
+            if state >> 32 != rid or not state & _ACTIVE:
+                self._drop_peer_map(rid)
+
+    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
+            timeout_s: float | None = None) -> None:
+        """Write ``data`` into the peer's region at ``offset``; the peer then gets a Notification.
+
+        Validation failures (unknown region, out of range) raise RegistrationError
+        before anything is written.
+        """
+        self._check_open()
+        deadline_of(timeout_s)
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        offset = operator.index(offset)
+        tag = bytes(tag)
+        if len(tag) > MAX_TAG_BYTES:
+            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+        if not 0 <= notify_id < 1 << 64:
+            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        src = as_byte_view(data)
+        n = len(src)
+        if self._peer_flags() is not None:
+            raise self._broken("put")
+        _, dst = self._peer_region(remote, offset, n)
+        rid = remote.region_id
+        w = _Wait(self, "put", timeout_s)
+        if dst is not None:
+            if n:
+                dst[offset:offset + n] = src
+            self._x["zero_copy_puts"] += 1
+        else:
+            step = self._tx.max_payload - _INLINE.size
+            for pos in range(0, n, step):
+                c = min(step, n - pos)
+                self._send_record(KIND_PUT_INLINE, 0, _INLINE.pack(rid, 0, offset + pos), src[pos:pos + c], w, "put")
+            self._x["inline_puts"] += 1
+        self._send_record(KIND_PUT_DONE, 0, _DONE.pack(rid, len(tag), offset, n, notify_id), tag, w, "put")
+        self._counters.puts += 1
+        self._counters.put_bytes += n
+
+    def _send_record(self, kind: int, aux: int, part1, part2, w: _Wait, what: str) -> None:
+        tx = self._tx
+        while True:
+            r = tx.try_send(kind, aux, part1, part2)
+            if r == SEND_OK:
+                w.progressed()
+                return
+            self._check_send_code(r, what)
+            if r == SEND_TOO_BIG:  # cannot happen: records are sized below max_payload
+                raise RuntimeError(f"shm record of kind {kind} exceeds the ring's max payload")
+            if self._peer_gone is not None:
+                raise self._broken(what)
+            w.pause()
+
+    def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
+        """Wait for the next put completion targeted at this side (applying inline puts on the way)."""
+        return self._next_note(timeout_s, False)
+
+    def poll_notification_nowait(self) -> Notification:
+        """The next put completion if one has arrived, else raise WouldBlock."""
+        return self._next_note(None, True)
+
+    def _next_note(self, timeout_s: float | None, nowait: bool) -> Notification:
+        self._check_open()
+        w = None
+        rx = self._rx
+        what = "poll_notification_nowait" if nowait else "wait_notification"
+        if not nowait:
+            deadline_of(timeout_s)
+        while True:
+            if self._notes:
+                self._counters.notifications += 1
+                return self._notes.popleft()
+            rec = rx.peek()
+            if rec is None:
+                w = self._idle(w, what, timeout_s, nowait)
+                continue
+            kind, n, aux, off = rec
+            if kind in (KIND_MSG, KIND_MSG_CONT):
+                self._stash(kind, n, aux, off)
+            else:
+                self._side_record(kind, n, aux, off)
+
+    # ----- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        """Close this side: the peer receives what was already sent, then BrokenLinkError. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._tx.set_producer_closed()
+        self._rx.set_consumer_closed()
+        self._tx.release()
+        self._rx.release()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        for rid in list(self._peer_maps):
+            self._drop_peer_map(rid)
+        self._regions.clear()
+        self._msgq.clear()
+        self._partial = None
+        self._rx_data = self._my_table = self._peer_table = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass
+
+
+# ----------------------------------------------------------------------------- listener
+
+
+class ShmListener(Listener):
+    """Accepts ``shm://name`` connections from processes of the same user on this host."""
+
+    def __init__(self, *, name: str, path: str, sock: socket.socket, ring_impl: str | None, spin_s: float) -> None:
+        self.name = name
+        self.url = f"shm://{name}"
+        self.path = path
+        self._sock = sock
+        st = os.stat(path)
+        self._identity = (st.st_dev, st.st_ino)
+        self._ring_cls = _ring_class(ring_impl)
+        self._spin_s = spin_s
+        self._closed = False
+        self.rejected = 0  # connections dropped during the handshake (bad hello, other user, probe)
+
+    def __repr__(self) -> str:
+        return f"<ShmListener {self.url} {'closed' if self._closed else 'listening'}>"
+
+    def accept(self, *, timeout_s: float | None = None) -> ShmEndpoint:
+        """Wait for the next peer and return its connected endpoint."""
+        deadline = deadline_of(timeout_s)
+        while True:
+            if self._closed:
+                raise ClosedError(f"shm listener {self.url} was closed by this side")
+            tick = 0.05
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise QlinkTimeoutError(f"shm: no connection to {self.url} within timeout_s={timeout_s}")
+                tick = min(tick, left)
+            try:
+                ready, _, _ = select.select([self._sock], [], [], tick)
+            except (OSError, ValueError):
+                if self._closed:
+                    raise ClosedError(f"shm listener {self.url} was closed by this side") from None
+                raise
+            if not ready:
+                continue
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            ep = self._handshake(conn)
+            if ep is not None:
+                return ep
+
+    def _handshake(self, conn: socket.socket) -> ShmEndpoint | None:
+        fds: list[int] = []
+        mm = None
+        try:
+            conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+            if _peer_uid(conn) != os.getuid():
+                raise PermissionError("peer runs as another user")
+            msg, fds, _, _ = socket.recv_fds(conn, 256, 4)
+            if len(msg) != _CONN.size or len(fds) != 1:
+                raise ValueError("not a qlink shm hello")
+            magic, version, slots, ring_nbytes, token = _CONN.unpack(msg)
+            if magic != _HELLO_MAGIC or version != _VERSION or slots != _TABLE_SLOTS:
+                raise ValueError("hello from an incompatible qlink shm version")
+            _ring.ring_region_nbytes(ring_nbytes)  # validates the size
+            fd = fds[0]
+            total = _layout_nbytes(ring_nbytes)
+            if os.fstat(fd).st_size != total:
+                raise ValueError("shared memory has the wrong size")
+            if hasattr(fcntl, "F_GET_SEALS") and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                raise ValueError("shared memory is not sealed against shrinking")
+            mm = mmap.mmap(fd, total)
+            if _CONN.unpack_from(mm, 0) != (_CONN_MAGIC, _VERSION, _TABLE_SLOTS, ring_nbytes, token):
+                raise ValueError("shared memory header does not match the hello")
+            conn.setblocking(False)
+            ep = ShmEndpoint(url=self.url, sock=conn, mm=mm, side=1, ring_nbytes=ring_nbytes, token=token,
+                             ring_cls=self._ring_cls, spin_s=self._spin_s)
+            mm = None
+            return ep
+        except (OSError, ValueError, struct.error):
+            self.rejected += 1
+            conn.close()
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if mm is not None:
+                mm.close()
+
+    def close(self) -> None:
+        """Stop listening and remove the socket file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close()
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:  # not a newer listener's socket
+                os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _reclaim_stale(path: str, url: str) -> None:
+    """Remove the socket file of a dead listener; refuse if a live one answers."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket; remove it or use another shm name")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        try:
+            os.unlink(path)  # nobody is listening: a crashed listener left it behind
+        except FileNotFoundError:
+            pass
+        return
+    except OSError:
+        pass  # e.g. backlog full: somebody is listening
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"{url} is already listening (socket {path}); close it or pick another name")
+
+
+def listen(url: str, *, ring_impl: str | None = None, spin_s: float = DEFAULT_SPIN_S, backlog: int = 64) -> ShmListener:
+    """Listen on ``shm://name``. ``ring_impl`` ('c', 'python' or None for the best
+    available) and ``spin_s`` (busy-poll time before backing off) apply to accepted endpoints."""
+    name = _name_of(url)
+    _ring_class(ring_impl)
+    if not spin_s >= 0:
+        raise ValueError(f"spin_s must be a non-negative number of seconds, got {spin_s!r}")
+    path = _socket_path(name, create=True)
+    _reclaim_stale(path, url)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        old_umask = os.umask(0o177)  # the socket file is created 0600
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+        sock.setblocking(False)
+        return ShmListener(name=name, path=path, sock=sock, ring_impl=ring_impl, spin_s=spin_s)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(errno.EADDRINUSE, f"{url} is already listening (socket {path})") from e
+        raise
+
+
+def connect(url: str, *, timeout_s: float | None = 10.0, ring_nbytes: int = DEFAULT_RING_NBYTES,
+            ring_impl: str | None = None, spin_s: float = DEFAULT_SPIN_S) -> ShmEndpoint:
+    """Connect to ``shm://name``; BrokenLinkError if nobody listens there.
+
+    ``ring_nbytes`` (a power of two, 1 KiB .. 1 GiB) sizes both rings of the connection;
+    messages larger than a ring still pass, streamed through it.
+    """
+    deadline_of(timeout_s)
+    name = _name_of(url)
+    ring_cls = _ring_class(ring_impl)
+    _ring.ring_region_nbytes(ring_nbytes)
+    if not spin_s >= 0:
+        raise ValueError(f"spin_s must be a non-negative number of seconds, got {spin_s!r}")
+    try:
+        path = _socket_path(name, create=False)
+    except FileNotFoundError as e:
+        raise BrokenLinkError(f"nobody listens on {url} (no shm socket directory {socket_dir()})") from e
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise BrokenLinkError(f"nobody listens on {url} (socket {path}: {e.strerror})") from e
+        except socket.timeout as e:
+            raise QlinkTimeoutError(f"shm: connecting to {url} did not complete within timeout_s={timeout_s}") from e
+        if _peer_uid(sock) != os.getuid():
+            raise BrokenLinkError(f"{url} is served by another user; shm connects to your own processes only")
+        token = secrets.randbits(64)
+        total = _layout_nbytes(ring_nbytes)
+        fd = os.memfd_create(f"qlink-shm-{name}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+        try:
+            os.ftruncate(fd, total)
+            _seal(fd)
+            mm = mmap.mmap(fd, total)
+            _CONN.pack_into(mm, 0, _CONN_MAGIC, _VERSION, _TABLE_SLOTS, ring_nbytes, token)
+            region = _ring.ring_region_nbytes(ring_nbytes)
+            for side in (0, 1):
+                off = _ring_offset(side, ring_nbytes)
+                with memoryview(mm)[off:off + region] as ring_mem:
+                    _ring.init_ring(ring_mem, data_nbytes=ring_nbytes)
+            try:
+                socket.send_fds(sock, [_CONN.pack(_HELLO_MAGIC, _VERSION, _TABLE_SLOTS, ring_nbytes, token)], [fd])
+            except OSError as e:
+                mm.close()
+                raise BrokenLinkError(f"the listener on {url} went away during the handshake ({e.strerror})") from e
+        finally:
+            os.close(fd)
+        sock.setblocking(False)
+        return ShmEndpoint(url=f"shm://{name}", sock=sock, mm=mm, side=0, ring_nbytes=ring_nbytes, token=token,
+                           ring_cls=ring_cls, spin_s=spin_s)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _seal(fd: int) -> None:
+    """Fix the memfd's size for good, so neither side can shrink it under the other's mapping."""
+    if hasattr(fcntl, "F_ADD_SEALS"):
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
