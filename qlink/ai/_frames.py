@@ -2,8 +2,9 @@
 
 Every frame starts with the 24-byte request header of the CUDA-Q realtime decoder
 wire (``u32 magic 'CUQR', u32 function_id, u32 arg_len, u32 request_id, u64
-ptp_timestamp``, little-endian) with KV-specific FNV-1a 32 function ids, so one parser
-and one validator serve decoder and KV traffic alike. The timestamp carries the
+ptp_timestamp``, little-endian) with KV-specific FNV-1a 32 function ids, registered in
+:data:`qlink.wire.REGISTRY`, so one parser and one validator serve decoder and KV
+traffic alike (``qlink.wire.decode_request`` accepts every frame made here). The timestamp carries the
 sender's submit time (``time.monotonic_ns``; comparable between processes on one host).
 
 Frames:
@@ -21,12 +22,15 @@ Frames:
 ...                layer_nbytes=4096, part_nbytes=1024)
 >>> len(t), unpack_write(t)[:4]
 (64, (7, 123, 2, 0))
+>>> wire.decode_request(t).function
+'kv_write'
 """
 
 from __future__ import annotations
 
 import struct
 
+from qlink import wire
 from qlink.errors import WireError
 
 __all__ = [
@@ -48,22 +52,15 @@ __all__ = [
     "function_of",
 ]
 
-MAGIC_REQUEST = 0x43555152  # 'CUQR'
+MAGIC_REQUEST = wire.REQUEST_MAGIC  # 'CUQR'
 HEADER = struct.Struct("<IIIIQ")  # magic, function_id, arg_len, request_id, ptp_timestamp
+assert HEADER.size == wire.HEADER_NBYTES
+fnv1a_32 = wire.fnv1a_32
 
-
-def fnv1a_32(data: bytes) -> int:
-    """FNV-1a 32-bit hash (the CUDA-Q realtime function id of a callee name)."""
-    h = 0x811C9DC5
-    for b in data:
-        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
-    return h
-
-
-FN_HELLO = fnv1a_32(b"kv_hello")
-FN_WRITE = fnv1a_32(b"kv_write")
-FN_DATA = fnv1a_32(b"kv_data")
-FN_ABORT = fnv1a_32(b"kv_abort")
+FN_HELLO = wire.function_id_for("kv_hello")
+FN_WRITE = wire.function_id_for("kv_write")
+FN_DATA = wire.function_id_for("kv_data")
+FN_ABORT = wire.function_id_for("kv_abort")
 
 # layer, layer_lo, layer_hi, num_parts, num_descs, reserved, layer_nbytes, part_nbytes
 _WRITE = struct.Struct("<IIIIIIQQ")
@@ -78,6 +75,17 @@ _U32 = struct.Struct("<I")
 
 WRITE_NBYTES = _WRITE_FULL.size
 WRITE_ARG_NBYTES = _WRITE.size
+_MAX_REASON = 1024
+
+# Known to qlink's one frame parser (qlink.wire.decode_request), beside the decoder calls.
+for _name, _opts in (
+    ("kv_hello", dict(min_payload_nbytes=_HELLO_FULL.size - HEADER.size)),
+    ("kv_write", dict(payload_nbytes=_WRITE.size)),
+    ("kv_data", dict(payload_nbytes=_DATA_FULL.size - HEADER.size)),
+    ("kv_abort", dict(min_payload_nbytes=_ABORT_FULL.size - HEADER.size,
+                      max_payload_nbytes=_ABORT_FULL.size - HEADER.size + _MAX_REASON)),
+):
+    wire.register_function(_name, **_opts)
 DATA_NBYTES = _DATA_FULL.size
 
 
@@ -126,7 +134,7 @@ def unpack_data(frame) -> tuple:
 
 
 def pack_abort(request_id: int, *, status: int, layer: int, reason: str) -> bytes:
-    r = reason.encode("utf-8", "replace")[:1024]
+    r = reason.encode("utf-8", "replace")[:_MAX_REASON]
     return _ABORT_FULL.pack(MAGIC_REQUEST, FN_ABORT, _ABORT_FULL.size - HEADER.size + len(r), request_id, 0,
                             status, layer, len(r)) + r
 

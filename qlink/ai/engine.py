@@ -1,0 +1,574 @@
+"""Moving KV-cache blocks from a prefill worker to a decode worker, layer by layer.
+
+A :class:`KVReceiver` (decode side) registers its per-layer arrays once and sends their
+descriptors and its :class:`~qlink.ai.kv.KVCacheSpec` to the :class:`KVSender` (prefill
+side) in a ``kv_hello`` frame; both sides check the layouts agree
+(:class:`~qlink.ai.kv.LayoutMismatchError` names the field that differs). Then
+``sender.send_request(request_id, src_block_ids, dst_block_ids)`` turns the block ids
+into byte ranges with NumPy, merges contiguous runs (K and V planes), and pushes layer by
+layer:
+
+* over a transport with one-sided put (``capabilities.one_sided``): one ``put`` per merged
+  descriptor straight into the receiver's cache (WRITE), with ``notify_id`` = request id
+  and a ``kv_write`` tag saying which layer and how many parts complete it;
+* otherwise: a ``kv_data`` frame then the payload as two-sided messages, received straight
+  into the destination blocks.
+
+The receiver's :meth:`KVReceiver.wait_layer` returns once a layer is complete, always in
+layer order, so decode can read layer ``k`` while later layers still move. READ (pull)
+needs a one-sided get, which none of the transports offers: it raises CapabilityError
+(the NIXL backend does READ).
+
+>>> import threading, transports
+>>> from qlink.ai import KVCache, KVReceiver, KVSender, preset
+>>> spec = preset("tiny", num_blocks=16)
+>>> prefill, decode = KVCache.allocate(spec), KVCache.allocate(spec)
+>>> prefill.fill_random(seed=1)
+>>> with transports.listen("inproc://kv-doc") as lis:
+...     a = transports.connect(lis.url); b = lis.accept(timeout_s=1)
+...     rx = KVReceiver(b, decode); tx = KVSender(a, prefill)
+...     sub = tx.send_request(7, [3, 4, 5, 9], [0, 1, 2, 3], timeout_s=5)
+...     rec = rx.wait_request(7, timeout_s=5)
+>>> sub.num_descs, rec.num_descs, rec.nbytes, rec.transport, rec.mode
+(16, 16, 8192, 'inproc', 'put')
+>>> bool((decode.block_checksums([0, 1, 2, 3]) == prefill.block_checksums([3, 4, 5, 9])).all())
+True
+>>> a.close(); b.close()
+"""
+
+from __future__ import annotations
+
+import time
+
+from qlink.errors import (
+    BrokenLinkError,
+    CapabilityError,
+    ClosedError,
+    QlinkError,
+    QlinkTimeoutError,
+    WireError,
+    WouldBlock,
+)
+from qlink.memory import RemoteRegion, as_byte_view
+
+from . import _frames as fr
+from ._descriptors import BlockIdError, TransferPlan, plan_transfer
+from ._tracker import KVStatistics, RequestTracker, SubmitRecord, TransferAbortedError, TransferRecord
+from .kv import KVCache, KVCacheSpec, LayoutMismatchError
+
+__all__ = [
+    "KVSender",
+    "KVReceiver",
+    "KVSendRequest",
+    "TransferRecord",
+    "SubmitRecord",
+    "KVStatistics",
+    "TransferAbortedError",
+    "BlockIdError",
+    "MODES",
+]
+
+MODES = ("auto", "put", "send")
+_ROLE_SENDER, _ROLE_RECEIVER, _ROLE_NIXL_SENDER, _ROLE_NIXL_RECEIVER = 1, 2, 3, 4
+_ROLE_NAMES = {1: "a KVSender", 2: "a KVReceiver", 3: "a NixlKVSender", 4: "a NixlKVReceiver"}
+_MODE_CODES = {"auto": 0, "put": 1, "send": 2, "nixl": 3}
+_MODE_NAMES = {v: k for k, v in _MODE_CODES.items()}
+_ABORT_SUBMIT_FAILED = 3  # INTERNAL_ERROR in the CUDA-Q status table
+_MAX_REQUEST_ID = (1 << 32) - 1
+_EVENTS_PER_PROGRESS = 4096
+_MAX_HELLO_NBYTES = 1 << 20
+
+
+def _layers_of(layers, num_layers: int) -> range:
+    if isinstance(layers, str):
+        if layers != "all":
+            raise ValueError(f"layers must be 'all' or a range of layer indices, got {layers!r}")
+        return range(num_layers)
+    if isinstance(layers, int):
+        layers = range(layers, layers + 1)
+    if not isinstance(layers, range) or layers.step != 1 or len(layers) == 0:
+        raise ValueError(f"layers must be 'all', a layer index, or a non-empty range with step 1, got {layers!r}")
+    if layers.start < 0 or layers.stop > num_layers:
+        raise ValueError(f"layers {layers} fall outside the cache's layers [0, {num_layers})")
+    return layers
+
+
+def _check_device(cache: KVCache, endpoint) -> None:
+    if cache.device != "cpu" and not endpoint.capabilities.device_memory:
+        raise CapabilityError(f"the KV cache lives on device {cache.device!r} but transport "
+                              f"{endpoint.capabilities.name!r} moves host memory only; use a device-capable transport")
+
+
+def _check_request_id(request_id: int) -> int:
+    if not isinstance(request_id, int) or not 0 <= request_id <= _MAX_REQUEST_ID:
+        raise ValueError(f"request_id must be an int in [0, 2**32), got {request_id!r}")
+    return request_id
+
+
+class _Peer:
+    """What the handshake learned about the other side."""
+
+    __slots__ = ("spec", "mode", "regions")
+
+    def __init__(self, spec: KVCacheSpec, mode: str, regions: list[RemoteRegion]):
+        self.spec, self.mode, self.regions = spec, mode, regions
+
+
+def _parse_hello(frame, *, expect_role: int, local: KVCacheSpec, side: str) -> _Peer:
+    role, mode_code, spec_b, regions_b = fr.unpack_hello(frame)
+    if role != expect_role:
+        what = _ROLE_NAMES.get(role, f"role {role}")
+        raise WireError(f"the peer is {what} where {_ROLE_NAMES[expect_role]} was expected; a KV transfer pairs "
+                        "KVSender with KVReceiver, or NixlKVSender with NixlKVReceiver")
+    if mode_code not in _MODE_NAMES:
+        raise WireError(f"the peer asked for unknown mode code {mode_code}")
+    spec = KVCacheSpec.from_bytes(spec_b)
+    local.check_compatible(spec, side=side)
+    regions = regions_b if expect_role in (_ROLE_NIXL_SENDER, _ROLE_NIXL_RECEIVER) else \
+        [RemoteRegion.from_bytes(r) for r in regions_b]
+    return _Peer(spec, _MODE_NAMES[mode_code], regions)
+
+
+class KVSendRequest:
+    """One request being sent: its merged plan, sent layer by layer.
+
+    Made by :meth:`KVSender.begin_request`; call :meth:`send_layer` for each layer of
+    ``layers`` as it becomes ready (prefill), in any order, each once.
+    """
+
+    def __init__(self, sender: "KVSender", request_id: int, plan: TransferPlan, layers: range, plan_ns: int):
+        self.sender = sender
+        self.request_id = request_id
+        self.plan = plan
+        self.layers = layers
+        self.submit_ns = time.monotonic_ns()
+        self._plan_ns = plan_ns
+        self._submit_ns_total = 0
+        self._sent: set[int] = set()
+        self._failed: BaseException | None = None
+        # Python ints once per request, so the per-descriptor loop touches no NumPy scalar.
+        self._src = plan.src_offsets.tolist()
+        self._dst = plan.dst_offsets.tolist()
+        self._len = plan.nbytes.tolist()
+
+    @property
+    def done(self) -> bool:
+        return len(self._sent) == len(self.layers)
+
+    def send_layer(self, layer: int, *, timeout_s: float | None = 10.0) -> None:
+        """Push every descriptor of ``layer`` (one put, or a frame + payload, per descriptor)."""
+        if self._failed is not None:
+            raise QlinkError(f"request {self.request_id} already failed ({self._failed}); begin a new request") \
+                from self._failed
+        if layer not in self.layers:
+            raise ValueError(f"request {self.request_id} moves layers {self.layers}; layer {layer} is not one of them")
+        if layer in self._sent:
+            raise ValueError(f"layer {layer} of request {self.request_id} was already sent")
+        s = self.sender
+        t0 = time.perf_counter_ns()
+        try:
+            s._submit_layer(self, layer, timeout_s)
+        except BrokenLinkError as e:
+            self._failed = e
+            raise
+        except BaseException as e:
+            self._failed = e
+            s._abort(self, layer, e)
+            raise
+        self._submit_ns_total += time.perf_counter_ns() - t0
+        self._sent.add(layer)
+
+    def send_all(self, *, timeout_s: float | None = 10.0) -> SubmitRecord:
+        """Send every layer not sent yet, in order; return the submission record."""
+        for layer in self.layers:
+            if layer not in self._sent:
+                self.send_layer(layer, timeout_s=timeout_s)
+        return self.record()
+
+    def record(self) -> SubmitRecord:
+        n = len(self._sent)
+        nblocks = 2 * self.plan.num_blocks * max(n, 1)
+        total_us = (self._plan_ns + self._submit_ns_total) / 1e3
+        return SubmitRecord(
+            request_id=self.request_id, nbytes=self.plan.layer_nbytes * n, num_descs=self.plan.num_descs * n,
+            num_layers=n, transport=self.sender.transport, mode=self.sender.mode, plan_us=self._plan_ns / 1e3,
+            submit_us=self._submit_ns_total / 1e3, us_per_block=total_us / nblocks,
+        )
+
+
+class KVSender:
+    """The prefill side: pushes blocks of its cache into a :class:`KVReceiver`'s cache.
+
+    ``mode``: ``"auto"`` (one-sided put when the transport has it, else two-sided send),
+    ``"put"`` or ``"send"``. The hello is sent here; the receiver's is read by
+    :meth:`handshake` (called by the first request if not before).
+    """
+
+    def __init__(self, endpoint, cache: KVCache, *, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
+        _check_device(cache, endpoint)
+        if mode == "put" and not endpoint.capabilities.one_sided:
+            raise CapabilityError(f"mode='put' needs one-sided put; transport {endpoint.capabilities.name!r} has none "
+                                  "(use mode='auto' or 'send')")
+        self.endpoint = endpoint
+        self.cache = cache
+        self.spec = cache.spec
+        self.transport = endpoint.capabilities.name
+        self.requested_mode = mode
+        self.mode = ""  # decided by the handshake
+        self._peer: _Peer | None = None
+        self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
+        self._pack = fr._WRITE_FULL.pack
+        self._max_desc_nbytes = endpoint.capabilities.max_message_bytes
+        endpoint.send(fr.pack_hello(role=_ROLE_SENDER, mode=_MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[]))
+
+    def handshake(self, *, timeout_s: float | None = 10.0) -> str:
+        """Read the receiver's hello, check the layouts, and return the mode (``"put"``/``"send"``)."""
+        if self._peer is not None:
+            return self.mode
+        frame = self.endpoint.recv(timeout_s=timeout_s, max_nbytes=_MAX_HELLO_NBYTES)
+        peer = _parse_hello(frame, expect_role=_ROLE_RECEIVER, local=self.spec, side="receiver")
+        if len(peer.regions) not in (0, self.spec.num_layers):
+            raise WireError(f"receiver sent {len(peer.regions)} region descriptors for {self.spec.num_layers} layers")
+        if self.requested_mode == "send" or not peer.regions:
+            if self.requested_mode == "put":
+                raise CapabilityError("mode='put' but the receiver registered no regions (its transport side cannot)")
+            self.mode = "send"
+        else:
+            self.mode = "put"
+        for i, r in enumerate(peer.regions):
+            if r.nbytes != peer.spec.layer_nbytes:
+                raise LayoutMismatchError(f"receiver's region for layer {i} is {r.nbytes} B, its spec says "
+                                          f"{peer.spec.layer_nbytes} B", field="region_nbytes")
+        self._peer = peer
+        return self.mode
+
+    @property
+    def peer_spec(self) -> KVCacheSpec | None:
+        return None if self._peer is None else self._peer.spec
+
+    def begin_request(self, request_id: int, src_block_ids, dst_block_ids, *, layers="all",
+                      timeout_s: float | None = 10.0) -> KVSendRequest:
+        """Validate and plan a request; send its layers with :meth:`KVSendRequest.send_layer`.
+
+        Raises :class:`~qlink.ai.BlockIdError` for ids out of range (of this cache for
+        ``src``, of the receiver's for ``dst``), lists of different lengths, or a
+        destination block named twice; nothing is sent then.
+        """
+        _check_request_id(request_id)
+        self.handshake(timeout_s=timeout_s)
+        layer_range = _layers_of(layers, self.spec.num_layers)
+        t0 = time.perf_counter_ns()
+        plan = plan_transfer(src_block_ids, dst_block_ids, src_num_blocks=self.spec.num_blocks,
+                             dst_num_blocks=self._peer.spec.num_blocks, block_nbytes=self.spec.block_nbytes,
+                             max_desc_nbytes=self._max_desc_nbytes)
+        return KVSendRequest(self, request_id, plan, layer_range, time.perf_counter_ns() - t0)
+
+    def send_request(self, request_id: int, src_block_ids, dst_block_ids, *, layers="all",
+                     timeout_s: float | None = 10.0) -> SubmitRecord:
+        """Move blocks ``src_block_ids[i]`` -> ``dst_block_ids[i]`` of every layer in ``layers``,
+        layer by layer (WRITE). Returns when everything is submitted (put: landed at the
+        target's memory for copy-based transports; the receiver's notifications say when)."""
+        return self.begin_request(request_id, src_block_ids, dst_block_ids, layers=layers,
+                                  timeout_s=timeout_s).send_all(timeout_s=timeout_s)
+
+    def read_request(self, *_args, **_kwargs):
+        """READ (pull) is done by the target with a one-sided get; qlink transports offer put only."""
+        raise CapabilityError(f"READ needs a one-sided get, which transport {self.transport!r} does not offer; "
+                              "use WRITE (send_request: the prefill side pushes) or the NIXL backend")
+
+    # ----- hot paths ---------------------------------------------------------------
+    def _submit_layer(self, req: KVSendRequest, layer: int, timeout_s) -> None:
+        if self.mode == "put":
+            self._put_layer(req, layer, timeout_s)
+        else:
+            self._send_layer_two_sided(req, layer, timeout_s)
+
+    def _put_layer(self, req: KVSendRequest, layer: int, timeout_s) -> None:
+        put = self.endpoint.put
+        src = self._views[layer]
+        remote = self._peer.regions[layer]
+        plan = req.plan
+        pack, rid, ts = self._pack, req.request_id, req.submit_ns
+        lo, hi, n, lnb = req.layers.start, req.layers.stop, plan.num_descs, plan.layer_nbytes
+        for so, do, nb in zip(req._src, req._dst, req._len):
+            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n, 0, lnb, nb)
+            put(src[so:so + nb], remote, offset=do, notify_id=rid, tag=tag, timeout_s=timeout_s)
+
+    def _send_layer_two_sided(self, req: KVSendRequest, layer: int, timeout_s) -> None:
+        send = self.endpoint.send
+        src = self._views[layer]
+        plan = req.plan
+        rid, ts = req.request_id, req.submit_ns
+        lo, hi, n, lnb = req.layers.start, req.layers.stop, plan.num_descs, plan.layer_nbytes
+        for so, do, nb in zip(req._src, req._dst, req._len):
+            send(fr.pack_data(rid, ts, layer=layer, layer_lo=lo, layer_hi=hi, num_parts=n, num_descs=n,
+                              layer_nbytes=lnb, part_nbytes=nb, dst_offset=do), timeout_s=timeout_s)
+            send(src[so:so + nb], timeout_s=timeout_s)
+
+    def _abort(self, req: KVSendRequest, layer: int, exc: BaseException) -> None:
+        try:
+            self.endpoint.send(fr.pack_abort(req.request_id, status=_ABORT_SUBMIT_FAILED, layer=layer,
+                                             reason=f"{type(exc).__name__}: {exc}"), timeout_s=1.0)
+        except QlinkError:
+            pass  # the link is going down too; the receiver will see BrokenLinkError
+
+    def close(self) -> None:
+        """Nothing to release on the sender (the endpoint belongs to the caller)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _ReceiverBase:
+    """Waiting on requests, shared by the transport and NIXL receivers. Subclasses set
+    ``_tracker`` and ``_peer_error`` and implement ``progress()``."""
+
+    spec: KVCacheSpec
+    _tracker: RequestTracker
+    _peer_error: BaseException | None = None
+    _peer = None
+
+    endpoint = None
+    _closed = False
+    data_timeout_s = 10.0
+
+    def _poll_sources(self, budget: int) -> int:  # pragma: no cover - overridden
+        """Handle up to ``budget`` data completions (put notifications, NIXL notifications)."""
+        return 0
+
+    def progress(self) -> int:
+        """Handle every completion and frame that has arrived; return how many."""
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} was closed by this side")
+        n = 0
+        ep = self.endpoint
+        try:
+            n = self._poll_sources(_EVENTS_PER_PROGRESS)
+            while n < _EVENTS_PER_PROGRESS:
+                try:
+                    k = ep.recv_into_nowait(self._ctl_mv)
+                except WouldBlock:
+                    break
+                except ValueError as e:  # BufferTooSmallError: a hello with a large key, or garbage
+                    needed = getattr(e, "needed_nbytes", None)
+                    if needed is None:
+                        raise
+                    frame = ep.recv(timeout_s=self.data_timeout_s, max_nbytes=needed)
+                    if needed <= _MAX_HELLO_NBYTES:
+                        self._on_frame(memoryview(frame))
+                    else:
+                        self._tracker.bad_frames += 1
+                    n += 1
+                    continue
+                self._on_frame(self._ctl_mv[:k])
+                n += 1
+        except BrokenLinkError as e:
+            if self._tracker.broken is None:
+                self._tracker.fail_all(e)
+            if not n:
+                raise
+        return n
+
+    def _on_frame(self, frame) -> None:
+        tr = self._tracker
+        try:
+            fn = fr.function_of(frame)
+        except WireError:
+            tr.bad_frames += 1
+            return
+        try:
+            if fn == fr.FN_DATA:
+                self._on_data(frame)
+            elif fn == fr.FN_ABORT:
+                tr.on_abort(*fr.unpack_abort(frame))
+            elif fn == fr.FN_HELLO:
+                self._on_hello(frame)
+            else:
+                tr.bad_frames += 1
+        except (WireError, LayoutMismatchError) as e:
+            tr.bad_frames += 1
+            if fn == fr.FN_HELLO:
+                self._peer_error = e
+
+    def _on_data(self, frame) -> None:
+        raise WireError("kv_data frame received, but this receiver takes no two-sided data")
+
+    def _on_hello(self, frame) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def mode(self) -> str:
+        """``"put"``, ``"send"`` or ``"nixl"`` once the sender's hello arrived, else ``""``."""
+        return self._tracker.mode
+
+    @property
+    def peer_spec(self) -> KVCacheSpec | None:
+        return None if self._peer is None else self._peer.spec
+
+    def handshake(self, *, timeout_s: float | None = 10.0) -> str:
+        """Wait for the sender's hello (checking layouts); return the mode."""
+        self._wait(lambda: self._peer is not None, timeout_s, "the sender's hello")
+        return self.mode
+
+    def statistics(self) -> KVStatistics:
+        return self._tracker.statistics()
+
+    def _wait(self, ready, timeout_s, what: str):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        spin, sleep_s = 0, 5e-6
+        while True:
+            r = ready()
+            if r:
+                return r
+            if self._peer_error is not None:
+                raise self._peer_error
+            if self._tracker.broken is not None:
+                raise BrokenLinkError(f"the KV sender's link broke before {what}") from self._tracker.broken
+            if self.progress():
+                spin, sleep_s = 0, 5e-6
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                raise QlinkTimeoutError(f"{what} did not arrive within timeout_s={timeout_s}")
+            if spin < 2000:
+                spin += 1
+            else:
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * 2, 2e-4)
+
+    # ----- waiting on requests -------------------------------------------------------
+    def wait_layer(self, request_id: int, layer: int, *, timeout_s: float | None = 10.0) -> int:
+        """Wait until ``layer`` of ``request_id`` (and every layer of the request below it)
+        has landed; return when it became ready (``time.monotonic_ns``)."""
+        _check_request_id(request_id)
+        if not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer must be in [0, {self.spec.num_layers}), got {layer}")
+        return self._wait(lambda: self._tracker.ready_ns(request_id, layer), timeout_s,
+                          f"layer {layer} of request {request_id}")
+
+    def ready_layers(self, request_id: int) -> int:
+        """Without waiting: one past the last layer of ``request_id`` that is ready (0 if none)."""
+        self.progress()
+        return self._tracker.ready_layers(request_id)
+
+    def wait_request(self, request_id: int, *, timeout_s: float | None = 10.0, release: bool = True) -> TransferRecord:
+        """Wait until every layer of ``request_id`` has landed; return its record (and forget
+        the request unless ``release=False``, so its id may be reused)."""
+        _check_request_id(request_id)
+        rec = self._wait(lambda: self._tracker.record(request_id), timeout_s, f"request {request_id}")
+        if release:
+            self._tracker.release(request_id)
+        return rec
+
+    def release(self, request_id: int) -> None:
+        """Forget a request (complete or failed) so its id may be reused."""
+        self._tracker.release(request_id)
+
+
+class KVReceiver(_ReceiverBase):
+    """The decode side: registers its cache, then reports layers of requests as they land.
+
+    Progress is driven by the caller (``wait_layer``/``wait_request``/``progress``): it
+    polls put notifications and two-sided frames, busy-polling briefly then backing off.
+    """
+
+    def __init__(self, endpoint, cache: KVCache, *, max_requests: int = 65536, data_timeout_s: float = 10.0):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
+        _check_device(cache, endpoint)
+        self.endpoint = endpoint
+        self.cache = cache
+        self.spec = cache.spec
+        self.transport = endpoint.capabilities.name
+        self.data_timeout_s = data_timeout_s
+        self._regions = []
+        if endpoint.capabilities.one_sided:
+            self._regions = [endpoint.register(a) for a in cache.layers]
+        self._layer_of_region = {r.region_id: i for i, r in enumerate(self._regions)}
+        self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
+        self._tracker = RequestTracker(num_layers=self.spec.num_layers, transport=self.transport, mode="",
+                                       max_requests=max_requests)
+        self._peer: _Peer | None = None
+        self._peer_error: BaseException | None = None
+        self._ctl = bytearray(4096)
+        self._ctl_mv = memoryview(self._ctl)
+        self._closed = False
+        endpoint.send(fr.pack_hello(role=_ROLE_RECEIVER, mode=0, spec=self.spec.to_bytes(),
+                                    regions=[r.descriptor().to_bytes() for r in self._regions]))
+
+    # ----- progress ----------------------------------------------------------------
+    def _poll_sources(self, budget: int) -> int:
+        if not self._regions:
+            return 0
+        n = 0
+        poll = self.endpoint.poll_notification_nowait
+        while n < budget:
+            try:
+                note = poll()
+            except WouldBlock:
+                break
+            self._on_note(note)
+            n += 1
+        return n
+
+    def _on_note(self, note) -> None:
+        tr = self._tracker
+        try:
+            rid, ts, layer, lo, hi, parts, descs, lnb, pnb = fr.unpack_write(note.tag)
+        except WireError:
+            tr.bad_frames += 1
+            return
+        if self._layer_of_region.get(note.region_id) != layer or pnb != note.nbytes or rid != note.notify_id:
+            tr.bad_frames += 1
+            return
+        tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=time.monotonic_ns())
+
+    def _on_hello(self, frame) -> None:
+        peer = _parse_hello(frame, expect_role=_ROLE_SENDER, local=self.spec, side="sender")
+        self._peer = peer
+        mode = "send" if (peer.mode == "send" or not self._regions) else "put"
+        self._tracker.mode = mode
+
+    def _on_data(self, frame) -> None:
+        tr = self._tracker
+        rid, ts, layer, lo, hi, parts, descs, lnb, pnb, off = fr.unpack_data(frame)
+        ok_layer = 0 <= layer < self.spec.num_layers
+        if not ok_layer or off + pnb > self.spec.layer_nbytes:
+            self.endpoint.recv(timeout_s=self.data_timeout_s)  # drain the payload that follows
+            tr.bad_frames += 1
+            return
+        n = self.endpoint.recv_into(self._views[layer][off:off + pnb], timeout_s=self.data_timeout_s)
+        if n != pnb:
+            tr.bad_frames += 1
+            tr.on_abort(rid, 2, layer, f"payload of {n} B where the kv_data frame announced {pnb} B")
+            return
+        tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=time.monotonic_ns())
+
+    def read_request(self, *_args, **_kwargs):
+        """READ (pull) needs a one-sided get, which qlink transports do not offer."""
+        raise CapabilityError(f"READ needs a one-sided get, which transport {self.transport!r} does not offer; "
+                              "have the prefill side push with KVSender.send_request (WRITE), or use the NIXL backend")
+
+    def close(self) -> None:
+        """Deregister the cache (later puts into it fail at the sender). The endpoint stays open."""
+        if self._closed:
+            return
+        self._closed = True
+        for r in self._regions:
+            try:
+                self.endpoint.deregister(r)
+            except QlinkError:
+                pass
+        self._regions = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,390 @@
+"""The KV movement engine over NIXL (``nixl-cu12``, UCX backend) instead of a qlink transport.
+
+Same API and the same frames as :mod:`qlink.ai.engine`; NIXL moves the bytes, a qlink
+endpoint carries the control traffic (the ``kv_hello`` handshake with each side's
+NIXL agent metadata and per-layer base addresses, and ``kv_abort``). Each layer of a
+request is one NIXL transfer: the merged descriptors of that layer (an ``Nx3`` uint64
+array ``[addr, nbytes, dev_id]``), ``initialize_xfer("WRITE", ...)`` with the
+``kv_write`` frame as the notification message, ``transfer``, then ``check_xfer_state``
+polled until done. The receiver polls ``get_new_notifs`` and reports layers exactly
+as :class:`~qlink.ai.engine.KVReceiver` does. READ (the decode side pulls) works too:
+:meth:`NixlKVReceiver.read_request`.
+
+NIXL's status strings become :class:`XferState`; its failures become qlink errors:
+``"ERR"`` or a remote disconnect -> :class:`~qlink.errors.BrokenLinkError`, an address
+outside registered memory -> :class:`~qlink.errors.RegistrationError`, anything else
+-> :class:`NixlError`.
+
+>>> XferState.of("PROC"), XferState.of("DONE").done
+(<XferState.PROC: 'PROC'>, True)
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import time
+
+import numpy as np
+
+from qlink.errors import (
+    BrokenLinkError,
+    CapabilityError,
+    QlinkError,
+    QlinkTimeoutError,
+    RegistrationError,
+    WireError,
+    missing,
+)
+
+from . import _frames as fr
+from ._descriptors import plan_transfer
+from ._tracker import RequestTracker, TransferRecord
+from .engine import (
+    _MAX_HELLO_NBYTES,
+    _MODE_CODES,
+    _ROLE_NIXL_RECEIVER,
+    _ROLE_NIXL_SENDER,
+    KVSender,
+    KVSendRequest,
+    _check_request_id,
+    _layers_of,
+    _parse_hello,
+    _ReceiverBase,
+)
+from .kv import KVCache, KVCacheSpec
+
+__all__ = ["NixlKVSender", "NixlKVReceiver", "XferState", "NixlError", "nixl_available"]
+
+_names = itertools.count()
+
+
+class NixlError(QlinkError):
+    """A NIXL call failed for a reason qlink has no narrower error for; ``nixl_error``
+    names NIXL's exception class."""
+
+    def __init__(self, message: str, *, nixl_error: str = ""):
+        super().__init__(message)
+        self.nixl_error = nixl_error
+
+
+class XferState(enum.Enum):
+    """State of a NIXL transfer (NIXL reports it as a string)."""
+
+    DONE = "DONE"
+    PROC = "PROC"
+    ERR = "ERR"
+
+    @classmethod
+    def of(cls, status: str) -> "XferState":
+        try:
+            return cls(status)
+        except ValueError:
+            raise NixlError(f"NIXL reported unknown transfer status {status!r}") from None
+
+    @property
+    def done(self) -> bool:
+        return self is XferState.DONE
+
+
+def _nixl():
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        raise missing("nixl-cu12", extra="nixl", feature="the NIXL KV-transfer backend") from None
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs every agent creation to stdout at INFO
+    return nixl_agent, nixl_agent_config
+
+
+def nixl_available() -> bool:
+    """True when ``nixl_cu12`` imports here."""
+    try:
+        _nixl()
+    except QlinkError:
+        return False
+    return True
+
+
+def _as_qlink(exc: BaseException, what: str) -> QlinkError:
+    name = type(exc).__name__
+    if name == "nixlRemoteDisconnectError":
+        return BrokenLinkError(f"NIXL: the remote agent disconnected during {what}")
+    if name == "nixlNotFoundError":
+        return RegistrationError(f"NIXL: {what} touches memory that is not registered with the agent (or an "
+                                 "unknown remote agent)")
+    if name == "nixlNotSupportedError":
+        return CapabilityError(f"NIXL: {what} is not supported by the configured backends")
+    return NixlError(f"NIXL: {what} failed with {name}: {exc}", nixl_error=name)
+
+
+def _check(state: str, what: str) -> XferState:
+    st = XferState.of(state)
+    if st is XferState.ERR:
+        raise BrokenLinkError(f"NIXL reported ERR for {what} (the peer agent or the link failed)")
+    return st
+
+
+class _Agent:
+    """One NIXL agent with the cache's layers registered as DRAM."""
+
+    def __init__(self, cache: KVCache, *, name: str | None, backends: tuple[str, ...]):
+        if cache.device != "cpu":
+            raise CapabilityError("the NIXL backend here registers host (DRAM) caches only; use device='cpu'")
+        nixl_agent, nixl_agent_config = _nixl()
+        self.name = name or f"qlink-kv-{os.getpid()}-{next(_names)}"
+        try:
+            self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+        except Exception as e:  # noqa: BLE001 - NIXL raises plain exceptions
+            raise _as_qlink(e, "creating the agent") from e
+        self.addrs = np.array([a.ctypes.data for a in cache.layers], dtype=np.uint64)
+        self.layer_nbytes = cache.spec.layer_nbytes
+        regs = np.stack([self.addrs, np.full_like(self.addrs, self.layer_nbytes), np.zeros_like(self.addrs)], axis=1)
+        try:
+            self.reg = self.agent.register_memory(regs, "DRAM")
+        except Exception as e:  # noqa: BLE001
+            raise _as_qlink(e, "registering the KV cache") from e
+        self.backend = "nixl-" + "+".join(b.lower() for b in backends)
+
+    def hello(self, role: int, spec: KVCacheSpec) -> bytes:
+        return fr.pack_hello(role=role, mode=_MODE_CODES["nixl"], spec=spec.to_bytes(),
+                             regions=[self.name.encode(), self.agent.get_agent_metadata(), self.addrs.tobytes()])
+
+    def add_peer(self, items: list[bytes], num_layers: int) -> tuple[str, np.ndarray]:
+        if len(items) != 3 or len(items[2]) != 8 * num_layers:
+            raise WireError(f"NIXL hello must carry an agent name, metadata and {num_layers} layer addresses")
+        try:
+            peer = self.agent.add_remote_agent(items[1])
+        except Exception as e:  # noqa: BLE001
+            raise _as_qlink(e, "adding the remote agent") from e
+        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        return peer, np.frombuffer(items[2], dtype=np.uint64).copy()
+
+    def descs(self, base: int, offsets: np.ndarray, nbytes: np.ndarray):
+        arr = np.empty((offsets.size, 3), dtype=np.uint64)
+        arr[:, 0] = offsets
+        arr[:, 0] += np.uint64(base)
+        arr[:, 1] = nbytes
+        arr[:, 2] = 0
+        return self.agent.get_xfer_descs(arr, "DRAM")
+
+    def start(self, op: str, local, remote, peer: str, notif: bytes, what: str):
+        try:
+            h = self.agent.initialize_xfer(op, local, remote, peer, notif)
+            state = self.agent.transfer(h)
+        except Exception as e:  # noqa: BLE001
+            raise _as_qlink(e, what) from e
+        try:
+            _check(state, what)
+        except BrokenLinkError:
+            h.release()
+            raise
+        return h
+
+    def close(self) -> None:
+        try:
+            self.agent.deregister_memory(self.reg)
+        except Exception:  # noqa: BLE001 - best effort on shutdown
+            pass
+
+
+class NixlKVSender(KVSender):
+    """Prefill side over NIXL: ``endpoint`` (any qlink transport) carries the handshake,
+    NIXL's agent the bytes. ``send_request`` returns once every layer's transfer is DONE
+    at the initiator; ``begin_request(...).send_layer(k)`` streams layers and
+    :meth:`flush` waits for them."""
+
+    def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",)):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
+        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends))
+        self.endpoint = endpoint
+        self.cache = cache
+        self.spec = cache.spec
+        self.transport = self._nx.backend
+        self.requested_mode = "nixl"
+        self.mode = ""
+        self._peer = None
+        self._peer_name = ""
+        self._peer_addrs = None
+        self._max_desc_nbytes = None
+        self._pending: list = []
+        endpoint.send(self._nx.hello(_ROLE_NIXL_SENDER, self.spec))
+
+    def handshake(self, *, timeout_s: float | None = 10.0) -> str:
+        if self._peer is not None:
+            return self.mode
+        frame = self.endpoint.recv(timeout_s=timeout_s, max_nbytes=_MAX_HELLO_NBYTES)
+        peer = _parse_hello(frame, expect_role=_ROLE_NIXL_RECEIVER, local=self.spec, side="receiver")
+        self._peer_name, self._peer_addrs = self._nx.add_peer(peer.regions, self.spec.num_layers)
+        self._peer = peer
+        self.mode = "nixl"
+        return self.mode
+
+    def _submit_layer(self, req: KVSendRequest, layer: int, timeout_s) -> None:
+        plan = req.plan
+        n = plan.num_descs
+        notif = fr.pack_write(fr.FN_WRITE, req.request_id, req.submit_ns, layer=layer, layer_lo=req.layers.start,
+                              layer_hi=req.layers.stop, num_parts=1, num_descs=n, layer_nbytes=plan.layer_nbytes,
+                              part_nbytes=plan.layer_nbytes)
+        nx = self._nx
+        local = nx.descs(int(nx.addrs[layer]), plan.src_offsets, plan.nbytes)
+        remote = nx.descs(int(self._peer_addrs[layer]), plan.dst_offsets, plan.nbytes)
+        h = nx.start("WRITE", local, remote, self._peer_name, notif, f"WRITE of layer {layer} of request {req.request_id}")
+        self._pending.append((h, req.request_id, layer))
+        self.progress()
+
+    def progress(self) -> int:
+        """Release transfers that are DONE; raise BrokenLinkError for one in ERR."""
+        done = 0
+        keep = []
+        for item in self._pending:
+            h, rid, layer = item
+            try:
+                st = _check(self._nx.agent.check_xfer_state(h), f"WRITE of layer {layer} of request {rid}")
+            except BrokenLinkError:
+                h.release()
+                self._pending = [x for x in self._pending if x is not item]
+                raise
+            if st.done:
+                h.release()
+                done += 1
+            else:
+                keep.append(item)
+        self._pending = keep
+        return done
+
+    def flush(self, *, timeout_s: float | None = 10.0) -> None:
+        """Wait until every submitted transfer is DONE at this side."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._pending:
+            if not self.progress():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise QlinkTimeoutError(f"{len(self._pending)} NIXL transfers not DONE within timeout_s={timeout_s}")
+                time.sleep(2e-5)
+
+    def send_request(self, request_id: int, src_block_ids, dst_block_ids, *, layers="all",
+                     timeout_s: float | None = 10.0):
+        rec = super().send_request(request_id, src_block_ids, dst_block_ids, layers=layers, timeout_s=timeout_s)
+        self.flush(timeout_s=timeout_s)
+        return rec
+
+    def read_request(self, *_args, **_kwargs):
+        raise CapabilityError("with NIXL the decode side pulls: call NixlKVReceiver.read_request")
+
+    def close(self) -> None:
+        for h, _, _ in self._pending:
+            try:
+                h.release()
+            except Exception:  # noqa: BLE001
+                pass
+        self._pending = []
+        self._nx.close()
+
+
+class NixlKVReceiver(_ReceiverBase):
+    """Decode side over NIXL: registers its cache with a NIXL agent, reports layers as the
+    sender's notifications arrive, and can pull (READ) blocks itself."""
+
+    def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",),
+                 max_requests: int = 65536):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
+        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends))
+        self.endpoint = endpoint
+        self.cache = cache
+        self.spec = cache.spec
+        self.transport = self._nx.backend
+        self._tracker = RequestTracker(num_layers=self.spec.num_layers, transport=self.transport, mode="",
+                                       max_requests=max_requests)
+        self._peer = None
+        self._peer_error = None
+        self._peer_name = ""
+        self._peer_addrs = None
+        self._ctl = bytearray(4096)
+        self._ctl_mv = memoryview(self._ctl)
+        self._closed = False
+        endpoint.send(self._nx.hello(_ROLE_NIXL_RECEIVER, self.spec))
+
+    def _on_hello(self, frame) -> None:
+        peer = _parse_hello(frame, expect_role=_ROLE_NIXL_SENDER, local=self.spec, side="sender")
+        self._peer_name, self._peer_addrs = self._nx.add_peer(peer.regions, self.spec.num_layers)
+        self._peer = peer
+        self._tracker.mode = "nixl"
+
+    def _poll_sources(self, budget: int) -> int:
+        if self._peer is None:
+            return 0  # leave notifications queued in NIXL until the sender's hello names its agent
+        try:
+            notifs = self._nx.agent.get_new_notifs()
+        except Exception as e:  # noqa: BLE001
+            raise _as_qlink(e, "polling notifications") from e
+        n = 0
+        tr = self._tracker
+        now = time.monotonic_ns()
+        for agent, msgs in notifs.items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            for m in msgs:
+                n += 1
+                if agent != self._peer_name:
+                    tr.bad_frames += 1
+                    continue
+                try:
+                    rid, ts, layer, lo, hi, parts, descs, lnb, pnb = fr.unpack_write(m)
+                except WireError:
+                    tr.bad_frames += 1
+                    continue
+                tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=now)
+        return n
+
+    def read_request(self, request_id: int, src_block_ids, dst_block_ids, *, layers="all",
+                     timeout_s: float | None = 10.0) -> TransferRecord:
+        """READ: pull the sender's blocks ``src_block_ids`` into this cache's
+        ``dst_block_ids``, one NIXL transfer per layer, all in flight at once; returns when
+        all are DONE (layers reported in order)."""
+        _check_request_id(request_id)
+        self.handshake(timeout_s=timeout_s)
+        rng = _layers_of(layers, self.spec.num_layers)
+        t0 = time.monotonic_ns()
+        plan = plan_transfer(src_block_ids, dst_block_ids, src_num_blocks=self._peer.spec.num_blocks,
+                             dst_num_blocks=self.spec.num_blocks, block_nbytes=self.spec.block_nbytes)
+        nx = self._nx
+        handles = []
+        try:
+            for layer in rng:
+                local = nx.descs(int(nx.addrs[layer]), plan.dst_offsets, plan.nbytes)
+                remote = nx.descs(int(self._peer_addrs[layer]), plan.src_offsets, plan.nbytes)
+                handles.append(nx.start("READ", local, remote, self._peer_name, b"",
+                                        f"READ of layer {layer} of request {request_id}"))
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            ready = []
+            for layer, h in zip(rng, handles):
+                while not _check(nx.agent.check_xfer_state(h), f"READ of layer {layer} of request {request_id}").done:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise QlinkTimeoutError(f"READ of request {request_id} not DONE within timeout_s={timeout_s}")
+                ready.append(time.monotonic_ns())
+        finally:
+            for h in handles:
+                try:
+                    h.release()
+                except Exception:  # noqa: BLE001
+                    pass
+        rel = (np.array(ready, dtype=np.int64) - t0) / 1e3
+        return TransferRecord(request_id=request_id, nbytes=plan.layer_nbytes * len(rng),
+                              num_descs=plan.num_descs * len(rng), num_layers=len(rng), transport=self.transport,
+                              mode="nixl-read", submit_to_last_us=float(rel.max()),
+                              layer_ready_us=tuple(float(x) for x in rel))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._nx.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
