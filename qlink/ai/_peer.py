@@ -1,0 +1,231 @@
+"""A KV sender driven by commands, in another process (or thread): the far end of the
+tests and benchmarks that measure a transfer between two processes.
+
+The parent listens, starts :func:`serve` in a spawned process with one end of a
+``multiprocessing`` pipe (a control channel between our own two processes, not peer
+traffic), accepts the connection and builds its :class:`~qlink.ai.KVReceiver`; then it
+sends commands over the pipe:
+
+* ``("send", request_id, src_ids, dst_ids, layers)`` -> ``("ok", SubmitRecord)``
+* ``("checksums", block_ids, layers)`` -> ``("ok", crc32 array)`` of this side's blocks
+* ``("partial", request_id, src_ids, dst_ids, full_layers, extra_parts)`` sends
+  ``full_layers`` layers and ``extra_parts`` descriptors of the next one, replies,
+  then exits the process abruptly (a peer dying mid-transfer; in a thread it closes
+  its endpoint instead)
+* ``("bye",)`` closes and returns
+
+Failures come back as ``("err", class name, message)`` and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+
+_names = itertools.count()
+
+__all__ = ["serve", "PeerHandle", "start_peer", "open_link", "transport_unavailable", "url_for"]
+
+
+def _sender(endpoint, cache, backend: str, mode: str):
+    if backend == "nixl":
+        from .nixl_backend import NixlKVSender
+
+        return NixlKVSender(endpoint, cache)
+    from .engine import KVSender
+
+    return KVSender(endpoint, cache, mode=mode)
+
+
+def serve(conn, target, spec_bytes: bytes, *, seed: int, mode: str = "auto", backend: str = "transport",
+          connect_timeout_s: float = 30.0) -> None:
+    """Connect to ``target`` (a URL, or an Endpoint for in-process use), fill a cache of
+    ``spec_bytes`` with ``seed``, and obey commands from ``conn`` until ``("bye",)``."""
+    import transports
+
+    from .kv import KVCache, KVCacheSpec
+
+    spec = KVCacheSpec.from_bytes(spec_bytes)
+    cache = KVCache.allocate(spec)
+    cache.fill_random(seed=seed)
+    ep = transports.connect(target, timeout_s=connect_timeout_s) if isinstance(target, str) else target
+    tx = _sender(ep, cache, backend, mode)
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            cmd = conn.recv()
+            op = cmd[0]
+            try:
+                if op == "bye":
+                    conn.send(("ok", None))
+                    return
+                if op == "send":
+                    _, rid, src, dst, layers = cmd
+                    conn.send(("ok", tx.send_request(rid, src, dst, layers=layers, timeout_s=30)))
+                elif op == "checksums":
+                    _, ids, layers = cmd
+                    conn.send(("ok", cache.block_checksums(ids, layers=layers)))
+                elif op == "partial":
+                    _, rid, src, dst, full_layers, extra = cmd
+                    req = tx.begin_request(rid, src, dst, timeout_s=30)
+                    for layer in range(full_layers):
+                        req.send_layer(layer, timeout_s=30)
+                    if extra:
+                        _partial_layer(tx, req, full_layers, extra)
+                    if backend == "nixl":
+                        tx.flush(timeout_s=30)
+                    conn.send(("ok", None))
+                    if not isinstance(target, str):
+                        ep.close()  # in a thread: drop the link and stop
+                        return
+                    conn.close()
+                    os._exit(0)  # a process: die without closing anything
+                else:
+                    conn.send(("err", "ValueError", f"unknown command {op!r}"))
+            except Exception as e:  # noqa: BLE001 - reported to the parent, the loop goes on
+                conn.send(("err", type(e).__name__, str(e)))
+    finally:
+        tx.close()
+        if isinstance(target, str):
+            ep.close()
+
+
+def _partial_layer(tx, req, layer: int, extra: int) -> None:
+    """Send only the first ``extra`` descriptors of ``layer`` (as a dying peer would)."""
+    from . import _frames as fr
+
+    if tx.mode not in ("put", "send"):
+        raise ValueError(f"a partial layer needs a put/send sender, not mode {tx.mode!r}")
+    plan = req.plan
+    src = tx._views[layer]
+    n, lnb = plan.num_descs, plan.layer_nbytes
+    for so, do, nb in list(zip(req._src, req._dst, req._len))[:extra]:
+        if tx.mode == "put":
+            tag = fr.pack_write(fr.FN_WRITE, req.request_id, req.submit_ns, layer=layer, layer_lo=req.layers.start,
+                                layer_hi=req.layers.stop, num_parts=n, num_descs=n, layer_nbytes=lnb, part_nbytes=nb)
+            tx.endpoint.put(src[so:so + nb], tx._peer.regions[layer], offset=do, notify_id=req.request_id, tag=tag)
+        else:
+            tx.endpoint.send(fr.pack_data(req.request_id, req.submit_ns, layer=layer, layer_lo=req.layers.start,
+                                          layer_hi=req.layers.stop, num_parts=n, num_descs=n, layer_nbytes=lnb,
+                                          part_nbytes=nb, dst_offset=do))
+            tx.endpoint.send(src[so:so + nb])
+
+
+class PeerHandle:
+    """The parent's side of a :func:`serve` peer."""
+
+    def __init__(self, conn, proc=None, thread=None):
+        self.conn = conn
+        self.proc = proc
+        self.thread = thread
+
+    def call(self, *cmd, timeout_s: float = 60.0):
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"KV peer did not answer {cmd[0]!r} within {timeout_s} s")
+        status, *rest = self.conn.recv()
+        if status == "err":
+            raise RuntimeError(f"KV peer failed: {rest[0]}: {rest[1]}")
+        return rest[0]
+
+    def wait_ready(self, timeout_s: float = 60.0) -> int:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"KV peer not ready within {timeout_s} s")
+        status, pid = self.conn.recv()
+        if status != "ready":
+            raise RuntimeError(f"KV peer failed to start: {pid}")
+        return pid
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        try:
+            if (self.proc is None or self.proc.is_alive()) and not self.conn.closed:
+                self.call("bye", timeout_s=timeout_s)
+        except (OSError, EOFError, TimeoutError, RuntimeError):
+            pass
+        if self.proc is not None:
+            self.proc.join(timeout_s)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout_s)
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+        self.conn.close()
+
+
+def start_peer(target, spec, *, seed: int, mode: str = "auto", backend: str = "transport") -> PeerHandle:
+    """Start :func:`serve`: in a spawned process for a URL, in a thread for an Endpoint."""
+    import multiprocessing as mp
+    import threading
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    kwargs = dict(seed=seed, mode=mode, backend=backend)
+    if isinstance(target, str):
+        p = ctx.Process(target=serve, args=(child, target, spec.to_bytes()), kwargs=kwargs, daemon=True)
+        p.start()
+        child.close()
+        return PeerHandle(parent, proc=p)
+    t = threading.Thread(target=serve, args=(child, target, spec.to_bytes()), kwargs=kwargs, daemon=True)
+    t.start()
+    return PeerHandle(parent, thread=t)
+
+
+def transport_unavailable(scheme: str) -> str | None:
+    """Why transport ``scheme`` cannot be used here, or None when it can."""
+    import transports
+    from qlink.errors import MissingDependencyError
+
+    try:
+        transports.capabilities(scheme)
+    except (ImportError, MissingDependencyError) as e:
+        return f"transport {scheme!r} is not available here: {e}"
+    except ValueError as e:
+        return str(e)
+    if scheme == "ucx":
+        try:
+            import ucxx  # noqa: F401
+        except ImportError as e:
+            return f"the ucx transport needs ucxx ({e})"
+    return None
+
+
+def url_for(scheme: str) -> str:
+    """A fresh listen URL for ``scheme`` (loopback, port chosen by the OS for tcp/ucx)."""
+    if scheme in ("tcp", "ucx"):
+        return f"{scheme}://127.0.0.1:0"
+    return f"{scheme}://kv-{os.getpid()}-{next(_names)}"
+
+
+@contextlib.contextmanager
+def open_link(scheme: str, rx_spec, tx_spec=None, *, seed: int = 1, mode: str = "auto", backend: str = "transport",
+              rx_cache=None):
+    """Yield ``(receiver, receiver_cache, peer)``: a receiver here, a :func:`serve` sender
+    filled from ``seed`` in a spawned process (a thread for ``inproc``)."""
+    import transports
+
+    from .engine import KVReceiver
+    from .kv import KVCache
+
+    tx_spec = rx_spec if tx_spec is None else tx_spec
+    cache = KVCache.allocate(rx_spec) if rx_cache is None else rx_cache
+    with contextlib.ExitStack() as stack:
+        lis = stack.enter_context(transports.listen(url_for(scheme)))
+        if scheme == "inproc":
+            client = transports.connect(lis.url, timeout_s=5)
+            stack.callback(client.close)
+            peer = start_peer(client, tx_spec, seed=seed, mode=mode, backend=backend)
+        else:
+            peer = start_peer(lis.url, tx_spec, seed=seed, mode=mode, backend=backend)
+        stack.callback(peer.close)
+        ep = lis.accept(timeout_s=60)
+        stack.callback(ep.close)
+        if backend == "nixl":
+            from .nixl_backend import NixlKVReceiver
+
+            rx = NixlKVReceiver(ep, cache)
+        else:
+            rx = KVReceiver(ep, cache)
+        stack.callback(rx.close)
+        peer.wait_ready()
+        yield rx, cache, peer
