@@ -1,0 +1,103 @@
+"""CUDA-Q QEC decoders: ``"cudaq-single_error_lut"``, ``"cudaq-multi_error_lut"``,
+``"cudaq-nv-qldpc-decoder"``.
+
+``cudaq_qec.get_decoder(name, H, ...)`` consumes the DEM's check matrix ``H``
+(detectors x error mechanisms, from :func:`~qlink.qec.decoders._dem.dem_to_matrices`)
+and returns, per syndrome, a result with ``.converged`` and ``.result``: a soft
+(0.0 / 1.0) guess of which error mechanisms fired. Observable flips are
+``O @ e mod 2`` with ``O`` the DEM's observables matrix. A shot the decoder does
+not converge on still gets the (possibly empty) correction it returned; the
+count of such shots is kept in ``num_not_converged``.
+
+``nv-qldpc-decoder`` runs only on an NVIDIA GPU; elsewhere compiling it raises
+:class:`~qlink.qec.decoders.DecoderUnavailableError` (it is never emulated).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import missing
+from ._base import CompiledDecoder, Decoder, DecoderUnavailableError
+from ._dem import dem_to_matrices
+
+__all__ = ["CudaqDecoder", "CompiledCudaqDecoder"]
+
+
+def _import_cudaq_qec(feature: str):
+    try:
+        import cudaq_qec
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise missing("cudaq-qec-cu12", extra="quantum", feature=feature) from exc
+    return cudaq_qec
+
+
+def _gpu_present() -> bool:
+    try:
+        import cudaq
+
+        return cudaq.num_available_gpus() > 0
+    except Exception:
+        return False
+
+
+class CompiledCudaqDecoder(CompiledDecoder):
+    """A ``cudaq_qec`` decoder over the DEM's check matrix; predictions via ``O @ e``."""
+
+    def __init__(self, decoder, matrices, *, name: str):
+        self._decoder = decoder
+        self._obs = matrices.observables_matrix.tocsr().astype(np.int32)
+        self.num_detectors = matrices.num_detectors
+        self.num_observables = matrices.num_observables
+        self.name = name
+        self.num_not_converged = 0
+
+    def _decode_unpacked(self, dets: np.ndarray) -> np.ndarray:
+        if dets.shape[0] == 0:
+            return np.zeros((0, self.num_observables), dtype=np.uint8)
+        res = self._decoder.decode_batch(dets.astype(np.float64))
+        errors = (np.asarray(res.result) > 0.5).astype(np.int32)
+        self.num_not_converged += int(np.count_nonzero(~np.asarray(res.converged, dtype=bool)))
+        return (np.asarray(self._obs @ errors.T).T & 1).astype(np.uint8)
+
+
+class CudaqDecoder(Decoder):
+    """A CUDA-Q QEC decoder by its ``cudaq_qec`` name; options are passed to ``get_decoder``.
+
+    ``multi_error_lut`` defaults to ``lut_error_depth=2`` (all pairs of errors);
+    every decoder gets ``error_rate_vec`` from the DEM priors unless given.
+    """
+
+    _DEFAULTS = {"multi_error_lut": {"lut_error_depth": 2}}
+
+    def __init__(self, cudaq_name: str):
+        self.cudaq_name = cudaq_name
+        self.name = f"cudaq-{cudaq_name}"
+        self._needs_gpu = cudaq_name == "nv-qldpc-decoder"
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import cudaq_qec  # noqa: F401
+        except ImportError:
+            return "needs the 'cudaq-qec-cu12' package (pip install 'qlink[quantum]')"
+        if self._needs_gpu and not _gpu_present():
+            return f"{self.cudaq_name} needs an NVIDIA GPU and none is available here"
+        return None
+
+    def compile_for_dem(self, dem, **options) -> CompiledCudaqDecoder:
+        qec = _import_cudaq_qec(f"the {self.name} decoder")
+        if self._needs_gpu and not _gpu_present():
+            raise DecoderUnavailableError(
+                f"{self.name} runs only on an NVIDIA GPU and none is available here; "
+                "use 'qlink-bp' or 'bposd' for a CPU belief-propagation decoder"
+            )
+        matrices = dem_to_matrices(dem)
+        kwargs = {**self._DEFAULTS.get(self.cudaq_name, {}), **options}
+        kwargs.setdefault("error_rate_vec", matrices.priors.tolist())
+        try:
+            decoder = qec.get_decoder(self.cudaq_name, matrices.check_matrix.tocsr(), **kwargs)
+        except RuntimeError as exc:
+            if "GPU" in str(exc):
+                raise DecoderUnavailableError(f"{self.name} cannot run here: {exc}") from exc
+            raise
+        return CompiledCudaqDecoder(decoder, matrices, name=self.name)
