@@ -182,14 +182,15 @@ class LatencyHistogram:
         (4, 1, 1, -3, 5000)
         """
         v = value_ns if type(value_ns) is int else _as_int(value_ns)
-        if self._count:
+        n = self._count
+        self._count = n + 1
+        if n:
             if v < self._min:
                 self._min = v
             elif v > self._max:
                 self._max = v
         else:
             self._min = self._max = v
-        self._count += 1
         if v < 0:
             self._underflow += 1
             v = 0
