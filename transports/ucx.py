@@ -125,7 +125,7 @@ _MASK_MSG_OR_CTRL = (0xFE << _KIND_SHIFT) | (_CONN_MASK << _CONN_SHIFT) | 0xFFFF
 _MASK_FULL = (1 << 64) - 1
 
 _CTRL = struct.Struct("<B3xIQQQIH2x")  # op, region id, offset, nbytes, notify id, put seq, tag length
-_OP_PUT_INLINE, _OP_PUT_HEADER, _OP_REVOKE, _OP_CLOSE = 1, 2, 3, 4
+_OP_PUT_INLINE, _OP_PUT_HEADER, _OP_REVOKE, _OP_CLOSE, _OP_WIREUP = 1, 2, 3, 4, 5
 _INLINE_PUT_MAX = 4096
 _CTRL_MAX = _CTRL.size + MAX_TAG_BYTES + _INLINE_PUT_MAX
 
@@ -407,6 +407,25 @@ class UcxEndpoint(Endpoint):
         self._ucx_error = False
         self._next_check = time.monotonic() + _LIVENESS_INTERVAL_S
         self._linger_deadline = 0.0
+        self._wired = False
+        self._ep_closed = False
+
+    def _wireup(self, deadline: float | None) -> None:
+        """Swap one control frame over UCX so the data path is up (and proven) before use."""
+        with self._tx_lock:
+            self._send_ctrl(_OP_WIREUP)
+        backoff = Backoff(spin=2000)
+        while not (self._wired and not self._tx_pending):
+            with self._rx_lock:
+                self._poll(False)
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._check_link(now)
+            if self._broken is not None:
+                raise self._broken_error("the UCX connection could not be set up")
+            if deadline is not None and now >= deadline:
+                raise QlinkTimeoutError(f"ucx: the UCX data path to {self.url} did not come up in time")
+            backoff.pause()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
@@ -493,7 +512,12 @@ class UcxEndpoint(Endpoint):
 
     def _abort_ep(self) -> None:
         """Close the UCX endpoint now (cancels its requests, so UCX stops touching our buffers)."""
+        if self._ep_closed:
+            return
+        self._ep_closed = True
         try:
+            if not self._ep.alive:  # UCX closed it already (error callback); close() would return no request
+                return
             req = self._ep.close()
             t_end = time.monotonic() + 0.5
             while not req.completed and time.monotonic() < t_end:
@@ -694,6 +718,8 @@ class UcxEndpoint(Endpoint):
         op, rid, offset, nbytes, notify_id, seq, tag_len = _CTRL.unpack_from(self._ctrl_buf, 0)
         if op == _OP_CLOSE:
             self._peer_closed = True
+        elif op == _OP_WIREUP:
+            self._wired = True
         elif op == _OP_REVOKE:
             self._revoked.add(rid)
         elif op in (_OP_PUT_INLINE, _OP_PUT_HEADER):
@@ -880,6 +906,7 @@ class UcxEndpoint(Endpoint):
             peer_error_handling=self._peer_error_handling,
             bad_frames=self._bad_frames,
             staged_bytes_in_flight=self._tx_bytes,
+            ucx_error_reported=self._ucx_error,
             broken=self._broken,
         )
         return s
@@ -1031,7 +1058,8 @@ class UcxListener(Listener):
         peer_conn, flags, peer_token, peer_addr = _handshake(
             conn, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline,
             server_flags=flags)
-        return _make_endpoint(self.url, conn, box, conn_id, token, peer_conn, peer_token, peer_addr, flags, self._opts)
+        return _make_endpoint(self.url, conn, box, conn_id, token, peer_conn, peer_token, peer_addr, flags,
+                              self._opts, deadline)
 
     def accept(self, *, timeout_s: float | None = None) -> UcxEndpoint:
         """Wait for the next peer and return its connected endpoint."""
@@ -1063,13 +1091,21 @@ class UcxListener(Listener):
             ep.close()
 
 
-def _make_endpoint(url, sock, box, conn_id, token, peer_conn, peer_token, peer_addr, flags, opts) -> UcxEndpoint:
-    return UcxEndpoint(
+def _make_endpoint(url, sock, box, conn_id, token, peer_conn, peer_token, peer_addr, flags, opts,
+                   deadline) -> UcxEndpoint:
+    ep = UcxEndpoint(
         url=url, sock=sock, box=box, conn_id=conn_id, token=token, peer_conn_id=peer_conn,
         peer_token=peer_token, peer_address=peer_addr, peer_error_handling=bool(flags & _FLAG_PEER_ERRORS),
         send_buffer_nbytes=opts["send_buffer_nbytes"], zero_copy_send_nbytes=opts["zero_copy_send_nbytes"],
         linger_s=opts["linger_s"],
     )
+    try:
+        ep._wireup(deadline)
+    except BaseException:
+        ep._closed = True
+        ep._finish_linger(0.0, force=True)
+        raise
+    return ep
 
 
 def listen(url: str, **options) -> UcxListener:
@@ -1107,10 +1143,12 @@ def connect(url: str, *, timeout_s: float | None = 10.0, **options) -> UcxEndpoi
                 sock, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline)
         except WireError as e:
             raise BrokenLinkError(f"ucx: {url} did not answer as a qlink ucx listener: {e}") from e
+        except QlinkTimeoutError:
+            raise
         except OSError as e:
             raise BrokenLinkError(f"ucx: the connection to {url} failed during the handshake ({e})") from e
         return _make_endpoint(_url_of(host, port), sock, box, conn_id, token, peer_conn, peer_token, peer_addr,
-                              flags, opts)
+                              flags, opts, deadline)
     except BaseException:
         sock.close()
         raise
