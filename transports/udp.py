@@ -630,6 +630,7 @@ class UdpListener(Listener):
         self._capabilities = capabilities
         self.url = _url_of(sock.getsockname())
         self._closed = False
+        self._served = False
 
     def __repr__(self) -> str:
         return f"<UdpListener {self.url} {'closed' if self._closed else 'listening'}>"
@@ -677,7 +678,7 @@ class UdpListener(Listener):
         self._claim("serve")
         hub = self._hub
         with hub.cond:
-            if getattr(self, "_served", False):
+            if self._served:
                 raise ValueError(f"udp listener {self.url} already handed out its serve endpoint")
             self._served = True
             hub.refs += 1
