@@ -282,5 +282,11 @@ class StimSource(SyndromeSource):
                                f"decoder): {exc}") from exc
 
 
-# CudaqSource lives in its own module; importing it does not import cudaq.
-from ._cudaq_source import CudaqSource  # noqa: E402
+def __getattr__(name: str):
+    # CudaqSource lives in its own module (which imports this one); importing it does
+    # not import cudaq.
+    if name == "CudaqSource":
+        from ._cudaq_source import CudaqSource
+
+        return CudaqSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
