@@ -396,6 +396,7 @@ class ShmEndpoint(Endpoint):
         except OSError as e:
             self._peer_cause = e
             self._peer_gone = f"the connection to the peer failed ({e.strerror or e}); the peer process probably died"
+            self._tx.set_consumer_closed()
             return
         if data:  # the peer never sends after the handshake: discard and count
             self._x["bad_records"] += 1
@@ -407,6 +408,7 @@ class ShmEndpoint(Endpoint):
         if self._peer_flags() is None:
             self._peer_cause = EOFError("EOF on the shm connection socket")
             self._peer_gone = "the peer process exited or was killed without closing its endpoint"
+            self._tx.set_consumer_closed()  # the peer will never read again: sends now fail fast, even in C
 
     def _broken(self, what: str) -> BrokenLinkError:
         self._counters.errors += 1

@@ -1,0 +1,662 @@
+"""shm:// specifics: the ring (C and Python, byte for byte), streaming through a small ring,
+full rings, peers that die, what is left behind after a crash, permissions, and puts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import transports
+from qlink.errors import (
+    BrokenLinkError,
+    ClosedError,
+    QlinkTimeoutError,
+    RegistrationError,
+    RingFullError,
+    WouldBlock,
+)
+from qlink.memory import RemoteRegion, alloc
+from transports import _ring, shm
+from transports._base import BufferTooSmallError
+
+RING_CLASSES = {"python": _ring.Ring}
+if shm._ringc is not None:
+    RING_CLASSES["c"] = shm._ringc.Ring
+IMPLS = sorted(RING_CLASSES)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(transports.__file__)))
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    """A private socket directory per test, so leftovers can be checked exactly."""
+    d = tmp_path / "qlink-shm"
+    monkeypatch.setenv("QLINK_SHM_DIR", str(d))
+    return d
+
+
+def _url(tag: str) -> str:
+    return f"shm://{tag}-{os.getpid()}"
+
+
+def _pair(tag: str, *, ring_impl=None, ring_nbytes=1 << 16, **kw):
+    lis = shm.listen(_url(tag), ring_impl=ring_impl, **kw)
+    a = shm.connect(lis.url, ring_impl=ring_impl, ring_nbytes=ring_nbytes, **kw)
+    b = lis.accept(timeout_s=5)
+    return lis, a, b
+
+
+def _payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+# ----------------------------------------------------------------------------- helpers: child processes
+
+_PRELUDE = """
+import ctypes, os, signal, sys, time
+ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # die with the test process
+import numpy as np
+import transports
+from transports import shm
+from qlink.memory import alloc, RemoteRegion
+"""
+
+
+def _spawn(code: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, "-c", _PRELUDE + textwrap.dedent(code), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen, timeout_s: float = 20) -> str:
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+    assert p.returncode == 0, f"child failed ({p.returncode}):\n{err}"
+    return out
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait(5)
+    for f in (p.stdout, p.stderr):
+        if f:
+            f.close()
+
+
+def _wait_for_file(path, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def _ring_mem(data_nbytes: int) -> np.ndarray:
+    mem = np.zeros(_ring.ring_region_nbytes(data_nbytes) + 64, dtype=np.uint8)
+    off = (-mem.ctypes.data) % 64
+    mem = mem[off:off + _ring.ring_region_nbytes(data_nbytes)]
+    _ring.init_ring(mem, data_nbytes=data_nbytes)
+    return mem
+
+
+def _script(ring, out, sizes, *, recv_every: int):
+    """Drive one ring through a fixed sequence of sends and receives; return the messages seen."""
+    seen = []
+    for i, n in enumerate(sizes):
+        msg = _payload(n, i)
+        while True:
+            r = ring.try_send_msg(msg) if i % 3 else ring.try_send(_ring.KIND_PUT_DONE, i, msg[:8], msg[8:])
+            if r == _ring.SEND_OK:
+                break
+            assert r == _ring.SEND_FULL
+            _drain_one(ring, out, seen)
+        if i % recv_every == 0:
+            _drain_one(ring, out, seen)
+    while ring.peek() is not None:
+        _drain_one(ring, out, seen)
+    return seen
+
+
+def _drain_one(ring, out, seen) -> None:
+    n = ring.try_recv(out, 0)
+    if n >= 0:
+        seen.append(("msg", bytes(out[:n])))
+        return
+    rec = ring.peek()
+    if rec is None:
+        return
+    kind, nbytes, aux, off = rec
+    seen.append((kind, aux, bytes(ring.data[off:off + nbytes])))
+    ring.consume()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ring_roundtrip_with_wraparound(impl):
+    mem = _ring_mem(1024)
+    ring = RING_CLASSES[impl](mem)
+    sizes = [(i * 37) % 230 for i in range(600)]  # many laps of a 1 KiB ring, pads included
+    seen = _script(ring, bytearray(256), sizes, recv_every=2)
+    msgs = [s for s in seen if s[0] == "msg"]
+    assert [m[1] for m in msgs] == [_payload(n, i) for i, n in enumerate(sizes) if i % 3]
+    assert ring.producer_head == ring.tail > 10 * 1024  # wrapped many times
+    assert ring.messages == 2 * len(msgs)  # counted once by the producer, once by the consumer
+
+
+@pytest.mark.skipif(len(IMPLS) < 2, reason="the C ring accelerator is not built here")
+def test_c_and_python_rings_agree_byte_for_byte():
+    sizes = [(i * 53) % 240 for i in range(500)]
+    mems = {}
+    for impl in IMPLS:
+        mems[impl] = _ring_mem(2048)
+        _script(RING_CLASSES[impl](mems[impl]), bytearray(256), sizes, recv_every=3)
+    assert mems["c"].tobytes() == mems["python"].tobytes()
+
+
+@pytest.mark.parametrize("producer", IMPLS)
+@pytest.mark.parametrize("consumer", IMPLS)
+def test_rings_interoperate(producer, consumer):
+    mem = _ring_mem(4096)
+    tx, rx = RING_CLASSES[producer](mem), RING_CLASSES[consumer](mem)
+    out, got = bytearray(1024), []
+    for i in range(300):
+        msg = _payload(i % 200, i)
+        while tx.try_send_msg(msg) != _ring.SEND_OK:
+            n = rx.try_recv(out, 0)
+            got.append(bytes(out[:n]))
+    while (n := rx.try_recv(out, 0)) >= 0:
+        got.append(bytes(out[:n]))
+    assert got == [_payload(i % 200, i) for i in range(300)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ring_full_writes_nothing(impl):
+    mem = _ring_mem(1024)
+    ring = RING_CLASSES[impl](mem)
+    sent = 0
+    while ring.try_send_msg(_payload(100, sent)) == _ring.SEND_OK:
+        sent += 1
+    head, snapshot = ring.head, mem.tobytes()
+    assert ring.try_send_msg(b"x" * 100) == _ring.SEND_FULL
+    assert ring.head == head and mem.tobytes() == snapshot  # a refused send leaves the ring untouched
+    out = bytearray(128)
+    got = []
+    while (n := ring.try_recv(out, 0)) >= 0:
+        got.append(bytes(out[:n]))
+    assert got == [_payload(100, i) for i in range(sent)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ring_limits_and_corruption(impl):
+    mem = _ring_mem(1024)
+    ring = RING_CLASSES[impl](mem)
+    assert ring.max_payload == 1024 // 4 - 16
+    assert ring.try_send_msg(bytes(ring.max_payload + 1)) == _ring.SEND_TOO_BIG
+    assert ring.try_send_msg(b"abcdef") == _ring.SEND_OK
+    assert ring.try_recv(bytearray(3), 0) == _ring.RECV_SLOW  # too small: stays queued
+    assert ring.peek()[:3] == (_ring.KIND_MSG, 6, 6)
+    out = bytearray(8)
+    assert ring.try_recv(out, 0) == 6 and bytes(out[:6]) == b"abcdef"
+    # a record header claiming more bytes than were published is reported, not followed
+    fresh = RING_CLASSES[impl](mem)
+    assert fresh.try_send_msg(b"12345678") == _ring.SEND_OK
+    pos = fresh.tail & 1023
+    struct.pack_into("<I", mem, _ring.HEADER_NBYTES + pos, 5000)
+    assert fresh.peek()[0] == _ring.KIND_CORRUPT
+    assert fresh.try_recv(out, 0) == _ring.RECV_SLOW
+
+
+def test_ring_rejects_bad_memory():
+    with pytest.raises(ValueError, match="power of two"):
+        _ring.init_ring(bytearray(4096), data_nbytes=3000)
+    for cls in RING_CLASSES.values():
+        with pytest.raises(ValueError, match="magic"):
+            cls(np.zeros(_ring.ring_region_nbytes(1024), dtype=np.uint8))
+
+
+# ----------------------------------------------------------------------------- endpoints in one process
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sizes_stream_through_a_small_ring_in_order(shm_dir, impl):
+    sizes = [0, 1, 64, 1000, 4096, 65536, 1 << 20, 16 << 20]
+    lis, a, b = _pair("sizes", ring_impl=impl, ring_nbytes=1 << 16)
+    errors = []
+
+    def sender():
+        try:
+            for i, n in enumerate(sizes):
+                a.send(_payload(n, i), timeout_s=30)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=sender)
+    t.start()
+    buf = bytearray(16 << 20)
+    try:
+        for i, n in enumerate(sizes):
+            got = b.recv_into(buf, timeout_s=30)
+            assert got == n and buf[:n] == _payload(n, i), f"message {i} of {n} bytes"
+    finally:
+        t.join(30)
+        a.close(), b.close(), lis.close()
+    assert not errors
+    s = b.statistics()
+    assert (s.messages_received, s.bytes_received) == (len(sizes), sum(sizes))
+    assert a.statistics().messages_sent == len(sizes)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_buffer_too_small_keeps_message(shm_dir, impl):
+    lis, a, b = _pair("small", ring_impl=impl, ring_nbytes=1 << 16)
+    with lis, a, b:
+        a.send(b"0123456789")
+        with pytest.raises(BufferTooSmallError) as e:
+            b.recv_into(bytearray(4), timeout_s=1)
+        assert e.value.needed_nbytes == 10
+        assert b.recv(timeout_s=1) == b"0123456789"
+        t = threading.Thread(target=a.send, args=(_payload(100_000, 1),), kwargs={"timeout_s": 10})
+        t.start()
+        with pytest.raises(BufferTooSmallError) as e:
+            b.recv_into(bytearray(1000), timeout_s=5)
+        assert e.value.needed_nbytes == 100_000
+        buf = bytearray(100_000)
+        assert b.recv_into(buf, timeout_s=5) == 100_000 and bytes(buf) == _payload(100_000, 1)
+        t.join(10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_full_ring_send_nowait_raises_and_loses_nothing(shm_dir, impl):
+    lis, a, b = _pair("full", ring_impl=impl, ring_nbytes=4096)
+    with lis, a, b:
+        sent = 0
+        with pytest.raises(RingFullError):
+            while True:
+                a.send_nowait(_payload(200, sent))
+                sent += 1
+        assert sent > 5
+        with pytest.raises(QlinkTimeoutError):
+            a.send(_payload(200, 999), timeout_s=0.05)
+        with pytest.raises(RingFullError, match="ring holds"):
+            a.send_nowait(bytes(10_000))  # can never fit a 4 KiB ring in one go
+        got = []
+        while True:
+            try:
+                got.append(b.recv(timeout_s=0, max_nbytes=1000))
+            except (WouldBlock, QlinkTimeoutError):
+                break
+        assert got == [_payload(200, i) for i in range(sent)]
+        a.send_nowait(bytes(3000))  # multi-record message, all or nothing, fits an empty ring
+        assert b.recv(timeout_s=1) == bytes(3000)
+        assert a.statistics().timeouts == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_send_timeout_mid_message_is_dropped_by_receiver(shm_dir, impl):
+    lis, a, b = _pair("abort", ring_impl=impl, ring_nbytes=4096)
+    with lis, a, b:
+        big = _payload(50_000, 3)
+        with pytest.raises(QlinkTimeoutError):
+            a.send(big, timeout_s=0.05)  # the ring fills after a few chunks and nobody drains it
+        buf = bytearray(50_000)
+        with pytest.raises(QlinkTimeoutError):
+            b.recv_into(buf, timeout_s=0.05)  # takes the chunks there are, then waits in vain
+        a.send(b"next")
+        assert b.recv(timeout_s=1) == b"next"
+        assert b.statistics().extra["aborted_messages"] == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_orderly_close_delivers_then_breaks(shm_dir, impl):
+    lis, a, b = _pair("close", ring_impl=impl)
+    with lis:
+        for i in range(3):
+            a.send(_payload(10, i))
+        a.close()
+        assert [b.recv(timeout_s=1) for _ in range(3)] == [_payload(10, i) for i in range(3)]
+        with pytest.raises(BrokenLinkError, match="closed"):
+            b.recv(timeout_s=5)
+        with pytest.raises(BrokenLinkError):
+            b.send(b"x")
+        with pytest.raises(BrokenLinkError):
+            b.recv_into_nowait(bytearray(8))
+        with pytest.raises(ClosedError):
+            a.send(b"x")
+        with pytest.raises(ClosedError):
+            a.recv_into(bytearray(8), timeout_s=0)
+        a.close()  # idempotent
+        b.close()
+        with pytest.raises(ClosedError):
+            b.wait_notification(timeout_s=0)
+
+
+def test_mixed_ring_implementations_talk(shm_dir):
+    if len(IMPLS) < 2:
+        pytest.skip("the C ring accelerator is not built here")
+    with shm.listen(_url("mixed"), ring_impl="python") as lis:
+        a = shm.connect(lis.url, ring_impl="c", ring_nbytes=1 << 12)
+        b = lis.accept(timeout_s=5)
+        with a, b:
+            assert (a.statistics().extra["ring_impl"], b.statistics().extra["ring_impl"]) == ("c", "python")
+            t = threading.Thread(target=lambda: [a.send(_payload(n, n)) for n in (5, 5000, 50)])
+            t.start()
+            assert [b.recv(timeout_s=5) for _ in range(3)] == [_payload(n, n) for n in (5, 5000, 50)]
+            t.join(5)
+            b.send(b"back")
+            assert a.recv(timeout_s=1) == b"back"
+
+
+def test_url_and_option_errors(shm_dir):
+    with pytest.raises(ValueError, match="name"):
+        shm.listen("shm://bad/name")
+    with pytest.raises(ValueError, match="name"):
+        shm.listen("shm://")
+    with pytest.raises(ValueError):
+        shm.connect("tcp://x")
+    with pytest.raises(BrokenLinkError, match="nobody listens"):
+        shm.connect(_url("nobody"), timeout_s=1)
+    with shm.listen(_url("twice")) as lis:
+        with pytest.raises(OSError, match="already listening"):
+            shm.listen(lis.url)
+        with pytest.raises(ValueError, match="power of two"):
+            shm.connect(lis.url, ring_nbytes=5000)
+        with pytest.raises(ValueError, match="ring_impl"):
+            shm.connect(lis.url, ring_impl="fortran")
+        with pytest.raises(QlinkTimeoutError):
+            lis.accept(timeout_s=0.01)
+    with pytest.raises(ClosedError):
+        lis.accept(timeout_s=0)
+    assert transports.capabilities("shm").one_sided and not transports.capabilities("shm").cross_host
+
+
+def test_listener_survives_junk_connections(shm_dir):
+    with shm.listen(_url("junk")) as lis:
+        for payload in (b"", b"hello, not a qlink peer", struct.pack("<8sIIQQ", b"QLSHMHI1", 1, 4096, 1 << 16, 1)):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(lis.path)
+            if payload:
+                s.send(payload)
+            s.close()
+        good = shm.connect(lis.url)
+        ep = lis.accept(timeout_s=5)
+        with good, ep:
+            good.send(b"ok")
+            assert ep.recv(timeout_s=1) == b"ok"
+        assert lis.rejected == 3
+
+
+def test_permissions_are_owner_only(shm_dir):
+    shm_dir.mkdir(mode=0o755)
+    os.chmod(shm_dir, 0o755)  # an existing, too open directory is tightened
+    with shm.listen(_url("perm")) as lis:
+        assert stat.S_IMODE(os.stat(shm_dir).st_mode) == 0o700
+        st = os.stat(lis.path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == os.getuid()
+    assert not os.path.exists(lis.path)
+
+
+# ----------------------------------------------------------------------------- puts in one process
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_put_inline_into_plain_numpy_memory(shm_dir, impl):
+    lis, a, b = _pair("inline", ring_impl=impl, ring_nbytes=4096)
+    with lis, a, b:
+        target = np.zeros(20_000, dtype=np.uint8)  # not alloc() memory: the target applies the bytes
+        region = b.register(target)
+        data = _payload(10_000, 7)
+        t = threading.Thread(target=a.put, args=(data, region.descriptor().to_bytes()),
+                             kwargs={"offset": 5000, "notify_id": 42, "tag": b"kv", "timeout_s": 10})
+        t.start()
+        note = b.wait_notification(timeout_s=10)
+        t.join(10)
+        assert (note.region_id, note.offset, note.nbytes, note.notify_id, note.tag) == (region.region_id, 5000,
+                                                                                      10_000, 42, b"kv")
+        assert target[5000:15000].tobytes() == data and not target[:5000].any() and not target[15000:].any()
+        assert a.statistics().extra["inline_puts"] == 1 and a.statistics().extra["zero_copy_puts"] == 0
+        assert (a.statistics().puts, a.statistics().put_bytes, b.statistics().notifications) == (1, 10_000, 1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_put_zero_copy_into_alloc_memory(shm_dir, impl):
+    lis, a, b = _pair("zc", ring_impl=impl)
+    with lis, a, b:
+        block = alloc(4096, dtype=np.uint8)
+        target = block[1024:3072]  # a region inside a larger alloc() block
+        region = b.register(target)
+        a.put(b"\x07" * 100, region.descriptor(), offset=10, notify_id=1)
+        assert (target[10:110] == 7).all()  # landed before the target did anything
+        note = b.wait_notification(timeout_s=1)
+        assert (note.offset, note.nbytes, note.notify_id) == (10, 100, 1)
+        assert a.statistics().extra["zero_copy_puts"] == 1 and a.statistics().extra["inline_puts"] == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_puts_raise_registration_error_and_write_nothing(shm_dir, impl):
+    lis, a, b = _pair("badput", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(256, dtype=np.uint8)
+        region = b.register(target)
+        desc = region.descriptor()
+        bad = [
+            dict(offset=200, data=bytes(100)),  # past the end
+            dict(offset=-1, data=bytes(1)),
+            dict(remote=RemoteRegion(region_id=desc.region_id + 4096, nbytes=256, key=desc.key)),  # unknown id
+            dict(remote=RemoteRegion(region_id=desc.region_id, nbytes=512, key=desc.key)),  # wrong size
+            dict(remote=RemoteRegion(region_id=desc.region_id, nbytes=256, key=b"another connection")),
+        ]
+        for case in bad:
+            with pytest.raises(RegistrationError):
+                a.put(case.get("data", b"\x01"), case.get("remote", desc), offset=case.get("offset", 0))
+        own = a.register(np.zeros(8, dtype=np.uint8))
+        with pytest.raises(RegistrationError, match="not issued by this connection's peer"):
+            a.put(b"x", own.descriptor())  # a's own region is not a target at the peer
+        with pytest.raises(ValueError, match="tag"):
+            a.put(b"x", desc, tag=bytes(300))
+        b.deregister(region)
+        with pytest.raises(RegistrationError, match="not registered"):
+            a.put(b"\x01", desc)
+        with pytest.raises(RegistrationError):
+            b.deregister(region)
+        assert not target.any()
+        with pytest.raises(WouldBlock):
+            b.poll_notification_nowait()
+        assert a.statistics().puts == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_messages_and_notifications_share_the_ring(shm_dir, impl):
+    lis, a, b = _pair("mix", ring_impl=impl)
+    with lis, a, b:
+        plain = np.zeros(16, dtype=np.uint8)
+        r = b.register(plain)
+        a.send(b"m1")
+        a.put(b"\x05", r.descriptor(), offset=3, notify_id=1)
+        a.send(_payload(40_000, 2))  # streamed: several records
+        a.put(b"\x06", r.descriptor(), offset=4, notify_id=2)
+        a.send(b"m3")
+        # notifications first: the messages in front of and between them are kept aside
+        assert [b.wait_notification(timeout_s=1).notify_id for _ in range(2)] == [1, 2]
+        assert plain[3] == 5 and plain[4] == 6
+        assert b.recv(timeout_s=1) == b"m1"
+        assert b.recv(timeout_s=1) == _payload(40_000, 2)
+        assert b.recv(timeout_s=1) == b"m3"
+        # and the other way round: a receive moves a notification aside
+        a.put(b"\x09", r.descriptor(), offset=0, notify_id=3)
+        a.send(b"m4")
+        assert b.recv(timeout_s=1) == b"m4"
+        assert b.poll_notification_nowait().notify_id == 3
+        assert b.statistics().extra["queued_messages"] == 2  # m1 and the streamed one; m4 went straight out
+
+
+# ----------------------------------------------------------------------------- other processes
+
+_ECHO_PUT_TARGET = """
+url, kind = sys.argv[1], sys.argv[2]
+ep = shm.connect(url, timeout_s=10, ring_nbytes=1 << 16)
+target = alloc(1 << 20, dtype=np.uint8) if kind == "alloc" else np.zeros(1 << 20, dtype=np.uint8)
+region = ep.register(target)
+ep.send(region.descriptor().to_bytes())
+note = ep.wait_notification(timeout_s=10)
+digest = bytes(target[note.offset:note.offset + note.nbytes])
+ep.send(np.frombuffer(digest, dtype=np.uint8).sum().tobytes() + note.tag)
+print(ep.statistics().extra)
+ep.recv(timeout_s=10)
+ep.close()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["alloc", "numpy"])
+def test_put_between_processes(shm_dir, kind):
+    with shm.listen(_url(f"xput-{kind}")) as lis:
+        p = _spawn(_ECHO_PUT_TARGET, lis.url, kind)
+        try:
+            ep = lis.accept(timeout_s=20)
+            with ep:
+                remote = RemoteRegion.from_bytes(ep.recv(timeout_s=10))
+                data = _payload(300_000, 9)
+                ep.put(data, remote, offset=12345, notify_id=77, tag=b"blk", timeout_s=10)
+                reply = ep.recv(timeout_s=10)
+                assert reply == np.frombuffer(data, dtype=np.uint8).sum().tobytes() + b"blk"
+                extra = ep.statistics().extra
+                assert (extra["zero_copy_puts"], extra["inline_puts"]) == ((1, 0) if kind == "alloc" else (0, 1))
+                ep.send(b"bye")
+            _finish(p)
+        finally:
+            _kill(p)
+
+
+_SLEEPY_PEER = """
+url = sys.argv[1]
+ep = shm.connect(url, timeout_s=10, ring_nbytes=1 << 12)
+ep.send(b"hello")
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sigkilled_peer_is_reported_within_one_second(shm_dir, impl):
+    with shm.listen(_url(f"kill-{impl}"), ring_impl=impl) as lis:
+        p = _spawn(_SLEEPY_PEER, lis.url)
+        try:
+            ep = lis.accept(timeout_s=20)
+            assert ep.recv(timeout_s=10) == b"hello"
+            p.send_signal(signal.SIGKILL)
+            p.wait(5)
+            t0 = time.monotonic()
+            with pytest.raises(BrokenLinkError) as e:
+                ep.recv(timeout_s=10)
+            elapsed = time.monotonic() - t0
+            assert elapsed < 1.0, f"dead peer noticed after {elapsed:.3f} s"
+            assert e.value.__cause__ is not None
+            # a sender finds out too, once the ring is full (blocking) or right away
+            t0 = time.monotonic()
+            with pytest.raises(BrokenLinkError):
+                for _ in range(10_000):
+                    ep.send(bytes(100), timeout_s=10)
+            assert time.monotonic() - t0 < 1.0
+            ep.close()
+        finally:
+            _kill(p)
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_peer_unblocks_a_waiting_sender(shm_dir):
+    with shm.listen(_url("killsend")) as lis:
+        p = _spawn(_SLEEPY_PEER, lis.url)
+        try:
+            ep = lis.accept(timeout_s=20)
+            while True:  # fill the ring towards the peer (it never reads)
+                try:
+                    ep.send_nowait(bytes(100))
+                except RingFullError:
+                    break
+            threading.Timer(0.2, p.kill).start()
+            t0 = time.monotonic()
+            with pytest.raises(BrokenLinkError):
+                ep.send(bytes(100), timeout_s=20)
+            assert time.monotonic() - t0 < 1.2  # 0.2 s until the kill, then well under a second
+            ep.close()
+        finally:
+            _kill(p)
+
+
+_LISTENER = """
+url, ready = sys.argv[1], sys.argv[2]
+lis = shm.listen(url)
+open(ready, "w").close()
+ep = lis.accept(timeout_s=20)
+ep.send(b"up")
+time.sleep(60)
+"""
+
+_CONNECTOR = """
+url = sys.argv[1]
+ep = shm.connect(url, timeout_s=10)
+target = alloc(1 << 16)
+ep.register(target)
+assert ep.recv(timeout_s=10) == b"up"
+print("connected", flush=True)
+time.sleep(60)
+"""
+
+
+def _dev_shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.mark.timeout(60)
+def test_nothing_outlives_a_crash(shm_dir, tmp_path):
+    before = _dev_shm()
+    url = _url("crash")
+    ready = str(tmp_path / "ready")
+    listener = _spawn(_LISTENER, url, ready)
+    connector = None
+    try:
+        _wait_for_file(ready)
+        connector = _spawn(_CONNECTOR, url)
+        assert connector.stdout.readline().strip() == "connected"
+        sock_path = os.path.join(str(shm_dir), url.split("//")[1] + ".sock")
+        assert os.path.exists(sock_path)
+        assert {n for n in _dev_shm() - before if "qlink" in n} == set()  # no named segment, ever
+        for p in (listener, connector):
+            p.send_signal(signal.SIGKILL)
+            p.wait(5)
+        assert {n for n in _dev_shm() - before if "qlink" in n} == set()
+        # the dead listener's socket file is reclaimed by the next listen on the name ...
+        with shm.listen(url) as lis:
+            a = shm.connect(url)
+            b = lis.accept(timeout_s=5)
+            a.send(b"again")
+            assert b.recv(timeout_s=1) == b"again"
+            a.close(), b.close()
+        # ... and closing that listener leaves nothing in the directory
+        assert os.listdir(shm_dir) == []
+    finally:
+        _kill(listener)
+        if connector is not None:
+            _kill(connector)
