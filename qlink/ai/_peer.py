@@ -54,6 +54,8 @@ def serve(conn, target, spec_bytes: bytes, *, seed: int, mode: str = "auto", bac
     conn.send(("ready", os.getpid()))
     try:
         while True:
+            while not conn.poll(0.001):
+                tx.progress()  # some transports (ucx) move staged puts only while the initiator progresses
             cmd = conn.recv()
             op = cmd[0]
             try:
@@ -139,7 +141,8 @@ class PeerHandle:
 
     def close(self, timeout_s: float = 10.0) -> None:
         try:
-            if (self.proc is None or self.proc.is_alive()) and not self.conn.closed:
+            alive = self.proc.is_alive() if self.proc is not None else self.thread.is_alive()
+            if alive and not self.conn.closed:
                 self.call("bye", timeout_s=timeout_s)
         except (OSError, EOFError, TimeoutError, RuntimeError):
             pass

@@ -197,17 +197,22 @@ class RequestTracker:
         return st
 
     def ready_ns(self, rid: int, layer: int) -> int:
-        """When ``layer`` of ``rid`` became ready (monotonic ns), 0 if not yet; raises the request's error."""
-        st = self._state(rid)
+        """When ``layer`` of ``rid`` became ready (monotonic ns), 0 if not yet. A layer that
+        was ready before the request failed stays ready; any other raises the request's error."""
+        st = self._states.get(rid)
         if st is None:
             return 0
         if not st.lo <= layer < st.hi:
             raise ValueError(f"request {rid} moves layers [{st.lo}, {st.hi}); layer {layer} is not part of it")
-        return int(st.ready[layer]) if layer < st.next_layer else 0
+        if layer < st.next_layer:
+            return int(st.ready[layer])
+        if st.error is not None:
+            raise st.error
+        return 0
 
     def ready_layers(self, rid: int) -> int:
-        """Index one past the last ready layer of ``rid`` (0 when unknown)."""
-        st = self._state(rid)
+        """Index one past the last ready layer of ``rid`` (0 when unknown), failed or not."""
+        st = self._states.get(rid)
         return 0 if st is None else st.next_layer
 
     def record(self, rid: int) -> TransferRecord | None:

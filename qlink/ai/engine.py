@@ -316,6 +316,19 @@ class KVSender:
         except QlinkError:
             pass  # the link is going down too; the receiver will see BrokenLinkError
 
+    def progress(self) -> None:
+        """Let the transport make progress on this side while the caller is idle.
+
+        Some transports move a submitted put only while the initiator calls into its
+        endpoint (``ucx``: staged sends complete in the caller's thread); a sender that
+        submits and then waits on something else should call this now and then. Harmless
+        elsewhere. A link that broke raises BrokenLinkError.
+        """
+        try:
+            self.endpoint.poll_notification_nowait()  # nothing puts into the sender: this only progresses
+        except (WouldBlock, CapabilityError):
+            pass
+
     def close(self) -> None:
         """Nothing to release on the sender (the endpoint belongs to the caller)."""
 
@@ -344,36 +357,52 @@ class _ReceiverBase:
         return 0
 
     def progress(self) -> int:
-        """Handle every completion and frame that has arrived; return how many."""
+        """Handle every completion and frame that has arrived; return how many.
+
+        When the link breaks, everything that arrived before is still handled; then every
+        incomplete request fails with BrokenLinkError (and later calls raise it).
+        """
         if self._closed:
             raise ClosedError(f"{type(self).__name__} was closed by this side")
+        tr = self._tracker
+        if tr.broken is not None:
+            raise BrokenLinkError("the KV sender's link is broken") from tr.broken
         n = 0
-        ep = self.endpoint
+        broken = None
         try:
             n = self._poll_sources(_EVENTS_PER_PROGRESS)
-            while n < _EVENTS_PER_PROGRESS:
-                try:
-                    k = ep.recv_into_nowait(self._ctl_mv)
-                except WouldBlock:
-                    break
-                except ValueError as e:  # BufferTooSmallError: a hello with a large key, or garbage
-                    needed = getattr(e, "needed_nbytes", None)
-                    if needed is None:
-                        raise
-                    frame = ep.recv(timeout_s=self.data_timeout_s, max_nbytes=needed)
-                    if needed <= _MAX_HELLO_NBYTES:
-                        self._on_frame(memoryview(frame))
-                    else:
-                        self._tracker.bad_frames += 1
-                    n += 1
-                    continue
-                self._on_frame(self._ctl_mv[:k])
-                n += 1
+        except BrokenLinkError as e:  # every completion before the break was handled first
+            broken = e
+        try:
+            n += self._poll_frames(_EVENTS_PER_PROGRESS - n)
         except BrokenLinkError as e:
-            if self._tracker.broken is None:
-                self._tracker.fail_all(e)
-            if not n:
-                raise
+            broken = broken or e
+        if broken is not None and n == 0:
+            tr.fail_all(broken)
+            return 1  # the state changed: callers look again
+        return n
+
+    def _poll_frames(self, budget: int) -> int:
+        n = 0
+        ep = self.endpoint
+        while n < budget:
+            try:
+                k = ep.recv_into_nowait(self._ctl_mv)
+            except WouldBlock:
+                break
+            except ValueError as e:  # BufferTooSmallError: a hello with a large key, or garbage
+                needed = getattr(e, "needed_nbytes", None)
+                if needed is None:
+                    raise
+                frame = ep.recv(timeout_s=self.data_timeout_s, max_nbytes=needed)
+                if needed <= _MAX_HELLO_NBYTES:
+                    self._on_frame(memoryview(frame))
+                else:
+                    self._tracker.bad_frames += 1
+                n += 1
+                continue
+            self._on_frame(self._ctl_mv[:k])
+            n += 1
         return n
 
     def _on_frame(self, frame) -> None:

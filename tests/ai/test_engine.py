@@ -1,0 +1,322 @@
+"""The KV movement engine: bit-exact blocks over every transport, layer order, run
+merging, and every kind of bad input answered with a typed error."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+import transports
+from qlink.ai import (
+    BlockIdError,
+    KVCache,
+    KVReceiver,
+    KVSender,
+    LayoutMismatchError,
+    SubmitRecord,
+    TransferAbortedError,
+    TransferRecord,
+    plan_transfer,
+    preset,
+)
+from qlink.ai._peer import open_link, transport_unavailable, url_for
+from qlink.errors import BrokenLinkError, CapabilityError, QlinkTimeoutError, RegistrationError, WireError
+
+pytestmark = pytest.mark.timeout(120)
+
+SCHEMES = ("inproc", "shm", "tcp", "ucx")
+SEED = 11
+RX_BLOCKS, TX_BLOCKS = 48, 64
+
+
+def _spec(num_blocks):
+    return preset("tiny", num_blocks=num_blocks)
+
+
+def _skip_reason(scheme: str, mode: str) -> str | None:
+    why = transport_unavailable(scheme)
+    if why:
+        return why
+    if mode == "put" and not transports.capabilities(scheme).one_sided:
+        return f"transport {scheme!r} has no one-sided put"
+    return None
+
+
+@pytest.fixture(scope="module", params=[(s, m) for s in SCHEMES for m in ("put", "send")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def link(request):
+    scheme, mode = request.param
+    why = _skip_reason(scheme, mode)
+    if why:
+        pytest.skip(why)
+    with open_link(scheme, _spec(RX_BLOCKS), _spec(TX_BLOCKS), seed=SEED, mode=mode) as (rx, cache, peer):
+        yield scheme, mode, rx, cache, peer
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def _patterns(rng):
+    """Block-id lists: contiguous, strided, shuffled, repeated sources, single, all."""
+    yield np.arange(5, 15), np.arange(0, 10)
+    yield np.arange(0, 40, 3), rng.permutation(RX_BLOCKS)[:14]
+    yield rng.permutation(np.arange(20, 30)), np.arange(30, 40)
+    yield rng.integers(0, TX_BLOCKS, 12), rng.choice(RX_BLOCKS, 12, replace=False)
+    yield np.array([TX_BLOCKS - 1]), np.array([0])
+    yield rng.choice(TX_BLOCKS, RX_BLOCKS, replace=False), np.arange(RX_BLOCKS)
+
+
+def test_blocks_arrive_bit_exact(link):
+    scheme, mode, rx, cache, peer = link
+    rng = np.random.default_rng(1)
+    for src, dst in _patterns(rng):
+        rid = next(_ids)
+        sub = peer.call("send", rid, src, dst, "all")
+        rec = rx.wait_request(rid, timeout_s=30)
+        want = peer.call("checksums", src, None)
+        got = cache.block_checksums(dst)
+        assert (got == want).all(), f"{scheme}/{mode}: blocks differ after request {rid}"
+        plan = plan_transfer(src, dst, src_num_blocks=TX_BLOCKS, dst_num_blocks=RX_BLOCKS,
+                             block_nbytes=cache.spec.block_nbytes)
+        nl = cache.spec.num_layers
+        assert isinstance(sub, SubmitRecord) and isinstance(rec, TransferRecord)
+        assert rec.num_descs == sub.num_descs == plan.num_descs * nl
+        assert rec.nbytes == sub.nbytes == 2 * len(src) * cache.spec.block_nbytes * nl
+        assert rec.transport == sub.transport == scheme
+        assert rec.mode == sub.mode == mode
+        assert len(rec.layer_ready_us) == nl
+        assert list(rec.layer_ready_us) == sorted(rec.layer_ready_us)  # layer k ready no later than k + 1
+        assert rec.submit_to_last_us == max(rec.layer_ready_us) >= 0
+
+
+def test_same_blocks_again_and_request_ids_reused(link):
+    scheme, mode, rx, cache, peer = link
+    rid = next(_ids)
+    for src in (np.arange(0, 8), np.arange(8, 16), np.arange(16, 24)):  # same destinations, new contents
+        peer.call("send", rid, src, np.arange(40, 48), "all")
+        rx.wait_request(rid, timeout_s=30)  # releases the id
+        assert (cache.block_checksums(np.arange(40, 48)) == peer.call("checksums", src, None)).all()
+
+
+def test_layer_subset_moves_only_those_layers(link):
+    scheme, mode, rx, cache, peer = link
+    rid = next(_ids)
+    before = cache.block_checksums([1, 2])
+    peer.call("send", rid, [60, 61], [1, 2], range(1, 3))
+    rec = rx.wait_request(rid, timeout_s=30, release=False)
+    assert rec.num_layers == 2 and len(rec.layer_ready_us) == 2
+    after = cache.block_checksums([1, 2])
+    want = peer.call("checksums", [60, 61], range(1, 3))
+    assert (after[1:3] == want).all()
+    assert (after[[0, 3]] == before[[0, 3]]).all()
+    with pytest.raises(ValueError, match="not part of it"):
+        rx.wait_layer(rid, 0, timeout_s=1)
+    rx.release(rid)
+
+
+# ----- layer by layer, in one process ------------------------------------------------
+
+
+@pytest.fixture
+def pair():
+    """KVSender and KVReceiver on two ends of one inproc connection, in this thread."""
+    why = transport_unavailable("inproc")
+    if why:
+        pytest.skip(why)
+    made = []
+
+    def make(rx_spec=_spec(RX_BLOCKS), tx_spec=_spec(TX_BLOCKS), *, mode="auto", seed=SEED):
+        lis = transports.listen(url_for("inproc"))
+        a = transports.connect(lis.url, timeout_s=5)
+        b = lis.accept(timeout_s=5)
+        made.extend([a, b, lis])
+        rx_cache, tx_cache = KVCache.allocate(rx_spec), KVCache.allocate(tx_spec)
+        tx_cache.fill_random(seed=seed)
+        rx = KVReceiver(b, rx_cache)
+        tx = KVSender(a, tx_cache, mode=mode)
+        return tx, rx, tx_cache, rx_cache
+
+    yield make
+    for x in made:
+        x.close()
+
+
+@pytest.mark.parametrize("mode", ["put", "send"])
+def test_layer_k_is_readable_while_later_layers_move(pair, mode):
+    tx, rx, src_cache, dst_cache = pair(mode=mode)
+    src, dst = [3, 4, 9], [0, 1, 2]
+    req = tx.begin_request(5, src, dst)
+    req.send_layer(0)
+    t0 = rx.wait_layer(5, 0, timeout_s=5)
+    assert t0 > 0
+    assert (dst_cache.block_checksums(dst, layers=[0]) == src_cache.block_checksums(src, layers=[0])).all()
+    assert not dst_cache.layers[1].any()  # layer 1 has not been sent
+    with pytest.raises(QlinkTimeoutError):
+        rx.wait_layer(5, 1, timeout_s=0.05)
+    req.send_layer(2)  # out of order: layer 2 complete, but not ready before layer 1
+    assert rx.ready_layers(5) == 1
+    with pytest.raises(QlinkTimeoutError):
+        rx.wait_layer(5, 2, timeout_s=0.05)
+    req.send_layer(1)
+    t2 = rx.wait_layer(5, 2, timeout_s=5)
+    t1 = rx.wait_layer(5, 1, timeout_s=5)
+    assert t0 <= t1 <= t2
+    assert rx.ready_layers(5) == 3
+    req.send_layer(3)
+    rec = rx.wait_request(5, timeout_s=5)
+    assert rec.mode == mode and list(rec.layer_ready_us) == sorted(rec.layer_ready_us)
+    assert (dst_cache.block_checksums(dst) == src_cache.block_checksums(src)).all()
+    with pytest.raises(ValueError, match="already sent"):
+        req.send_layer(3)
+
+
+def test_bad_block_ids_are_refused_and_the_engine_keeps_serving(pair):
+    tx, rx, src_cache, dst_cache = pair()
+    bad = [
+        ([TX_BLOCKS], [0], "src_block_ids contains block id 64"),
+        ([0], [RX_BLOCKS], "dst_block_ids contains block id 48"),  # past the receiver's cache, not the sender's
+        ([0, 1], [0], "one to one"),
+        ([0, 1], [2, 2], "more than once"),
+        ([], [], "at least one"),
+    ]
+    for src, dst, match in bad:
+        with pytest.raises(BlockIdError, match=match):
+            tx.send_request(1, src, dst)
+    with pytest.raises(ValueError, match="request_id"):
+        tx.send_request(-1, [0], [0])
+    with pytest.raises(ValueError, match="layers"):
+        tx.send_request(1, [0], [0], layers=range(2, 9))
+    assert rx.ready_layers(1) == 0  # nothing of the refused requests was sent
+    tx.send_request(1, [7, 8], [5, 6])
+    rx.wait_request(1, timeout_s=5)
+    assert (dst_cache.block_checksums([5, 6]) == src_cache.block_checksums([7, 8])).all()
+    assert rx.statistics().bad_frames == 0
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 3), ("num_kv_heads", 4), ("head_size", 8),
+                                          ("block_size", 8), ("dtype_name", "float16")])
+def test_layout_mismatch_fails_on_both_sides(pair, field, value):
+    tx, rx, _, _ = pair(tx_spec=dataclasses.replace(_spec(TX_BLOCKS), **{field: value}))
+    with pytest.raises(LayoutMismatchError) as e:
+        tx.send_request(1, [0], [0])
+    assert e.value.field == field
+    with pytest.raises(LayoutMismatchError) as e:
+        rx.handshake(timeout_s=5)
+    assert e.value.field == field
+
+
+def test_put_into_a_deregistered_layer_aborts_the_request(pair):
+    tx, rx, src_cache, dst_cache = pair(mode="put")
+    tx.handshake(timeout_s=5)
+    rx.endpoint.deregister(rx._regions[2])  # layer 2 is no longer a valid target
+    with pytest.raises(RegistrationError):
+        tx.send_request(9, [1, 2], [3, 4])
+    assert rx.wait_layer(9, 1, timeout_s=5)  # layers 0 and 1 landed whole
+    with pytest.raises(TransferAbortedError, match="aborted by the sender at layer 2") as e:
+        rx.wait_layer(9, 2, timeout_s=5)
+    assert e.value.request_id == 9
+    with pytest.raises(TransferAbortedError):
+        rx.wait_request(9, timeout_s=5)
+    assert rx.statistics().requests_failed == 1
+    rx.release(9)
+    tx.send_request(10, [1, 2], [3, 4], layers=range(0, 2))  # the engine serves the next request
+    assert rx.wait_request(10, timeout_s=5).num_layers == 2
+
+
+def test_garbage_from_the_peer_is_counted_not_fatal(pair):
+    tx, rx, src_cache, dst_cache = pair(mode="put")
+    tx.handshake(timeout_s=5)
+    ep = tx.endpoint
+    region = tx._peer.regions[0]
+    ep.put(b"\x00" * 16, region, offset=0, notify_id=3, tag=b"not a kv frame")
+    ep.send(b"garbage that is no frame")
+    ep.send(b"RQUC" + bytes(60))  # right magic, wrong lengths
+    rx.progress()
+    assert rx.statistics().bad_frames == 3
+    tx.send_request(3, [0], [0])
+    rec = rx.wait_request(3, timeout_s=5)
+    assert rec.nbytes == 2 * dst_cache.spec.block_nbytes * dst_cache.spec.num_layers
+    assert (dst_cache.block_checksums([0]) == src_cache.block_checksums([0])).all()
+
+
+def test_a_second_sender_is_refused(pair):
+    tx, rx, src_cache, _ = pair()
+    lis = transports.listen(url_for("inproc"))
+    try:
+        a = transports.connect(lis.url, timeout_s=5)
+        b = lis.accept(timeout_s=5)
+        KVSender(b, src_cache)  # two senders face each other
+        other = KVSender(a, src_cache)
+        with pytest.raises(WireError, match="KVSender where a KVReceiver was expected"):
+            other.handshake(timeout_s=5)
+        a.close()
+        b.close()
+    finally:
+        lis.close()
+
+
+def test_read_is_a_capability_error(pair):
+    tx, rx, _, _ = pair()
+    with pytest.raises(CapabilityError, match="one-sided get"):
+        tx.read_request(1, [0], [0])
+    with pytest.raises(CapabilityError, match="one-sided get"):
+        rx.read_request(1, [0], [0])
+
+
+def test_records_are_frozen(pair):
+    tx, rx, _, _ = pair()
+    sub = tx.send_request(4, [0, 1], [0, 1])
+    rec = rx.wait_request(4, timeout_s=5)
+    for r in (sub, rec):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            r.nbytes = 0
+    assert sub.us_per_block > 0 and sub.num_layers == rec.num_layers == 4
+
+
+def test_bad_constructor_arguments():
+    lis = transports.listen(url_for("inproc"))
+    try:
+        a = transports.connect(lis.url, timeout_s=5)
+        cache = KVCache.allocate(_spec(4))
+        with pytest.raises(ValueError, match="mode"):
+            KVSender(a, cache, mode="teleport")
+        with pytest.raises(TypeError, match="KVCache"):
+            KVSender(a, np.zeros(4))
+        a.close()
+    finally:
+        lis.close()
+
+
+# ----- a peer that dies mid-transfer -----------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES])
+def test_peer_dying_mid_transfer_never_reports_a_partial_layer(scheme):
+    why = transport_unavailable(scheme)
+    if why:
+        pytest.skip(why)
+    with open_link(scheme, _spec(RX_BLOCKS), _spec(TX_BLOCKS), seed=SEED) as (rx, cache, peer):
+        src, dst = [0, 1, 5, 9], [0, 1, 2, 3]  # 3 descriptors per plane: 6 per layer
+        peer.call("send", 1, [2], [7], "all")  # an earlier request completes normally
+        peer.call("partial", 2, src, dst, 1, 3)  # layer 0 whole, 3 of 6 parts of layer 1, then gone
+        assert rx.wait_layer(2, 0, timeout_s=30) > 0
+        with pytest.raises(BrokenLinkError):
+            rx.wait_layer(2, 1, timeout_s=30)
+        with pytest.raises(BrokenLinkError):
+            rx.wait_request(2, timeout_s=5)
+        assert rx.wait_request(1, timeout_s=5).num_layers == 4  # completed before the death: still reported
+        if peer.proc is not None:
+            peer.proc.join(10)
+            assert peer.proc.exitcode == 0
+        assert rx.statistics().requests_failed >= 1
+
+
+def test_cross_process_peer_really_is_another_process():
+    scheme = next((s for s in ("shm", "tcp") if not transport_unavailable(s)), None)
+    if scheme is None:
+        pytest.skip("no cross-process transport (shm, tcp) available")
+    with open_link(scheme, _spec(RX_BLOCKS)) as (rx, cache, peer):
+        assert peer.proc is not None and peer.proc.pid != os.getpid()
