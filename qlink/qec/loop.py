@@ -1,0 +1,367 @@
+"""The closed QEC loop in two processes: a decoder service and a controller emulator.
+
+:func:`run_loop` starts :func:`~qlink.qec.service.run_service_process` in a spawned
+child listening on the transport URL (a thread instead, for transports that cannot
+cross processes, such as ``inproc``), connects a :class:`~qlink.qec.controller.Controller`,
+plays ``num_shots`` shots at the cycle time, gathers both sides' stage histograms
+(the child sends its report back as JSON) and returns a frozen :class:`LoopResult`:
+the logical error rate with its interval, reaction-time percentiles, the per-stage
+shares (transport / queue / decode), the backlog trace, and the transport that
+actually carried the bytes.
+
+The syndrome source is described by plain data (a *source spec*), so the child can
+rebuild the same DEM without anything but numbers crossing the process boundary::
+
+    {"kind": "stim", "code": "surface_code:rotated_memory_z", "distance": 5,
+     "rounds": 5, "p": 0.001}
+
+>>> spec = source_spec(distance=3, rounds=3, p=0.001)
+>>> src = build_source(spec)
+>>> src.dem.num_detectors, int(np.asarray(src.round_of_detector).max())
+(24, 3)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .controller import (
+    DEFAULT_CYCLE_NS,
+    Controller,
+    ControllerResult,
+    SyndromeStream,
+)
+from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, histogram_summary, join_shots, stage_summary
+
+__all__ = [
+    "source_spec",
+    "build_source",
+    "sample_stream",
+    "run_loop",
+    "LoopResult",
+    "resolve_url",
+]
+
+_SOURCE_KEYS = {"kind", "code", "distance", "rounds", "p", "noise"}
+_url_counter = itertools.count()
+
+
+def source_spec(*, distance: int, rounds: int | None = None, p: float = 0.001,
+                code: str = "surface_code:rotated_memory_z", noise: str = "uniform", kind: str = "stim") -> dict:
+    """A plain-data syndrome-source spec (``rounds`` defaults to ``distance``).
+
+    >>> source_spec(distance=5)["rounds"]
+    5
+    """
+    if distance < 2:
+        raise ValueError(f"distance must be >= 2, got {distance}")
+    if not 0 <= p < 0.5:
+        raise ValueError(f"p must lie in [0, 0.5), got {p}")
+    return {"kind": kind, "code": code, "distance": int(distance), "rounds": int(rounds or distance),
+            "p": float(p), "noise": noise}
+
+
+def _check_spec(spec: Mapping[str, Any]) -> dict:
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"a source spec is a dict of plain values, got {type(spec).__name__}")
+    unknown = set(spec) - _SOURCE_KEYS
+    if unknown:
+        raise ValueError(f"unknown source spec keys {sorted(unknown)}; allowed: {sorted(_SOURCE_KEYS)}")
+    for k, v in spec.items():
+        if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+            raise TypeError(f"source spec values must be str/int/float, got {k}={v!r}")
+    return dict(spec)
+
+
+class _BoundSource:
+    """A :class:`~qlink.qec.sources.SyndromeSource` with the DEM a decoder needs bound to it."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.dem = source.detector_error_model(decompose_errors=True)
+        self.round_of_detector = np.asarray(source.detector_rounds, dtype=np.int64)
+
+    def sample(self, num_shots: int, *, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        b = self.source.sample(num_shots, seed=seed)
+        return b.detection_events.view(np.uint8), b.observable_flips.view(np.uint8)
+
+
+_CODES = {"surface_code:rotated_memory_z": "Z", "surface_code:rotated_memory_x": "X"}
+
+
+def build_source(spec: Mapping[str, Any]):
+    """Build the syndrome source a spec describes (``kind`` ``"stim"`` or ``"cudaq"``,
+    a rotated surface-code memory): an object with ``dem``, ``round_of_detector`` and
+    ``sample(num_shots, seed=...) -> (detectors, observables)``."""
+    spec = _check_spec(spec)
+    kind = spec.get("kind", "stim")
+    code = spec.get("code", "surface_code:rotated_memory_z")
+    if code not in _CODES:
+        raise ValueError(f"code {code!r} is not supported; use one of {sorted(_CODES)}")
+    if spec.get("noise", "uniform") != "uniform":
+        raise ValueError(f"noise model {spec['noise']!r} is not supported; use 'uniform'")
+    if "distance" not in spec or "p" not in spec:
+        raise ValueError("a source spec needs 'distance' and 'p'")
+    kw = dict(distance=int(spec["distance"]), rounds=int(spec.get("rounds", spec["distance"])),
+              p=float(spec["p"]), basis=_CODES[code])
+    if kind == "stim":
+        from .sources import StimSource
+
+        return _BoundSource(StimSource.surface_code(**kw))
+    if kind == "cudaq":
+        from .sources import CudaqSource
+
+        return _BoundSource(CudaqSource.surface_code(**kw))
+    raise ValueError(f"source kind {kind!r} is unknown; use 'stim' or 'cudaq'")
+
+
+def sample_stream(source, *, num_shots: int, seed: int | None = None) -> SyndromeStream:
+    """Sample ``num_shots`` shots of ``source`` into a :class:`SyndromeStream`."""
+    if num_shots < 1:
+        raise ValueError(f"num_shots must be >= 1, got {num_shots}")
+    dets, obs = source.sample(num_shots, seed=seed)
+    return SyndromeStream(detectors=dets, observables=obs, round_of_detector=np.asarray(source.round_of_detector))
+
+
+def resolve_url(transport: str) -> str:
+    """A URL for a transport name or URL: ``"tcp"`` → ``tcp://127.0.0.1:0``, ``"shm"`` →
+    a fresh ``shm://`` name; a full URL is returned unchanged.
+
+    >>> resolve_url("tcp"), resolve_url("tcp://127.0.0.1:5555")
+    ('tcp://127.0.0.1:0', 'tcp://127.0.0.1:5555')
+    """
+    if "://" in transport:
+        return transport
+    if transport in ("tcp", "ucx"):
+        return f"{transport}://127.0.0.1:0"
+    if transport in ("shm", "inproc"):
+        return f"{transport}://qlink-loop-{os.getpid()}-{next(_url_counter)}"
+    raise ValueError(f"unknown transport {transport!r}; give a URL or one of tcp, shm, ucx, inproc")
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    """One closed-loop run. Times in ns; ``*_us`` in µs; every figure *measured* on this
+    machine except ``modeled_controller_ns`` (cited controller delays, never added in)."""
+
+    transport: str  # the transport that carried the bytes (from the endpoint)
+    url: str
+    decoder: str
+    source: dict
+    num_shots: int
+    num_rounds: int
+    cycle_ns: int
+    rounds_per_frame: int
+    frames_per_shot: int
+    shots_ok: int
+    logical_errors: int
+    shots_dropped: int
+    logical_error_rate: float
+    ler_interval: tuple
+    reaction_p50_ns: float
+    reaction_p99_ns: float
+    reaction_p999_ns: float
+    shares: dict  # transport / queue / decode / other: fractions of the mean reaction time
+    stage_breakdown: dict  # per stage p50 and share (joined per-shot records)
+    late_frames: int
+    max_lag_ns: int
+    deadline_misses: int
+    decoded_rounds_per_s: float
+    required_rounds_per_s: float
+    backlog_final_rounds: int
+    backlog_max_rounds: int
+    backlog_slope_rounds_per_s: float
+    keeps_up: bool
+    controller: ControllerResult = field(repr=False)
+    service: dict = field(repr=False)
+    modeled_controller_ns: dict = field(default_factory=dict)
+
+    @property
+    def backlog_trace(self) -> tuple[np.ndarray, np.ndarray]:
+        """(time since the first tick in ns, rounds emitted − rounds answered)."""
+        return self.controller.backlog_t_ns, self.controller.backlog_rounds
+
+    def ler_at(self, deadlines_ns) -> np.ndarray:
+        """LER(t): P(wrong, missing, or applied later than t) per deadline."""
+        return self.controller.ler_at(deadlines_ns)
+
+    def service_stage_summary(self) -> dict:
+        return {k: histogram_summary(v) for k, v in self.service.get("stages", {}).items() if v.get("count")}
+
+    def summary(self) -> dict:
+        """The headline figures as a flat JSON-able dict."""
+        lo, hi = self.ler_interval
+        return {
+            "transport": self.transport, "decoder": self.decoder, "distance": self.source.get("distance"),
+            "rounds": self.num_rounds, "p": self.source.get("p"), "shots": self.num_shots, "cycle_ns": self.cycle_ns,
+            "rounds_per_frame": self.rounds_per_frame, "ler": self.logical_error_rate, "ler_lo": lo, "ler_hi": hi,
+            "errors": self.logical_errors, "dropped": self.shots_dropped,
+            "reaction_p50_us": self.reaction_p50_ns / 1e3, "reaction_p99_us": self.reaction_p99_ns / 1e3,
+            "reaction_p999_us": self.reaction_p999_ns / 1e3,
+            "share_transport": self.shares.get("transport"), "share_queue": self.shares.get("queue"),
+            "share_decode": self.shares.get("decode"), "share_other": self.shares.get("other"),
+            "late_frames": self.late_frames, "decoded_rounds_per_s": self.decoded_rounds_per_s,
+            "required_rounds_per_s": self.required_rounds_per_s, "backlog_max_rounds": self.backlog_max_rounds,
+            "backlog_slope_rounds_per_s": self.backlog_slope_rounds_per_s, "keeps_up": self.keeps_up,
+            "deadline_misses": self.deadline_misses,
+        }
+
+
+def _serve_in_thread(url: str, configs_spec, service_options, ready: list, out: dict, started: threading.Event):
+    import transports
+
+    from .service import DecoderConfig, DecoderService
+
+    try:
+        configs = {int(k): DecoderConfig.from_spec(v) for k, v in configs_spec.items()}
+        svc = DecoderService(configs, **service_options)
+        lis = transports.listen(url)
+    except Exception as exc:  # reported to the caller through `out`
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        started.set()
+        return
+    ready.append(lis.url)
+    started.set()
+    try:
+        ep = lis.accept(timeout_s=30)
+        try:
+            rep = svc.serve(ep)
+            rep["transport"] = ep.capabilities.name
+            out.update(rep)
+        finally:
+            ep.close()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        lis.close()
+
+
+def _slope(t_ns: np.ndarray, v: np.ndarray) -> float:
+    if len(t_ns) < 4:
+        return 0.0
+    half = len(t_ns) // 2
+    t = t_ns[half:].astype(np.float64) / 1e9
+    y = v[half:].astype(np.float64)
+    if np.ptp(t) <= 0:
+        return 0.0
+    return float(np.polyfit(t, y, 1)[0])
+
+
+def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str = "pymatching",
+             num_shots: int = 1000, cycle_ns: int = DEFAULT_CYCLE_NS, rounds_per_frame: int = 1,
+             seed: int | None = None, decoder_id: int = 0, feed_forward_deadline_ns: int | None = None,
+             ack_enqueue: str = "errors", capacity_shots: int = 1024, keep_samples: int = 100_000,
+             warmup_shots: int = 200, gap_cycles: int = 0, timeout_s: float = 300.0,
+             stream: SyndromeStream | None = None, max_batch_requests: int = 256,
+             max_in_flight_shots: int | None = None) -> LoopResult:
+    """Run the closed loop: service in a child process (or thread), controller here.
+
+    ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``inproc``) or a URL;
+    ``source`` a source spec (see :func:`source_spec`); ``warmup_shots`` extra shots
+    played first (a separate stream, excluded from every figure) so imports and
+    caches are warm; ``max_in_flight_shots`` throttles the controller to the
+    decoder (for LER and throughput runs: it bends the cycle clock).
+    """
+    import transports
+
+    from .service import start_service_process
+
+    url = resolve_url(transport)
+    spec = _check_spec(source)
+    src = build_source(spec)
+    if stream is None:
+        stream = sample_stream(src, num_shots=num_shots, seed=seed)
+    elif stream.num_shots < num_shots:
+        raise ValueError(f"stream has {stream.num_shots} shots, fewer than num_shots={num_shots}")
+    stream = stream.take(num_shots)
+    frames_per_shot = len(stream.frames(rounds_per_frame=rounds_per_frame))
+    configs_spec = {decoder_id: {"source": spec, "decoder": decoder, "capacity_shots": int(capacity_shots),
+                                 "frames_per_shot": frames_per_shot}}
+    service_options = {"ack_enqueue": ack_enqueue, "keep_samples": int(keep_samples) + int(warmup_shots),
+                       "max_batch_requests": int(max_batch_requests)}
+    caps = transports.capabilities(url)
+    proc = thread = None
+    thread_out: dict = {}
+    if caps.cross_process:
+        proc = start_service_process(url, configs_spec, service_options=service_options,
+                                     timeout_s=timeout_s + 60)
+        bound = proc.url
+    else:
+        ready: list = []
+        started = threading.Event()
+        thread = threading.Thread(target=_serve_in_thread, name="qlink-decoder-service", daemon=True,
+                                  args=(url, configs_spec, service_options, ready, thread_out, started))
+        thread.start()
+        started.wait(60)
+        if not ready:
+            raise RuntimeError(f"the decoder service failed to start: {thread_out.get('error', 'no reason given')}")
+        bound = ready[0]
+    try:
+        ep = transports.connect(bound, timeout_s=30)
+        try:
+            ctl_kw = dict(decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
+                          gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
+                          max_in_flight_shots=max_in_flight_shots)
+            counter, rid = 0, 0
+            if warmup_shots > 0:
+                warm_stream = sample_stream(src, num_shots=warmup_shots,
+                                            seed=None if seed is None else seed + 7919)
+                warm = Controller(ep, warm_stream, **ctl_kw)
+                warm.run(timeout_s=timeout_s)
+                counter, rid = warm.counter, warm.next_request_id
+            ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
+                             request_id_start=rid, **ctl_kw)
+            cres = ctl.run(timeout_s=timeout_s)
+            transport_name = ep.capabilities.name
+        finally:
+            ep.close()
+        if proc is not None:
+            srep = proc.report(timeout_s=60)
+        else:
+            thread.join(60)
+            srep = thread_out
+    finally:
+        if proc is not None:
+            proc.close()
+    if "error" in srep and not srep.get("counts"):
+        raise RuntimeError(f"the decoder service failed: {srep['error']}")
+    return _assemble(cres, srep, transport_name=transport_name, url=bound, decoder=decoder, spec=spec,
+                     rounds_per_frame=rounds_per_frame)
+
+
+def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: str, decoder: str, spec: dict,
+              rounds_per_frame: int) -> LoopResult:
+    if cres.shot_records is not None and "shots" in srep:
+        svc_shots = ShotRecords.from_dict(SERVICE_SHOT_FIELDS, srep["shots"])
+        breakdown = stage_summary(join_shots(cres.shot_records, svc_shots))
+    else:
+        breakdown = stage_summary({})
+    p50, p99, p999 = (float(v) for v in cres.reaction_percentiles_ns((50, 99, 99.9)))
+    bl_t, bl_v = cres.backlog_t_ns, cres.backlog_rounds
+    slope = _slope(bl_t, bl_v)
+    required = 1e9 / cres.cycle_ns
+    # Keeping up: nothing dropped, the controller itself on time, and a backlog that
+    # neither trends upwards nor ever exceeds 64 shots' worth of rounds.
+    keeps_up = bool(cres.shots_dropped == 0
+                    and cres.late_frames <= 0.01 * cres.num_shots * cres.frames_per_shot
+                    and slope < 0.02 * required
+                    and (len(bl_v) == 0 or int(bl_v.max()) <= 64 * cres.num_rounds))
+    return LoopResult(
+        transport=transport_name, url=url, decoder=decoder, source=dict(spec), num_shots=cres.num_shots,
+        num_rounds=cres.num_rounds, cycle_ns=cres.cycle_ns, rounds_per_frame=rounds_per_frame,
+        frames_per_shot=cres.frames_per_shot, shots_ok=cres.shots_ok, logical_errors=cres.logical_errors,
+        shots_dropped=cres.shots_dropped, logical_error_rate=cres.logical_error_rate,
+        ler_interval=cres.ler_interval(), reaction_p50_ns=p50, reaction_p99_ns=p99, reaction_p999_ns=p999,
+        shares=breakdown["shares"], stage_breakdown=breakdown, late_frames=cres.late_frames,
+        max_lag_ns=cres.max_lag_ns, deadline_misses=cres.deadline_misses,
+        decoded_rounds_per_s=cres.decoded_rounds_per_s, required_rounds_per_s=required,
+        backlog_final_rounds=int(bl_v[-1]) if len(bl_v) else 0, backlog_max_rounds=int(bl_v.max()) if len(bl_v) else 0,
+        backlog_slope_rounds_per_s=slope, keeps_up=keeps_up, controller=cres, service=srep,
+        modeled_controller_ns=dict(cres.modeled_controller_ns),
+    )

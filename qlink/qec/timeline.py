@@ -1,0 +1,261 @@
+"""Per-stage timestamps of the QEC loop: stage histograms and per-shot records.
+
+Two kinds of record, both constant-memory on the hot path:
+
+* :class:`StageRecorder` keeps one :class:`~qlink.histogram.LatencyHistogram` per
+  named stage (``decode``, ``queue``, ``wire_in`` …), so a run of 10^6 shots costs the
+  same memory as a run of ten.
+* :class:`ShotRecords` keeps the raw timestamps of the first ``capacity`` shots in a
+  preallocated NumPy structured array (the controller's side and the service's side
+  each keep one). :func:`join_shots` matches the two sides on the request id of a
+  shot's last syndrome frame and splits every shot's reaction time into stages that
+  add up exactly (both processes read the same monotonic clock).
+
+>>> rec = ShotRecords(SERVICE_SHOT_FIELDS, capacity=2)
+>>> rec.append(7, 100, 150, 150, 160, 170, 190, 1, 0)
+>>> rec.append(8, 200, 250, 250, 260, 270, 290, 1, 0)
+>>> rec.append(9, 0, 0, 0, 0, 0, 0, 0, 0)          # past capacity: counted, not stored
+>>> len(rec), rec.dropped
+(2, 1)
+>>> rec.array()["in_last_ns"].tolist()
+[150, 250]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "StageRecorder",
+    "ShotRecords",
+    "SERVICE_SHOT_FIELDS",
+    "CONTROLLER_SHOT_FIELDS",
+    "REACTION_STAGES",
+    "join_shots",
+    "stage_summary",
+    "histogram_summary",
+]
+
+# Service side, one row per decoded shot (timestamps in ns of the shared monotonic clock).
+SERVICE_SHOT_FIELDS = (
+    ("last_request_id", np.int64),  # request_id of the frame that completed the shot
+    ("ptp_last_ns", np.int64),  # that frame's ptp_timestamp (the controller's send time)
+    ("in_last_ns", np.int64),  # that frame received by the service
+    ("complete_ns", np.int64),  # shot complete, queued for decoding
+    ("decode_start_ns", np.int64),
+    ("decode_end_ns", np.int64),
+    ("out_ns", np.int64),  # its corrections handed to the transport
+    ("batch_shots", np.int64),  # shots decoded in the same decoder call
+    ("status", np.int64),  # wire.Status answered
+)
+
+# Controller side, one row per shot.
+CONTROLLER_SHOT_FIELDS = (
+    ("shot", np.int64),
+    ("last_request_id", np.int64),
+    ("emit_last_ns", np.int64),  # the cycle tick at which the last round's syndrome existed
+    ("sent_last_ns", np.int64),  # last frame handed to the transport
+    ("get_sent_ns", np.int64),  # first get_corrections sent
+    ("response_ns", np.int64),  # the answer that resolved the shot received
+    ("applied_ns", np.int64),  # correction XORed into the Pauli frame
+    ("polls", np.int64),  # get_corrections sent for this shot
+    ("status", np.int64),
+    ("correct", np.int64),  # 1 when frame ^ correction matched the true observable flip
+)
+
+# The stages a shot's reaction time splits into, in order (they add up exactly).
+REACTION_STAGES = ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")
+
+
+def _histogram_class():
+    from qlink.histogram import LatencyHistogram
+
+    return LatencyHistogram
+
+
+class StageRecorder:
+    """One latency histogram per stage; ``record`` is the only hot-path call.
+
+    >>> r = StageRecorder(["decode", "queue"])
+    >>> for v in (1000, 2000, 3000):
+    ...     r.record("decode", v)
+    >>> r.count("decode"), r.count("queue")
+    (3, 0)
+    >>> sorted(r.to_dict())
+    ['decode', 'queue']
+    """
+
+    __slots__ = ("_hists",)
+
+    def __init__(self, stages: Iterable[str]) -> None:
+        cls = _histogram_class()
+        self._hists = {str(s): cls() for s in stages}
+        if not self._hists:
+            raise ValueError("StageRecorder needs at least one stage name")
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return tuple(self._hists)
+
+    def histogram(self, stage: str):
+        """The :class:`~qlink.histogram.LatencyHistogram` of ``stage``."""
+        try:
+            return self._hists[stage]
+        except KeyError:
+            raise KeyError(f"unknown stage {stage!r}; stages are {sorted(self._hists)}") from None
+
+    def record(self, stage: str, value_ns: int) -> None:
+        """Add one duration; negative values (clock reads out of order) are clamped to 0."""
+        self._hists[stage].record(value_ns if value_ns > 0 else 0)
+
+    def count(self, stage: str) -> int:
+        return int(self.histogram(stage).count)
+
+    def to_dict(self) -> dict:
+        """``{stage: histogram.to_dict()}`` — plain data, JSON-able."""
+        return {name: h.to_dict() for name, h in self._hists.items()}
+
+    def summary(self) -> dict:
+        """``{stage: {n, p50_us, p99_us, p999_us, max_us}}`` of the stages that saw samples."""
+        return {name: histogram_summary(h) for name, h in self._hists.items() if h.count}
+
+
+def histogram_summary(hist) -> dict:
+    """p50/p99/p99.9/max in µs and the count of a LatencyHistogram (or its ``to_dict``)."""
+    if isinstance(hist, dict):
+        hist = _histogram_class().from_dict(hist)
+    n = int(hist.count)
+    if n == 0:
+        nan = float("nan")
+        return {"n": 0, "p50_us": nan, "p99_us": nan, "p999_us": nan, "max_us": nan}
+    p50, p99, p999 = (float(v) for v in hist.percentiles((50.0, 99.0, 99.9)))
+    return {"n": n, "p50_us": p50 / 1e3, "p99_us": p99 / 1e3, "p999_us": p999 / 1e3,
+            "max_us": float(hist.max) / 1e3}
+
+
+class ShotRecords:
+    """A preallocated table of per-shot timestamps; rows past ``capacity`` are counted only."""
+
+    __slots__ = ("_data", "_cols", "_n", "dropped", "capacity")
+
+    def __init__(self, fields: Sequence[tuple[str, type]], *, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0 shots, got {capacity}")
+        self.capacity = int(capacity)
+        self._data = np.zeros(self.capacity, dtype=np.dtype(list(fields)))
+        self._cols = [self._data[name] for name, _ in fields]
+        self._n = 0
+        self.dropped = 0
+
+    def append(self, *values: int) -> None:
+        i = self._n
+        if i >= self.capacity:
+            self.dropped += 1
+            return
+        for col, v in zip(self._cols, values):
+            col[i] = v
+        self._n = i + 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def array(self) -> np.ndarray:
+        """The filled rows (a view)."""
+        return self._data[: self._n]
+
+    def to_dict(self) -> dict:
+        """Column lists, JSON-able."""
+        a = self.array()
+        return {name: a[name].tolist() for name in a.dtype.names}
+
+    @staticmethod
+    def from_dict(fields: Sequence[tuple[str, type]], data: dict) -> np.ndarray:
+        """Rebuild the structured array that :meth:`to_dict` wrote."""
+        names = [n for n, _ in fields]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"shot records lack columns {missing}")
+        n = len(data[names[0]]) if names else 0
+        out = np.zeros(n, dtype=np.dtype(list(fields)))
+        for name in names:
+            col = data[name]
+            if len(col) != n:
+                raise ValueError(f"column {name!r} has {len(col)} rows, expected {n}")
+            out[name] = col
+        return out
+
+
+def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-shot stage durations (ns) of the shots both sides recorded.
+
+    Shots are matched on ``last_request_id``; only answered shots (service status OK
+    with a correction applied) are kept. The stages of :data:`REACTION_STAGES` add
+    up to ``reaction`` (= applied − emitted) exactly:
+
+    send (emitted → sent) · wire_in (sent → service received the last frame) ·
+    queue (received → decode start) · decode · respond (decode end → corrections
+    sent; includes waiting for the get_corrections request) · wire_out (sent →
+    controller received) · apply (received → applied to the Pauli frame).
+
+    >>> c = np.zeros(1, dtype=list(CONTROLLER_SHOT_FIELDS))
+    >>> s = np.zeros(1, dtype=list(SERVICE_SHOT_FIELDS))
+    >>> c[0] = (0, 5, 1000, 1100, 1150, 1900, 1950, 1, 0, 1)
+    >>> s[0] = (5, 1100, 1300, 1300, 1400, 1600, 1700, 1, 0)
+    >>> st = join_shots(c, s)
+    >>> [int(st[k][0]) for k in REACTION_STAGES], int(st["reaction"][0])
+    ([100, 200, 100, 200, 100, 200, 50], 950)
+    """
+    c = controller[(controller["status"] == 0) & (controller["applied_ns"] > 0)]
+    s = service[service["status"] == 0]
+    if len(c) == 0 or len(s) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return {k: empty for k in (*REACTION_STAGES, "reaction", "shot")}
+    order = np.argsort(s["last_request_id"], kind="stable")
+    s_sorted = s[order]
+    pos = np.searchsorted(s_sorted["last_request_id"], c["last_request_id"])
+    pos = np.clip(pos, 0, len(s_sorted) - 1)
+    hit = s_sorted["last_request_id"][pos] == c["last_request_id"]
+    c, m = c[hit], s_sorted[pos[hit]]
+    out = {
+        "send": c["sent_last_ns"] - c["emit_last_ns"],
+        "wire_in": m["in_last_ns"] - c["sent_last_ns"],
+        "queue": m["decode_start_ns"] - m["in_last_ns"],
+        "decode": m["decode_end_ns"] - m["decode_start_ns"],
+        "respond": m["out_ns"] - m["decode_end_ns"],
+        "wire_out": c["response_ns"] - m["out_ns"],
+        "apply": c["applied_ns"] - c["response_ns"],
+        "reaction": c["applied_ns"] - c["emit_last_ns"],
+        "shot": c["shot"].copy(),
+    }
+    return {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
+
+
+def stage_summary(stages: dict[str, np.ndarray]) -> dict:
+    """Per stage: p50 (µs) and share of the mean reaction time; shares sum to 1.
+
+    The three headline shares: ``transport`` (send + wire_in + wire_out), ``queue``
+    and ``decode``; ``other`` is the service's and controller's own work (respond,
+    apply).
+    """
+    n = len(stages.get("reaction", ()))
+    nan = float("nan")
+    if n == 0:
+        return {"n": 0, "stages": {}, "shares": {"transport": nan, "queue": nan, "decode": nan, "other": nan}}
+    total = float(np.mean(stages["reaction"]))
+    per = {}
+    for k in REACTION_STAGES:
+        a = stages[k]
+        per[k] = {"p50_us": float(np.percentile(a, 50)) / 1e3, "mean_us": float(np.mean(a)) / 1e3,
+                  "share": float(np.mean(a)) / total if total > 0 else nan}
+    shares = {
+        "transport": sum(per[k]["share"] for k in ("send", "wire_in", "wire_out")),
+        "queue": per["queue"]["share"],
+        "decode": per["decode"]["share"],
+        "other": per["respond"]["share"] + per["apply"]["share"],
+    }
+    if not all(math.isfinite(v) for v in shares.values()):
+        shares = {k: nan for k in shares}
+    return {"n": n, "stages": per, "shares": shares}
