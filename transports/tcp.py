@@ -1,0 +1,931 @@
+"""``tcp://host:port``: framed messages and software-emulated puts over one TCP socket.
+
+Each message travels as one frame (see :mod:`transports._framing`): a 32-byte
+header packed into a preallocated buffer, then the payload. Small payloads are
+copied behind the header and leave in one ``send``; large ones go out with
+``sendmsg`` straight from the caller's buffer and are read with ``recv_into``
+straight into the receiver's buffer, so big payloads are never copied in user space.
+
+One-sided ``put`` is emulated in software, the way UCX emulates RMA over active
+messages: the initiator sends a PUT frame, and the target writes its payload into
+the registered region during its own progress (any ``recv_into`` /
+``wait_notification`` / ``send`` call), then queues the :class:`Notification`.
+Messages and notifications that arrive interleaved each go to their own queue.
+
+* The listener binds ``127.0.0.1`` unless another host is named; port 0 picks a
+  free port and ``Listener.url`` reports the real one.
+* A connection opens with a handshake (magic ``QLTC`` + protocol version); a
+  listener thread answers it, refusing a client that speaks anything else with a
+  readable reason, without disturbing other clients.
+* A blocking call busy-polls for ``busy_poll_s`` (50 µs by default), then sleeps in
+  ``poll`` for the rest of its timeout. A peer that closes, crashes or is killed
+  shows up as :class:`~qlink.errors.BrokenLinkError` as soon as its kernel closes
+  the socket, after the messages it sent before have been received.
+* One thread may send (``send``/``put``) while another receives
+  (``recv_into``/``wait_notification``) on the same endpoint.
+
+>>> from transports import tcp
+>>> with tcp.listen("tcp://127.0.0.1:0") as lis:
+...     with tcp.connect(lis.url, timeout_s=5) as client, lis.accept(timeout_s=5) as server:
+...         client.send(b"syndrome round")
+...         buf = bytearray(64)
+...         n = server.recv_into(buf, timeout_s=5)
+...         bytes(buf[:n])
+b'syndrome round'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import math
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from urllib.parse import urlsplit
+
+from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, RegistrationError, WireError, WouldBlock
+from qlink.memory import Region, RemoteRegion, as_byte_view
+
+from . import _framing as fr
+from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics, deadline_of
+
+__all__ = ["CAPABILITIES", "listen", "connect", "TcpEndpoint", "TcpListener"]
+
+CAPABILITIES = Capabilities(
+    name="tcp",
+    one_sided=True,
+    zero_copy_put=False,  # the target's progress copies each put from the socket into the region
+    cross_process=True,
+    cross_host=True,
+    max_message_bytes=fr.MAX_FRAME_PAYLOAD,
+)
+
+_DEFAULT_BUSY_POLL_S = 50e-6
+_HANDSHAKE_TIMEOUT_S = 5.0
+_RBUF_NBYTES = 256 << 10  # read-ahead buffer: many small frames per recv syscall
+_DIRECT_MIN = 32 << 10  # a payload remainder at least this large is read straight into its destination
+_SMALL_SEND = 64 << 10  # payloads up to this are copied behind the header and sent in one call
+_CLOSE_LINGER_S = 1.0
+
+_NOTHING = -1  # _pump: no more bytes for now
+_NOTE = -2  # _pump: a notification was queued
+
+_POLLIN = select.POLLIN
+_POLLOUT = select.POLLOUT
+_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
+_PEEK_FLAGS = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+
+
+def _random_key() -> int:
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def _ms(left_s: float | None):
+    return None if left_s is None else max(0, math.ceil(left_s * 1000))
+
+
+def _host_port(url: str, *, default_port: int | None) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.scheme != "tcp":
+        raise ValueError(f"tcp transport needs a URL like 'tcp://127.0.0.1:5555', got {url!r}")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"bad port in {url!r}: {e}") from None
+    if port is None:
+        if default_port is None:
+            raise ValueError(f"tcp URL needs a port, like 'tcp://127.0.0.1:5555', got {url!r}")
+        port = default_port
+    return parts.hostname or "127.0.0.1", port
+
+
+def _url_of(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class TcpEndpoint(Endpoint):
+    """One side of a ``tcp://`` connection (made by :func:`connect` or ``TcpListener.accept``)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, sock: socket.socket, *, url: str, local_key: int, peer_key: int,
+                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
+        super().__init__()
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self.url = url
+        self.local_address = sock.getsockname()
+        self.peer_address = sock.getpeername()
+        self._key = local_key.to_bytes(8, "little")
+        self._peer_key = peer_key.to_bytes(8, "little")
+        self._busy_poll_s = float(busy_poll_s)
+        # receive side (guarded by _rlock)
+        self._rlock = threading.Lock()
+        self._rbuf = bytearray(_RBUF_NBYTES)
+        self._rmv = memoryview(self._rbuf)
+        self._rpos = 0
+        self._rend = 0
+        self._cur: tuple | None = None  # (kind, region_id, nbytes, offset, notify_id, tag) of the frame in progress
+        self._cur_dst: memoryview | None = None
+        self._cur_got = 0
+        self._cur_direct = False  # _cur_dst is the caller's buffer (must be detached if we leave early)
+        self._msgq: deque = deque()
+        self._noteq: deque = deque()
+        self._dead: tuple[str, BaseException | None] | None = None
+        self._peer_said_bye = False
+        self._regions: dict[int, tuple[Region, memoryview]] = {}
+        self._region_ids = itertools.count(1)
+        self._withdrawn: set[int] = set()  # the peer's regions it deregistered
+        self._staged = 0
+        self._puts_rejected = 0
+        # send side (guarded by _slock)
+        self._slock = threading.Lock()
+        self._sbuf = bytearray(fr.HEADER.size + MAX_TAG_BYTES + _SMALL_SEND)
+        self._smv = memoryview(self._sbuf)
+        self._pending: memoryview | None = None  # committed frame bytes still to write
+        self._poll_in = select.poll()
+        self._poll_in.register(sock, _POLLIN)
+        self._poll_out = select.poll()
+        self._poll_out.register(sock, _POLLOUT)
+        self._poll_both = select.poll()
+        self._poll_both.register(sock, _POLLIN | _POLLOUT)
+
+    def __repr__(self) -> str:
+        return f"<TcpEndpoint {self.local_address} -> {self.peer_address} {'closed' if self._closed else 'open'}>"
+
+    # ----- failure bookkeeping ---------------------------------------------------
+    def _mark_dead(self, what: str, cause: BaseException | None = None) -> None:
+        if self._dead is None:
+            self._dead = (what, cause)
+
+    def _mark_eof(self) -> None:
+        if self._peer_said_bye:
+            self._mark_dead("the peer closed its endpoint")
+        else:
+            self._mark_dead("the peer's socket closed without a goodbye (peer process exited or was killed?)")
+
+    def _raise_broken(self, doing: str):
+        self._check_open()  # our own close() shut the socket: that is ClosedError, not a broken link
+        what, cause = self._dead
+        self._counters.errors += 1
+        raise BrokenLinkError(f"tcp link {self.local_address} -> {self.peer_address} is broken ({what}); {doing} cannot complete") from cause
+
+    # ----- receive engine (caller holds _rlock) ----------------------------------
+    def _fill(self) -> bool:
+        """Read what the socket has into the read-ahead buffer; False when nothing came.
+
+        Reading goes on after a send found the link dead: what the peer sent before it
+        went away is still delivered."""
+        if self._rpos == self._rend:
+            self._rpos = self._rend = 0
+        elif self._rpos and len(self._rbuf) - self._rend < _RBUF_NBYTES // 2:
+            left = self._rend - self._rpos
+            self._rbuf[:left] = self._rmv[self._rpos:self._rend]
+            self._rpos, self._rend = 0, left
+        try:
+            n = self._sock.recv_into(self._rmv[self._rend:])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while receiving", e)
+            return False
+        if n == 0:
+            self._mark_eof()
+            return False
+        self._rend += n
+        return True
+
+    def _put_target(self, region_id: int, offset: int, nbytes: int) -> memoryview | None:
+        entry = self._regions.get(region_id)
+        if entry is None or offset + nbytes > entry[0].nbytes:
+            self._puts_rejected += 1  # deregistered while the put was in flight, or a bad peer
+            self._counters.errors += 1
+            return None
+        return entry[1][offset:offset + nbytes]
+
+    def _bad_frame(self, err: WireError) -> None:
+        self._counters.errors += 1
+        self._mark_dead(f"the peer sent a malformed frame: {err}", err)
+        self._rpos = self._rend = 0
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _pump(self, out: memoryview | None) -> int:
+        """Progress incoming frames without blocking.
+
+        Returns the size of a message delivered into ``out``, ``_NOTE`` when a
+        notification was queued, ``_NOTHING`` when the socket has no more for now.
+        """
+        rmv = self._rmv
+        hsize = fr.HEADER.size
+        while True:
+            cur = self._cur
+            if cur is None:
+                avail = self._rend - self._rpos
+                if avail < hsize:
+                    if not self._fill():
+                        return _NOTHING
+                    continue
+                try:
+                    kind, tag_n, rid, n, off, nid = fr.parse_header(rmv, self._rpos)
+                except WireError as e:
+                    self._bad_frame(e)
+                    return _NOTHING
+                if avail < hsize + tag_n:
+                    if not self._fill():
+                        return _NOTHING
+                    continue
+                tag = bytes(rmv[self._rpos + hsize:self._rpos + hsize + tag_n]) if tag_n else b""
+                self._rpos += hsize + tag_n
+                if kind == fr.KIND_DEREG:
+                    self._withdrawn.add(rid)
+                    continue
+                if kind == fr.KIND_BYE:
+                    self._peer_said_bye = True
+                    continue
+                cur = self._cur = (kind, rid, n, off, nid, tag)
+                self._cur_got = 0
+                self._cur_direct = False
+                self._cur_dst = self._put_target(rid, off, n) if kind == fr.KIND_PUT else None
+            kind, rid, n, off, nid, tag = cur
+            dst = self._cur_dst
+            if kind == fr.KIND_MSG and dst is None:
+                if out is not None and not self._msgq:
+                    if n > len(out):
+                        raise BufferTooSmallError(
+                            f"next tcp message is {n} bytes but the buffer holds {len(out)}; the message stays "
+                            f"queued, call again with a buffer of at least {n} bytes", needed_nbytes=n)
+                    dst = self._cur_dst = out[:n]
+                    self._cur_direct = True
+                else:
+                    dst = self._cur_dst = memoryview(bytearray(n))
+                    self._staged += 1
+            got = self._cur_got
+            while got < n:
+                avail = self._rend - self._rpos
+                if avail:
+                    k = min(avail, n - got)
+                    if dst is not None:
+                        dst[got:got + k] = rmv[self._rpos:self._rpos + k]
+                    self._rpos += k
+                    got += k
+                elif dst is not None and n - got >= _DIRECT_MIN:
+                    try:
+                        k = self._sock.recv_into(dst[got:], n - got)
+                    except (BlockingIOError, InterruptedError):
+                        k = -1
+                    except OSError as e:
+                        self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while receiving", e)
+                        k = -1
+                    if k == 0:
+                        self._mark_eof()
+                        k = -1
+                    if k < 0:
+                        self._cur_got = got
+                        return _NOTHING
+                    got += k
+                elif not self._fill():
+                    self._cur_got = got
+                    return _NOTHING
+            self._cur = None
+            self._cur_dst = None
+            self._cur_got = 0
+            if kind == fr.KIND_MSG:
+                if self._cur_direct:
+                    self._cur_direct = False
+                    self._counters.messages_received += 1
+                    self._counters.bytes_received += n
+                    return n
+                self._msgq.append(dst)
+                if out is not None:
+                    return self._deliver_queued(out)
+            elif dst is not None:  # an accepted put: its bytes are in place, now announce it
+                self._noteq.append(Notification(region_id=rid, offset=off, nbytes=n, notify_id=nid, tag=tag))
+                return _NOTE
+
+    def _deliver_queued(self, out: memoryview) -> int:
+        msg = self._msgq[0]
+        n = len(msg)
+        if n > len(out):
+            raise BufferTooSmallError(
+                f"next tcp message is {n} bytes but the buffer holds {len(out)}; the message stays queued, "
+                f"call again with a buffer of at least {n} bytes", needed_nbytes=n)
+        out[:n] = msg
+        self._msgq.popleft()
+        self._counters.messages_received += 1
+        self._counters.bytes_received += n
+        return n
+
+    def _detach(self) -> None:
+        """Leaving a receive early: move a half-received message out of the caller's buffer."""
+        if self._cur_direct:
+            staged = memoryview(bytearray(self._cur[2]))
+            staged[:self._cur_got] = self._cur_dst[:self._cur_got]
+            self._cur_dst = staged
+            self._cur_direct = False
+            self._staged += 1
+
+    def _recv_once(self, out: memoryview) -> int:
+        if self._msgq:
+            return self._deliver_queued(out)
+        while True:
+            r = self._pump(out)
+            if r != _NOTE:
+                return r
+
+    def _note_once(self) -> Notification | None:
+        if not self._noteq and self._pump(None) != _NOTE:
+            return None
+        self._counters.notifications += 1
+        return self._noteq.popleft()
+
+    def _drain_background(self) -> None:
+        """Progress incoming frames for a thread that is not receiving (stage messages, apply puts)."""
+        if self._rlock.acquire(blocking=False):
+            try:
+                while self._pump(None) != _NOTHING:
+                    pass
+            finally:
+                self._rlock.release()
+
+    def _wait_readable(self, deadline: float | None, what: str, timeout_s: float | None, spin_until: float) -> None:
+        """Between two receive attempts: spin until ``spin_until``, then sleep in poll (caller holds _rlock)."""
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise self._timed_out(what, timeout_s)
+        if now < spin_until:
+            return
+        left = None if deadline is None else deadline - now
+        if self._pending is not None and not self._slock.locked():
+            self._poll_both.poll(_ms(left))
+            self._flush_background()
+        else:
+            self._poll_in.poll(_ms(left))
+
+    def _receive(self, attempt, what: str, timeout_s: float | None):
+        deadline = deadline_of(timeout_s)
+        with self._rlock:
+            spin_until = time.monotonic() + self._busy_poll_s
+            try:
+                while True:
+                    self._check_open()
+                    r = attempt()
+                    if r is not None:
+                        return r
+                    if self._dead is not None:
+                        self._raise_broken(what)
+                    self._wait_readable(deadline, what, timeout_s, spin_until)
+            finally:
+                self._detach()
+
+    # ----- two-sided -----------------------------------------------------------
+    def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
+        """Receive the next message into ``buf`` (large payloads land there straight from the socket)."""
+        self._check_open()
+        out = _writable(buf)
+
+        def attempt():
+            r = self._recv_once(out)
+            return None if r < 0 else r
+
+        return self._receive(attempt, "recv_into", timeout_s)
+
+    def recv_into_nowait(self, buf) -> int:
+        self._check_open()
+        out = _writable(buf)
+        if not self._rlock.acquire(blocking=False):
+            raise WouldBlock("another thread is receiving on this tcp endpoint")
+        try:
+            self._flush_background()
+            r = self._recv_once(out)
+            if r >= 0:
+                return r
+            if self._dead is not None:
+                self._raise_broken("recv_into_nowait")
+            raise WouldBlock("no complete tcp message has arrived yet")
+        finally:
+            self._detach()
+            self._rlock.release()
+
+    def send(self, data, *, timeout_s: float | None = None) -> None:
+        """Send one message; blocks (progressing incoming frames) while the socket is full."""
+        self._check_open()
+        src = _readable(data)
+        deadline = deadline_of(timeout_s)
+        with self._slock:
+            self._send_frame(fr.KIND_MSG, src, deadline=deadline, timeout_s=timeout_s, nowait=False, what="send")
+        self._counters.messages_sent += 1
+        self._counters.bytes_sent += len(src)
+
+    def send_nowait(self, data) -> None:
+        """Send one message, or raise WouldBlock having sent none of it."""
+        self._check_open()
+        src = _readable(data)
+        if not self._slock.acquire(blocking=False):
+            raise WouldBlock("another thread is sending on this tcp endpoint")
+        try:
+            self._send_frame(fr.KIND_MSG, src, deadline=None, timeout_s=None, nowait=True, what="send_nowait")
+        finally:
+            self._slock.release()
+        self._counters.messages_sent += 1
+        self._counters.bytes_sent += len(src)
+
+    # ----- send engine (caller holds _slock) -------------------------------------
+    def _check_peer(self, what: str) -> None:
+        if self._dead is None:
+            try:
+                if not self._sock.recv(1, _PEEK_FLAGS):
+                    self._mark_eof()
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                self._mark_dead(f"{os.strerror(e.errno) if e.errno else e}", e)
+        if self._dead is not None:
+            self._raise_broken(what)
+
+    def _write(self, parts: list) -> int:
+        try:
+            if len(parts) == 1:
+                return self._sock.send(parts[0], _SEND_FLAGS)
+            return self._sock.sendmsg(parts, (), _SEND_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as e:
+            self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while sending", e)
+            return -1
+
+    @staticmethod
+    def _rest(parts: list, sent: int) -> list:
+        out = []
+        for p in parts:
+            if sent >= len(p):
+                sent -= len(p)
+                continue
+            out.append(p[sent:] if sent else p)
+            sent = 0
+        return out
+
+    def _flush_pending(self, deadline: float | None, timeout_s, nowait: bool, what: str) -> None:
+        while self._pending is not None:
+            k = self._write([self._pending])
+            if k < 0:
+                self._raise_broken(what)
+            self._pending = self._pending[k:] if k < len(self._pending) else None
+            if self._pending is None:
+                return
+            if nowait:
+                raise WouldBlock("the tcp socket is still full with an earlier message; nothing of this one was sent")
+            self._wait_writable(deadline, what, timeout_s)
+
+    def _flush_background(self) -> None:
+        if self._pending is not None and self._slock.acquire(blocking=False):
+            try:
+                k = self._write([self._pending])
+                if k > 0:
+                    self._pending = self._pending[k:] if k < len(self._pending) else None
+            finally:
+                self._slock.release()
+
+    def _wait_writable(self, deadline: float | None, what: str, timeout_s) -> None:
+        self._check_open()
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise self._timed_out(what, timeout_s)
+        left = None if deadline is None else deadline - now
+        if self._rlock.locked():  # a receiving thread drains the incoming side
+            self._poll_out.poll(_ms(left))
+            return
+        events = self._poll_both.poll(_ms(left))
+        if events and events[0][1] & ~_POLLOUT:
+            self._drain_background()  # keep reading so two peers sending large messages cannot deadlock
+        if self._dead is not None:
+            self._raise_broken(what)
+
+    def _send_frame(self, kind: int, src, *, region_id: int = 0, offset: int = 0, notify_id: int = 0,
+                    tag: bytes = b"", deadline: float | None, timeout_s, nowait: bool, what: str) -> None:
+        if self._pending is not None:
+            self._flush_pending(deadline, timeout_s, nowait, what)
+        self._check_peer(what)
+        n = len(src)
+        hsize = fr.HEADER.size + len(tag)
+        sbuf = self._sbuf
+        fr.pack_header(sbuf, kind, nbytes=n, region_id=region_id, offset=offset, notify_id=notify_id,
+                       tag_nbytes=len(tag))
+        if tag:
+            sbuf[fr.HEADER.size:hsize] = tag
+        if n <= _SMALL_SEND:
+            self._smv[hsize:hsize + n] = src
+            parts = [self._smv[:hsize + n]]
+        else:
+            parts = [self._smv[:hsize], src]
+        total = hsize + n
+        sent = self._write(parts)
+        while True:
+            if sent < 0:
+                self._raise_broken(what)
+            if sent >= total:
+                return
+            if nowait:
+                if sent == 0:
+                    raise WouldBlock("the tcp socket buffer is full; nothing of this message was sent")
+                break
+            try:
+                self._wait_writable(deadline, what, timeout_s)
+            except QlinkTimeoutError:
+                if sent == 0:
+                    raise
+                break
+            k = self._write(self._rest(parts, sent))
+            sent = k if k < 0 else sent + k
+        # part of the frame is on the wire: it is committed. Keep the rest (copied, the caller may
+        # reuse its buffer) and write it before anything else; any later call on this endpoint flushes it.
+        self._pending = memoryview(b"".join(bytes(p) for p in self._rest(parts, sent)))
+
+    # ----- one-sided -----------------------------------------------------------
+    def register(self, array) -> Region:
+        """Register a writable host buffer as a put target (any C-contiguous buffer; ``alloc()`` works too)."""
+        self._check_open()
+        region = Region.of(array, region_id=next(self._region_ids), key=self._key)
+        if region.kind != "host":
+            raise TypeError("tcp puts land in host memory; device arrays need a device-capable transport")
+        self._regions[region.region_id] = (region, region.view)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Withdraw a region; the peer learns it in order with later frames, so later puts raise RegistrationError."""
+        known = self._regions.pop(region.region_id, None)
+        if known is None or self._closed or self._dead is not None:
+            return
+        try:
+            with self._slock:
+                self._send_frame(fr.KIND_DEREG, b"", region_id=region.region_id, deadline=deadline_of(_CLOSE_LINGER_S),
+                                 timeout_s=_CLOSE_LINGER_S, nowait=False, what="deregister")
+        except (BrokenLinkError, QlinkTimeoutError):
+            pass  # the target rejects and counts any put that still arrives for it
+
+    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
+            timeout_s: float | None = None) -> None:
+        """Send ``data`` to land in the peer's region at ``offset``; the peer gets a Notification."""
+        self._check_open()
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        tag = bytes(tag)
+        if len(tag) > MAX_TAG_BYTES:
+            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+        if not 0 <= notify_id < 1 << 64:
+            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        src = _readable(data)
+        n = len(src)
+        if offset < 0 or offset + n > remote.nbytes:
+            raise RegistrationError(
+                f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {remote.nbytes} bytes")
+        if remote.key != self._peer_key:
+            raise RegistrationError(f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
+                                    "register on the peer and pass its descriptor")
+        if remote.region_id in self._withdrawn:
+            raise RegistrationError(f"the peer deregistered region {remote.region_id}; ask it for a current descriptor")
+        deadline = deadline_of(timeout_s)
+        with self._slock:
+            self._send_frame(fr.KIND_PUT, src, region_id=remote.region_id, offset=offset, notify_id=notify_id,
+                             tag=tag, deadline=deadline, timeout_s=timeout_s, nowait=False, what="put")
+        self._counters.puts += 1
+        self._counters.put_bytes += n
+
+    def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
+        self._check_open()
+        return self._receive(self._note_once, "wait_notification", timeout_s)
+
+    def poll_notification_nowait(self) -> Notification:
+        self._check_open()
+        if not self._rlock.acquire(blocking=False):
+            raise WouldBlock("another thread is receiving on this tcp endpoint")
+        try:
+            note = self._note_once()
+            if note is not None:
+                return note
+            if self._dead is not None:
+                self._raise_broken("poll_notification_nowait")
+            raise WouldBlock("no put notification has arrived yet")
+        finally:
+            self._rlock.release()
+
+    # ----- lifecycle -----------------------------------------------------------
+    def statistics(self) -> Statistics:
+        return dataclasses.replace(super().statistics(), extra={
+            "staged_messages": self._staged,
+            "puts_rejected": self._puts_rejected,
+        })
+
+    def close(self) -> None:
+        """Orderly close: flush, say goodbye, shut the socket. The peer drains, then sees BrokenLinkError."""
+        if self._closed:
+            return
+        self._closed = True
+        sock = self._sock
+        if self._dead is None and self._slock.acquire(timeout=0.1):  # a blocked sender thread is woken below
+            try:
+                deadline = deadline_of(_CLOSE_LINGER_S)
+                while self._pending is not None and self._dead is None and time.monotonic() < deadline:
+                    k = self._write([self._pending])
+                    self._pending = None if k < 0 or k >= len(self._pending) else self._pending[k:]
+                    if self._pending is not None:
+                        self._poll_out.poll(50)
+                if self._pending is None and self._dead is None:
+                    fr.pack_header(self._sbuf, fr.KIND_BYE, nbytes=0)
+                    self._write([self._smv[:fr.HEADER.size]])
+            finally:
+                self._slock.release()
+        try:
+            sock.shutdown(socket.SHUT_WR)  # FIN after everything sent so far
+        except OSError:
+            pass
+        try:  # unread input at close() would make the kernel reset the connection and drop our unsent bytes
+            scratch = bytearray(1 << 16)
+            while sock.recv_into(scratch):
+                pass
+        except OSError:
+            pass
+        try:
+            sock.shutdown(socket.SHUT_RD)  # wakes a thread of ours that is blocked in poll
+        except OSError:
+            pass
+        got_r = self._rlock.acquire(timeout=_CLOSE_LINGER_S)
+        try:
+            sock.close()
+        finally:
+            if got_r:
+                self._rlock.release()
+        self._regions.clear()
+
+
+def _readable(data) -> memoryview:
+    src = as_byte_view(data)
+    if len(src) > fr.MAX_FRAME_PAYLOAD:
+        raise ValueError(f"message of {len(src)} bytes exceeds max_message_bytes={fr.MAX_FRAME_PAYLOAD}")
+    return src
+
+
+def _writable(buf) -> memoryview:
+    out = as_byte_view(buf)
+    if out.readonly:
+        raise TypeError("recv_into needs a writable buffer (bytearray, numpy array...), got a read-only one")
+    return out
+
+
+class TcpListener(Listener):
+    """Listens on a TCP address; a background thread answers handshakes so ``connect`` never waits for ``accept``."""
+
+    def __init__(self, sock: socket.socket, *, busy_poll_s: float, handshake_timeout_s: float) -> None:
+        self._sock = sock
+        host, port = sock.getsockname()[:2]
+        self.url = _url_of(host, port)
+        self.refused_handshakes = 0  # wrong magic/version, hung up or silent during the handshake
+        self.accepted_handshakes = 0
+        self._busy_poll_s = busy_poll_s
+        self._handshake_timeout_s = handshake_timeout_s
+        self._cond = threading.Condition(threading.Lock())
+        self._ready: deque[TcpEndpoint] = deque()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name=f"qlink-tcp-listener {self.url}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<TcpListener {self.url} {'closed' if self._closed else 'listening'}>"
+
+    def _serve(self) -> None:
+        try:
+            self._serve_loop()
+        except BaseException as e:  # surface in accept() rather than dying silently
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _serve_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock, _POLLIN)
+        poller.register(self._wake_r, _POLLIN)
+        lfd, wfd = self._sock.fileno(), self._wake_r.fileno()
+        pending: dict[int, list] = {}  # fd -> [sock, hello buffer, bytes got, deadline]
+        try:
+            while True:
+                now = time.monotonic()
+                wait_ms = _ms(min(p[3] for p in pending.values()) - now) if pending else None
+                for fd, _ev in poller.poll(wait_ms):
+                    if fd == wfd:
+                        return
+                    if fd == lfd:
+                        self._accept_all(poller, pending)
+                        continue
+                    entry = pending.get(fd)
+                    if entry is not None:
+                        self._read_hello(poller, pending, fd, entry)
+                now = time.monotonic()
+                for fd in [fd for fd, p in pending.items() if p[3] <= now]:
+                    self._drop(poller, pending, fd)
+        finally:
+            for fd in list(pending):
+                self._drop(poller, pending, fd)
+
+    def _accept_all(self, poller, pending) -> None:
+        while True:
+            try:
+                conn, _addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. out of file descriptors: try again on the next wake-up
+                return
+            conn.setblocking(False)
+            poller.register(conn, _POLLIN)
+            pending[conn.fileno()] = [conn, bytearray(fr.HELLO.size), 0, time.monotonic() + self._handshake_timeout_s]
+
+    def _drop(self, poller, pending, fd) -> None:
+        conn = pending.pop(fd)[0]
+        poller.unregister(fd)
+        conn.close()
+        self.refused_handshakes += 1
+
+    def _read_hello(self, poller, pending, fd, entry) -> None:
+        conn, buf, got, _deadline = entry
+        try:
+            k = conn.recv_into(memoryview(buf)[got:], fr.HELLO.size - got)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            k = 0
+        if k == 0:
+            self._drop(poller, pending, fd)
+            return
+        entry[2] = got = got + k
+        if got < fr.HELLO.size:
+            return
+        del pending[fd]
+        poller.unregister(fd)
+        status, peer_key, reason = fr.check_hello(buf)
+        if status != fr.STATUS_OK:
+            self.refused_handshakes += 1
+            _refuse(conn, status, reason)
+            return
+        local_key = _random_key()
+        try:
+            conn.send(fr.pack_reply(fr.STATUS_OK, local_key), _SEND_FLAGS)
+            ep = TcpEndpoint(conn, url=self.url, local_key=local_key, peer_key=peer_key, busy_poll_s=self._busy_poll_s)
+        except OSError:
+            conn.close()
+            self.refused_handshakes += 1
+            return
+        with self._cond:
+            if self._closed:
+                ep.close()
+                return
+            self.accepted_handshakes += 1
+            self._ready.append(ep)
+            self._cond.notify_all()
+
+    def accept(self, *, timeout_s: float | None = None) -> TcpEndpoint:
+        """The next connected peer whose handshake succeeded (QlinkTimeoutError after timeout_s)."""
+        deadline = deadline_of(timeout_s)
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ClosedError(f"tcp listener {self.url} was closed by this side")
+                if self._ready:
+                    return self._ready.popleft()
+                if self._error is not None:
+                    raise BrokenLinkError(f"tcp listener {self.url} stopped: {self._error!r}") from self._error
+                if deadline is None:
+                    self._cond.wait()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise QlinkTimeoutError(f"tcp: no connection to {self.url} within timeout_s={timeout_s}")
+                    self._cond.wait(left)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            ready = list(self._ready)
+            self._ready.clear()
+            self._cond.notify_all()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=2.0)
+        self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        for ep in ready:
+            ep.close()
+
+
+def _refuse(conn: socket.socket, status: int, reason: str) -> None:
+    """Tell a client that speaks another protocol why it is refused, then hang up without a reset."""
+    try:
+        conn.setblocking(True)
+        conn.settimeout(0.5)
+        conn.sendall(fr.pack_reply(status, 0, reason), _SEND_FLAGS)
+        conn.shutdown(socket.SHUT_WR)
+        conn.setblocking(False)
+        while conn.recv(65536):  # read what the client sent on so close() does not reset the connection
+            pass
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def listen(url: str, *, busy_poll_s: float = _DEFAULT_BUSY_POLL_S, backlog: int = 128,
+           handshake_timeout_s: float = _HANDSHAKE_TIMEOUT_S) -> TcpListener:
+    """Listen on ``tcp://host:port`` (host defaults to 127.0.0.1, port 0 picks a free one; see ``.url``)."""
+    host, port = _host_port(url, default_port=0)
+    infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    family, stype, proto, _canon, addr = infos[0]
+    sock = socket.socket(family, stype, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(errno.EADDRINUSE, f"{_url_of(host, port)} is already in use; close the other listener "
+                                                "or listen on port 0 for a free one") from None
+            raise
+        sock.listen(backlog)
+        sock.setblocking(False)
+        return TcpListener(sock, busy_poll_s=busy_poll_s, handshake_timeout_s=handshake_timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> TcpEndpoint:
+    """Connect to a qlink tcp listener and complete the handshake.
+
+    BrokenLinkError when nobody listens there, WireError when the listener refuses
+    the handshake (its reason is in the message), QlinkTimeoutError after timeout_s.
+    """
+    host, port = _host_port(url, default_port=None)
+    where = _url_of(host, port)
+    deadline = deadline_of(timeout_s)
+
+    def left() -> float | None:
+        if deadline is None:
+            return None
+        rest = deadline - time.monotonic()
+        if rest <= 0:
+            raise QlinkTimeoutError(f"tcp: connecting to {where} did not complete within timeout_s={timeout_s}")
+        return rest
+
+    try:
+        sock = socket.create_connection((host, port), timeout=left())
+    except ConnectionRefusedError as e:
+        raise BrokenLinkError(f"nobody listens on {where} (connection refused)") from e
+    except TimeoutError as e:
+        raise QlinkTimeoutError(f"tcp: connecting to {where} did not complete within timeout_s={timeout_s}") from e
+    except OSError as e:
+        raise BrokenLinkError(f"cannot connect to {where}: {e}") from e
+    try:
+        local_key = _random_key()
+        sock.settimeout(left())
+        sock.sendall(fr.pack_hello(local_key))
+        head = _recv_exact(sock, fr.REPLY.size, left, where)
+        _version, status, peer_key, reason_n = fr.parse_reply(head)
+        reason = _recv_exact(sock, reason_n, left, where).decode("utf-8", "replace") if reason_n else ""
+        if status != fr.STATUS_OK:
+            raise WireError(reason or f"the tcp listener at {where} refused the handshake (status {status})")
+        return TcpEndpoint(sock, url=where, local_key=local_key, peer_key=peer_key, busy_poll_s=busy_poll_s)
+    except TimeoutError as e:
+        sock.close()
+        raise QlinkTimeoutError(f"tcp: handshake with {where} did not complete within timeout_s={timeout_s}") from e
+    except OSError as e:
+        sock.close()
+        raise BrokenLinkError(f"tcp handshake with {where} failed: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _recv_exact(sock: socket.socket, nbytes: int, left, where: str) -> bytes:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        sock.settimeout(left())
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise BrokenLinkError(f"the tcp listener at {where} hung up during the handshake")
+        got += k
+    return bytes(buf)
