@@ -425,6 +425,10 @@ class _ReceiverBase:
             tr.bad_frames += 1
             if fn == fr.FN_HELLO:
                 self._peer_error = e
+        except QlinkError as e:  # e.g. NIXL could not reach the agent the hello names
+            if fn != fr.FN_HELLO:
+                raise
+            self._peer_error = e
 
     def _on_data(self, frame) -> None:
         raise WireError("kv_data frame received, but this receiver takes no two-sided data")

@@ -1,0 +1,158 @@
+"""The KV engine over NIXL (UCX backend): WRITE from another process, READ, layer
+order, status and error mapping. Skipped where nixl-cu12 is not installed."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import transports
+from qlink.ai import BlockIdError, KVCache, LayoutMismatchError, plan_transfer, preset
+from qlink.ai._peer import open_link, transport_unavailable, url_for
+from qlink.ai.nixl_backend import NixlError, NixlKVReceiver, NixlKVSender, XferState, nixl_available
+from qlink.errors import BrokenLinkError, MissingDependencyError, RegistrationError
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 is not installed (pip install 'qlink[nixl]')"),
+]
+
+RX_BLOCKS, TX_BLOCKS, SEED = 40, 56, 5
+
+
+def _spec(n):
+    return preset("tiny", num_blocks=n)
+
+
+def _control_scheme() -> str:
+    """The qlink transport that carries the NIXL handshake between two processes."""
+    for s in ("shm", "tcp"):
+        if not transport_unavailable(s):
+            return s
+    pytest.skip("no cross-process qlink transport (shm, tcp) to carry the NIXL handshake")
+
+
+@pytest.fixture(scope="module")
+def nixl_link():
+    with open_link(_control_scheme(), _spec(RX_BLOCKS), _spec(TX_BLOCKS), seed=SEED, backend="nixl") as link:
+        yield link
+
+
+def test_write_from_another_process_is_bit_exact(nixl_link):
+    rx, cache, peer = nixl_link
+    rng = np.random.default_rng(3)
+    cases = [
+        (np.arange(10, 20), np.arange(0, 10)),
+        (np.arange(0, 30, 2), rng.permutation(RX_BLOCKS)[:15]),
+        (rng.integers(0, TX_BLOCKS, 9), rng.choice(RX_BLOCKS, 9, replace=False)),
+    ]
+    for rid, (src, dst) in enumerate(cases, start=100):
+        sub = peer.call("send", rid, src, dst, "all")
+        rec = rx.wait_request(rid, timeout_s=30)
+        assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
+        plan = plan_transfer(src, dst, src_num_blocks=TX_BLOCKS, dst_num_blocks=RX_BLOCKS,
+                             block_nbytes=cache.spec.block_nbytes)
+        assert rec.num_descs == sub.num_descs == plan.num_descs * cache.spec.num_layers
+        assert rec.transport == sub.transport == "nixl-ucx" and rec.mode == "nixl"
+        assert list(rec.layer_ready_us) == sorted(rec.layer_ready_us)
+
+
+def test_read_pulls_the_senders_blocks(nixl_link):
+    rx, cache, peer = nixl_link
+    src, dst = [50, 51, 52, 7], [30, 31, 32, 33]
+    rec = rx.read_request(200, src, dst, timeout_s=30)
+    assert rec.mode == "nixl-read" and rec.num_layers == cache.spec.num_layers
+    assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
+    with pytest.raises(BlockIdError, match="src_block_ids contains block id 56"):
+        rx.read_request(201, [TX_BLOCKS], [0])
+    with pytest.raises(BlockIdError, match="dst_block_ids contains block id 40"):
+        rx.read_request(201, [0], [RX_BLOCKS])
+
+
+def test_layer_subset(nixl_link):
+    rx, cache, peer = nixl_link
+    before = cache.block_checksums([36, 37])
+    peer.call("send", 300, [1, 2], [36, 37], range(2, 4))
+    rec = rx.wait_request(300, timeout_s=30)
+    assert rec.num_layers == 2
+    after = cache.block_checksums([36, 37])
+    assert (after[:2] == before[:2]).all()
+    assert (after[2:] == peer.call("checksums", [1, 2], range(2, 4))).all()
+
+
+def test_sender_dying_mid_request_fails_the_request():
+    with open_link(_control_scheme(), _spec(RX_BLOCKS), _spec(TX_BLOCKS), seed=SEED, backend="nixl") as (rx, _, peer):
+        rx.handshake(timeout_s=30)  # NIXL wires up to the sender's agent while it is alive
+        peer.call("partial", 7, [0, 3], [0, 1], 2, 0)  # layers 0 and 1, then the process exits
+        assert rx.wait_layer(7, 1, timeout_s=30) > 0
+        with pytest.raises(BrokenLinkError):
+            rx.wait_layer(7, 2, timeout_s=30)
+
+
+@pytest.fixture
+def local_pair():
+    """A NIXL sender and receiver in this process, handshaking over a qlink transport."""
+    scheme = next((s for s in ("inproc", "shm") if not transport_unavailable(s)), None)
+    if scheme is None:
+        pytest.skip("no in-process qlink transport")
+    lis = transports.listen(url_for(scheme))
+    a = transports.connect(lis.url, timeout_s=5)
+    b = lis.accept(timeout_s=5)
+    made = []
+
+    def make(rx_spec=_spec(RX_BLOCKS), tx_spec=_spec(TX_BLOCKS)):
+        rx_cache, tx_cache = KVCache.allocate(rx_spec), KVCache.allocate(tx_spec)
+        tx_cache.fill_random(seed=SEED)
+        rx = NixlKVReceiver(b, rx_cache)
+        tx = NixlKVSender(a, tx_cache)
+        made.extend([tx, rx])
+        return tx, rx, tx_cache, rx_cache
+
+    yield make
+    for x in made:
+        x.close()
+    a.close()
+    b.close()
+    lis.close()
+
+
+def test_layout_mismatch(local_pair):
+    tx, rx, _, _ = local_pair(tx_spec=preset("tiny", num_blocks=TX_BLOCKS, block_size=8))
+    with pytest.raises(LayoutMismatchError) as e:
+        tx.handshake(timeout_s=5)
+    assert e.value.field == "block_size"
+    with pytest.raises(LayoutMismatchError):
+        rx.handshake(timeout_s=5)
+
+
+def test_unregistered_memory_is_a_registration_error(local_pair):
+    tx, rx, tx_cache, _ = local_pair()
+    tx.handshake(timeout_s=5)
+    nx = tx._nx
+    outside = np.zeros(4096, dtype=np.uint8)  # never registered with NIXL
+    local = nx.descs(outside.ctypes.data, np.array([0]), np.array([256]))
+    remote = nx.descs(int(tx._peer_addrs[0]), np.array([0]), np.array([256]))
+    with pytest.raises(RegistrationError, match="not registered"):
+        nx.start("WRITE", local, remote, tx._peer_name, b"", "a WRITE from unregistered memory")
+    tx.send_request(1, [4], [4])  # the engine still works
+    assert rx.wait_request(1, timeout_s=10).num_layers == tx_cache.spec.num_layers
+
+
+def test_status_strings_become_enums_and_errors():
+    assert XferState.of("DONE").done and not XferState.of("PROC").done
+    with pytest.raises(NixlError, match="unknown transfer status"):
+        XferState.of("MAYBE")
+    from qlink.ai.nixl_backend import _check
+
+    with pytest.raises(BrokenLinkError, match="ERR"):
+        _check("ERR", "a test transfer")
+
+
+def test_missing_nixl_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl_cu12._api", None)
+    from qlink.ai.nixl_backend import _nixl
+
+    with pytest.raises(MissingDependencyError, match=r"nixl-cu12.*qlink\[nixl\]"):
+        _nixl()
