@@ -21,6 +21,10 @@ from .errors import (
     WireError,
     WouldBlock,
 )
+from . import clock, wire
+from .budget import BUDGETS, Budget, Figure, assess
+from .histogram import LatencyHistogram
+from .links import LINKS, LinkModel
 from .memory import Region, RemoteRegion, alloc
 
 __version__ = "0.1.0"
@@ -39,5 +43,14 @@ __all__ = [
     "Region",
     "RemoteRegion",
     "alloc",
+    "wire",
+    "clock",
+    "LatencyHistogram",
+    "LINKS",
+    "LinkModel",
+    "BUDGETS",
+    "Budget",
+    "Figure",
+    "assess",
     "__version__",
 ]
