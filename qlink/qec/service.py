@@ -56,6 +56,7 @@ service answers every enqueue (``"all"``), only refused ones (``"errors"``) or n
 from __future__ import annotations
 
 import json
+import operator
 import struct
 import threading
 import time
@@ -181,6 +182,13 @@ class DecoderConfig:
     frames_per_shot: int | None = None
 
     def __post_init__(self):
+        for name in ("capacity_shots", "frames_per_shot", "num_detectors", "num_observables"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                try:
+                    object.__setattr__(self, name, operator.index(v))
+                except TypeError:
+                    raise TypeError(f"{name} must be an integer, got {v!r}") from None
         if not isinstance(self.capacity_shots, int) or self.capacity_shots < 1:
             raise ValueError(f"capacity_shots must be a positive int, got {self.capacity_shots!r}")
         if self.frames_per_shot is not None and (not isinstance(self.frames_per_shot, int) or self.frames_per_shot < 1):
@@ -451,12 +459,9 @@ class DecoderService:
     @staticmethod
     def _append(d: _Decoder, packed: memoryview, bit_offset: int, n: int) -> None:
         """OR ``n`` bits of ``packed`` starting at ``bit_offset`` into the filling shot."""
+        v = int.from_bytes(packed[bit_offset >> 3:(bit_offset + n + 7) >> 3], "little")
         if bit_offset & 7:
-            v = int.from_bytes(packed[bit_offset >> 3:(bit_offset + n + 7) >> 3], "little") >> (bit_offset & 7)
-        elif bit_offset:
-            v = int.from_bytes(packed[bit_offset >> 3:(bit_offset + n + 7) >> 3], "little")
-        else:
-            v = int.from_bytes(packed, "little")
+            v >>= bit_offset & 7
         if n & 7 or bit_offset & 7:
             v &= (1 << n) - 1  # pad bits (and the next shot's bits) are not this shot's syndrome
         f = d.filled
@@ -643,6 +648,7 @@ class DecoderService:
         try:
             wire.decode_request(data)
         except FrameError as e:
+            self.faults[e.fault.value] += 1
             if e.request_id is not None:
                 self._stage(_PLAIN, int(e.fault.status), e.request_id, e.ptp_timestamp or 0, t_in, _FN_BAD)
                 return

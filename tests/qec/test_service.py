@@ -1,0 +1,383 @@
+"""The decoder service: CUDA-Q realtime RPC semantics, bad input, bounded queue, loss.
+
+Each test sends frames on one side of an ``inproc://`` pair, lets the service handle
+exactly those frames (``serve(max_requests=...)``), then reads every answer. Expected
+corrections come from the same decoder called directly on the same shots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+
+import numpy as np
+import pytest
+import stim
+
+import transports
+from qlink import wire
+from qlink.errors import WouldBlock
+from qlink.qec.decoders import compile_decoder
+from qlink.qec.service import DecoderConfig, DecoderService
+from qlink.wire import Status
+
+pytestmark = pytest.mark.timeout(60)
+
+_names = itertools.count()
+
+
+def _circuit(distance=3, rounds=3, p=0.01):
+    return stim.Circuit.generated("surface_code:rotated_memory_z", distance=distance, rounds=rounds,
+                                  after_clifford_depolarization=p, before_measure_flip_probability=p,
+                                  after_reset_flip_probability=p, before_round_data_depolarization=p)
+
+
+@pytest.fixture(scope="module")
+def code():
+    circuit = _circuit()
+    dem = circuit.detector_error_model(decompose_errors=True)
+    dets, obs = circuit.compile_detector_sampler(seed=3).sample(64, separate_observables=True)
+    expected = compile_decoder("pymatching", dem).decode_batch(dets)
+    assert expected.any(), "the sample should exercise non-trivial corrections"
+    return dem, dets.astype(np.uint8), expected
+
+
+class Pair:
+    """A service and a client endpoint, connected over inproc."""
+
+    def __init__(self, service):
+        self.service = service
+        name = f"inproc://test-service-{next(_names)}"
+        self.listener = transports.listen(name)
+        self.client = transports.connect(name)
+        self.server = self.listener.accept(timeout_s=5)
+        self.buf = bytearray(1 << 18)
+        self.rid = 0
+        self.sent = 0
+
+    def close(self):
+        self.client.close()
+        self.server.close()
+        self.listener.close()
+
+    # ---- frames
+    def _send(self, n):
+        self.client.send(self.buf[:n])
+        self.sent += 1
+        return self.rid
+
+    def next_rid(self):
+        self.rid += 1
+        return self.rid
+
+    def enqueue(self, bits, *, counter, decoder_id=0, mapping=0):
+        n = wire.encode_enqueue_syndromes_into(self.buf, request_id=self.next_rid(), decoder_id=decoder_id,
+                                               counter=counter, syndrome_mapping_id=mapping, syndromes=bits)
+        return self._send(n)
+
+    def get(self, *, decoder_id=0, return_size=1, reset=True, ptp=0):
+        n = wire.encode_get_corrections_into(self.buf, request_id=self.next_rid(), decoder_id=decoder_id,
+                                             return_size=return_size, reset=reset, ptp_timestamp=ptp)
+        return self._send(n)
+
+    def reset(self, *, decoder_id=0):
+        n = wire.encode_reset_decoder_into(self.buf, request_id=self.next_rid(), decoder_id=decoder_id)
+        return self._send(n)
+
+    def raw(self, data):
+        self.client.send(data)
+        self.sent += 1
+
+    # ---- answers
+    def run(self):
+        """Serve exactly the frames sent so far; return every answer as (status, request_id, ptp, result)."""
+        if self.sent:
+            self.service.serve(self.server, max_requests=self.sent, timeout_s=10)
+        self.sent = 0
+        out = []
+        rx = bytearray(1 << 16)
+        while True:
+            try:
+                n = self.client.recv_into_nowait(rx)
+            except WouldBlock:
+                return out
+            r = wire.decode_response(rx[:n])
+            out.append((r.status, r.request_id, r.ptp_timestamp, bytes(r.result)))
+
+
+@pytest.fixture
+def pair(code):
+    dem = code[0]
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem)}))
+    yield p
+    p.close()
+
+
+def _flip(result, num_obs=1):
+    return np.unpackbits(np.frombuffer(result, np.uint8), bitorder="little")[:num_obs].tolist()
+
+
+def _answers_by_rid(answers):
+    return {rid: (st, res) for st, rid, _, res in answers}
+
+
+def test_shots_in_round_frames_decode_bit_identically(pair, code):
+    dem, dets, expected = code
+    rounds = np.array([int(c[-1]) for c in dem.get_detector_coordinates().values()])
+    counter = 0
+    gets = []
+    for shot in range(len(dets)):
+        for r in range(rounds.max() + 1):  # one frame per round, as a controller streams them
+            pair.enqueue(dets[shot][rounds == r], counter=counter)
+            counter += 1
+        gets.append(pair.get())
+    answers = _answers_by_rid(pair.run())
+    for shot, rid in enumerate(gets):
+        status, result = answers[rid]
+        assert status == Status.OK
+        assert _flip(result) == expected[shot].tolist(), f"shot {shot}"
+    counts = pair.service.report()["counts"]
+    assert counts["shots_decoded"] == len(dets)
+    assert counts["decode_calls"] < len(dets), "shots queued together are decoded in one call"
+
+
+def test_unaligned_frames_and_whole_shot_windows_give_the_same_bits(pair, code):
+    dem, dets, expected = code
+    nd = dem.num_detectors
+    counter = 0
+    gets = []
+    for shot in range(8):  # frames of 3, 5, 7 ... bits: never byte-aligned
+        bits, start, size = dets[shot], 0, 3
+        while start < nd:
+            pair.enqueue(bits[start:start + size], counter=counter)
+            counter += 1
+            start += size
+            size += 2
+        gets.append(pair.get())
+    # four whole shots in one frame (a window of rounds spanning shots)
+    pair.enqueue(dets[8:12].reshape(-1), counter=counter)
+    gets += [pair.get() for _ in range(4)]
+    answers = _answers_by_rid(pair.run())
+    for shot, rid in enumerate(gets):
+        assert answers[rid][0] == Status.OK
+        assert _flip(answers[rid][1]) == expected[shot].tolist(), f"shot {shot}"
+
+
+def test_request_id_and_ptp_timestamp_are_echoed_and_not_ready_before_a_shot(pair):
+    rid = pair.get(ptp=0x0102030405060708)
+    assert pair.run() == [(Status.NOT_READY, rid, 0x0102030405060708, b"")]
+
+
+def test_unknown_decoder_ids_are_invalid_decoder_and_the_service_keeps_serving(pair, code):
+    dem, dets, expected = code
+    a = pair.enqueue(dets[0], counter=0, decoder_id=5)  # in range, not configured
+    b = pair.get(decoder_id=31)
+    c = pair.reset(decoder_id=7)
+    pair.raw(struct.pack("<IIIIQ", wire.REQUEST_MAGIC, wire.GET_CORRECTIONS, 17, 99, 0)
+                 + struct.pack("<qqB", 40, 1, 1))  # decoder_id 40 >= 32
+    pair.enqueue(dets[0], counter=0)
+    ok = pair.get()
+    answers = _answers_by_rid(pair.run())
+    for rid in (a, b, c, 99):
+        assert answers[rid][0] == Status.INVALID_DECODER
+    assert answers[ok] == (Status.OK, bytes([expected[0][0]]))
+    faults = pair.service.report()["faults"]
+    assert faults["decoder_not_configured"] == 3 and faults["decoder_id"] == 1
+
+
+def test_wrong_syndrome_count_is_bad_request_and_changes_nothing(pair, code):
+    dem, dets, expected = code
+    nd = dem.num_detectors
+    bad = pair.enqueue(np.zeros(nd + 3, np.uint8), counter=0)  # more bits than a shot
+    pair.enqueue(dets[1][:10], counter=0)  # the same counter again: the refused frame consumed nothing
+    bad2 = pair.enqueue(dets[1][:nd], counter=1)  # overflows the shot in progress
+    pair.enqueue(dets[1][10:], counter=1)
+    ok = pair.get()
+    answers = _answers_by_rid(pair.run())
+    assert answers[bad][0] == Status.BAD_REQUEST and answers[bad2][0] == Status.BAD_REQUEST
+    assert answers[ok] == (Status.OK, bytes([expected[1][0]]))
+    assert pair.service.report()["faults"]["syndrome_count"] == 2
+
+
+def test_too_many_bits_and_corrupt_frames_are_refused_and_counted(pair, code):
+    dem, dets, expected = code
+    too_many = (1 << 20) + 1
+    pair.raw(struct.pack("<IIIIQ", wire.REQUEST_MAGIC, wire.ENQUEUE_SYNDROMES, 32 + (too_many + 7) // 8, 10, 0)
+             + struct.pack("<qqqq", 0, 0, 0, too_many) + bytes((too_many + 7) // 8))  # all its bits, too many
+    pair.raw(struct.pack("<IIIIQ", wire.REQUEST_MAGIC, wire.ENQUEUE_SYNDROMES, 32 + 1, 11, 0)
+             + struct.pack("<qqqq", 0, 0, 0, too_many) + b"\x01")  # claims too many bits
+    pair.raw(struct.pack("<IIIIQ", wire.REQUEST_MAGIC, wire.RESET_DECODER, 4000, 12, 0) + bytes(8))  # past end
+    pair.raw(struct.pack("<IIIIQ", 0xDEADBEEF, wire.RESET_DECODER, 8, 13, 0) + bytes(8))  # bad magic
+    pair.raw(b"\x00" * 5)  # shorter than a header
+    pair.raw(struct.pack("<IIIIQ", wire.REQUEST_MAGIC, wire.ENQUEUE_SYNDROMES, 32 + 2, 14, 0)
+             + struct.pack("<qqqq", 0, 0, 0, 24) + bytes(2))  # 24 bits need 3 packed bytes
+    pair.raw(struct.pack("<IIIIQ", wire.REQUEST_MAGIC, wire.fnv1a_32("no_such_call"), 0, 15, 0))
+    pair.raw(b"\xff" * (wire.enqueue_syndromes_nbytes(wire.MAX_SYNDROME_BITS) + 100))  # larger than any frame
+    mapping = pair.enqueue(dets[2], counter=0, mapping=3)  # only the identity mapping (0) exists
+    pair.enqueue(dets[2], counter=0)
+    ok = pair.get()
+    answers = _answers_by_rid(pair.run())
+    for rid in (10, 11, 12, 14, 15, mapping):
+        assert answers[rid][0] == Status.BAD_REQUEST, rid
+    assert 13 not in answers, "a frame whose header is not ours cannot be answered"
+    assert answers[ok] == (Status.OK, bytes([expected[2][0]]))
+    rep = pair.service.report()
+    expected_faults = {"oversized_frame": 2, "payload_size": 1, "num_syndromes": 1, "length_past_end": 1,
+                       "bad_magic": 2, "short_buffer": 1, "packed_length": 1, "unknown_function": 1,
+                       "syndrome_mapping_id": 1}
+    assert rep["faults"] == expected_faults
+    assert rep["counts"]["frames_unanswerable"] == 3  # bad magic, short, oversized garbage
+
+
+def test_a_counter_gap_drops_exactly_the_shots_it_touched(code):
+    dem, dets, expected = code
+    rounds = np.array([int(c[-1]) for c in dem.get_detector_coordinates().values()])
+    R = rounds.max() + 1
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem, frames_per_shot=R)}))
+    try:
+        lost = {(2, 1), (4, R - 1), (5, 0), (9, 0), (9, 1), (9, 2), (9, 3)}  # shot 9 lost entirely
+        counter = 0
+        for shot in range(12):
+            for r in range(R):
+                if (shot, r) not in lost:
+                    p.enqueue(dets[shot][rounds == r], counter=counter)
+                counter += 1
+        gets = [p.get() for _ in range(12)]
+        answers = _answers_by_rid(p.run())
+        for shot, rid in enumerate(gets):
+            status, result = answers[rid]
+            if shot in (2, 4, 5, 9):
+                assert status == Status.SYNDROMES_DROPPED, f"shot {shot}: {status!r}"
+            else:
+                assert status == Status.OK, f"shot {shot}: {status!r}"
+                assert _flip(result) == expected[shot].tolist(), f"shot {shot}"
+        rep = p.service.report()
+        assert rep["counts"]["frames_lost"] == len(lost)
+        assert rep["counts"]["shots_dropped"] == 4
+        assert rep["counts"]["frames_discarded"] == 5  # the frames of shots 2 and 5 after their gaps
+    finally:
+        p.close()
+
+
+def test_the_queue_is_bounded_and_busy_shots_are_dropped(code):
+    dem, dets, expected = code
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem, capacity_shots=2)}))
+    try:
+        acks = [p.enqueue(dets[s], counter=s) for s in range(3)]  # the third finds the queue full
+        gets = [p.get() for _ in range(2)]
+        answers = _answers_by_rid(p.run())
+        assert [answers[r][0] for r in acks] == [Status.OK, Status.OK, Status.BUSY]
+        assert [answers[g] for g in gets] == [(Status.OK, bytes([expected[s][0]])) for s in range(2)]
+        p.enqueue(dets[3], counter=3)  # counter 3 after the refused 2: the busy shot counts as lost
+        gets = [p.get() for _ in range(3)]
+        answers = _answers_by_rid(p.run())
+        assert [answers[g][0] for g in gets] == [Status.SYNDROMES_DROPPED, Status.OK, Status.NOT_READY]
+        assert answers[gets[1]][1] == bytes([expected[3][0]])
+        assert p.service.report()["faults"]["queue_full"] == 1
+    finally:
+        p.close()
+
+
+def test_peek_keeps_the_shot_and_reset_clears_the_decoder(pair, code):
+    dem, dets, expected = code
+    pair.enqueue(dets[4], counter=0)
+    peek = pair.get(reset=False)
+    take = pair.get(reset=True)
+    pair.enqueue(dets[5][:7], counter=1)  # a partial shot ...
+    pair.reset()  # ... forgotten, with the counter
+    after = pair.get()
+    pair.enqueue(dets[6], counter=0)
+    last = pair.get()
+    answers = _answers_by_rid(pair.run())
+    assert answers[peek] == answers[take] == (Status.OK, bytes([expected[4][0]]))
+    assert answers[after][0] == Status.NOT_READY
+    assert answers[last] == (Status.OK, bytes([expected[6][0]]))
+
+
+def test_return_size_larger_than_the_observables_is_bad_request(pair):
+    rid = pair.get(return_size=2)
+    assert pair.run()[0][:2] == (Status.BAD_REQUEST, rid)
+
+
+def test_fire_and_forget_enqueue_answers_nothing_but_errors(code):
+    dem, dets, expected = code
+    for mode, expect in (("none", 1), ("errors", 2)):
+        p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem)}, ack_enqueue=mode))
+        try:
+            p.enqueue(dets[0], counter=0)
+            bad = p.enqueue(dets[0], counter=0)  # counter went backwards
+            get = p.get()
+            answers = p.run()
+            assert len(answers) == expect, mode
+            assert answers[-1][:2] == (Status.OK, get)
+            if mode == "errors":
+                assert answers[0][:2] == (Status.BAD_REQUEST, bad)
+        finally:
+            p.close()
+
+
+class _Exploding:
+    """A compiled decoder that fails, to check the service answers INTERNAL_ERROR and lives on."""
+
+    num_detectors, num_observables = 24, 1
+
+    def decode_shots_bit_packed(self, bit_packed_detection_event_data):
+        raise RuntimeError("decoder failure")
+
+
+def test_a_failing_decoder_is_internal_error_and_other_decoders_still_work(code):
+    dem, dets, expected = code
+    svc = DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem),
+                          1: DecoderConfig(decoder=_Exploding(), num_detectors=24, num_observables=1)})
+    p = Pair(svc)
+    try:
+        p.enqueue(dets[0], counter=0, decoder_id=1)
+        g1 = p.get(decoder_id=1)
+        p.enqueue(dets[0], counter=0, decoder_id=0)
+        g0 = p.get(decoder_id=0)
+        answers = _answers_by_rid(p.run())
+        assert answers[g1][0] == Status.INTERNAL_ERROR
+        assert answers[g0] == (Status.OK, bytes([expected[0][0]]))
+        assert svc.report()["faults"]["decoder_exception"] == 1
+    finally:
+        p.close()
+
+
+def test_every_stage_is_timed_and_shot_records_are_kept(code):
+    dem, dets, expected = code
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem)}, keep_samples=3))
+    try:
+        for s in range(5):
+            p.enqueue(dets[s], counter=s)
+            p.get(ptp=wire_ptp())
+        p.run()
+        rep = p.service.report()
+        for stage in ("wire_in", "parse", "queue", "decode", "respond", "residence", "shot_service"):
+            assert rep["stages"][stage]["count"] > 0, stage
+        shots = rep["shots"]
+        assert len(shots["out_ns"]) == 3 and rep["shots_not_kept"] == 2
+        for i in range(3):
+            assert shots["in_last_ns"][i] <= shots["complete_ns"][i] <= shots["decode_start_ns"][i] \
+                <= shots["decode_end_ns"][i] <= shots["out_ns"][i]
+    finally:
+        p.close()
+
+
+def wire_ptp():
+    from qlink.clock import ptp_now_ns
+
+    return ptp_now_ns()
+
+
+def test_configuration_errors_are_typed_and_say_what_is_right(code):
+    dem = code[0]
+    with pytest.raises(ValueError, match="decoder ids"):
+        DecoderService({32: DecoderConfig(dem=dem)})
+    with pytest.raises(ValueError, match="unknown decoder"):
+        DecoderService({0: DecoderConfig(decoder="no-such-decoder", dem=dem)})
+    with pytest.raises(ValueError, match="ack_enqueue"):
+        DecoderService({0: DecoderConfig(dem=dem)}, ack_enqueue="sometimes")
+    with pytest.raises(ValueError, match="capacity_shots"):
+        DecoderConfig(dem=dem, capacity_shots=0)
+    with pytest.raises(ValueError, match="source"):
+        DecoderConfig.from_spec({"decoder": "pymatching"})
