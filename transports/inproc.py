@@ -166,6 +166,7 @@ class InprocEndpoint(Endpoint):
     def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
         """Receive the next message into ``buf`` (copied once); return its size in bytes."""
         self._check_open()
+        _check_writable(buf)
         d = self._in
         with d.cond:
             q = self._wait("messages", "recv_into", timeout_s)
@@ -173,6 +174,7 @@ class InprocEndpoint(Endpoint):
 
     def recv_into_nowait(self, buf) -> int:
         self._check_open()
+        _check_writable(buf)
         d = self._in
         with d.cond:
             if d.messages:
@@ -281,6 +283,11 @@ class InprocEndpoint(Endpoint):
     def _orphan(self) -> None:
         """The listener went away before accepting us: the client side sees a broken link."""
         self.close()
+
+
+def _check_writable(buf) -> None:
+    if as_byte_view(buf).readonly:
+        raise TypeError("recv_into needs a writable buffer (bytearray, numpy array...), got a read-only one")
 
 
 class InprocListener(Listener):
