@@ -486,16 +486,20 @@ static PyTypeObject RingType = {
 
 /* ------------------------------------------------------------------ endpoint fast path */
 
-/* FastPath(tx, rx, slow_send, slow_recv, spin_iters): send / send_nowait / recv_into /
- * recv_into_nowait with the endpoint's signatures. Each tries the ring once (a receive
- * spins up to spin_iters polls) and otherwise calls slow_send(data, timeout_s, nowait)
- * or slow_recv(buf, timeout_s, nowait), the endpoint's Python code for everything else:
- * full ring, streaming, queued records, waiting, errors. `rx_clean` (settable) says
- * whether the receive side may take the fast path at all (no message queued aside). */
+/* FastPath(tx, rx, owner, slow_send, slow_recv, spin_iters): send / send_nowait /
+ * recv_into / recv_into_nowait with the endpoint's signatures. Each tries the ring once
+ * (a receive spins up to spin_iters polls) and otherwise calls
+ * slow_send(owner, data, timeout_s, nowait) or slow_recv(owner, buf, timeout_s, nowait),
+ * the endpoint's Python code for everything else: full ring, streaming, queued records,
+ * waiting, errors. The owner (the endpoint) is held by a weak reference, so the endpoint
+ * keeping this object's bound methods makes no reference cycle and is freed (closing its
+ * socket) as soon as it is dropped. `rx_clean` (settable) says whether the receive side
+ * may take the fast path at all (no message queued aside). */
 typedef struct {
     PyObject_HEAD
     RingObject *tx;
     RingObject *rx;
+    PyObject *owner_ref;
     PyObject *slow_send;
     PyObject *slow_recv;
     long spin_iters;
@@ -507,6 +511,7 @@ static PyObject *str_timeout_s; /* interned "timeout_s" */
 static int fp_traverse(FastPathObject *f, visitproc visit, void *arg) {
     Py_VISIT(f->tx);
     Py_VISIT(f->rx);
+    Py_VISIT(f->owner_ref);
     Py_VISIT(f->slow_send);
     Py_VISIT(f->slow_recv);
     return 0;
@@ -515,6 +520,7 @@ static int fp_traverse(FastPathObject *f, visitproc visit, void *arg) {
 static int fp_clear(FastPathObject *f) {
     Py_CLEAR(f->tx);
     Py_CLEAR(f->rx);
+    Py_CLEAR(f->owner_ref);
     Py_CLEAR(f->slow_send);
     Py_CLEAR(f->slow_recv);
     return 0;
@@ -527,17 +533,21 @@ static void fp_dealloc(FastPathObject *f) {
 }
 
 static int fp_init(FastPathObject *f, PyObject *args, PyObject *kwds) {
-    PyObject *tx, *rx, *ss, *sr;
+    PyObject *tx, *rx, *owner, *ss, *sr;
     long spin;
-    static char *kwlist[] = {"tx", "rx", "slow_send", "slow_recv", "spin_iters", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OOl:FastPath", kwlist, &RingType, &tx, &RingType, &rx, &ss, &sr,
-                                     &spin))
+    static char *kwlist[] = {"tx", "rx", "owner", "slow_send", "slow_recv", "spin_iters", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OOOl:FastPath", kwlist, &RingType, &tx, &RingType, &rx, &owner,
+                                     &ss, &sr, &spin))
         return -1;
     if (!PyCallable_Check(ss) || !PyCallable_Check(sr)) {
         PyErr_SetString(PyExc_TypeError, "slow_send and slow_recv must be callables");
         return -1;
     }
+    PyObject *ref = PyWeakref_NewRef(owner, NULL);
+    if (ref == NULL)
+        return -1;
     fp_clear(f);
+    f->owner_ref = ref;
     Py_INCREF(tx);
     Py_INCREF(rx);
     Py_INCREF(ss);
@@ -586,9 +596,27 @@ static int fp_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Py
     return 0;
 }
 
-static PyObject *fp_call_slow(PyObject *slow, PyObject *obj, PyObject *timeout, int nowait) {
-    PyObject *argv[3] = {obj, timeout, nowait ? Py_True : Py_False};
-    return PyObject_Vectorcall(slow, argv, 3, NULL);
+static PyObject *fp_call_slow(FastPathObject *f, PyObject *slow, PyObject *obj, PyObject *timeout, int nowait) {
+    PyObject *owner = NULL;
+    if (f->owner_ref != NULL) {
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(f->owner_ref, &owner) < 0)
+            return NULL;
+#else
+        owner = PyWeakref_GetObject(f->owner_ref); /* borrowed */
+        if (owner == NULL)
+            return NULL;
+        owner = owner == Py_None ? NULL : (Py_INCREF(owner), owner);
+#endif
+    }
+    if (owner == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the shm endpoint behind this method no longer exists");
+        return NULL;
+    }
+    PyObject *argv[4] = {owner, obj, timeout, nowait ? Py_True : Py_False};
+    PyObject *res = PyObject_Vectorcall(slow, argv, 4, NULL);
+    Py_DECREF(owner);
+    return res;
 }
 
 static PyObject *fp_send_impl(FastPathObject *f, const char *name, PyObject *const *args, Py_ssize_t nargs,
@@ -613,7 +641,7 @@ static PyObject *fp_send_impl(FastPathObject *f, const char *name, PyObject *con
             PyErr_Clear();
         }
     }
-    return fp_call_slow(f->slow_send, args[0], timeout, nowait);
+    return fp_call_slow(f, f->slow_send, args[0], timeout, nowait);
 }
 
 static PyObject *fp_recv_impl(FastPathObject *f, const char *name, PyObject *const *args, Py_ssize_t nargs,
@@ -645,7 +673,7 @@ static PyObject *fp_recv_impl(FastPathObject *f, const char *name, PyObject *con
             PyErr_Clear();
         }
     }
-    return fp_call_slow(f->slow_recv, args[0], timeout, nowait);
+    return fp_call_slow(f, f->slow_recv, args[0], timeout, nowait);
 }
 
 static PyObject *fp_send(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {

@@ -54,38 +54,33 @@ qlink's intra-node fast path (and its stand-in for NVLink / CUDA IPC on a CPU ho
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import operator
 import os
-import re
 import secrets
 import select
 import socket
-import stat
 import struct
-import tempfile
 import time
+import weakref
 from collections import deque
 from dataclasses import replace
-from urllib.parse import urlsplit
-
-import numpy as np
 
 from qlink.errors import (
     BrokenLinkError,
-    CapabilityError,
     ClosedError,
     MissingDependencyError,
     QlinkTimeoutError,
-    RegistrationError,
     RingFullError,
     WouldBlock,
 )
-from qlink.memory import Region, RemoteRegion, as_byte_view, is_device_array, shared_fd_of
+from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _ring
+from . import _shm_rendezvous as _rv
 from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, deadline_of
+from ._shm_regions import LocalRegions, PeerRegions
+from ._shm_rendezvous import socket_dir
 from ._ring import (
     KIND_CORRUPT,
     KIND_MSG,
@@ -93,7 +88,6 @@ from ._ring import (
     KIND_PUT_DONE,
     KIND_PUT_INLINE,
     RELEASED,
-    SEND_FULL,
     SEND_OK,
     SEND_PEER_CLOSED,
     SEND_TOO_BIG,
@@ -137,22 +131,9 @@ _MAX_SLEEP_S = 1e-3
 _NOWAIT_SOCKET_CHECK_S = 1e-3
 _HANDSHAKE_TIMEOUT_S = 1.0
 
-_PAGE = 4096
-_TABLE_SLOTS = 4096  # regions one side may have registered at once
-_SLOT_BITS = 12
-_SLOT_WORDS = 8  # u64: state, nbytes, block_offset, fd, ino, dev, block_nbytes, pid
-_ACTIVE, _SHARED = 1, 2
-_CONN = struct.Struct("<8sIIQQ")  # magic, version, table slots, ring data bytes, token
-_CONN_MAGIC = b"QLSHMCN1"
-_HELLO_MAGIC = b"QLSHMHI1"
-_VERSION = 1
 _DONE = struct.Struct("<IIQQQ")  # region_id, tag_len, offset, nbytes, notify_id (then the tag)
 _INLINE = struct.Struct("<IIQ")  # region_id, reserved, offset (then the data)
 _KEY = struct.Struct("<QB")  # connection token, owner side
-# populate at map time: the first pass over a fresh ring would otherwise take a page fault
-# every 4 KiB, which shows up in the tail of round-trip latencies
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 def ring_impls() -> list[str]:
@@ -175,91 +156,6 @@ def _ring_class(ring_impl: str | None):
     raise ValueError(f"ring_impl must be 'c', 'python' or None (best available), got {ring_impl!r}")
 
 
-# ----------------------------------------------------------------------------- naming
-
-
-def _name_of(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme != "shm":
-        raise ValueError(f"shm transport needs a URL like 'shm://name', got {url!r}")
-    name = (parts.netloc + parts.path).strip("/")
-    if not _NAME_RE.fullmatch(name):
-        raise ValueError(
-            f"shm URL {url!r} needs a name of 1-100 characters from letters, digits, '.', '_' and '-' "
-            "(starting with a letter or digit), like 'shm://decoder-0'"
-        )
-    return name
-
-
-def socket_dir() -> str:
-    """The private directory holding ``shm://`` rendezvous sockets (not created here).
-
-    ``$QLINK_SHM_DIR`` if set, else ``$XDG_RUNTIME_DIR/qlink`` when that runtime
-    directory is ours, else ``<tempdir>/qlink-<uid>``.
-    """
-    override = os.environ.get("QLINK_SHM_DIR")
-    if override:
-        return override
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        try:
-            st = os.stat(xdg)
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
-                return os.path.join(xdg, "qlink")
-        except OSError:
-            pass
-    return os.path.join(tempfile.gettempdir(), f"qlink-{os.getuid()}")
-
-
-def _private_dir(*, create: bool) -> str:
-    d = socket_dir()
-    if create:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.lstat(d)  # FileNotFoundError when absent and not created
-    if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"shm socket directory {d} is not a directory; set QLINK_SHM_DIR to a private directory")
-    if st.st_uid != os.getuid():
-        raise PermissionError(
-            f"shm socket directory {d} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-            "set QLINK_SHM_DIR to a directory of your own"
-        )
-    if create and stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(d, 0o700)
-    return d
-
-
-def _socket_path(name: str, *, create: bool) -> str:
-    path = os.path.join(_private_dir(create=create), name + ".sock")
-    if len(os.fsencode(path)) > 107:
-        raise ValueError(f"socket path {path!r} is longer than the 107 bytes a Unix socket allows; "
-                         "use a shorter name or set QLINK_SHM_DIR to a shorter directory")
-    return path
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def _ring_stride(ring_nbytes: int) -> int:
-    return -(-(_ring.HEADER_NBYTES + ring_nbytes) // _PAGE) * _PAGE
-
-
-def _ring_offset(side: int, ring_nbytes: int) -> int:
-    return _PAGE + side * _ring_stride(ring_nbytes)
-
-
-def _table_offset(side: int, ring_nbytes: int) -> int:
-    return _PAGE + 2 * _ring_stride(ring_nbytes) + side * _TABLE_SLOTS * _SLOT_WORDS * 8
-
-
-def _layout_nbytes(ring_nbytes: int) -> int:
-    return _table_offset(2, ring_nbytes)
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
-
-
 def _space_needed(head: int, ring_nbytes: int, payload_sizes) -> int:
     """Ring bytes (records, headers and pads) that writing these payloads from ``head`` takes."""
     total, pos = 0, head & (ring_nbytes - 1)
@@ -271,6 +167,19 @@ def _space_needed(head: int, ring_nbytes: int, payload_sizes) -> int:
         total += need
         pos = (pos + need) & (ring_nbytes - 1)
     return total
+
+
+def _note(region_id: int, offset: int, nbytes: int, notify_id: int, tag: bytes) -> Notification:
+    """A Notification without the frozen-dataclass __init__ (~1.5 us, per field setattr): one
+    dict update on a fresh instance, which is what __init__ leaves behind."""
+    note = object.__new__(Notification)
+    note.__dict__.update(region_id=region_id, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
+    return note
+
+
+if not hasattr(Notification, "__dict__") or "__slots__" in vars(Notification):  # pragma: no cover
+    def _note(region_id, offset, nbytes, notify_id, tag):  # noqa: F811  (a slotted Notification)
+        return Notification(region_id=region_id, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
 
 
 # ----------------------------------------------------------------------------- waiting
@@ -328,24 +237,27 @@ class ShmEndpoint(Endpoint):
         self._spin_s = float(spin_s)
         whole = memoryview(mm)
         region = _ring.ring_region_nbytes(ring_nbytes)
-        tx_off, rx_off = _ring_offset(side, ring_nbytes), _ring_offset(1 - side, ring_nbytes)
+        tx_off, rx_off = _rv.ring_offset(side, ring_nbytes), _rv.ring_offset(1 - side, ring_nbytes)
         self._tx = ring_cls(whole[tx_off:tx_off + region])
         self._rx = ring_cls(whole[rx_off:rx_off + region])
         whole.release()
         self._rx_data = self._rx.data
-        nwords = _TABLE_SLOTS * _SLOT_WORDS
-        self._my_table = np.frombuffer(mm, np.uint64, nwords, _table_offset(side, ring_nbytes)).reshape(_TABLE_SLOTS, -1)
-        self._peer_table = np.frombuffer(mm, np.uint64, nwords, _table_offset(1 - side, ring_nbytes)).reshape(
-            _TABLE_SLOTS, -1)
-        self._my_key = _KEY.pack(token, side)
-        self._peer_key = _KEY.pack(token, 1 - side)
+        tables = memoryview(mm)[_rv.table_offset(0, ring_nbytes):_rv.table_offset(2, ring_nbytes)].cast("Q")
+        half = len(tables) // 2
+        self._x = dict(zero_copy_puts=0, inline_puts=0, queued_messages=0, aborted_messages=0, bad_records=0,
+                       zero_copy_unavailable=0)
+        self._local = LocalRegions(tables[side * half:(side + 1) * half], key=_KEY.pack(token, side))
+        self._peer = PeerRegions(tables[(1 - side) * half:(2 - side) * half], key=_KEY.pack(token, 1 - side),
+                                 counters=self._x)
+        self._tables = tables
         # the hot paths call these bound methods directly
         self._send_msg = self._tx.try_send_msg
         self._try_recv = self._rx.try_recv
         self._fast = None
         if _ringc is not None and ring_cls is _ringc.Ring:
             # send / recv_into entirely in C when the ring can serve them, else our _*_slow methods
-            self._fast = fp = _ringc.FastPath(self._tx, self._rx, self._send_slow, self._recv_slow, _SPIN_ITERS)
+            self._fast = fp = _ringc.FastPath(self._tx, self._rx, self, ShmEndpoint._send_slow, ShmEndpoint._recv_slow,
+                                              _SPIN_ITERS)
             self.send, self.send_nowait = fp.send, fp.send_nowait
             self.recv_into, self.recv_into_nowait = fp.recv_into, fp.recv_into_nowait
         self._clean = True  # no queued message and no half-received one: the fast path may run
@@ -353,15 +265,9 @@ class ShmEndpoint(Endpoint):
         self._notes: deque = deque()  # notifications moved aside
         self._partial: bytearray | None = None  # a streamed message being received off the fast path
         self._partial_filled = 0
-        self._regions: dict[int, tuple[Region, memoryview]] = {}
-        self._free_slots = list(range(_TABLE_SLOTS - 1, -1, -1))
-        self._slot_gen = [0] * _TABLE_SLOTS
-        self._peer_maps: dict[int, tuple[mmap.mmap, memoryview] | None] = {}
         self._peer_gone: str | None = None
         self._peer_cause: BaseException | None = None
         self._last_socket_check = 0.0
-        self._x = dict(zero_copy_puts=0, inline_puts=0, queued_messages=0, queued_notifications=0,
-                       aborted_messages=0, bad_records=0, zero_copy_unavailable=0)
 
     def __repr__(self) -> str:
         return f"<ShmEndpoint {self.url} side={self._side} ring={self._tx.impl} {'closed' if self._closed else 'open'}>"
@@ -407,12 +313,13 @@ class ShmEndpoint(Endpoint):
             return
         if self._peer_flags() is None:
             self._peer_cause = EOFError("EOF on the shm connection socket")
-            self._peer_gone = "the peer process exited or was killed without closing its endpoint"
+            self._peer_gone = ("the peer's endpoint went away without close() "
+                               "(its process exited or was killed, or it dropped the endpoint)")
             self._tx.set_consumer_closed()  # the peer will never read again: sends now fail fast, even in C
 
     def _broken(self, what: str) -> BrokenLinkError:
         self._counters.errors += 1
-        err = BrokenLinkError(f"shm {self.url}: {what}: {self._peer_gone}")
+        err = BrokenLinkError(f"{self.url}: {what}: {self._peer_gone}")
         err.__cause__ = self._peer_cause
         return err
 
@@ -696,10 +603,9 @@ class ShmEndpoint(Endpoint):
             note = None
             if n >= _DONE.size:
                 rid, tag_len, offset, nbytes, notify_id = _DONE.unpack_from(data, off)
-                entry = self._regions.get(rid)
+                entry = self._local.get(rid)
                 if _DONE.size + tag_len == n and entry is not None and offset + nbytes <= entry[0].nbytes:
-                    tag = bytes(data[off + _DONE.size:off + n])
-                    note = Notification(region_id=rid, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
+                    note = _note(rid, offset, nbytes, notify_id, bytes(data[off + _DONE.size:off + n]))
             if note is None:  # not a put into a region registered here (deregistered meanwhile?)
                 self._x["bad_records"] += 1
                 self._counters.errors += 1
@@ -710,7 +616,7 @@ class ShmEndpoint(Endpoint):
             ok = False
             if n >= _INLINE.size:
                 rid, _, offset = _INLINE.unpack_from(data, off)
-                entry = self._regions.get(rid)
+                entry = self._local.get(rid)
                 c = n - _INLINE.size
                 if entry is not None and offset + c <= entry[0].nbytes:
                     entry[1][offset:offset + c] = data[off + _INLINE.size:off + n]
@@ -736,116 +642,11 @@ class ShmEndpoint(Endpoint):
         it directly); any other array is written by this side as it progresses.
         """
         self._check_open()
-        if is_device_array(array) and not hasattr(array, "__array_interface__"):
-            raise CapabilityError("shm registers host memory only; device arrays need a transport with device_memory")
-        if not self._free_slots:
-            raise RegistrationError(f"this shm endpoint already has {_TABLE_SLOTS} regions registered; "
-                                    "deregister some (or register one larger pool) first")
-        slot = self._free_slots.pop()
-        gen = self._slot_gen[slot] + 1
-        rid = ((gen << _SLOT_BITS) | slot) & 0xFFFFFFFF
-        try:
-            region = Region.of(array, region_id=rid, key=self._my_key)
-            view = region.view
-            shared = shared_fd_of(array) if region.nbytes else None
-            row = self._my_table[slot]
-            row[0] = 0
-            row[1] = region.nbytes
-            flags = _ACTIVE
-            if shared is not None:
-                fd, block_off, _ = shared
-                st = os.fstat(fd)
-                row[2], row[3], row[4], row[5], row[6], row[7] = block_off, fd, st.st_ino, st.st_dev, st.st_size, os.getpid()
-                flags |= _SHARED
-            row[0] = (rid << 32) | flags  # published last (x86 store order; the peer re-reads it after)
-        except BaseException:
-            self._free_slots.append(slot)
-            raise
-        self._slot_gen[slot] = gen
-        self._regions[rid] = (region, view)
-        return region
+        return self._local.register(array)
 
     def deregister(self, region: Region) -> None:
         """Forget a region; later puts into it raise RegistrationError on the initiator."""
-        rid = region.region_id
-        entry = self._regions.get(rid)
-        if entry is None or entry[0] is not region and entry[0].array is not region.array:
-            raise RegistrationError(f"region {rid} is not registered on this shm endpoint")
-        del self._regions[rid]
-        slot = rid & (_TABLE_SLOTS - 1)
-        if not self._closed:
-            self._my_table[slot, 0] = 0
-        self._free_slots.append(slot)
-
-    def _peer_region(self, remote: RemoteRegion, offset: int, n: int) -> tuple[int, memoryview | None]:
-        """Validate a put against the peer's region table: (state word, mapped view or None)."""
-        if remote.key != self._peer_key:
-            raise RegistrationError(
-                f"region descriptor {remote.region_id} was not issued by this connection's peer "
-                "(register on the peer and pass its descriptor over this connection)"
-            )
-        if remote.kind != "host":
-            raise CapabilityError("shm puts into host memory only; the descriptor is for device memory")
-        rid = remote.region_id
-        row = self._peer_table[rid & (_TABLE_SLOTS - 1)]
-        state = int(row[0])
-        if state >> 32 != rid or not state & _ACTIVE:
-            self._drop_peer_map(rid)
-            raise RegistrationError(f"region {rid} is not registered at the peer (never registered, or deregistered)")
-        nbytes = int(row[1])
-        if nbytes != remote.nbytes:
-            raise RegistrationError(f"descriptor says region {rid} has {remote.nbytes} bytes, the peer registered {nbytes}")
-        if offset < 0 or offset + n > nbytes:
-            raise RegistrationError(
-                f"put of {n} bytes at offset {offset} falls outside region {rid} of {nbytes} bytes; "
-                f"need 0 <= offset and offset + nbytes <= {nbytes}"
-            )
-        view = self._peer_map(rid, row) if state & _SHARED else None
-        if int(row[0]) != state:
-            raise RegistrationError(f"region {rid} was deregistered at the peer during the put")
-        return state, view
-
-    def _peer_map(self, rid: int, row) -> memoryview | None:
-        if rid in self._peer_maps:
-            entry = self._peer_maps[rid]
-            return None if entry is None else entry[1]
-        if len(self._peer_maps) >= 256:
-            self._prune_peer_maps()
-        block_off, fd, ino, dev, block_nbytes, pid = (int(x) for x in row[2:8])
-        entry = None
-        try:
-            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            f = -1
-        if f >= 0:
-            try:
-                st = os.fstat(f)
-                if st.st_ino == ino and st.st_dev == dev and st.st_size >= block_nbytes > 0:
-                    mm = mmap.mmap(f, block_nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    entry = (mm, memoryview(mm)[block_off:block_off + int(row[1])])
-            except OSError:
-                entry = None
-            finally:
-                os.close(f)
-        if entry is None:
-            self._x["zero_copy_unavailable"] += 1
-        self._peer_maps[rid] = entry
-        return None if entry is None else entry[1]
-
-    def _drop_peer_map(self, rid: int) -> None:
-        entry = self._peer_maps.pop(rid, None)
-        if entry is not None:
-            entry[1].release()
-            try:
-                entry[0].close()
-            except BufferError:
-                pass
-
-    def _prune_peer_maps(self) -> None:
-        for rid in list(self._peer_maps):
-            state = int(self._peer_table[rid & (_TABLE_SLOTS - 1), 0])
-            if state >> 32 != rid or not state & _ACTIVE:
-                self._drop_peer_map(rid)
+        self._local.deregister(region, publish=not self._closed)
 
     def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
             timeout_s: float | None = None) -> None:
@@ -854,41 +655,58 @@ class ShmEndpoint(Endpoint):
         Validation failures (unknown region, out of range) raise RegistrationError
         before anything is written.
         """
-        self._check_open()
-        deadline_of(timeout_s)
+        if self._closed:
+            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
+        if timeout_s is not None and not timeout_s >= 0:
+            deadline_of(timeout_s)
         if not isinstance(remote, RemoteRegion):
             remote = RemoteRegion.from_bytes(remote)
-        offset = operator.index(offset)
-        tag = bytes(tag)
-        if len(tag) > MAX_TAG_BYTES:
-            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+        if type(offset) is not int:
+            offset = operator.index(offset)
+        if tag:
+            tag = bytes(tag)
+            if len(tag) > MAX_TAG_BYTES:
+                raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+        else:
+            tag = b""
+        if type(notify_id) is not int:
+            notify_id = operator.index(notify_id)
         if not 0 <= notify_id < 1 << 64:
             raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
-        src = as_byte_view(data)
+        try:
+            src = memoryview(data)
+        except TypeError:
+            src = None
+        if src is None or src.format != "B" or src.ndim != 1 or not src.c_contiguous:
+            src = as_byte_view(data)  # casts, or says what is wrong with the buffer
         n = len(src)
-        if self._peer_flags() is not None:
-            raise self._broken("put")
-        _, dst = self._peer_region(remote, offset, n)
+        dst = self._peer.target(remote, offset=offset, nbytes=n)  # raises before anything is written
+        if self._peer_gone is not None or self._tx.consumer_closed:
+            self._peer_flags()
+            raise self._broken("put")  # never write into memory the peer may have moved on from
         rid = remote.region_id
-        w = _Wait(self, "put", timeout_s)
+        w = None
         if dst is not None:
             if n:
                 dst[offset:offset + n] = src
             self._x["zero_copy_puts"] += 1
         else:
+            w = _Wait(self, "put", timeout_s)
             step = self._tx.max_payload - _INLINE.size
             for pos in range(0, n, step):
                 c = min(step, n - pos)
-                self._send_record(KIND_PUT_INLINE, 0, _INLINE.pack(rid, 0, offset + pos), src[pos:pos + c], w, "put")
+                self._send_record(KIND_PUT_INLINE, _INLINE.pack(rid, 0, offset + pos), src[pos:pos + c], w, "put")
             self._x["inline_puts"] += 1
-        self._send_record(KIND_PUT_DONE, 0, _DONE.pack(rid, len(tag), offset, n, notify_id), tag, w, "put")
+        done = _DONE.pack(rid, len(tag), offset, n, notify_id)
+        if self._tx.try_send(KIND_PUT_DONE, 0, done, tag) != SEND_OK:
+            self._send_record(KIND_PUT_DONE, done, tag, w or _Wait(self, "put", timeout_s), "put")
         self._counters.puts += 1
         self._counters.put_bytes += n
 
-    def _send_record(self, kind: int, aux: int, part1, part2, w: _Wait, what: str) -> None:
+    def _send_record(self, kind: int, part1, part2, w: _Wait, what: str) -> None:
         tx = self._tx
         while True:
-            r = tx.try_send(kind, aux, part1, part2)
+            r = tx.try_send(kind, 0, part1, part2)
             if r == SEND_OK:
                 w.progressed()
                 return
@@ -901,6 +719,10 @@ class ShmEndpoint(Endpoint):
 
     def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
         """Wait for the next put completion targeted at this side (applying inline puts on the way)."""
+        if not self._notes and not self._closed and (timeout_s is None or timeout_s >= 0):
+            rec = self._rx.peek()  # fast path: a completion is at the head of the ring
+            if rec is not None and rec[0] == KIND_PUT_DONE:
+                self._side_record(*rec)
         return self._next_note(timeout_s, False)
 
     def poll_notification_nowait(self) -> Notification:
@@ -909,6 +731,9 @@ class ShmEndpoint(Endpoint):
 
     def _next_note(self, timeout_s: float | None, nowait: bool) -> Notification:
         self._check_open()
+        if self._notes:
+            self._counters.notifications += 1
+            return self._notes.popleft()
         w = None
         rx = self._rx
         what = "poll_notification_nowait" if nowait else "wait_notification"
@@ -943,12 +768,12 @@ class ShmEndpoint(Endpoint):
         except OSError:
             pass
         self._sock.close()
-        for rid in list(self._peer_maps):
-            self._drop_peer_map(rid)
-        self._regions.clear()
+        self._peer.close()
+        self._local.clear()
         self._msgq.clear()
         self._partial = None
-        self._rx_data = self._my_table = self._peer_table = None
+        self._tables.release()
+        self._rx_data = None
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it
@@ -967,11 +792,12 @@ class ShmListener(Listener):
         self.path = path
         self._sock = sock
         st = os.stat(path)
-        self._identity = (st.st_dev, st.st_ino)
         self._ring_cls = _ring_class(ring_impl)
         self._spin_s = spin_s
         self._closed = False
         self.rejected = 0  # connections dropped during the handshake (bad hello, other user, probe)
+        # also run when the listener is dropped without close(), or at interpreter exit
+        self._release = weakref.finalize(self, _release_listener, sock, path, (st.st_dev, st.st_ino))
 
     def __repr__(self) -> str:
         return f"<ShmListener {self.url} {'closed' if self._closed else 'listening'}>"
@@ -1009,23 +835,23 @@ class ShmListener(Listener):
         mm = None
         try:
             conn.settimeout(_HANDSHAKE_TIMEOUT_S)
-            if _peer_uid(conn) != os.getuid():
+            if _rv.peer_uid(conn) != os.getuid():
                 raise PermissionError("peer runs as another user")
             msg, fds, _, _ = socket.recv_fds(conn, 256, 4)
-            if len(msg) != _CONN.size or len(fds) != 1:
+            if len(msg) != _rv.CONN.size or len(fds) != 1:
                 raise ValueError("not a qlink shm hello")
-            magic, version, slots, ring_nbytes, token = _CONN.unpack(msg)
-            if magic != _HELLO_MAGIC or version != _VERSION or slots != _TABLE_SLOTS:
+            magic, version, slots, ring_nbytes, token = _rv.CONN.unpack(msg)
+            if magic != _rv.HELLO_MAGIC or version != _rv.VERSION or slots != _rv.TABLE_SLOTS:
                 raise ValueError("hello from an incompatible qlink shm version")
             _ring.ring_region_nbytes(ring_nbytes)  # validates the size
             fd = fds[0]
-            total = _layout_nbytes(ring_nbytes)
+            total = _rv.layout_nbytes(ring_nbytes)
             if os.fstat(fd).st_size != total:
                 raise ValueError("shared memory has the wrong size")
-            if hasattr(fcntl, "F_GET_SEALS") and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            if not _rv.is_sealed(fd):
                 raise ValueError("shared memory is not sealed against shrinking")
-            mm = mmap.mmap(fd, total, flags=_MAP_FLAGS)
-            if _CONN.unpack_from(mm, 0) != (_CONN_MAGIC, _VERSION, _TABLE_SLOTS, ring_nbytes, token):
+            mm = mmap.mmap(fd, total, flags=_rv.MAP_FLAGS)
+            if _rv.CONN.unpack_from(mm, 0) != (_rv.CONN_MAGIC, _rv.VERSION, _rv.TABLE_SLOTS, ring_nbytes, token):
                 raise ValueError("shared memory header does not match the hello")
             conn.setblocking(False)
             ep = ShmEndpoint(url=self.url, sock=conn, mm=mm, side=1, ring_nbytes=ring_nbytes, token=token,
@@ -1044,52 +870,29 @@ class ShmListener(Listener):
 
     def close(self) -> None:
         """Stop listening and remove the socket file. Idempotent."""
-        if self._closed:
-            return
         self._closed = True
-        self._sock.close()
-        try:
-            st = os.stat(self.path)
-            if (st.st_dev, st.st_ino) == self._identity:  # not a newer listener's socket
-                os.unlink(self.path)
-        except OSError:
-            pass
+        self._release()
 
 
-def _reclaim_stale(path: str, url: str) -> None:
-    """Remove the socket file of a dead listener; refuse if a live one answers."""
+def _release_listener(sock: socket.socket, path: str, identity: tuple[int, int]) -> None:
+    sock.close()
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(errno.EEXIST, f"{path} exists and is not a socket; remove it or use another shm name")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        try:
-            os.unlink(path)  # nobody is listening: a crashed listener left it behind
-        except FileNotFoundError:
-            pass
-        return
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) == identity:  # not a newer listener's socket
+            os.unlink(path)
     except OSError:
-        pass  # e.g. backlog full: somebody is listening
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, f"{url} is already listening (socket {path}); close it or pick another name")
+        pass
 
 
 def listen(url: str, *, ring_impl: str | None = None, spin_s: float = DEFAULT_SPIN_S, backlog: int = 64) -> ShmListener:
     """Listen on ``shm://name``. ``ring_impl`` ('c', 'python' or None for the best
     available) and ``spin_s`` (busy-poll time before backing off) apply to accepted endpoints."""
-    name = _name_of(url)
+    name = _rv.name_of(url)
     _ring_class(ring_impl)
     if not spin_s >= 0:
         raise ValueError(f"spin_s must be a non-negative number of seconds, got {spin_s!r}")
-    path = _socket_path(name, create=True)
-    _reclaim_stale(path, url)
+    path = _rv.socket_path(name, create=True)
+    _rv.reclaim_stale(path, url)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         old_umask = os.umask(0o177)  # the socket file is created 0600
@@ -1116,13 +919,13 @@ def connect(url: str, *, timeout_s: float | None = 10.0, ring_nbytes: int = DEFA
     messages larger than a ring still pass, streamed through it.
     """
     deadline_of(timeout_s)
-    name = _name_of(url)
+    name = _rv.name_of(url)
     ring_cls = _ring_class(ring_impl)
     _ring.ring_region_nbytes(ring_nbytes)
     if not spin_s >= 0:
         raise ValueError(f"spin_s must be a non-negative number of seconds, got {spin_s!r}")
     try:
-        path = _socket_path(name, create=False)
+        path = _rv.socket_path(name, create=False)
     except FileNotFoundError as e:
         raise BrokenLinkError(f"nobody listens on {url} (no shm socket directory {socket_dir()})") from e
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -1134,23 +937,23 @@ def connect(url: str, *, timeout_s: float | None = 10.0, ring_nbytes: int = DEFA
             raise BrokenLinkError(f"nobody listens on {url} (socket {path}: {e.strerror})") from e
         except socket.timeout as e:
             raise QlinkTimeoutError(f"shm: connecting to {url} did not complete within timeout_s={timeout_s}") from e
-        if _peer_uid(sock) != os.getuid():
+        if _rv.peer_uid(sock) != os.getuid():
             raise BrokenLinkError(f"{url} is served by another user; shm connects to your own processes only")
         token = secrets.randbits(64)
-        total = _layout_nbytes(ring_nbytes)
+        total = _rv.layout_nbytes(ring_nbytes)
         fd = os.memfd_create(f"qlink-shm-{name}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
         try:
             os.ftruncate(fd, total)
-            _seal(fd)
-            mm = mmap.mmap(fd, total, flags=_MAP_FLAGS)
-            _CONN.pack_into(mm, 0, _CONN_MAGIC, _VERSION, _TABLE_SLOTS, ring_nbytes, token)
+            _rv.seal(fd)
+            mm = mmap.mmap(fd, total, flags=_rv.MAP_FLAGS)
+            _rv.CONN.pack_into(mm, 0, _rv.CONN_MAGIC, _rv.VERSION, _rv.TABLE_SLOTS, ring_nbytes, token)
             region = _ring.ring_region_nbytes(ring_nbytes)
             for side in (0, 1):
-                off = _ring_offset(side, ring_nbytes)
+                off = _rv.ring_offset(side, ring_nbytes)
                 with memoryview(mm)[off:off + region] as ring_mem:
                     _ring.init_ring(ring_mem, data_nbytes=ring_nbytes)
             try:
-                socket.send_fds(sock, [_CONN.pack(_HELLO_MAGIC, _VERSION, _TABLE_SLOTS, ring_nbytes, token)], [fd])
+                socket.send_fds(sock, [_rv.CONN.pack(_rv.HELLO_MAGIC, _rv.VERSION, _rv.TABLE_SLOTS, ring_nbytes, token)], [fd])
             except OSError as e:
                 mm.close()
                 raise BrokenLinkError(f"the listener on {url} went away during the handshake ({e.strerror})") from e
@@ -1162,9 +965,3 @@ def connect(url: str, *, timeout_s: float | None = 10.0, ring_nbytes: int = DEFA
     except BaseException:
         sock.close()
         raise
-
-
-def _seal(fd: int) -> None:
-    """Fix the memfd's size for good, so neither side can shrink it under the other's mapping."""
-    if hasattr(fcntl, "F_ADD_SEALS"):
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
