@@ -258,12 +258,12 @@ class TcpEndpoint(Endpoint):
                 self._cur_dst = self._put_target(rid, off, n) if kind == fr.KIND_PUT else None
             kind, rid, n, off, nid, tag = cur
             dst = self._cur_dst
+            if kind == fr.KIND_MSG and out is not None and not self._msgq and n > len(out):
+                raise BufferTooSmallError(
+                    f"next tcp message is {n} bytes but the buffer holds {len(out)}; the message stays "
+                    f"queued, call again with a buffer of at least {n} bytes", needed_nbytes=n)
             if kind == fr.KIND_MSG and dst is None:
                 if out is not None and not self._msgq:
-                    if n > len(out):
-                        raise BufferTooSmallError(
-                            f"next tcp message is {n} bytes but the buffer holds {len(out)}; the message stays "
-                            f"queued, call again with a buffer of at least {n} bytes", needed_nbytes=n)
                     dst = self._cur_dst = out[:n]
                     self._cur_direct = True
                 else:
