@@ -1,0 +1,332 @@
+"""UCX plumbing for ``transports.ucx``: lazy UCXX import, one worker per process, hot-path ops.
+
+UCXX creates and owns the UCX context, worker and endpoints (and closes them). The
+per-message operations go through one of two *ops* objects with the same small API:
+
+* :class:`UcpOps` (the default): the UCP C functions themselves (``ucp_worker_progress``,
+  ``ucp_tag_probe_nb``, ``ucp_tag_send_nbx``, ``ucp_tag_msg_recv_nbx``, ``ucp_tag_recv_nbx``,
+  request status/cancel/free) called through :mod:`ctypes` on the handles UCXX exposes, from
+  the library UCXX loaded. Requests are plain UCP requests owned by this module.
+* :class:`UcxxOps`: the same through UCXX's Python core API (``UCXWorker.progress_once``,
+  ``tag_probe``, ``UCXEndpoint.tag_send`` / ``tag_recv_with_handle``...), each call wrapped
+  in UCXX request objects; kept to compare against and as a fallback.
+
+Buffers are passed as a *base* NumPy uint8 array plus a byte count, so both ops can cache
+what they derive from a long-lived buffer (an address, a UCXX ``Array``).
+
+Status codes follow UCX: 0 done, 1 in progress, negative an error (``-9`` truncated,
+``-16`` canceled, ``-25``..``-89`` link and endpoint failures).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+import time
+
+import numpy as np
+
+from qlink.errors import missing
+
+__all__ = ["ucxx", "ucx_config", "worker_for", "make_ops", "DEFAULT_UCX_TLS", "IN_PROGRESS", "status_text"]
+
+DEFAULT_UCX_TLS = "tcp,sm,self"
+IN_PROGRESS = 1
+_ERR_LAST = (1 << 64) - 100  # UCS_PTR_IS_ERR: pointers at or above UCS_ERR_LAST are status codes
+_CONN_MASK = 0xFFFFFF
+_STATUS = {-3: "I/O error", -9: "message truncated", -16: "canceled", -25: "connection reset",
+           -30: "endpoint timeout", -80: "timed out"}
+
+# UCXX's import sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows and warns about.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+_mod = None
+
+
+def ucxx():
+    """(libucxx, Array) from UCXX, imported on first use; MissingDependencyError if absent."""
+    global _mod
+    if _mod is None:
+        try:
+            import ucxx._lib.libucxx as lib
+            from ucxx._lib.arr import Array
+        except ImportError as e:
+            raise missing("ucxx-cu12", extra="ucx", feature="the ucx:// transport") from e
+        _mod = (lib, Array)
+    return _mod
+
+
+def status_text(status: int) -> str:
+    return f"UCX status {status} ({_STATUS.get(status, 'error')})"
+
+
+def ucx_config(*, loopback: bool) -> dict[str, str]:
+    """UCX options the contexts made here add to the environment's (the environment wins).
+
+    >>> import os
+    >>> "NET_DEVICES" in ucx_config(loopback=True) or "UCX_NET_DEVICES" in os.environ
+    True
+    """
+    cfg = {}
+    if "UCX_TLS" not in os.environ:
+        cfg["TLS"] = DEFAULT_UCX_TLS
+    if loopback and "UCX_NET_DEVICES" not in os.environ:
+        cfg["NET_DEVICES"] = "lo"
+    return cfg
+
+
+class Worker:
+    """One UCX context + worker per process and scope ('lo' or 'any'), shared by endpoints."""
+
+    def __init__(self, scope: str) -> None:
+        lib, _ = ucxx()
+        self.scope = scope
+        self.pid = os.getpid()
+        self.config = ucx_config(loopback=scope == "lo")
+        self.context = lib.UCXContext(self.config, feature_flags=(lib.Feature.TAG,))
+        self.worker = lib.UCXWorker(self.context)
+        self.handle = self.worker.handle
+        self.address = self.worker.address.tobytes()
+        self.tls = self.context.config.get("TLS", "?")
+        self._conn_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.lingering: list = []  # closed endpoints whose staged sends are still in flight
+
+    def next_conn_id(self) -> int:
+        with self._lock:
+            while True:
+                cid = next(self._conn_ids) & _CONN_MASK
+                if cid:
+                    return cid
+
+    def reap_lingering(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        self.lingering = [ep for ep in self.lingering if not ep._finish_linger(now, force=force)]
+
+
+_workers: dict[str, Worker] = {}
+_workers_lock = threading.Lock()
+
+
+def worker_for(scope: str) -> Worker:
+    with _workers_lock:
+        w = _workers.get(scope)
+        if w is None or w.pid != os.getpid():
+            w = _workers[scope] = Worker(scope)
+        return w
+
+
+def close_lingering() -> None:
+    for w in list(_workers.values()):
+        if w.pid == os.getpid():
+            w.reap_lingering(force=True)
+
+
+# ----- raw UCP through ctypes ------------------------------------------------------------------
+class _Info(ctypes.Structure):
+    _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
+
+
+_ucp = None
+
+
+def _libucp():
+    """The libucp UCXX loaded (found in this process's mappings), with argument types set."""
+    global _ucp
+    if _ucp is None:
+        ucxx()
+        path = None
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libucp.so" in line:
+                    path = line.split()[-1]
+                    break
+        if path is None:
+            raise OSError("libucp is not mapped into this process; UCXX did not load UCX")
+        lib = ctypes.CDLL(path)
+        vp, sz, u64, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
+        for name, args, res in (
+            ("ucp_worker_progress", [vp], ctypes.c_uint),
+            ("ucp_tag_probe_nb", [vp, u64, u64, i, ctypes.POINTER(_Info)], vp),
+            ("ucp_tag_send_nbx", [vp, vp, sz, u64, vp], vp),
+            ("ucp_tag_msg_recv_nbx", [vp, vp, sz, vp, vp], vp),
+            ("ucp_tag_recv_nbx", [vp, vp, sz, u64, u64, vp], vp),
+            ("ucp_request_check_status", [vp], i),
+            ("ucp_request_cancel", [vp, vp], None),
+            ("ucp_request_free", [vp], None),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        _ucp = lib
+    return _ucp
+
+
+def _address_of(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+class UcpOps:
+    """Per-message operations as direct UCP calls. Requests are ints (0: completed at once)."""
+
+    name = "ucp"
+    _param = ctypes.create_string_buffer(256)  # ucp_request_param_t with op_attr_mask = 0: defaults
+    _param_addr = ctypes.addressof(_param)
+
+    def __init__(self, worker: Worker, ep) -> None:
+        lib = _libucp()
+        self._w = worker.handle
+        self._e = ep.handle
+        self._progress = lib.ucp_worker_progress
+        self._probe = lib.ucp_tag_probe_nb
+        self._send = lib.ucp_tag_send_nbx
+        self._msg_recv = lib.ucp_tag_msg_recv_nbx
+        self._tag_recv = lib.ucp_tag_recv_nbx
+        self._check = lib.ucp_request_check_status
+        self._cancel = lib.ucp_request_cancel
+        self._free = lib.ucp_request_free
+        self._info = _Info()
+        self._info_ref = ctypes.byref(self._info)
+        self._addrs: dict[int, tuple[np.ndarray, int]] = {}
+
+    def _addr(self, base: np.ndarray) -> int:
+        hit = self._addrs.get(id(base))
+        if hit is not None and hit[0] is base:
+            return hit[1]
+        addr = _address_of(base)
+        if len(self._addrs) > 256:
+            self._addrs.clear()
+        self._addrs[id(base)] = (base, addr)
+        return addr
+
+    def progress(self) -> None:
+        self._progress(self._w)
+
+    def probe(self, tag: int, mask: int):
+        """Take the first matching message off the queue: (handle, length, sender_tag) or None."""
+        h = self._probe(self._w, tag, mask, 1, self._info_ref)
+        if not h:
+            return None
+        return h, self._info.length, self._info.sender_tag
+
+    def _req(self, r) -> int:
+        if r is None:
+            return 0
+        if r >= _ERR_LAST:
+            raise _UcxStatus(r - (1 << 64))
+        return r
+
+    def send(self, base: np.ndarray, n: int, tag: int, *, cache: bool = True) -> int:
+        addr = self._addr(base) if cache else _address_of(base)
+        return self._req(self._send(self._e, addr, n, tag, self._param_addr))
+
+    def recv_msg(self, msg, base: np.ndarray, n: int, *, cache: bool = True) -> int:
+        addr = self._addr(base) if cache else _address_of(base)
+        return self._req(self._msg_recv(self._w, addr, n, msg[0], self._param_addr))
+
+    def recv_tag(self, base: np.ndarray, n: int, tag: int) -> int:
+        return self._req(self._tag_recv(self._w, _address_of(base), n, tag, (1 << 64) - 1, self._param_addr))
+
+    def status(self, req: int) -> int:
+        return 0 if not req else self._check(req)
+
+    def release(self, req: int) -> None:
+        if req:
+            self._free(req)
+
+    def cancel(self, req: int) -> None:
+        if req:
+            self._cancel(self._w, req)
+
+
+class UcxxOps:
+    """Per-message operations through UCXX's Python core API (UCXX request objects)."""
+
+    name = "ucxx"
+
+    def __init__(self, worker: Worker, ep) -> None:
+        lib, self._Array = ucxx()
+        self._worker = worker.worker
+        self._ep = ep
+        self._Tag, self._Mask = lib.UCXXTag, lib.UCXXTagMask
+        self._tags: dict[int, object] = {}
+        self._arrays: dict[tuple[int, int], tuple[np.ndarray, object]] = {}
+
+    def _tag(self, value: int):
+        t = self._tags.get(value)
+        if t is None:
+            if len(self._tags) > 64:
+                self._tags.clear()
+            t = self._tags[value] = self._Tag(value)
+        return t
+
+    def _arr(self, base: np.ndarray, n: int):
+        key = (id(base), n)
+        hit = self._arrays.get(key)
+        if hit is not None and hit[0] is base:
+            return hit[1]
+        arr = self._Array(base[:n])
+        if len(self._arrays) > 1024:
+            self._arrays.clear()
+        self._arrays[key] = (base, arr)
+        return arr
+
+    def progress(self) -> None:
+        self._worker.progress_once()
+
+    def probe(self, tag: int, mask: int):
+        p = self._worker.tag_probe(self._tag(tag), self._Mask(mask), remove=True)
+        if not p.matched:
+            return None
+        return p, p.length, p.sender_tag.value
+
+    @staticmethod
+    def _req(req):
+        st = req.status
+        if st < 0:
+            raise _UcxStatus(st)
+        return req
+
+    def send(self, base: np.ndarray, n: int, tag: int, *, cache: bool = True):
+        arr = self._arr(base, n) if cache else self._Array(base[:n])
+        return self._req(self._ep.tag_send(arr, self._tag(tag)))
+
+    def recv_msg(self, msg, base: np.ndarray, n: int, *, cache: bool = True):
+        arr = self._arr(base, n) if cache else self._Array(base[:n])
+        return self._req(self._ep.tag_recv_with_handle(arr, msg[0]))
+
+    def recv_tag(self, base: np.ndarray, n: int, tag: int):
+        return self._req(self._ep.tag_recv(self._Array(base[:n]), self._tag(tag)))
+
+    @staticmethod
+    def status(req) -> int:
+        return 0 if req is None else req.status
+
+    @staticmethod
+    def release(req) -> None:
+        return None
+
+    @staticmethod
+    def cancel(req) -> None:
+        return None  # UCXX cancels an endpoint's requests when the endpoint closes
+
+
+class _UcxStatus(Exception):
+    """A UCX call returned an error status at once (mapped to qlink errors by the endpoint)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status_text(status))
+        self.status = status
+
+
+UcxStatus = _UcxStatus
+
+HOT_PATHS = {"ucp": UcpOps, "ucxx": UcxxOps}
+
+
+def make_ops(kind: str, worker: Worker, ep):
+    try:
+        return HOT_PATHS[kind](worker, ep)
+    except KeyError:
+        raise ValueError(f"hot_path must be one of {sorted(HOT_PATHS)}, got {kind!r}") from None
