@@ -21,6 +21,7 @@ import transports
 from qlink.errors import (
     BrokenLinkError,
     ClosedError,
+    MissingDependencyError,
     QlinkTimeoutError,
     RegistrationError,
     RingFullError,
@@ -29,6 +30,8 @@ from qlink.errors import (
 from qlink.memory import RemoteRegion, alloc
 from transports import _ring, shm
 from transports._base import BufferTooSmallError
+
+pytestmark = pytest.mark.timeout(60)
 
 RING_CLASSES = {"python": _ring.Ring}
 if shm._ringc is not None:
@@ -362,6 +365,19 @@ def test_mixed_ring_implementations_talk(shm_dir):
             t.join(5)
             b.send(b"back")
             assert a.recv(timeout_s=1) == b"back"
+
+
+def test_ring_implementation_choice(shm_dir, monkeypatch):
+    assert shm.ring_impls()[-1] == "python"
+    monkeypatch.setattr(shm, "_ringc", None)  # as if the C accelerator had not been built
+    assert shm.ring_impls() == ["python"]
+    with pytest.raises(MissingDependencyError, match="build_ext"):
+        shm.connect(_url("noc"), ring_impl="c")
+    lis, a, b = _pair("noc")  # the default falls back to the Python ring
+    with lis, a, b:
+        assert a.statistics().extra["ring_impl"] == "python"
+        a.send(b"still works")
+        assert b.recv(timeout_s=1) == b"still works"
 
 
 def test_url_and_option_errors(shm_dir):
