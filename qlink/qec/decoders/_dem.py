@@ -46,6 +46,8 @@ import scipy.sparse as sp
 
 __all__ = ["DemMatrices", "DemGraph", "dem_to_matrices", "dem_to_graph", "xor_merge"]
 
+from ._dem_graph import DemGraph, dem_to_graph  # noqa: E402  (re-exported)
+
 
 @dataclass(frozen=True)
 class DemMatrices:
@@ -66,21 +68,6 @@ class DemMatrices:
     @property
     def num_errors(self) -> int:
         return self.check_matrix.shape[1]
-
-
-@dataclass(frozen=True)
-class DemGraph:
-    """A graphlike DEM: one row per edge, ``endpoints[:, 1] == -1`` for boundary edges."""
-
-    endpoints: np.ndarray  # (num_edges, 2) int64, sorted so endpoints[:,0] < endpoints[:,1] unless -1
-    observable_masks: np.ndarray  # (num_edges,) uint64 bitmask of flipped observables
-    probabilities: np.ndarray  # (num_edges,) float64
-    num_detectors: int
-    num_observables: int
-
-    @property
-    def num_edges(self) -> int:
-        return len(self.probabilities)
 
 
 def xor_merge(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -156,50 +143,3 @@ def _columns_to_csc(columns: list[tuple[int, ...]], num_rows: int, num_cols: int
     indices = np.fromiter((i for c in columns for i in c), dtype=np.int64, count=int(indptr[-1]))
     data = np.ones(len(indices), dtype=np.uint8)
     return sp.csc_matrix((data, indices, indptr), shape=(num_rows, num_cols))
-
-
-def dem_to_graph(dem) -> DemGraph:
-    """Graphlike view of ``dem``: each ``^`` component is an edge (at most two detectors).
-
-    Raises ``ValueError`` if a component flips more than two detectors: build the
-    DEM with ``decompose_errors=True``.
-    """
-    _require_dem(dem)
-    if dem.num_observables > 64:
-        raise ValueError(f"at most 64 observables are supported, the DEM has {dem.num_observables}")
-    keys, probs = [], []
-    for p, comps in _iter_errors(dem):
-        if p <= 0.0:
-            continue
-        for dets, obs in comps:
-            dets = sorted(set(d for d in dets if dets.count(d) % 2))
-            if len(dets) > 2:
-                raise ValueError(
-                    f"error component flips {len(dets)} detectors {dets}; a graphlike DEM is needed "
-                    "(build it with detector_error_model(decompose_errors=True))"
-                )
-            if not dets:
-                continue
-            mask = 0
-            for o in obs:
-                mask ^= 1 << o
-            keys.append((dets[0], dets[1] if len(dets) == 2 else -1, mask))
-            probs.append(p)
-    keys, merged = _merge_keys(keys, probs)
-    # Parallel edges that differ only in observables: keep the likelier label, merge probability.
-    by_pair: dict[tuple[int, int], tuple[int, float, float]] = {}
-    for (a, b, mask), p in zip(keys, merged):
-        if (a, b) not in by_pair:
-            by_pair[(a, b)] = (mask, p, p)
-        else:
-            m0, best, tot = by_pair[(a, b)]
-            by_pair[(a, b)] = (mask if p > best else m0, max(p, best), float(xor_merge(tot, p)))
-    pairs = sorted(by_pair)
-    endpoints = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-    return DemGraph(
-        endpoints=endpoints,
-        observable_masks=np.array([by_pair[k][0] for k in pairs], dtype=np.uint64),
-        probabilities=np.array([by_pair[k][2] for k in pairs], dtype=np.float64),
-        num_detectors=dem.num_detectors,
-        num_observables=dem.num_observables,
-    )

@@ -23,9 +23,11 @@ Per-round cost does not grow with the experiment: a window holds at most ``W``
 rounds of detectors and the edges starting there. Compiled windows are cached
 by their shape *relative to the window start* (detector offsets, observables,
 probabilities), so all bulk windows of a time-periodic circuit share one
-compiled matcher (``statistics().num_compiled_windows`` stays at ~3 however
-long the experiment is). The DEM itself is held in full (a few arrays of
-length ``num_edges``).
+compiled matcher (``statistics().num_compiled_windows`` stays at about 4 however
+long the experiment is). The DEM is held as stim folds it (a loop body once,
+:class:`~qlink.qec.decoders._dem_graph.DemEdgeIndex`) and each window's edges are
+expanded on demand, so memory does not grow with the number of rounds either
+(apart from the ``detector_rounds`` array).
 
 >>> import numpy as np, stim
 >>> circuit = stim.Circuit.generated("repetition_code:memory", distance=3, rounds=20,
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from ._dem import dem_to_graph
+from ._dem_graph import DemEdgeIndex
 
 __all__ = ["SlidingWindowDecoder", "WindowStatistics"]
 
@@ -94,15 +96,8 @@ class SlidingWindowDecoder:
         self.num_rounds = int(rounds[-1]) + 1 if len(rounds) else 0
         self._dem = dem
         self._round_ptr = np.searchsorted(rounds, np.arange(self.num_rounds + 1)).astype(np.int64)
-        g = dem_to_graph(dem)
-        first = rounds[g.endpoints[:, 0]]
-        order = np.argsort(first, kind="stable")
-        self._a = g.endpoints[order, 0]
-        self._b = g.endpoints[order, 1]
-        self._obs = g.observable_masks[order]
-        self._p = np.clip(g.probabilities[order], 1e-15, 0.5)
-        self._edge_ptr = np.searchsorted(first[order], np.arange(self.num_rounds + 1))
-        span = int(np.max(self._b - self._a, initial=0)) + 1
+        self._edges = DemEdgeIndex(dem)
+        span = self._edges.max_span + 1
         starts = np.arange(max(self.num_rounds, 1))
         ends = np.minimum(starts + self.window_rounds, self.num_rounds)
         self._capacity = int(np.max(self._round_ptr[ends] - self._round_ptr[starts], initial=0)) + span
@@ -189,10 +184,8 @@ class SlidingWindowDecoder:
         base = int(self._round_ptr[t])
         n = int(self._round_ptr[end]) - base
         ncommit = int(self._round_ptr[commit_end]) - base
-        lo, hi = self._edge_ptr[t], self._edge_ptr[end]
-        a = self._a[lo:hi] - base
-        b = np.where(self._b[lo:hi] < 0, -1, self._b[lo:hi] - base)
-        obs, p = self._obs[lo:hi], self._p[lo:hi]
+        a, b, obs, p = self._edges.edges_in_range(base, base + n)
+        a, b, p = a - base, np.where(b < 0, -1, b - base), np.clip(p, 1e-15, 0.5)
         # Probabilities enter the key on a 1e-6 grid in log(p): merges of parallel errors
         # leave last-bit noise that must not split identical bulk windows.
         logp = np.round(np.log(p) * 1e6).astype(np.int64)
