@@ -39,23 +39,33 @@ def _sender(endpoint, cache, backend: str, mode: str):
 
 
 def serve(conn, target, spec_bytes: bytes, *, seed: int, mode: str = "auto", backend: str = "transport",
-          connect_timeout_s: float = 30.0) -> None:
+          fill: str = "random", connect_timeout_s: float = 30.0) -> None:
     """Connect to ``target`` (a URL, or an Endpoint for in-process use), fill a cache of
-    ``spec_bytes`` with ``seed``, and obey commands from ``conn`` until ``("bye",)``."""
+    ``spec_bytes`` (``fill="random"`` from ``seed``; ``"touch"``: one byte value per layer,
+    fast, for benchmarks), and obey commands from ``conn`` until ``("bye",)``."""
     import transports
+    from qlink.errors import QlinkError
 
     from .kv import KVCache, KVCacheSpec
 
     spec = KVCacheSpec.from_bytes(spec_bytes)
     cache = KVCache.allocate(spec)
-    cache.fill_random(seed=seed)
+    if fill == "random":
+        cache.fill_random(seed=seed)
+    else:
+        for i, a in enumerate(cache.layers):
+            a.view("uint8").fill(i % 251 + 1)
     ep = transports.connect(target, timeout_s=connect_timeout_s) if isinstance(target, str) else target
     tx = _sender(ep, cache, backend, mode)
     conn.send(("ready", os.getpid()))
+    live = True
     try:
         while True:
-            while not conn.poll(0.001):
-                tx.progress()  # some transports (ucx) move staged puts only while the initiator progresses
+            while live and not conn.poll(0.001):
+                try:
+                    tx.progress()  # some transports (ucx) move staged puts only while the initiator progresses
+                except QlinkError:
+                    live = False  # the link is gone; keep answering the parent until it says bye
             cmd = conn.recv()
             op = cmd[0]
             try:
@@ -123,13 +133,33 @@ class PeerHandle:
         self.thread = thread
 
     def call(self, *cmd, timeout_s: float = 60.0):
+        """Send a command and wait for its answer (for commands the receiver need not progress)."""
+        self.submit(*cmd)
+        return self.result(timeout_s=timeout_s)
+
+    def submit(self, *cmd) -> None:
+        """Send a command without waiting (the receiver can progress meanwhile)."""
         self.conn.send(cmd)
+
+    def result(self, *, timeout_s: float = 60.0):
+        """The answer to the oldest command submitted."""
         if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"KV peer did not answer {cmd[0]!r} within {timeout_s} s")
+            raise TimeoutError(f"KV peer did not answer within {timeout_s} s")
         status, *rest = self.conn.recv()
         if status == "err":
             raise RuntimeError(f"KV peer failed: {rest[0]}: {rest[1]}")
         return rest[0]
+
+    def transfer(self, rx, request_id: int, src, dst, layers="all", *, timeout_s: float = 60.0):
+        """Have the peer send a request while ``rx`` waits for it: ``(SubmitRecord, TransferRecord)``."""
+        self.submit("send", request_id, src, dst, layers)
+        try:
+            rec = rx.wait_request(request_id, timeout_s=timeout_s)
+        except BaseException:
+            if self.conn.poll(0.5):
+                self.result(timeout_s=0)  # surface the peer's own error if it has one
+            raise
+        return self.result(timeout_s=timeout_s), rec
 
     def wait_ready(self, timeout_s: float = 60.0) -> int:
         if not self.conn.poll(timeout_s):
@@ -140,6 +170,8 @@ class PeerHandle:
         return pid
 
     def close(self, timeout_s: float = 10.0) -> None:
+        if self.conn.closed:
+            return
         try:
             alive = self.proc.is_alive() if self.proc is not None else self.thread.is_alive()
             if alive and not self.conn.closed:
@@ -156,14 +188,15 @@ class PeerHandle:
         self.conn.close()
 
 
-def start_peer(target, spec, *, seed: int, mode: str = "auto", backend: str = "transport") -> PeerHandle:
+def start_peer(target, spec, *, seed: int, mode: str = "auto", backend: str = "transport",
+               fill: str = "random") -> PeerHandle:
     """Start :func:`serve`: in a spawned process for a URL, in a thread for an Endpoint."""
     import multiprocessing as mp
     import threading
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    kwargs = dict(seed=seed, mode=mode, backend=backend)
+    kwargs = dict(seed=seed, mode=mode, backend=backend, fill=fill)
     if isinstance(target, str):
         p = ctx.Process(target=serve, args=(child, target, spec.to_bytes()), kwargs=kwargs, daemon=True)
         p.start()
@@ -202,7 +235,7 @@ def url_for(scheme: str) -> str:
 
 @contextlib.contextmanager
 def open_link(scheme: str, rx_spec, tx_spec=None, *, seed: int = 1, mode: str = "auto", backend: str = "transport",
-              rx_cache=None):
+              rx_cache=None, fill: str = "random"):
     """Yield ``(receiver, receiver_cache, peer)``: a receiver here, a :func:`serve` sender
     filled from ``seed`` in a spawned process (a thread for ``inproc``)."""
     import transports
@@ -217,9 +250,9 @@ def open_link(scheme: str, rx_spec, tx_spec=None, *, seed: int = 1, mode: str = 
         if scheme == "inproc":
             client = transports.connect(lis.url, timeout_s=5)
             stack.callback(client.close)
-            peer = start_peer(client, tx_spec, seed=seed, mode=mode, backend=backend)
+            peer = start_peer(client, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill)
         else:
-            peer = start_peer(lis.url, tx_spec, seed=seed, mode=mode, backend=backend)
+            peer = start_peer(lis.url, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill)
         stack.callback(peer.close)
         ep = lis.accept(timeout_s=60)
         stack.callback(ep.close)
@@ -232,3 +265,4 @@ def open_link(scheme: str, rx_spec, tx_spec=None, *, seed: int = 1, mode: str = 
         stack.callback(rx.close)
         peer.wait_ready()
         yield rx, cache, peer
+        peer.close()  # say bye while the link is still up

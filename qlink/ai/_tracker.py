@@ -98,9 +98,10 @@ class _State:
     def __init__(self, num_layers: int, lo: int, hi: int, num_parts: int, num_descs: int, layer_nbytes: int,
                  submit_ns: int):
         self.lo, self.hi, self.num_parts, self.num_descs, self.layer_nbytes = lo, hi, num_parts, num_descs, layer_nbytes
-        self.parts = np.zeros(num_layers, dtype=np.int64)
-        self.got = np.zeros(num_layers, dtype=np.int64)
-        self.ready = np.zeros(num_layers, dtype=np.int64)
+        # Python lists: scalar updates on the per-notification path are cheaper than on NumPy arrays
+        self.parts = [0] * num_layers
+        self.got = [0] * num_layers
+        self.ready = [0] * num_layers
         self.next_layer = lo
         self.submit_ns = submit_ns
         self.error: BaseException | None = None
@@ -220,7 +221,7 @@ class RequestTracker:
         st = self._state(rid)
         if st is None or not st.done:
             return None
-        ready = st.ready[st.lo:st.hi]
+        ready = np.array(st.ready[st.lo:st.hi], dtype=np.int64)
         return TransferRecord(
             request_id=rid, nbytes=int(st.layer_nbytes * (st.hi - st.lo)), num_descs=int(st.num_descs * (st.hi - st.lo)),
             num_layers=st.hi - st.lo, transport=self.transport, mode=self.mode,

@@ -130,13 +130,14 @@ def _check(state: str, what: str) -> XferState:
 class _Agent:
     """One NIXL agent with the cache's layers registered as DRAM."""
 
-    def __init__(self, cache: KVCache, *, name: str | None, backends: tuple[str, ...]):
+    def __init__(self, cache: KVCache, *, name: str | None, backends: tuple[str, ...], progress_thread: bool = True):
         if cache.device != "cpu":
             raise CapabilityError("the NIXL backend here registers host (DRAM) caches only; use device='cpu'")
         nixl_agent, nixl_agent_config = _nixl()
         self.name = name or f"qlink-kv-{os.getpid()}-{next(_names)}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+            self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends),
+                                                                  enable_prog_thread=progress_thread))
         except Exception as e:  # noqa: BLE001 - NIXL raises plain exceptions
             raise _as_qlink(e, "creating the agent") from e
         self.addrs = np.array([a.ctypes.data for a in cache.layers], dtype=np.uint64)
@@ -192,14 +193,16 @@ class _Agent:
 
 class NixlKVSender(KVSender):
     """Prefill side over NIXL: ``endpoint`` (any qlink transport) carries the handshake,
-    NIXL's agent the bytes. ``send_request`` returns once every layer's transfer is DONE
+    NIXL's agent the bytes (``progress_thread``: NIXL's own progress thread, its default;
+    on a 2-core host it competes with the two processes for the cores). ``send_request`` returns once every layer's transfer is DONE
     at the initiator; ``begin_request(...).send_layer(k)`` streams layers and
     :meth:`flush` waits for them."""
 
-    def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",)):
+    def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",),
+                 progress_thread: bool = True):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends))
+        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread)
         self.endpoint = endpoint
         self.cache = cache
         self.spec = cache.spec
@@ -289,10 +292,10 @@ class NixlKVReceiver(_ReceiverBase):
     sender's notifications arrive, and can pull (READ) blocks itself."""
 
     def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",),
-                 max_requests: int = 65536):
+                 progress_thread: bool = True, max_requests: int = 65536):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends))
+        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread)
         self.endpoint = endpoint
         self.cache = cache
         self.spec = cache.spec

@@ -74,8 +74,7 @@ def test_blocks_arrive_bit_exact(link):
     rng = np.random.default_rng(1)
     for src, dst in _patterns(rng):
         rid = next(_ids)
-        sub = peer.call("send", rid, src, dst, "all")
-        rec = rx.wait_request(rid, timeout_s=30)
+        sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=30)
         want = peer.call("checksums", src, None)
         got = cache.block_checksums(dst)
         assert (got == want).all(), f"{scheme}/{mode}: blocks differ after request {rid}"
@@ -96,8 +95,7 @@ def test_same_blocks_again_and_request_ids_reused(link):
     scheme, mode, rx, cache, peer = link
     rid = next(_ids)
     for src in (np.arange(0, 8), np.arange(8, 16), np.arange(16, 24)):  # same destinations, new contents
-        peer.call("send", rid, src, np.arange(40, 48), "all")
-        rx.wait_request(rid, timeout_s=30)  # releases the id
+        peer.transfer(rx, rid, src, np.arange(40, 48), timeout_s=30)  # wait_request releases the id
         assert (cache.block_checksums(np.arange(40, 48)) == peer.call("checksums", src, None)).all()
 
 
@@ -105,8 +103,9 @@ def test_layer_subset_moves_only_those_layers(link):
     scheme, mode, rx, cache, peer = link
     rid = next(_ids)
     before = cache.block_checksums([1, 2])
-    peer.call("send", rid, [60, 61], [1, 2], range(1, 3))
+    peer.submit("send", rid, [60, 61], [1, 2], range(1, 3))
     rec = rx.wait_request(rid, timeout_s=30, release=False)
+    peer.result()
     assert rec.num_layers == 2 and len(rec.layer_ready_us) == 2
     after = cache.block_checksums([1, 2])
     want = peer.call("checksums", [60, 61], range(1, 3))
@@ -300,7 +299,7 @@ def test_peer_dying_mid_transfer_never_reports_a_partial_layer(scheme):
         pytest.skip(why)
     with open_link(scheme, _spec(RX_BLOCKS), _spec(TX_BLOCKS), seed=SEED) as (rx, cache, peer):
         src, dst = [0, 1, 5, 9], [0, 1, 2, 3]  # 3 descriptors per plane: 6 per layer
-        peer.call("send", 1, [2], [7], "all")  # an earlier request completes normally
+        peer.call("send", 1, [2], [7], "all")  # an earlier, small request completes normally
         peer.call("partial", 2, src, dst, 1, 3)  # layer 0 whole, 3 of 6 parts of layer 1, then gone
         assert rx.wait_layer(2, 0, timeout_s=30) > 0
         with pytest.raises(BrokenLinkError):

@@ -49,8 +49,7 @@ def test_write_from_another_process_is_bit_exact(nixl_link):
         (rng.integers(0, TX_BLOCKS, 9), rng.choice(RX_BLOCKS, 9, replace=False)),
     ]
     for rid, (src, dst) in enumerate(cases, start=100):
-        sub = peer.call("send", rid, src, dst, "all")
-        rec = rx.wait_request(rid, timeout_s=30)
+        sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=30)
         assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
         plan = plan_transfer(src, dst, src_num_blocks=TX_BLOCKS, dst_num_blocks=RX_BLOCKS,
                              block_nbytes=cache.spec.block_nbytes)
@@ -74,8 +73,7 @@ def test_read_pulls_the_senders_blocks(nixl_link):
 def test_layer_subset(nixl_link):
     rx, cache, peer = nixl_link
     before = cache.block_checksums([36, 37])
-    peer.call("send", 300, [1, 2], [36, 37], range(2, 4))
-    rec = rx.wait_request(300, timeout_s=30)
+    _, rec = peer.transfer(rx, 300, [1, 2], [36, 37], range(2, 4), timeout_s=30)
     assert rec.num_layers == 2
     after = cache.block_checksums([36, 37])
     assert (after[:2] == before[:2]).all()

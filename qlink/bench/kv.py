@@ -1,0 +1,218 @@
+"""``qlink bench kv``: KV-cache transfer bandwidth between two processes, beside its floor and peers.
+
+For a request of N tokens (all layers, K and V) of a preset model (Llama-3-8B by
+default: 131,072 B per token, so 512 / 4096 / 32768 tokens are 64 MiB / 512 MiB / 4 GiB),
+in one run:
+
+* **qlink** — a :class:`~qlink.ai.KVReceiver` here, a :class:`~qlink.ai.KVSender` in a
+  spawned process, over each transport asked for (one-sided put where the transport has
+  it); time from the sender's submit to the receiver's last layer ready
+  (``TransferRecord.submit_to_last_us``, one host's monotonic clock);
+* **NIXL** — the same blocks moved by NIXL's UCX backend between two processes
+  (:mod:`qlink.ai.nixl_backend`, its own process pair after the others);
+* **floor** — a NumPy copy of the same bytes here, layer by layer between distinct
+  memfd-backed buffers (one layer's K+V per copy, as the engine moves them), measured
+  before the process pairs start so it never shares the memory budget with them;
+* **modeled** — the same bytes over NVLink 4, PCIe 5 x16 and a 400 Gb/s NIC from
+  :mod:`qlink.links` (``basis="modeled"``, never measured).
+
+Block lists are ``contiguous`` (one descriptor per layer) and/or ``scattered`` (a random
+permutation: one descriptor per block and plane), so the per-block cost of descriptor
+preparation and submission shows (``prep_us_per_block``, ``submit_us_per_block``:
+amortized over layers x planes x blocks). Every measured row also carries its ratio to
+the memcpy floor of the same size.
+
+Memory: each of the two processes holds one cache sized for the largest N that fits
+``memory_budget_nbytes`` (both caches together); a larger N is reported as skipped.
+32,768 tokens of Llama-3-8B need 4 GiB per process, 8 GiB in all: inside the default
+10 GiB budget, and inside a 24 GiB machine with room to spare.
+
+On a 2-core machine the sender and the receiver each busy-poll a core during a transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ._stats import ratio
+
+__all__ = ["run_kv_bench", "memcpy_layers_s", "modeled_rows", "main_from_cli", "LINK_NAMES"]
+
+# Modeled links, from the cited catalog in qlink.links: NVLink 4 (900 GB/s bidirectional,
+# 450 GB/s per direction), PCIe 5.0 x16 (~64 GB/s per direction), a 400 Gb/s NIC (50 GB/s).
+LINK_NAMES = {"nvlink4": "NVLink 4 (modeled)", "pcie5-x16": "PCIe 5 x16 (modeled)", "ib-ndr": "400 Gb/s NIC (modeled)"}
+
+
+def memcpy_layers_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3) -> float:
+    """Median seconds to copy ``num_layers`` distinct source buffers of ``layer_nbytes`` into
+    ``num_layers`` distinct destinations with NumPy: the same bytes, buffers and page
+    footprint as one request moved layer by layer (no cache-hot reuse of one pair)."""
+    from qlink.memory import alloc
+
+    src = [alloc(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
+    dst = [alloc(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
+    for s, d in zip(src, dst):  # fault every page in before timing
+        s.fill(1)
+        d.fill(0)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for s, d in zip(src, dst):
+            np.copyto(d, s)
+        times.append((time.perf_counter_ns() - t0) / 1e9)
+    return float(np.median(times))
+
+
+def modeled_rows(nbytes: int, *, tokens: int, memcpy_GBps: float | None = None) -> list[dict]:
+    """Modeled transfer of ``nbytes`` over the links of :data:`LINK_NAMES` (one message)."""
+    from qlink.links import LINKS
+
+    rows = []
+    for key, label in LINK_NAMES.items():
+        link = LINKS[key]
+        t_s = link.transfer_time_ns(nbytes) / 1e9
+        gbps = nbytes / t_s / 1e9
+        rows.append({"case": label, "basis": "modeled", "tokens": tokens, "nbytes": nbytes, "pattern": "",
+                     "p50_ms": round(t_s * 1e3, 3), "GBps": round(gbps, 2),
+                     "x_memcpy": ratio(gbps, memcpy_GBps) if memcpy_GBps else None, "source": link.citation})
+    return rows
+
+
+def _blocks(pattern: str, nblocks: int, capacity: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    if pattern == "contiguous":
+        ids = np.arange(nblocks)
+        return ids, ids
+    if pattern == "scattered":
+        return rng.permutation(capacity)[:nblocks], rng.permutation(capacity)[:nblocks]
+    raise ValueError(f"pattern must be 'contiguous' or 'scattered', got {pattern!r}")
+
+
+def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repeats: int, say,
+                     memcpy_GBps: dict) -> list[dict]:
+    from qlink.ai._peer import open_link
+
+    rows = []
+    rng = np.random.default_rng(7)
+    with open_link(scheme, spec, seed=0, backend=backend, fill="touch") as (rx, cache, peer):
+        for a in cache.layers:  # fault the receiver's pages in before any timing
+            a.view(np.uint8).fill(0)
+        rid = 0
+        for n_tokens in token_list:
+            nblocks = spec.blocks_for(num_tokens=n_tokens)
+            for pattern in patterns:
+                src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
+                times_us, subs = [], []
+                for rep in range(repeats + 1):  # the first is a warm-up
+                    rid += 1
+                    sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=600)
+                    if rep:
+                        times_us.append(rec.submit_to_last_us)
+                        subs.append(sub)
+                nbytes = rec.nbytes
+                t_us = float(np.median(times_us))
+                gbps = nbytes / (t_us * 1e3)
+                blocks = 2 * nblocks * spec.num_layers
+                label = "NIXL UCX" if backend == "nixl" else f"qlink {scheme} {sub.mode}"
+                rows.append({
+                    "case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
+                    "p50_ms": round(t_us / 1e3, 3), "GBps": round(gbps, 3),
+                    "x_memcpy": ratio(gbps, memcpy_GBps.get(n_tokens)),
+                    "num_descs": rec.num_descs, "transport": rec.transport,
+                    "prep_us_per_block": round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
+                    "submit_us_per_block": round(float(np.median([s.submit_us for s in subs])) / blocks, 4),
+                    "repeats": repeats,
+                })
+                say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s  {rec.num_descs} descriptors")
+    return rows
+
+
+def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: Iterable[int] = (512, 4096, 32768),
+                 preset: str = "llama-3-8b", repeats: int = 3, patterns: Iterable[str] = ("contiguous", "scattered"),
+                 nixl: bool = True, memory_budget_nbytes: int = 10 << 30,
+                 progress: Callable[[str], None] = print) -> list[dict]:
+    """Measure KV transfers of ``tokens``-token requests (see the module docstring); one dict per row.
+
+    Rows carry ``case``, ``basis`` (measured / modeled / skipped / error), ``tokens``,
+    ``nbytes``, ``pattern``, ``p50_ms``, ``GBps``, ``x_memcpy`` and, when measured,
+    ``num_descs``, ``transport``, ``prep_us_per_block``, ``submit_us_per_block``.
+    """
+    from qlink.ai import preset as _preset
+    from qlink.ai._peer import transport_unavailable
+
+    base = _preset(preset)
+    token_list = sorted(set(int(t) for t in tokens))
+    if not token_list or token_list[0] <= 0:
+        raise ValueError(f"tokens must be positive integers, got {tokens!r}")
+    patterns = tuple(patterns)
+    per_cache = memory_budget_nbytes // 2
+    fits = [t for t in token_list if base.kv_nbytes(num_tokens=t) <= per_cache]
+    rows: list[dict] = []
+    for t in token_list:
+        if t not in fits:
+            rows.append({"case": "all", "basis": "skipped", "tokens": t, "nbytes": base.kv_nbytes(num_tokens=t),
+                         "note": f"two caches of {base.kv_nbytes(num_tokens=t) / 2**30:.1f} GiB exceed "
+                                 f"memory_budget_nbytes={memory_budget_nbytes}"})
+    if not fits:
+        return rows
+    spec = base.with_blocks(base.blocks_for(num_tokens=fits[-1]))
+    progress(f"KV bench: {preset}, {spec.bytes_per_token} B/token, caches of {spec.nbytes / 2**20:.0f} MiB "
+             f"in each of two processes")
+
+    memcpy_GBps: dict[int, float] = {}
+    for t in fits:
+        nb = base.kv_nbytes(num_tokens=t)
+        s = memcpy_layers_s(layer_nbytes=nb // spec.num_layers, num_layers=spec.num_layers, repeats=max(repeats, 3))
+        memcpy_GBps[t] = nb / s / 1e9
+        rows.append({"case": "numpy memcpy", "basis": "floor", "tokens": t, "nbytes": nb, "pattern": "per layer",
+                     "p50_ms": round(s * 1e3, 3), "GBps": round(memcpy_GBps[t], 3), "x_memcpy": 1.0})
+        rows.extend(modeled_rows(nb, tokens=t, memcpy_GBps=memcpy_GBps[t]))
+
+    backends = [(s, "transport") for s in transports]
+    if nixl:
+        backends.append((None, "nixl"))
+    for scheme, backend in backends:
+        if backend == "nixl":
+            from qlink.ai.nixl_backend import nixl_available
+
+            scheme = next((s for s in ("shm", "tcp") if not transport_unavailable(s)), None)
+            why = None if nixl_available() else "nixl-cu12 is not installed"
+            why = why or (None if scheme else "no shm/tcp transport to carry the NIXL handshake")
+            name = "NIXL UCX"
+        else:
+            why = transport_unavailable(scheme)
+            name = f"qlink {scheme}"
+        if why:
+            rows.append({"case": name, "basis": "skipped", "note": why})
+            progress(f"  {name}: skipped ({why})")
+            continue
+        progress(f"{name}: {', '.join(map(str, fits))} tokens, {repeats} repeats + 1 warm-up")
+        try:
+            rows.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, memcpy_GBps))
+        except Exception as e:  # a failing backend is reported in the rows, the others still run
+            rows.append({"case": name, "basis": "error", "note": f"{type(e).__name__}: {e}"})
+            progress(f"  {name}: error {type(e).__name__}: {e}")
+    return rows
+
+
+def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
+    """``qlink bench kv [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
+    from pathlib import Path
+
+    from ._report import format_table, write_results
+
+    quick = bool(getattr(args, "quick", False))
+    tokens = (512, 4096) if quick else (512, 4096, 32768)
+    repeats = 2 if quick else 3
+    rows = run_kv_bench(tokens=tokens, repeats=repeats, progress=say)
+    out = Path(getattr(args, "out", "results/bench"))
+    write_results(rows, out_dir=out, name="kv", meta={"tokens": list(tokens), "repeats": repeats,
+                                                      "preset": "llama-3-8b"})
+    cols = ["case", "basis", "tokens", "pattern", "GBps", "x_memcpy", "p50_ms", "num_descs", "prep_us_per_block",
+            "submit_us_per_block", "note"]
+    print("\nKV-cache transfer, Llama-3-8B layout, two processes (modeled rows are link models, not measurements)")
+    print(format_table(rows, columns=cols))
+    print(f"\nwritten: {out}/kv.{{json,csv}}")
+    return rows
