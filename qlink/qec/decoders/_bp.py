@@ -14,7 +14,11 @@ check messages are gathered back through a precomputed index, so no scatter
 (and no write conflict) happens on either device. After each iteration the
 hard decision ``e_hat`` is checked against the syndrome; converged shots leave
 the batch (early stop), the rest continue until ``max_iter``. Predictions are
-``O @ e_hat mod 2``. Shots with no detection event are answered "no flip"
+``O @ e_hat mod 2``. By default each ``^`` component of a decomposed DEM error
+is its own BP variable (``split_components=True``): on surface-code circuit noise
+that gives checks of degree ~12 instead of ~80, several times faster and a lower
+logical error rate than one variable per (XOR-merged) error. Shots with no
+detection event are answered "no flip"
 without running BP (every prior is below 1/2, so BP would return ``e_hat = 0``).
 
 >>> import stim
