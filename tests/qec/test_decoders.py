@@ -89,9 +89,8 @@ def test_bit_packed_and_unpacked_agree(name):
     assert out.shape == (len(dets), 1) and out.dtype == np.uint8
     assert (np.unpackbits(out, axis=1, count=1, bitorder="little") == plain).all()
     # sinter's spelling, so the decoder also plugs into sinter.collect(custom_decoders=...)
-    if name == "pymatching" or BUILT_IN_DECODERS[name].unavailable_reason() is None:
-        via_sinter = BUILT_IN_DECODERS[name].compile_decoder_for_dem(dem=_SOURCE.detector_error_model())
-        assert (via_sinter.decode_shots_bit_packed(bit_packed_detection_event_data=packed) == out).all()
+    via_sinter = BUILT_IN_DECODERS[name].compile_decoder_for_dem(dem=_SOURCE.detector_error_model())
+    assert (via_sinter.decode_shots_bit_packed(bit_packed_detection_event_data=packed) == out).all()
 
 
 @pytest.mark.timeout(120)
