@@ -384,3 +384,23 @@ def test_sliding_window_bad_arguments():
         SlidingWindowDecoder(dem, detector_rounds=src.detector_rounds[::-1], window_rounds=2, commit_rounds=1)
     with pytest.raises(ValueError, match="one entry per detector"):
         SlidingWindowDecoder(dem, detector_rounds=[0], window_rounds=2, commit_rounds=1)
+
+
+def test_folded_dem_index_equals_the_flattened_dem():
+    """stim folds long experiments into repeat blocks; the folded edge index must give
+    exactly the edges of the flattened DEM, in every detector range."""
+    from qlink.qec.decoders._dem_graph import DemEdgeIndex
+
+    circuit = stim.Circuit.generated("surface_code:rotated_memory_z", distance=3, rounds=60,
+                                     after_clifford_depolarization=0.003, before_measure_flip_probability=0.002)
+    dem = circuit.detector_error_model(decompose_errors=True)
+    assert any(isinstance(inst, stim.DemRepeatBlock) for inst in dem)
+    folded, flat = dem_to_graph(dem), dem_to_graph(dem.flattened())
+    assert (folded.endpoints == flat.endpoints).all()
+    assert (folded.observable_masks == flat.observable_masks).all()
+    assert np.allclose(folded.probabilities, flat.probabilities, rtol=1e-9)
+    index = DemEdgeIndex(dem)
+    for lo, hi in [(0, 7), (100, 140), (233, 481), (470, dem.num_detectors)]:
+        a, b, _, _ = index.edges_in_range(lo, hi)
+        sel = (flat.endpoints[:, 0] >= lo) & (flat.endpoints[:, 0] < hi)
+        assert (np.stack([a, b], axis=1) == flat.endpoints[sel]).all()
