@@ -455,16 +455,14 @@ class UcxEndpoint(Endpoint):
         """Receive the next message into ``buf``; return its size in bytes."""
         if self._closed:
             self._check_open()
+        deadline = None if timeout_s is None else deadline_of(timeout_s)
         target = self._rx_target(buf)
         with self._rx_lock:
             m = self._poll(True)
             if m is not None:
                 req = self._start_recv(m, target)
         if m is None:
-            deadline = None if timeout_s is None else deadline_of(timeout_s)
             m, req = self._wait_msg(target, deadline, timeout_s)
-        else:
-            deadline = None
         return self._finish_recv(req, m[1], target, deadline, timeout_s)
 
     def recv_into_nowait(self, buf) -> int:
@@ -512,7 +510,7 @@ class UcxEndpoint(Endpoint):
             raise TypeError("the ucx transport receives into host memory only; pass a NumPy array or bytearray")
         view = as_byte_view(buf)
         if view.readonly:
-            raise ValueError("recv_into needs a writable buffer")
+            raise TypeError("recv_into needs a writable buffer (bytearray, NumPy array...), got a read-only one")
         if isinstance(buf, np.ndarray):  # NumPy buffers are usually reused: remember their flat view
             target = (len(view), _flat_u8(view), None)
             self._rx_cache = (buf, target)
@@ -544,8 +542,6 @@ class UcxEndpoint(Endpoint):
         ops = self._ops
         st = ops.status(req)
         if st == _IN_PROGRESS:
-            if deadline is None and timeout_s is not None:
-                deadline = deadline_of(timeout_s)
             self._wait_request(req, deadline, "message receive", timeout_s, keep=target)
         else:
             ops.release(req)
