@@ -2,7 +2,8 @@
 
 The peer connects to a URL, says ``HELO`` and then obeys commands that arrive as
 ordinary two-sided messages: a 4-byte opcode followed by little-endian arguments.
-It runs as a separate process (``python _peer.py URL``) for cross-process
+It runs as a separate process (``python _peer.py URL``, or started warm with
+``python _peer.py --warm SCHEME`` and given the URL on stdin) for cross-process
 transports, or as a thread for ``inproc://``. Its exit code (or ``result`` for a
 thread) tells the test whether the checks it made on its side passed.
 
@@ -45,6 +46,8 @@ When the test closes its side, the peer exits 0.
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import os
 import signal
 import struct
@@ -56,6 +59,7 @@ import time
 import traceback
 import zlib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -249,17 +253,27 @@ class ThreadPeer:
 
 
 class ProcessPeer:
-    """The peer as a child process (``subprocess``), always reaped by :meth:`stop`."""
+    """The peer as a child process (``subprocess``), always reaped by :meth:`stop`.
+
+    The process starts *warm*: it imports qlink and the transport module (plus any
+    ``preload`` modules, e.g. the transport's optional stack), then waits for the URL on
+    its stdin, so the import time of a heavy stack overlaps with the previous test.
+    """
 
     is_process = True
 
-    def __init__(self, url: str):
+    def __init__(self, scheme: str, preload: tuple[str, ...] = ()):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), url],
-                                     env=env, stdin=subprocess.DEVNULL, stdout=self._stderr, stderr=self._stderr)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--warm", scheme, *preload],
+                                     env=env, stdin=subprocess.PIPE, stdout=self._stderr, stderr=self._stderr)
         self.killed_at: float | None = None
+
+    def attach(self, url: str) -> None:
+        """Tell the waiting process where to connect."""
+        self.proc.stdin.write(url.encode() + b"\n")
+        self.proc.stdin.close()
 
     def wait(self, timeout_s: float) -> int | None:
         try:
@@ -272,6 +286,8 @@ class ProcessPeer:
         self.proc.send_signal(signal.SIGKILL)
 
     def stop(self) -> None:
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()  # a process still waiting for its URL exits on EOF
         if self.wait(5) is None:
             self.proc.kill()
             self.proc.wait()
@@ -282,12 +298,48 @@ class ProcessPeer:
         return self._stderr.read().decode("utf-8", "replace")
 
 
-def start(url: str, *, in_thread: bool):
-    """Start a peer that connects to ``url``."""
-    return ThreadPeer(url) if in_thread else ProcessPeer(url)
+_warm: dict[tuple, ProcessPeer] = {}
+
+
+def start(url: str, *, in_thread: bool, preload: tuple[str, ...] = ()):
+    """Start a peer that connects to ``url`` (a thread, or a process taken from the warm pool)."""
+    if in_thread:
+        return ThreadPeer(url)
+    key = (urlsplit(url).scheme, tuple(preload))
+    peer = _warm.pop(key, None)
+    if peer is None or peer.proc.poll() is not None:
+        if peer is not None:
+            peer.stop()
+        peer = ProcessPeer(*key)
+    peer.attach(url)
+    _warm[key] = ProcessPeer(*key)  # warms up while this peer works
+    return peer
+
+
+def stop_warm_peers() -> None:
+    """Reap the processes still waiting in the warm pool."""
+    while _warm:
+        _warm.popitem()[1].stop()
+
+
+atexit.register(stop_warm_peers)
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[1] == "--warm":
+        importlib.import_module(f"transports.{argv[2]}")
+        for name in argv[3:]:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+        url = sys.stdin.readline().strip()
+        return _connect_and_serve(url) if url else 0
+    if len(argv) == 2:
+        return _connect_and_serve(argv[1])
+    print("usage: python _peer.py URL | python _peer.py --warm SCHEME [MODULE...] < URL", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python _peer.py URL")
-    sys.exit(_connect_and_serve(sys.argv[1]))
+    sys.exit(_main(sys.argv))

@@ -47,6 +47,12 @@ _OPTIONAL_STACKS = {"ucx": "ucxx"}  # scheme -> the package without which it can
 SIZES = [0, 1, 64, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _reap_warm_peers():
+    yield
+    peer_mod.stop_warm_peers()
+
+
 @pytest.fixture(params=SCHEMES)
 def scheme(request) -> str:
     name = request.param
@@ -107,7 +113,8 @@ def open_link(scheme: str) -> Link:
     listener = transports.listen(fresh_url(scheme))
     peer = None
     try:
-        peer = peer_mod.start(listener.url, in_thread=not caps_of(scheme).cross_process)
+        peer = peer_mod.start(listener.url, in_thread=not caps_of(scheme).cross_process,
+                              preload=tuple(filter(None, [_OPTIONAL_STACKS.get(scheme)])))
         ep = listener.accept(timeout_s=30)
         hello = ep.recv(timeout_s=30)
         assert hello[:4] == b"HELO", hello
