@@ -291,6 +291,7 @@ class Controller:
         self.modeled = {"trigger_ns": int(trigger_ns), "analog_in_out_ns": int(analog_in_out_ns)}
         self._keep = int(keep_samples)
         self.max_in_flight_shots = max_in_flight_shots
+        self.spin_guard_ns = 3_000  # stop polling for answers this close to a tick
         self._backlog_cap = max(1, int(backlog_samples))
         self._counter = int(counter_start)  # enqueue counter: continues across runs on one connection
         self._rid = int(request_id_start) & 0x7FFFFFFF
@@ -358,17 +359,22 @@ class Controller:
         ff = self.ff_deadline_ns
         dec_id = self.decoder_id
         self.stages = stages = StageRecorder(CONTROLLER_STAGES)
-        rec = stages.record
+        rec_lag = stages.histogram("emit_lag").record
+        rec_send = stages.histogram("send").record
+        self._rec_reaction = stages.histogram("reaction").record
+        self._rec_apply = stages.histogram("apply").record
+        self._rec_rtt = stages.histogram("get_round_trip").record
         self.records = ShotRecords(CONTROLLER_SHOT_FIELDS, capacity=self._keep)
         # per-shot state
-        self._emit_last = np.zeros(N, np.int64)
-        self._sent_last = np.zeros(N, np.int64)
-        self._get_sent = np.zeros(N, np.int64)
-        self._rid_last = np.zeros(N, np.int64)
-        self._polls = np.zeros(N, np.int64)
-        self._correct = np.full(N, -1, np.int8)
-        self._reaction = np.full(N, -1, np.int64)
-        self._status = np.full(N, -1, np.int64)
+        # per-shot state as Python lists (cheaper to index than NumPy scalars on the hot path)
+        self._emit_last = [0] * N
+        self._sent_last = [0] * N
+        self._get_sent = [0] * N
+        self._rid_last = [0] * N
+        self._polls = [0] * N
+        self._correct = [-1] * N
+        self._reaction = [-1] * N
+        self._status = [-1] * N
         self._nbo = (s.num_observables + 7) >> 3
         self._corrections = np.zeros((N, self._nbo), np.uint8)
         self._corr_mv = memoryview(self._corrections.reshape(-1))
@@ -388,6 +394,7 @@ class Controller:
         self._rx_mv = memoryview(self._rx)
         self._get_rid = 0
         late = 0
+        spin_guard = self.spin_guard_ns
         throttled = 0
         inflight_cap = self.max_in_flight_shots
         max_lag = 0
@@ -410,7 +417,10 @@ class Controller:
                 raise QlinkTimeoutError(
                     f"controller run exceeded timeout_s={timeout_s}: {self._resolved}/{N} shots answered, "
                     f"{shot}/{N} shots emitted")
-            if shot < N and now >= due:
+            if shot < N and due - now < spin_guard:
+                # the next tick is close: stop polling and watch the clock alone
+                while now < due:
+                    now = now_ns()
                 if f == 0 and inflight_cap is not None and shot - self._resolved >= inflight_cap:
                     # hold the new shot back until an answer frees a place, then restart the clock
                     throttled += 1
@@ -429,7 +439,7 @@ class Controller:
                     late += 1
                 if lag > max_lag:
                     max_lag = lag
-                rec("emit_lag", lag)
+                rec_lag(lag)
                 nb = nbytes[f]
                 t = templates[f]
                 t[_BITS_OFFSET:_BITS_OFFSET + nb] = packed[f][shot * nb:(shot + 1) * nb]
@@ -442,7 +452,7 @@ class Controller:
                     self._emit_last[shot] = due
                     self._sent_last[shot] = t_sent
                     self._rid_last[shot] = rid
-                    rec("send", t_sent - due)
+                    rec_send(t_sent - due)
                     self._send_get(shot, t_sent)
                     self._asked = shot + 1
                     if shot % self._bl_every == 0:
@@ -480,8 +490,8 @@ class Controller:
             num_shots=N, num_rounds=R, frames_per_shot=F, cycle_ns=cyc, shots_ok=self._ok,
             logical_errors=self._errors, shots_dropped=self._dropped, shots_failed=self._failed,
             late_frames=late, throttled=throttled, max_lag_ns=int(max_lag), deadline_misses=misses, duration_ns=int(t_end - t0),
-            statuses=dict(self._statuses), stages=stages.to_dict(), correct=self._correct.copy(),
-            reaction_ns=self._reaction.copy(), backlog_t_ns=self._bl_t[:self._bl_n] - t0,
+            statuses=dict(self._statuses), stages=stages.to_dict(), correct=np.array(self._correct, np.int8),
+            reaction_ns=np.array(self._reaction, np.int64), backlog_t_ns=self._bl_t[:self._bl_n] - t0,
             backlog_rounds=self._bl_v[:self._bl_n].copy(),
             corrections=self._corrections, shot_records=self.records.array().copy() if self._keep else None,
             modeled_controller_ns=dict(self.modeled), pauli_frame=self._frame,
@@ -550,10 +560,9 @@ class Controller:
             self._correct[shot] = 1 if right else 0
             reaction = t_applied - self._emit_last[shot]
             self._reaction[shot] = reaction
-            rec = self.stages.record
-            rec("reaction", reaction)
-            rec("apply", t_applied - t_resp)
-            rec("get_round_trip", t_resp - self._get_sent[shot])
+            self._rec_reaction(reaction)
+            self._rec_apply(t_applied - t_resp)
+            self._rec_rtt(t_resp - self._get_sent[shot])
         else:
             t_applied = 0
             if status == Status.SYNDROMES_DROPPED:
@@ -561,6 +570,6 @@ class Controller:
             else:
                 self._failed += 1
         if self._keep:
-            self.records.append(shot, int(self._rid_last[shot]), int(self._emit_last[shot]),
-                                int(self._sent_last[shot]), int(self._get_sent[shot]), t_resp, t_applied,
-                                int(self._polls[shot]), int(status), int(self._correct[shot]))
+            self.records.append(shot, self._rid_last[shot], self._emit_last[shot], self._sent_last[shot],
+                                self._get_sent[shot], t_resp, t_applied, self._polls[shot], int(status),
+                                self._correct[shot])

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
+
+from qlink.errors import BrokenLinkError
 
 from .controller import (
     DEFAULT_CYCLE_NS,
@@ -242,6 +245,19 @@ def _serve_in_thread(url: str, configs_spec, service_options, ready: list, out: 
         lis.close()
 
 
+def _service_fate(proc, thread_out: dict) -> str:
+    if proc is None:
+        return thread_out.get("error", "the service thread reported no error")
+    proc.process.join(2)
+    if proc.process.is_alive():
+        return "the service process is still running"
+    try:
+        rep = proc.report(timeout_s=1)
+    except Exception:
+        return f"the service process exited with code {proc.process.exitcode} and sent no report"
+    return f"the service process exited with code {proc.process.exitcode}: {rep.get('error', 'no error reported')}"
+
+
 def _slope(t_ns: np.ndarray, v: np.ndarray) -> float:
     if len(t_ns) < 4:
         return 0.0
@@ -302,6 +318,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
         if not ready:
             raise RuntimeError(f"the decoder service failed to start: {thread_out.get('error', 'no reason given')}")
         bound = ready[0]
+    # Service and controller as two threads of one process busy-poll under one GIL: switch
+    # between them every 20 us rather than every 5 ms while the loop runs.
+    old_switch = sys.getswitchinterval()
+    if thread is not None:
+        sys.setswitchinterval(2e-5)
     try:
         ep = transports.connect(bound, timeout_s=30)
         try:
@@ -317,7 +338,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
                 counter, rid = warm.counter, warm.next_request_id
             ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
                              request_id_start=rid, **ctl_kw)
-            cres = ctl.run(timeout_s=timeout_s)
+            try:
+                cres = ctl.run(timeout_s=timeout_s)
+            except BrokenLinkError as exc:
+                raise BrokenLinkError(f"the decoder service went away mid-run: {_service_fate(proc, thread_out)}") \
+                    from exc
             transport_name = ep.capabilities.name
         finally:
             ep.close()
@@ -327,6 +352,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
             thread.join(60)
             srep = thread_out
     finally:
+        sys.setswitchinterval(old_switch)
         if proc is not None:
             proc.close()
     if "error" in srep and not srep.get("counts"):

@@ -448,8 +448,9 @@ class DecoderService:
             self._stage(_PLAIN, int(Status.OK), rid, ptp, t_in, _FN_ENQ)
 
     def _start_shot(self, d: _Decoder) -> None:
+        # No need to zero the row: appends start at bit 0 and each writes whole bytes
+        # (zeros above its bits), so no stale bit of an earlier shot survives.
         slot = d.cmp % d.capacity
-        d.syn[slot] = 0
         d.drops_before[slot] = d.pending_drops
         d.pending_drops = 0
         d.filling = True

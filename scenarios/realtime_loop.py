@@ -1,0 +1,200 @@
+"""The closed QEC loop at the syndrome cycle: reaction time, decoder backlog, LER under a deadline.
+
+A controller emulator plays surface-code rounds at the cycle time (1.1 µs, Google
+Willow, arXiv:2408.13687) to the decoder service in another process over the chosen
+transport, in two ways:
+
+* **streaming** — shots back to back at the cycle cadence, corrections pipelined:
+  does the decoder keep up (backlog over time), and what reaction time (last round
+  out → correction applied) does it give at p50/p99/p99.9;
+* **feed-forward** — after each shot the controller waits for its correction before
+  a conditional operation, with a deadline (default 63 µs, Willow's d=5 average
+  decoder latency), and counts the misses.
+
+From the per-shot (correct?, reaction time) pairs it draws LER(t) = P(wrong, missing
+or later than t). Every figure is measured on this machine; the controller's own
+analog delays (Qblox: 212 ns trigger, 364 ns analog in → out) are reported
+separately as *modeled*.
+
+    python scenarios/realtime_loop.py --quick --transport shm --out results/realtime_loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["run", "main", "QUICK", "FULL"]
+
+QUICK = {"distance": 5, "rounds": 25, "num_shots": 2_000}
+FULL = {"distance": 5, "rounds": 25, "num_shots": 20_000}
+DEFAULT_DEADLINE_NS = 63_000  # Willow d=5 average real-time decoder latency, arXiv:2408.13687
+
+
+def _mode_summary(res, *, deadline_ns: int) -> dict:
+    from qlink.budget import BUDGETS, Figure, assess
+
+    s = res.summary()
+    lines = [assess(Figure(f"reaction {stat}", v, basis="measured", transport=res.transport, statistic=stat),
+                    BUDGETS["qec.reaction"])
+             for stat, v in (("p50", res.reaction_p50_ns), ("p99", res.reaction_p99_ns)) if math.isfinite(v)]
+    s.update({
+        "deadline_us": deadline_ns / 1e3,
+        "ler_at_deadline": float(res.ler_at([deadline_ns])[0]),
+        "budget_share_p50": lines[0].share if lines else math.nan,
+        "modeled_controller_ns": res.modeled_controller_ns,
+        "reaction_p50_plus_modeled_us": (res.reaction_p50_ns + sum(res.modeled_controller_ns.values())) / 1e3,
+        "stage_p50_us": {k: v["p50_us"] for k, v in res.stage_breakdown.get("stages", {}).items()},
+        "throttled": res.controller.throttled,
+        "service_decode_per_shot_p50_us": res.service_stage_summary().get("decode_per_shot", {}).get("p50_us"),
+    })
+    return s
+
+
+def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_loop", distance: int | None = None,
+        rounds: int | None = None, p: float = 0.001, num_shots: int | None = None, cycle_ns: int = 1100,
+        rounds_per_frame: int = 0, deadline_ns: int = DEFAULT_DEADLINE_NS, seed: int = 1, quick: bool = False,
+        decoder: str = "pymatching", feed_forward: bool = True, progress: bool = True) -> dict:
+    """Run the streaming loop (and the feed-forward loop); return their summaries and traces.
+
+    ``rounds_per_frame`` 0 sends each shot's rounds in one frame after its last
+    round; 1 streams round by round. With ``out`` writes ``realtime_loop.json`` and
+    ``backlog.png``, ``ler_deadline.png``, ``reaction_cdf.png`` there.
+    """
+    from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
+
+    preset = QUICK if quick else FULL
+    distance = int(distance or preset["distance"])
+    rounds = int(rounds or preset["rounds"])
+    num_shots = int(num_shots or preset["num_shots"])
+    spec = source_spec(distance=distance, rounds=rounds, p=p)
+    stream = sample_stream(build_source(spec), num_shots=num_shots, seed=seed)
+    modes = [("streaming", None)] + ([("feed_forward", deadline_ns)] if feed_forward else [])
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(modes), desc=f"closed loop d={distance} over {transport}", unit="run", file=sys.stderr)
+    results = {}
+    try:
+        for name, ff in modes:
+            results[name] = run_loop(transport=transport, source=spec, stream=stream, num_shots=num_shots,
+                                     decoder=decoder, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
+                                     feed_forward_deadline_ns=ff, warmup_shots=200, keep_samples=num_shots,
+                                     timeout_s=max(120.0, num_shots * 0.05))
+            if bar:
+                bar.update()
+    finally:
+        if bar:
+            bar.close()
+    grid_ns = np.unique(np.concatenate([np.geomspace(1_000, 100_000_000, 81).astype(np.int64), [deadline_ns]]))
+    report = {
+        "config": {"transport": transport, "distance": distance, "rounds": rounds, "p": p, "num_shots": num_shots,
+                   "cycle_ns": cycle_ns, "rounds_per_frame": rounds_per_frame, "decoder": decoder,
+                   "deadline_ns": deadline_ns, "seed": seed},
+        "modes": {k: _mode_summary(v, deadline_ns=deadline_ns) for k, v in results.items()},
+        "ler_deadline": {"t_us": (grid_ns / 1e3).tolist(),
+                         **{k: v.ler_at(grid_ns).tolist() for k, v in results.items()}},
+        "backlog": {k: {"t_us": (v.backlog_trace[0] / 1e3).tolist(), "rounds": v.backlog_trace[1].tolist()}
+                    for k, v in results.items()},
+    }
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "realtime_loop.json", "w") as f:
+            json.dump(report, f, indent=1, default=float)
+        _plots(results, report, out)
+    report["results"] = results
+    return report
+
+
+def _plots(results: dict, report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = report["config"]
+    title = f"d={cfg['distance']}, {cfg['rounds']} rounds/shot, cycle {cfg['cycle_ns']} ns, {cfg['transport']}"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, res in results.items():
+        t, b = res.backlog_trace
+        ax.plot(t / 1e3, b, label=name)
+    ax.set_xlabel("time since the first round (µs)")
+    ax.set_ylabel("rounds emitted − rounds answered")
+    ax.set_title(f"Decoder backlog — {title}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "backlog.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    t_us = np.array(report["ler_deadline"]["t_us"])
+    for name in results:
+        ax.plot(t_us, report["ler_deadline"][name], label=name)
+    ax.axvline(cfg["deadline_ns"] / 1e3, color="k", ls=":", label=f"deadline {cfg['deadline_ns'] / 1e3:g} µs")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("deadline t (µs)")
+    ax.set_ylabel("LER(t) = P(wrong or later than t)")
+    ax.set_title(f"Logical error rate under a deadline — {title}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ler_deadline.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, res in results.items():
+        r = np.sort(res.controller.reaction_ns[res.controller.reaction_ns >= 0]) / 1e3
+        if r.size:
+            ax.plot(r, np.arange(1, r.size + 1) / r.size, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("reaction time: last round → correction applied (µs, measured)")
+    ax.set_ylabel("fraction of shots")
+    ax.set_title(f"Reaction time — {title}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "reaction_cdf.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--transport", default="shm", help="shm, tcp, ucx, inproc or a URL (default shm)")
+    ap.add_argument("--out", default="results/realtime_loop", help="output directory (JSON + PNGs)")
+    ap.add_argument("--quick", action="store_true", help="2000 shots (< 1 min)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--distance", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per shot")
+    ap.add_argument("--p", type=float, default=0.001)
+    ap.add_argument("--shots", type=int, default=None)
+    ap.add_argument("--cycle-ns", type=int, default=1100)
+    ap.add_argument("--rounds-per-frame", type=int, default=0, help="rounds per frame (0: the whole shot)")
+    ap.add_argument("--deadline-us", type=float, default=DEFAULT_DEADLINE_NS / 1e3)
+    ap.add_argument("--no-feed-forward", action="store_true", help="only the streaming loop")
+    args = ap.parse_args(argv)
+    rep = run(transport=args.transport, out=args.out, distance=args.distance, rounds=args.rounds, p=args.p,
+              num_shots=args.shots, cycle_ns=args.cycle_ns, rounds_per_frame=args.rounds_per_frame,
+              deadline_ns=int(args.deadline_us * 1e3), seed=args.seed, quick=args.quick,
+              feed_forward=not args.no_feed_forward)
+    for name, s in rep["modes"].items():
+        print(f"[{name}] reaction p50 {s['reaction_p50_us']:.1f} us, p99 {s['reaction_p99_us']:.1f} us, "
+              f"p99.9 {s['reaction_p999_us']:.1f} us (measured; +{sum(s['modeled_controller_ns'].values())} ns "
+              f"modeled controller delay); LER {s['ler']:.2e}, LER(t={s['deadline_us']:g} us) "
+              f"{s['ler_at_deadline']:.2e}; keeps up: {s['keeps_up']} (backlog max {s['backlog_max_rounds']} "
+              f"rounds, late frames {s['late_frames']}); shares transport {s['share_transport']:.2f} / queue "
+              f"{s['share_queue']:.2f} / decode {s['share_decode']:.2f}; deadline misses {s['deadline_misses']}")
+    print(f"written: {Path(args.out)}/realtime_loop.json, backlog.png, ler_deadline.png, reaction_cdf.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

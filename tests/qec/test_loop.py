@@ -1,0 +1,146 @@
+"""The closed loop: controller -> transport -> decoder service (another process) -> controller.
+
+Corrections that travel the wire must be bit-identical to the same decoder called
+directly on the same shots, on every transport and for every decoder that runs here;
+below threshold the logical error rate through the loop falls with the distance.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import transports
+from qlink.qec.controller import SyndromeStream, ler_under_deadline, wilson_interval
+from qlink.qec.decoders import BUILT_IN_DECODERS, compile_decoder
+from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
+from qlink.qec.service import start_service_process
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _transports():
+    out = [pytest.param("inproc", id="inproc"), pytest.param("shm", id="shm"), pytest.param("tcp", id="tcp")]
+    ucx = importlib.util.find_spec("ucxx") is not None
+    out.append(pytest.param("ucx", id="ucx", marks=[pytest.mark.slow] + ([] if ucx else [
+        pytest.mark.skip(reason="ucxx is not installed (pip install 'qlink[ucx]')")])))
+    return out
+
+
+def _decoders():
+    out = []
+    for name, dec in sorted(BUILT_IN_DECODERS.items()):
+        reason = dec.unavailable_reason()
+        out.append(pytest.param(name, id=name, marks=[pytest.mark.skip(reason=reason)] if reason else []))
+    return out
+
+
+def _direct(spec, stream, decoder="pymatching"):
+    src = build_source(spec)
+    packed = np.packbits(stream.detectors, axis=1, bitorder="little")
+    return np.asarray(compile_decoder(decoder, src.dem).decode_shots_bit_packed(packed))
+
+
+@pytest.mark.parametrize("transport", _transports())
+def test_corrections_through_the_loop_are_bit_identical(transport):
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    stream = sample_stream(build_source(spec), num_shots=300, seed=11)
+    res = run_loop(transport=transport, source=spec, stream=stream, num_shots=300, rounds_per_frame=1,
+                   warmup_shots=20, max_in_flight_shots=128, timeout_s=120)
+    assert res.transport == transports.capabilities(transport).name
+    assert res.shots_ok == 300 and res.shots_dropped == 0
+    expected = _direct(spec, stream)
+    assert expected.any(), "the sample should exercise non-trivial corrections"
+    assert np.array_equal(res.controller.corrections, expected)
+    truth = np.packbits(stream.observables, axis=1, bitorder="little")
+    assert res.logical_errors == int((expected != truth).any(axis=1).sum())
+    # the service decoded the warm-up shots too, and only answered shots
+    assert res.service["counts"]["shots_decoded"] == 320
+
+
+@pytest.mark.parametrize("decoder", _decoders())
+def test_every_decoder_that_runs_here_gives_the_same_bits_over_the_wire(decoder):
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    stream = sample_stream(build_source(spec), num_shots=120, seed=5)
+    res = run_loop(transport="inproc", source=spec, stream=stream, num_shots=120, decoder=decoder,
+                   rounds_per_frame=0, warmup_shots=0, max_in_flight_shots=64, timeout_s=180)
+    assert res.decoder == decoder and res.shots_ok == 120
+    assert np.array_equal(res.controller.corrections, _direct(spec, stream, decoder))
+
+
+def test_loop_result_reports_stages_backlog_and_ler_under_a_deadline():
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    res = run_loop(transport="tcp", source=spec, num_shots=400, seed=2, rounds_per_frame=2, warmup_shots=20,
+                   timeout_s=120)
+    assert res.transport == "tcp" and res.num_shots == 400 and res.frames_per_shot == 2
+    assert 0 < res.reaction_p50_ns <= res.reaction_p99_ns <= res.reaction_p999_ns
+    shares = res.shares
+    assert set(shares) == {"transport", "queue", "decode", "other"}
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-9)
+    assert all(v >= 0 for k, v in res.stage_breakdown["stages"].items() if k != "apply" for v in [v["mean_us"]])
+    assert res.stage_breakdown["n"] == 400  # every shot joined between the two sides
+    t, backlog = res.backlog_trace
+    assert len(t) == len(backlog) > 1 and np.all(np.diff(t) >= 0) and backlog[-1] == 0
+    deadlines = np.array([0, res.reaction_p50_ns, 10**12])
+    ler_t = res.ler_at(deadlines)
+    assert ler_t[0] == 1.0 and ler_t[2] == pytest.approx(res.logical_error_rate)
+    assert np.all(np.diff(ler_t) <= 0)
+    assert res.required_rounds_per_s == pytest.approx(1e9 / 1100)
+    summary = res.summary()
+    assert summary["transport"] == "tcp" and summary["shots"] == 400
+    svc = res.service_stage_summary()
+    assert {"decode", "queue", "residence"} <= set(svc)
+
+
+def test_feed_forward_waits_for_each_correction_and_counts_missed_deadlines():
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    tight = run_loop(transport="shm", source=spec, num_shots=60, seed=3, rounds_per_frame=0, warmup_shots=5,
+                     feed_forward_deadline_ns=1, timeout_s=60)
+    assert tight.deadline_misses == 60  # no decoder answers within 1 ns
+    loose = run_loop(transport="inproc", source=spec, num_shots=60, seed=3, rounds_per_frame=0, warmup_shots=5,
+                     feed_forward_deadline_ns=10**10, timeout_s=60)
+    assert loose.deadline_misses == 0
+    # lock-step: never more than one shot in flight, so the backlog never exceeds one shot
+    assert loose.backlog_max_rounds <= loose.num_rounds
+    assert loose.logical_errors == tight.logical_errors  # same shots, same decoder
+
+
+@pytest.mark.slow
+def test_below_threshold_the_ler_through_the_loop_falls_with_distance():
+    # p = 0.002 is well below this noise model's ~0.7 % threshold; the shot count gives
+    # Wilson 95 % intervals that separate d = 3, 5, 7 (p = 0.001 would need ~10^7 shots for d = 7).
+    rates = {}
+    for d in (3, 5, 7):
+        res = run_loop(transport="shm", source=source_spec(distance=d, p=0.002), num_shots=50_000, seed=d,
+                       rounds_per_frame=0, cycle_ns=1, warmup_shots=0, max_in_flight_shots=512,
+                       keep_samples=0, timeout_s=200)
+        assert res.shots_ok == 50_000
+        rates[d] = (res.logical_errors, res.shots_ok)
+    iv = {d: wilson_interval(*rates[d]) for d in rates}
+    assert iv[3][0] > iv[5][1], (rates, iv)
+    assert iv[5][0] > iv[7][1], (rates, iv)
+
+
+def test_ler_under_deadline_counts_late_wrong_and_missing_shots():
+    correct = np.array([1, 1, 1, 0, -1])
+    reaction = np.array([10, 20, 30, 5, -1])
+    assert ler_under_deadline(correct, reaction, [0, 10, 25, 100]).tolist() == [1.0, 0.8, 0.6, 0.4]
+
+
+def test_syndrome_stream_splits_rounds_into_frames():
+    src = build_source(source_spec(distance=3, rounds=3, p=0.01))
+    s = sample_stream(src, num_shots=2, seed=1)
+    assert [f.num_bits for f in s.frames(rounds_per_frame=1)] == [4, 8, 8, 4]
+    assert [f.num_bits for f in s.frames(rounds_per_frame=3)] == [20, 4]
+    assert [f.num_bits for f in s.frames(rounds_per_frame=0)] == [24]
+    with pytest.raises(ValueError, match="non-decreasing"):
+        SyndromeStream(detectors=np.zeros((1, 3)), observables=np.zeros((1, 1)), round_of_detector=[1, 0, 2])
+
+
+def test_a_bad_service_spec_fails_fast_with_the_reason():
+    with pytest.raises(RuntimeError, match="unknown decoder"):
+        start_service_process("tcp://127.0.0.1:0", {0: {"source": source_spec(distance=3), "decoder": "nope"}})
+    with pytest.raises(ValueError, match="unknown source spec keys"):
+        build_source({"distance": 3, "p": 0.001, "pickle": "no"})
