@@ -166,10 +166,11 @@ class TcpEndpoint(Endpoint):
             self._dead = (what, cause)
 
     def _mark_eof(self) -> None:
+        eof = EOFError(f"the socket from {self.peer_address} reached end of stream")
         if self._peer_said_bye:
-            self._mark_dead("the peer closed its endpoint")
+            self._mark_dead("the peer closed its endpoint", eof)
         else:
-            self._mark_dead("the peer's socket closed without a goodbye (peer process exited or was killed?)")
+            self._mark_dead("the peer's socket closed without a goodbye (peer process exited or was killed?)", eof)
 
     def _raise_broken(self, doing: str):
         self._check_open()  # our own close() shut the socket: that is ClosedError, not a broken link
@@ -609,6 +610,7 @@ class TcpEndpoint(Endpoint):
         if not self._rlock.acquire(blocking=False):
             raise WouldBlock("another thread is receiving on this tcp endpoint")
         try:
+            self._flush_background()
             note = self._note_once()
             if note is not None:
                 return note

@@ -278,6 +278,26 @@ def test_nowait_polling_a_large_message_in_flight(pair):
     assert n == len(data) and zlib.crc32(buf) == zlib.crc32(data)
 
 
+def test_large_message_lands_straight_in_the_callers_buffer(pair):
+    client, server = pair
+    data = np.random.default_rng(3).bytes(16 << 20)
+    t = threading.Thread(target=client.send, args=(data,), kwargs={"timeout_s": 20})
+    t.start()
+    buf = np.empty(16 << 20, dtype=np.uint8)
+    assert server.recv_into(buf, timeout_s=20) == len(data)
+    t.join(20)
+    assert buf.tobytes() == data
+    assert server.statistics().extra["staged_messages"] == 0  # never parked in an internal buffer
+
+
+def test_killed_or_closed_peer_chains_the_cause(pair):
+    client, server = pair
+    client.close()
+    with pytest.raises(BrokenLinkError, match="closed its endpoint") as info:
+        server.recv_into(bytearray(8), timeout_s=5)
+    assert isinstance(info.value.__cause__, EOFError)
+
+
 def test_send_nowait_backpressure_then_everything_arrives(pair):
     client, server = pair
     chunk = 1 << 20
