@@ -53,6 +53,7 @@ class TransferRecord:
     mode: str
     submit_to_last_us: float
     layer_ready_us: tuple
+    submit_ns: int = 0  # the sender's submit time (time.monotonic_ns, one host's clock)
 
     @property
     def bandwidth_GBps(self) -> float:
@@ -226,7 +227,7 @@ class RequestTracker:
             request_id=rid, nbytes=int(st.layer_nbytes * (st.hi - st.lo)), num_descs=int(st.num_descs * (st.hi - st.lo)),
             num_layers=st.hi - st.lo, transport=self.transport, mode=self.mode,
             submit_to_last_us=(int(ready.max()) - st.submit_ns) / 1e3,
-            layer_ready_us=tuple(float(x) for x in (ready - st.submit_ns) / 1e3),
+            layer_ready_us=tuple(float(x) for x in (ready - st.submit_ns) / 1e3), submit_ns=int(st.submit_ns),
         )
 
     def release(self, rid: int) -> None:
