@@ -30,7 +30,7 @@ import numpy as np
 
 from qlink.errors import missing
 
-__all__ = ["ucxx", "ucx_config", "worker_for", "make_ops", "DEFAULT_UCX_TLS", "IN_PROGRESS", "status_text"]
+__all__ = ["ucxx", "ucx_config", "worker_for", "make_ops", "ep_lanes", "DEFAULT_UCX_TLS", "IN_PROGRESS", "status_text"]
 
 DEFAULT_UCX_TLS = "tcp,sm,self"
 IN_PROGRESS = 1
@@ -92,7 +92,9 @@ class Worker:
         self.tls = self.context.config.get("TLS", "?")
         self._conn_ids = itertools.count(1)
         self._lock = threading.Lock()
-        self.lingering: list = []  # closed endpoints whose staged sends are still in flight
+        self._linger_lock = threading.Lock()
+        self._reap_lock = threading.Lock()
+        self.lingering: list = []  # closed endpoints (and orphaned requests) UCX still works on
 
     def next_conn_id(self) -> int:
         with self._lock:
@@ -101,9 +103,23 @@ class Worker:
                 if cid:
                     return cid
 
+    def linger(self, item) -> None:
+        """Keep ``item`` (with a ``_finish_linger(now, force=)`` method) until it says it is done."""
+        with self._linger_lock:
+            self.lingering.append(item)
+
     def reap_lingering(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        self.lingering = [ep for ep in self.lingering if not ep._finish_linger(now, force=force)]
+        if not self._reap_lock.acquire(blocking=force):
+            return  # another thread is reaping
+        try:
+            with self._linger_lock:
+                items, self.lingering = self.lingering, []
+            now = time.monotonic()
+            keep = [x for x in items if not x._finish_linger(now, force=force)]
+            with self._linger_lock:
+                self.lingering.extend(keep)
+        finally:
+            self._reap_lock.release()
 
 
 _workers: dict[str, Worker] = {}
@@ -161,6 +177,37 @@ def _libucp():
             fn.argtypes, fn.restype = args, res
         _ucp = lib
     return _ucp
+
+
+def ep_lanes(ep_handle: int) -> list[str] | None:
+    """The UCX transports/devices an endpoint's lanes use (from ``ucp_ep_print_info``), or None."""
+    try:
+        lib = _libucp()
+        libc = ctypes.CDLL(None)
+        libc.open_memstream.restype = ctypes.c_void_p
+        libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        libc.free.argtypes = [ctypes.c_void_p]
+        lib.ucp_ep_print_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.ucp_ep_print_info.restype = None
+        buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+        fp = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+        if not fp:
+            return None
+        lib.ucp_ep_print_info(ep_handle, fp)
+        libc.fclose(fp)
+        text = ctypes.string_at(buf, size.value).decode(errors="replace")
+        libc.free(ctypes.cast(buf, ctypes.c_void_p))
+    except (OSError, AttributeError):
+        return None
+    lanes = []
+    for line in text.splitlines():  # "#   lane[1]:  4:cma/memory.0 md[4] -> ..."
+        if "lane[" in line and "]:" in line:
+            field = line.split("]:", 1)[1].split()[0]
+            name = field.split(":", 1)[-1].rsplit(".", 1)[0]
+            if name not in lanes:
+                lanes.append(name)
+    return lanes
 
 
 def _address_of(arr: np.ndarray) -> int:

@@ -329,7 +329,7 @@ class UcxEndpoint(Endpoint):
         self._ops.cancel(req)
         self._abort_ep()
         if self._ops.status(req) == _IN_PROGRESS:
-            self._box.lingering.append(_Orphan(self._ops, req, keep))
+            self._box.linger(_Orphan(self._ops, req, keep))
         else:
             self._ops.release(req)
 
@@ -607,7 +607,7 @@ class UcxEndpoint(Endpoint):
             if nbytes:
                 start = _CTRL.size + tag_len
                 region.view[offset:offset + nbytes] = self._ctrl_buf.data[start:start + nbytes]
-            self._put_pending.append((0, note, None))
+            self._put_pending.append((None, note, None))
         else:
             target = _flat_u8(region.view)[offset:offset + nbytes]
             self._put_pending.append((self._ops.recv_tag(target, nbytes, self._rx_data | seq), note, target))
@@ -777,6 +777,7 @@ class UcxEndpoint(Endpoint):
         s = super().statistics()
         s.extra.update(
             ucx_tls=self._box.tls,
+            ucx_lanes=None if self._ep_closed else core.ep_lanes(self._ep.handle),
             hot_path=self._ops.name,
             peer_error_handling=self._peer_error_handling,
             bad_frames=self._bad_frames,
@@ -807,7 +808,7 @@ class UcxEndpoint(Endpoint):
                 self._reap_tx()
         if self._tx_pending and self._broken is None:
             self._linger_deadline = time.monotonic() + _LINGER_MAX_S
-            self._box.lingering.append(self)
+            self._box.linger(self)
         else:
             self._finish_linger(0.0, force=True)
 
@@ -833,7 +834,7 @@ class UcxEndpoint(Endpoint):
                 ops.cancel(req)
             for req, _, target in self._put_pending:
                 if ops.status(req) == _IN_PROGRESS:
-                    self._box.lingering.append(_Orphan(ops, req, target))
+                    self._box.linger(_Orphan(ops, req, target))
                 else:
                     ops.release(req)
             self._put_pending.clear()

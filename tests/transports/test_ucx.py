@@ -71,7 +71,8 @@ if role == "server":
 else:
     ep = transports.connect(url, timeout_s=10)
     ep.send(b"tls?")
-    print("RESULT", ep.recv(timeout_s=10).decode(), ep.statistics().extra["ucx_tls"], flush=True)
+    extra = ep.statistics().extra
+    print("RESULT", ep.recv(timeout_s=10).decode(), extra["ucx_tls"], ",".join(extra["ucx_lanes"]), flush=True)
 """
 
 
@@ -92,15 +93,18 @@ def _two_process_exchange(**env) -> tuple[list[str], str]:
 @pytest.mark.timeout(60)
 def test_ucx_tls_from_the_environment_is_honoured():
     result, report = _two_process_exchange(UCX_TLS="tcp,self")
-    assert result == ["tls?!", "tcp,self"], report[-2000:]
+    assert result[:2] == ["tls?!", "tcp,self"], report[-2000:]
+    assert result[2].split(",") == ["tcp/lo"], result  # the endpoint's lanes, as UCX reports them
     assert "tcp/lo" in report and "sysv" not in report and "posix" not in report
 
 
 @pytest.mark.timeout(60)
 def test_default_tls_uses_shared_memory_between_local_processes():
     result, report = _two_process_exchange()
-    assert result == ["tls?!", ucx.DEFAULT_UCX_TLS], report[-2000:]
-    assert "sysv/memory" in report or "posix/memory" in report, report[-2000:]
+    assert result[:2] == ["tls?!", ucx.DEFAULT_UCX_TLS], report[-2000:]
+    lanes = result[2].split(",")
+    assert "sysv/memory" in lanes or "posix/memory" in lanes, lanes
+    assert "tcp/lo" not in lanes and "tcp/eth0" not in lanes
 
 
 _LISTENERS = r"""
@@ -243,6 +247,11 @@ def test_sigkilled_peer_is_a_broken_link_within_a_second(peer_error_handling):
         ep = lis.accept(timeout_s=20)
         assert ep.recv(timeout_s=10) == b"hello"
         assert victim.stdout.readline().strip() == "ready"
+        lanes = ep.statistics().extra["ucx_lanes"]  # UCX's peer error mode rules out shared memory here
+        if peer_error_handling:
+            assert lanes and all(lane.startswith("tcp/") for lane in lanes), lanes
+        else:
+            assert any(lane in ("sysv/memory", "posix/memory") for lane in lanes), lanes
         killed_at = []
 
         def kill():
@@ -272,6 +281,35 @@ def test_sigkilled_peer_is_a_broken_link_within_a_second(peer_error_handling):
         victim.kill()
         _reap(victim)
         lis.close()
+
+
+# ----- hot paths, close, buffering, put guards ------------------------------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("hot_path", ucx.HOT_PATHS)
+def test_both_hot_paths_carry_messages_and_puts(hot_path):
+    with transports.listen("ucx://127.0.0.1:0", hot_path=hot_path) as lis:
+        a = transports.connect(lis.url, timeout_s=5, hot_path=hot_path)
+        b = lis.accept(timeout_s=5)
+        assert a.statistics().extra["hot_path"] == b.statistics().extra["hot_path"] == hot_path
+        msgs = [b"", b"x" * 64, np.arange(70_000, dtype=np.uint32)]
+        for m in msgs:
+            a.send(m)
+        assert b.recv_into(bytearray(10), timeout_s=5) == 0  # the empty message fits...
+        with pytest.raises(transports.BufferTooSmallError) as too_small:
+            b.recv_into(bytearray(10), timeout_s=5)  # ...this one does not, and stays queued
+        assert too_small.value.needed_nbytes == 64
+        assert b.recv(timeout_s=5) == b"x" * 64
+        big = np.empty(70_000, dtype=np.uint32)
+        assert b.recv_into(big, timeout_s=5) == big.nbytes and np.array_equal(big, msgs[2])
+        target = np.zeros(1 << 16, dtype=np.uint8)
+        desc = b.register(target).descriptor()
+        a.put(b"\x05" * 100, desc, offset=1, notify_id=3, tag=b"small")
+        a.put(np.full(30_000, 6, dtype=np.uint8), desc, offset=200, notify_id=4)
+        notes = [b.wait_notification(timeout_s=5) for _ in range(2)]
+        assert [(n.notify_id, n.tag) for n in notes] == [(3, b"small"), (4, b"")]
+        assert target[1:101].min() == 5 and target[200:30_200].min() == 6 and target[0] == 0
+        a.close()
+        b.close()
 
 
 # ----- close, buffering, put guards -------------------------------------------------------------
