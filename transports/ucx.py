@@ -374,6 +374,9 @@ class UcxEndpoint(Endpoint):
             stage.release(item)
             self._fail(f"UCX refused a send: {e}")
             raise self._broken_error("the message was not sent") from None
+        if not req:  # UCP completed it at once (eager): the usual case for small messages
+            stage.release(item)
+            return
         st = self._ops.status(req)
         if st == _IN_PROGRESS:
             self._tx_pending.append((req, item, n))
@@ -433,7 +436,8 @@ class UcxEndpoint(Endpoint):
 
     def _send(self, data, timeout_s, nowait: bool) -> None:
         deadline = None if timeout_s is None else deadline_of(timeout_s)
-        self._check_sendable("the message")
+        if self._closed or self._broken is not None or self._peer_closed:
+            self._check_sendable("the message")
         src = data if type(data) is bytes else as_byte_view(data)
         n = len(src)
         if n > CAPABILITIES.max_message_bytes:
