@@ -15,8 +15,9 @@ qlink's intra-node fast path (and its stand-in for NVLink / CUDA IPC on a CPU ho
   memcpy in and one memcpy out; larger messages (up to 1 GiB) stream through the
   ring in chunks of at most 256 KiB. The C accelerator ``transports._ringc`` runs
   the hot path; without it the pure-Python ring (same bytes) is used.
-* **Waiting.** Blocking calls spin (``spin_s``, default 1 ms, in C when available),
-  then sleep with exponential backoff up to 1 ms, each pause also polling the socket:
+* **Waiting.** Blocking calls busy-poll for ``spin_s`` (default 1 ms; in C when
+  available; after 100 us also yielding the CPU, so two endpoints sharing a core still
+  take turns), then sleep with exponential backoff up to 1 ms, each pause also polling the socket:
   a peer that dies (even by SIGKILL) is seen as EOF and reported as
   :class:`~qlink.errors.BrokenLinkError` within about a millisecond of the spin
   ending. An orderly ``close()`` also sets a flag in each ring's header; the peer
@@ -126,6 +127,10 @@ DEFAULT_SPIN_S = 1e-3
 # between calls, so two endpoints that share one CPU still take turns.
 _SPIN_ITERS = 500
 _WAIT_SPIN_ITERS = 500
+# Yield only after this long without progress: a yield hands the CPU to whatever else is
+# runnable, and on a busy machine that costs a time slice; short waits (a streamed chunk,
+# a prompt reply) should not pay it.
+_YIELD_AFTER_S = 100e-6
 _MIN_SLEEP_S = 5e-6
 _MAX_SLEEP_S = 1e-3
 _NOWAIT_SOCKET_CHECK_S = 1e-3
@@ -170,36 +175,48 @@ def _space_needed(head: int, ring_nbytes: int, payload_sizes) -> int:
 
 
 def _note(region_id: int, offset: int, nbytes: int, notify_id: int, tag: bytes) -> Notification:
-    """A Notification without the frozen-dataclass __init__ (~1.5 us, per field setattr): one
-    dict update on a fresh instance, which is what __init__ leaves behind."""
+    """A Notification without the frozen-dataclass __init__ (~1.5 us: one setattr per field):
+    one dict update on a fresh instance, which is what __init__ leaves behind."""
     note = object.__new__(Notification)
     note.__dict__.update(region_id=region_id, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
     return note
 
 
-if not hasattr(Notification, "__dict__") or "__slots__" in vars(Notification):  # pragma: no cover
-    def _note(region_id, offset, nbytes, notify_id, tag):  # noqa: F811  (a slotted Notification)
-        return Notification(region_id=region_id, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
+def _check_note_shortcut() -> None:
+    global _note
+    probe = dict(region_id=1, offset=2, nbytes=3, notify_id=4, tag=b"t")
+    try:
+        ok = _note(**probe) == Notification(**probe)
+    except (AttributeError, TypeError):
+        ok = False
+    if not ok:  # pragma: no cover - Notification changed shape (slots, new fields): use its constructor
+        def _note(region_id, offset, nbytes, notify_id, tag):
+            return Notification(region_id=region_id, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
+
+
+_check_note_shortcut()
 
 
 # ----------------------------------------------------------------------------- waiting
 
 
 class _Wait:
-    """Deadline, bounded spin, then sleeps doubling to 1 ms, polling the peer's socket each time."""
+    """Deadline; busy-poll, then also yield the CPU, then sleep doubling to 1 ms while
+    polling the peer's socket. ``progressed()`` starts the phases over."""
 
-    __slots__ = ("ep", "what", "timeout_s", "deadline", "spin_until", "sleep_s")
+    __slots__ = ("ep", "what", "timeout_s", "deadline", "yield_after", "spin_until", "sleep_s")
 
     def __init__(self, ep: "ShmEndpoint", what: str, timeout_s: float | None) -> None:
         self.ep = ep
         self.what = what
         self.timeout_s = timeout_s
         self.deadline = deadline_of(timeout_s)
-        self.spin_until = time.monotonic() + ep._spin_s
-        self.sleep_s = _MIN_SLEEP_S
+        self.progressed()
 
     def progressed(self) -> None:
-        self.spin_until = time.monotonic() + self.ep._spin_s
+        now = time.monotonic()
+        self.yield_after = now + _YIELD_AFTER_S
+        self.spin_until = now + self.ep._spin_s
         self.sleep_s = _MIN_SLEEP_S
 
     def pause(self) -> None:
@@ -207,9 +224,10 @@ class _Wait:
         if self.deadline is not None and now >= self.deadline:
             raise self.ep._timed_out(self.what, self.timeout_s)
         if now < self.spin_until:
-            # still busy-polling, but let a runnable process sharing this CPU (often the
-            # peer itself, on a machine with few cores) run instead of spinning against it
-            os.sched_yield()
+            if now >= self.yield_after:
+                # still busy-polling, but let a runnable process sharing this CPU (perhaps the
+                # peer itself, on a machine with few cores) run instead of spinning against it
+                os.sched_yield()
             return
         self.ep._poll_socket()
         if self.ep._peer_gone is not None:
@@ -597,21 +615,27 @@ class ShmEndpoint(Endpoint):
         return w
 
     # ----- records other than messages ---------------------------------------------------
+    def _take_put_done(self, n: int, off: int) -> Notification | None:
+        """Consume the PUT_DONE record at the head of the ring; its Notification, or None if bad."""
+        note = None
+        if n >= _DONE.size:
+            data = self._rx_data
+            rid, tag_len, offset, nbytes, notify_id = _DONE.unpack_from(data, off)
+            entry = self._local.get(rid)
+            if _DONE.size + tag_len == n and entry is not None and offset + nbytes <= entry[0].nbytes:
+                note = _note(rid, offset, nbytes, notify_id, bytes(data[off + _DONE.size:off + n]) if tag_len else b"")
+        if note is None:  # not a put into a region registered here (deregistered meanwhile?)
+            self._x["bad_records"] += 1
+            self._counters.errors += 1
+        self._rx.consume()
+        return note
+
     def _side_record(self, kind: int, n: int, aux: int, off: int) -> None:
         rx, data = self._rx, self._rx_data
         if kind == KIND_PUT_DONE:
-            note = None
-            if n >= _DONE.size:
-                rid, tag_len, offset, nbytes, notify_id = _DONE.unpack_from(data, off)
-                entry = self._local.get(rid)
-                if _DONE.size + tag_len == n and entry is not None and offset + nbytes <= entry[0].nbytes:
-                    note = _note(rid, offset, nbytes, notify_id, bytes(data[off + _DONE.size:off + n]))
-            if note is None:  # not a put into a region registered here (deregistered meanwhile?)
-                self._x["bad_records"] += 1
-                self._counters.errors += 1
-            else:
+            note = self._take_put_done(n, off)
+            if note is not None:
                 self._notes.append(note)
-            rx.consume()
         elif kind == KIND_PUT_INLINE:
             ok = False
             if n >= _INLINE.size:
@@ -722,7 +746,10 @@ class ShmEndpoint(Endpoint):
         if not self._notes and not self._closed and (timeout_s is None or timeout_s >= 0):
             rec = self._rx.peek()  # fast path: a completion is at the head of the ring
             if rec is not None and rec[0] == KIND_PUT_DONE:
-                self._side_record(*rec)
+                note = self._take_put_done(rec[1], rec[3])
+                if note is not None:
+                    self._counters.notifications += 1
+                    return note
         return self._next_note(timeout_s, False)
 
     def poll_notification_nowait(self) -> Notification:
