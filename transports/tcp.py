@@ -72,6 +72,8 @@ _DIRECT_MIN = 32 << 10  # a payload remainder at least this large is read straig
 _SMALL_SEND = 64 << 10  # payloads up to this are copied behind the header and sent in one call
 _CLOSE_LINGER_S = 1.0
 
+_pack_header = fr.HEADER.pack_into
+_unpack_header = fr.HEADER.unpack_from
 _NOTHING = -1  # _pump: no more bytes for now
 _NOTE = -2  # _pump: a notification was queued
 
@@ -79,6 +81,12 @@ _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
 _PEEK_FLAGS = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+
+
+def _poller(sock: socket.socket, events: int):
+    p = select.poll()
+    p.register(sock, events)
+    return p
 
 
 def _random_key() -> int:
@@ -150,12 +158,13 @@ class TcpEndpoint(Endpoint):
         self._sbuf = bytearray(fr.HEADER.size + MAX_TAG_BYTES + _SMALL_SEND)
         self._smv = memoryview(self._sbuf)
         self._pending: memoryview | None = None  # committed frame bytes still to write
-        self._poll_in = select.poll()
-        self._poll_in.register(sock, _POLLIN)
-        self._poll_out = select.poll()
-        self._poll_out.register(sock, _POLLOUT)
-        self._poll_both = select.poll()
-        self._poll_both.register(sock, _POLLIN | _POLLOUT)
+        # a poll object must not be used by two threads at once: the receive side
+        # (under _rlock) and the send side (under _slock) each have their own
+        self._poll_in = _poller(sock, _POLLIN)
+        self._poll_in_out = _poller(sock, _POLLIN | _POLLOUT)
+        self._poll_peek = _poller(sock, _POLLIN)
+        self._poll_out = _poller(sock, _POLLOUT)
+        self._poll_out_in = _poller(sock, _POLLIN | _POLLOUT)
 
     def __repr__(self) -> str:
         return f"<TcpEndpoint {self.local_address} -> {self.peer_address} {'closed' if self._closed else 'open'}>"
@@ -236,11 +245,13 @@ class TcpEndpoint(Endpoint):
                     if not self._fill():
                         return _NOTHING
                     continue
-                try:
-                    kind, tag_n, rid, n, off, nid = fr.parse_header(rmv, self._rpos)
-                except WireError as e:
-                    self._bad_frame(e)
-                    return _NOTHING
+                kind, _flags, tag_n, rid, n, off, nid = _unpack_header(rmv, self._rpos)
+                if kind != fr.KIND_MSG or tag_n or n > fr.MAX_FRAME_PAYLOAD:
+                    try:
+                        kind, tag_n, rid, n, off, nid = fr.parse_header(rmv, self._rpos)
+                    except WireError as e:
+                        self._bad_frame(e)
+                        return _NOTHING
                 if avail < hsize + tag_n:
                     if not self._fill():
                         return _NOTHING
@@ -367,7 +378,7 @@ class TcpEndpoint(Endpoint):
             return
         left = None if deadline is None else deadline - now
         if self._pending is not None and not self._slock.locked():
-            self._poll_both.poll(_ms(left))
+            self._poll_in_out.poll(_ms(left))
             self._flush_background()
         else:
             self._poll_in.poll(_ms(left))
@@ -375,30 +386,47 @@ class TcpEndpoint(Endpoint):
     def _receive(self, attempt, what: str, timeout_s: float | None):
         deadline = deadline_of(timeout_s)
         with self._rlock:
-            spin_until = time.monotonic() + self._busy_poll_s
             try:
-                while True:
-                    self._check_open()
-                    r = attempt()
-                    if r is not None:
-                        return r
-                    if self._dead is not None:
-                        self._raise_broken(what)
-                    self._wait_readable(deadline, what, timeout_s, spin_until)
+                r = attempt()
+                if r is not None:
+                    return r
+                return self._receive_wait(attempt, what, timeout_s, deadline)
             finally:
-                self._detach()
+                if self._cur_direct:
+                    self._detach()
+
+    def _receive_wait(self, attempt, what: str, timeout_s: float | None, deadline: float | None):
+        spin_until = time.monotonic() + self._busy_poll_s
+        while True:
+            if self._dead is not None:
+                self._raise_broken(what)
+            self._wait_readable(deadline, what, timeout_s, spin_until)
+            self._check_open()
+            r = attempt()
+            if r is not None:
+                return r
 
     # ----- two-sided -----------------------------------------------------------
     def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
         """Receive the next message into ``buf`` (large payloads land there straight from the socket)."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         out = _writable(buf)
+        deadline = None if timeout_s is None else deadline_of(timeout_s)
+        with self._rlock:
+            try:
+                r = self._recv_once(out)
+                if r >= 0:
+                    return r
 
-        def attempt():
-            r = self._recv_once(out)
-            return None if r < 0 else r
+                def attempt():
+                    r = self._recv_once(out)
+                    return None if r < 0 else r
 
-        return self._receive(attempt, "recv_into", timeout_s)
+                return self._receive_wait(attempt, "recv_into", timeout_s, deadline)
+            finally:
+                if self._cur_direct:
+                    self._detach()
 
     def recv_into_nowait(self, buf) -> int:
         self._check_open()
@@ -419,9 +447,10 @@ class TcpEndpoint(Endpoint):
 
     def send(self, data, *, timeout_s: float | None = None) -> None:
         """Send one message; blocks (progressing incoming frames) while the socket is full."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         src = _readable(data)
-        deadline = deadline_of(timeout_s)
+        deadline = None if timeout_s is None else deadline_of(timeout_s)
         with self._slock:
             self._send_frame(fr.KIND_MSG, src, deadline=deadline, timeout_s=timeout_s, nowait=False, what="send")
         self._counters.messages_sent += 1
@@ -442,7 +471,7 @@ class TcpEndpoint(Endpoint):
 
     # ----- send engine (caller holds _slock) -------------------------------------
     def _check_peer(self, what: str) -> None:
-        if self._dead is None:
+        if self._dead is None and self._poll_peek.poll(0):  # readable: data, or the end of the stream?
             try:
                 if not self._sock.recv(1, _PEEK_FLAGS):
                     self._mark_eof()
@@ -505,7 +534,7 @@ class TcpEndpoint(Endpoint):
         if self._rlock.locked():  # a receiving thread drains the incoming side
             self._poll_out.poll(_ms(left))
             return
-        events = self._poll_both.poll(_ms(left))
+        events = self._poll_out_in.poll(_ms(left))
         if events and events[0][1] & ~_POLLOUT:
             self._drain_background()  # keep reading so two peers sending large messages cannot deadlock
         if self._dead is not None:
@@ -519,8 +548,7 @@ class TcpEndpoint(Endpoint):
         n = len(src)
         hsize = fr.HEADER.size + len(tag)
         sbuf = self._sbuf
-        fr.pack_header(sbuf, kind, nbytes=n, region_id=region_id, offset=offset, notify_id=notify_id,
-                       tag_nbytes=len(tag))
+        _pack_header(sbuf, 0, kind, 0, len(tag), region_id, n, offset, notify_id)
         if tag:
             sbuf[fr.HEADER.size:hsize] = tag
         if n <= _SMALL_SEND:
@@ -669,15 +697,22 @@ class TcpEndpoint(Endpoint):
         self._regions.clear()
 
 
+def _byte_view(obj) -> memoryview:
+    mv = memoryview(obj)
+    if mv.ndim == 1 and mv.format == "B" and mv.c_contiguous:
+        return mv
+    return as_byte_view(obj)
+
+
 def _readable(data) -> memoryview:
-    src = as_byte_view(data)
+    src = _byte_view(data)
     if len(src) > fr.MAX_FRAME_PAYLOAD:
         raise ValueError(f"message of {len(src)} bytes exceeds max_message_bytes={fr.MAX_FRAME_PAYLOAD}")
     return src
 
 
 def _writable(buf) -> memoryview:
-    out = as_byte_view(buf)
+    out = _byte_view(buf)
     if out.readonly:
         raise TypeError("recv_into needs a writable buffer (bytearray, numpy array...), got a read-only one")
     return out

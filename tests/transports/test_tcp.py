@@ -346,6 +346,39 @@ def test_both_sides_sending_large_messages_at_once_do_not_deadlock(pair):
     assert results[client] == blobs[server] and results[server] == blobs[client]
 
 
+def test_one_thread_sends_large_messages_while_another_receives(pair):
+    client, server = pair
+    count, nbytes = 24, 1 << 20
+    blobs = [np.random.default_rng(50 + i).bytes(nbytes) for i in range(count)]
+    acks, errors = [], []
+
+    def sender():  # blocks on a full socket while the receiving thread sits in poll on the same socket
+        try:
+            for b in blobs:
+                client.send(b, timeout_s=20)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def ack_reader():
+        try:
+            for _ in range(count):
+                acks.append(client.recv(timeout_s=20))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=sender), threading.Thread(target=ack_reader)]
+    for t in threads:
+        t.start()
+    buf = bytearray(nbytes)
+    for i in range(count):
+        assert server.recv_into(buf, timeout_s=20) == nbytes and bytes(buf) == blobs[i]
+        server.send(b"ack%d" % i, timeout_s=20)
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    assert acks == [b"ack%d" % i for i in range(count)]
+
+
 # ----- emulated puts ---------------------------------------------------------------
 
 
