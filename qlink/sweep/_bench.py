@@ -1,0 +1,98 @@
+"""How much faster a CPU-bound sweep runs on 2 Dask workers than on 1.
+
+:func:`sweep_speedup` runs the same grid once per worker count, each on its own
+``LocalCluster`` (started, and every worker warmed up with the imports a chunk needs,
+before the clock starts), each into its own CSV, and reports wall time per worker count,
+the speedup over one worker, and whether both runs wrote the same rows (they must:
+seeds depend only on task and chunk). On a 2-core machine two workers busy both cores;
+anything else running on the machine shows up as noise, so the load average before
+and after is part of the result.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["sweep_speedup", "default_speedup_grid"]
+
+
+def default_speedup_grid():
+    """The grid :func:`sweep_speedup` times unless given another (CPU-bound, offline decoding)."""
+    from ._grid import QecGrid
+
+    # d=7 and d=9 memories at p around the threshold region: sampling + matching dominate,
+    # a chunk takes a fraction of a second, 32 chunks in all.
+    return QecGrid(distances=(7, 9), ps=(0.004, 0.008), decoders=("pymatching",), transports=("offline",),
+                   num_shots=64_000, chunk_shots=8_000)
+
+
+def _rows(path) -> list[tuple]:
+    import csv
+    import json
+
+    with open(path) as f:
+        r = csv.DictReader(f)
+        r.fieldnames = [x.strip() for x in r.fieldnames]
+        return sorted((row["strong_id"], int(row["shots"]), int(row["errors"]), int(row["discards"]),
+                       json.dumps(json.loads(row["custom_counts"] or "{}"), sort_keys=True)) for row in r)
+
+
+def sweep_speedup(*, grid=None, workers=(1, 2), out_dir=None, progress: bool = False) -> dict:
+    """Time ``grid`` (default: a CPU-bound offline QEC grid) on each worker count.
+
+    Returns ``{"seconds": {n: s}, "speedup": {n: s_fewest / s_n}, "chunks": ..., "rows_identical": bool,
+    "cpu_count": ..., "loadavg_before": ..., "loadavg_after": ...}``. Timing covers submission
+    to the last row written; cluster start-up and worker imports are outside it.
+    """
+    from distributed import Client
+
+    from ._grid import expand
+    from ._run import _local_cluster, run_sweep
+    from ._work import warm_worker
+
+    grid = default_speedup_grid() if grid is None else grid
+    tasks = expand(grid)
+    counts = sorted({int(n) for n in workers})
+    if not counts or counts[0] < 1:
+        raise ValueError(f"workers must hold ints >= 1, got {workers!r}")
+    tmp = tempfile.TemporaryDirectory(prefix="qlink-sweep-speedup-") if out_dir is None else None
+    out = Path(tmp.name if tmp else out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    seconds: dict = {}
+    rows: dict = {}
+    try:
+        for n in counts:
+            path = out / f"speedup_{n}w.csv"
+            if path.exists():
+                path.unlink()
+            cluster = _local_cluster(n)
+            try:
+                with Client(cluster) as client:
+                    client.wait_for_workers(n, timeout=60)
+                    client.run(warm_worker)
+                    t0 = time.perf_counter()
+                    res = run_sweep(tasks, csv_path=path, client=client, progress=progress)
+                    seconds[n] = time.perf_counter() - t0
+                    if not res.complete:
+                        raise RuntimeError(f"the {n}-worker run left {res.chunks_left} chunks undone")
+            finally:
+                cluster.close()
+            rows[n] = _rows(path)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    base = seconds[counts[0]]
+    return {
+        "seconds": {n: round(s, 3) for n, s in seconds.items()},
+        "speedup": {n: round(base / s, 3) for n, s in seconds.items()},
+        "chunks": sum(t.num_chunks for t in tasks),
+        "shots": sum(t.num_chunks * t.chunk_shots for t in tasks),
+        "rows_identical": all(r == rows[counts[0]] for r in rows.values()),
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": tuple(round(x, 2) for x in load_before),
+        "loadavg_after": tuple(round(x, 2) for x in os.getloadavg()),
+    }
