@@ -9,6 +9,7 @@ from ._descriptors import BlockIdError, TransferPlan, plan_transfer
 from ._tracker import KVStatistics, SubmitRecord, TransferAbortedError, TransferRecord
 from .engine import KVReceiver, KVSender, KVSendRequest
 from .kv import PRESETS, KVCache, KVCacheSpec, LayoutMismatchError, preset
+from .nixl_backend import NixlKVReceiver, NixlKVSender, nixl_available  # nixl-cu12 itself is imported lazily
 
 __all__ = [
     "KVCacheSpec",
@@ -26,4 +27,7 @@ __all__ = [
     "TransferRecord",
     "SubmitRecord",
     "KVStatistics",
+    "NixlKVSender",
+    "NixlKVReceiver",
+    "nixl_available",
 ]

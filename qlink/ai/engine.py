@@ -38,6 +38,7 @@ True
 
 from __future__ import annotations
 
+import operator
 import time
 
 from qlink.errors import (
@@ -99,10 +100,14 @@ def _check_device(cache: KVCache, endpoint) -> None:
                               f"{endpoint.capabilities.name!r} moves host memory only; use a device-capable transport")
 
 
-def _check_request_id(request_id: int) -> int:
-    if not isinstance(request_id, int) or not 0 <= request_id <= _MAX_REQUEST_ID:
-        raise ValueError(f"request_id must be an int in [0, 2**32), got {request_id!r}")
-    return request_id
+def _check_request_id(request_id) -> int:
+    try:
+        rid = operator.index(request_id)
+    except TypeError:
+        rid = -1
+    if isinstance(request_id, bool) or not 0 <= rid <= _MAX_REQUEST_ID:
+        raise ValueError(f"request_id must be an integer in [0, 2**32), got {request_id!r}")
+    return rid
 
 
 class _Peer:
@@ -258,7 +263,7 @@ class KVSender:
         ``src``, of the receiver's for ``dst``), lists of different lengths, or a
         destination block named twice; nothing is sent then.
         """
-        _check_request_id(request_id)
+        request_id = _check_request_id(request_id)
         self.handshake(timeout_s=timeout_s)
         layer_range = _layers_of(layers, self.spec.num_layers)
         t0 = time.perf_counter_ns()
@@ -479,7 +484,7 @@ class _ReceiverBase:
     def wait_layer(self, request_id: int, layer: int, *, timeout_s: float | None = 10.0) -> int:
         """Wait until ``layer`` of ``request_id`` (and every layer of the request below it)
         has landed; return when it became ready (``time.monotonic_ns``)."""
-        _check_request_id(request_id)
+        request_id = _check_request_id(request_id)
         if not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer must be in [0, {self.spec.num_layers}), got {layer}")
         return self._wait(lambda: self._tracker.ready_ns(request_id, layer), timeout_s,
@@ -493,7 +498,7 @@ class _ReceiverBase:
     def wait_request(self, request_id: int, *, timeout_s: float | None = 10.0, release: bool = True) -> TransferRecord:
         """Wait until every layer of ``request_id`` has landed; return its record (and forget
         the request unless ``release=False``, so its id may be reused)."""
-        _check_request_id(request_id)
+        request_id = _check_request_id(request_id)
         rec = self._wait(lambda: self._tracker.record(request_id), timeout_s, f"request {request_id}")
         if release:
             self._tracker.release(request_id)

@@ -347,7 +347,7 @@ class NixlKVReceiver(_ReceiverBase):
         """READ: pull the sender's blocks ``src_block_ids`` into this cache's
         ``dst_block_ids``, one NIXL transfer per layer, all in flight at once; returns when
         all are DONE (layers reported in order)."""
-        _check_request_id(request_id)
+        request_id = _check_request_id(request_id)
         self.handshake(timeout_s=timeout_s)
         rng = _layers_of(layers, self.spec.num_layers)
         t0 = time.monotonic_ns()
