@@ -19,6 +19,7 @@ import pytest
 
 import transports
 from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, RegistrationError, WouldBlock
+from qlink.memory import RemoteRegion
 from transports import ucx  # before ucxx itself, so its UCX environment defaults apply
 
 pytest.importorskip("ucxx", reason="the ucx transport needs ucxx-cu12 (pip install 'qlink[ucx]')")
@@ -331,6 +332,22 @@ def test_close_delivers_what_was_sent_even_a_staged_large_message(pair):
 
 
 @pytest.mark.timeout(30)
+def test_close_drains_what_the_peer_sent_to_this_connection(pair):
+    a, b = pair
+    for i in range(50):
+        a.send(bytes([i]) * 100)
+    a.send(np.ones(100_000, dtype=np.uint8))  # a rendezvous message too
+    t_end = time.monotonic() + 5
+    while time.monotonic() < t_end:  # let them arrive (the first is taken off UCX's queue and held)
+        with b._rx_lock:
+            if b._poll(True) is not None:
+                break
+    ops, conn = b._ops, b._rx_msg & 0xFFFFFF00000000
+    b.close()  # never received: the shared worker must not keep them
+    assert ops.probe(conn, 0xFFFFFF00000000) is None
+
+
+@pytest.mark.timeout(30)
 def test_send_buffer_bound_blocks_then_times_out_without_sending():
     with transports.listen("ucx://127.0.0.1:0") as lis:
         a = transports.connect(lis.url, timeout_s=5, send_buffer_nbytes=1 << 20)
@@ -380,7 +397,7 @@ def test_put_guards_foreign_descriptor_revoked_region_and_bounds(pair):
     target = np.zeros(64 << 10, dtype=np.uint8)
     region = b.register(target)
     desc = region.descriptor()
-    foreign = ucx.RemoteRegion(region_id=desc.region_id, nbytes=desc.nbytes, key=b"elsewhere")
+    foreign = RemoteRegion(region_id=desc.region_id, nbytes=desc.nbytes, key=b"elsewhere")
     with pytest.raises(RegistrationError, match="not issued by this endpoint's peer"):
         a.put(b"x", foreign)
     with pytest.raises(RegistrationError, match="outside region"):

@@ -1,0 +1,189 @@
+"""One-sided put for ``transports.ucx``, done in software over tagged messages.
+
+UCXX 0.52's Python API exposes no memory registration or remote keys, so the initiator
+sends the bytes and the target places them: puts up to ``INLINE_PUT_MAX`` ride inside a
+control frame and are copied into the region; larger ones send a put-header, then the
+bytes with their own tag, which the target receives straight into the region (UCX then
+copies, or reads them with CMA between local processes). A Notification is queued only
+once the bytes are in place, and notifications keep the order of their puts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from qlink.errors import RegistrationError, WouldBlock
+from qlink.memory import Region, RemoteRegion, as_byte_view, is_device_array
+
+from . import _ucx_wire as wire
+from ._base import MAX_TAG_BYTES, Backoff, Notification, deadline_of
+
+__all__ = ["PutSide"]
+
+
+class PutSide:
+    """The one-sided half of :class:`transports.ucx.UcxEndpoint` (a mixin over its state)."""
+
+    def _init_put_side(self) -> None:
+        self._regions: dict[int, Region] = {}
+        self._next_region = itertools.count(1)
+        self._revoked: set[int] = set()
+        self._put_seq = 0
+
+    def _take_put(self, op, rid, offset, nbytes, notify_id, seq, tag_len, length) -> None:
+        inline = nbytes if op == wire.OP_PUT_INLINE else 0
+        region = self._regions.get(rid)
+        if (tag_len > MAX_TAG_BYTES or wire.CTRL.size + tag_len + inline != length
+                or region is None or offset + nbytes > region.nbytes):
+            self._bad_frame()  # malformed, unknown/deregistered region or out of bounds: counted, dropped
+            if op == wire.OP_PUT_HEADER:  # a 1-byte receive truncates (so consumes) the bytes that follow
+                self._put_pending.append((self._ops.recv_tag(self._scratch, 1, self._rx_data | seq), None, None))
+            return
+        tag = bytes(self._ctrl_buf[wire.CTRL.size:wire.CTRL.size + tag_len])
+        note = Notification(region_id=rid, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
+        if op == wire.OP_PUT_INLINE:
+            if nbytes:
+                start = wire.CTRL.size + tag_len
+                region.view[offset:offset + nbytes] = self._ctrl_buf.data[start:start + nbytes]
+            self._put_pending.append((None, note, None))
+        else:
+            target = np.frombuffer(region.view, dtype=np.uint8)[offset:offset + nbytes]
+            self._put_pending.append((self._ops.recv_tag(target, nbytes, self._rx_data | seq), note, target))
+        self._reap_puts()
+
+    def _reap_puts(self) -> None:
+        ops, pend = self._ops, self._put_pending
+        while pend:
+            req, note, _ = pend[0]
+            st = ops.status(req)
+            if st == wire.IN_PROGRESS:
+                return
+            pend.popleft()
+            ops.release(req)
+            if note is None:
+                continue
+            if st < 0:
+                self._bad_frame()
+            else:
+                self._notes.append(note)
+
+
+    # ----- one-sided -------------------------------------------------------------------------
+    def register(self, array) -> Region:
+        """Register ``array`` (writable, C-contiguous host memory) as a put target."""
+        self._check_open()
+        if is_device_array(array) and not hasattr(array, "__array_interface__"):
+            raise TypeError("the ucx transport registers host memory only (device_memory=False)")
+        with self._rx_lock:
+            rid = next(self._next_region)
+            region = Region.of(array, region_id=rid, key=self._token)
+            self._regions[rid] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Forget a region; the peer is told, and its later puts into it raise RegistrationError."""
+        with self._rx_lock:
+            known = self._regions.pop(region.region_id, None)
+        if known is not None and not self._closed and self._broken is None and not self._peer_closed:
+            with self._tx_lock:
+                self._send_ctrl(wire.OP_REVOKE, rid=region.region_id)
+
+    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
+            timeout_s: float | None = None) -> None:
+        """Write ``data`` into the peer's region at ``offset``; the peer gets a Notification."""
+        deadline = deadline_of(timeout_s)
+        self._check_sendable("the put")
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        tag = bytes(tag)
+        if len(tag) > MAX_TAG_BYTES:
+            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+        if not 0 <= notify_id < 1 << 64:
+            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        src = data if type(data) is bytes else as_byte_view(data)
+        n = len(src)
+        if offset < 0 or offset + n > remote.nbytes:
+            raise RegistrationError(
+                f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {remote.nbytes} bytes"
+            )
+        if remote.key != self._peer_token:
+            raise RegistrationError(
+                f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
+                "register on the peer and pass its descriptor"
+            )
+        if self._rx_lock.acquire(blocking=False):  # learn of revoked regions before writing
+            try:
+                self._poll(False)
+            finally:
+                self._rx_lock.release()
+        if remote.region_id in self._revoked:
+            raise RegistrationError(f"region {remote.region_id} was deregistered by the peer; the put was not done")
+        with self._tx_lock:
+            if n <= wire.INLINE_PUT_MAX:
+                if self._tx_pending:
+                    self._room(n, deadline, False, "the put", timeout_s)
+                self._send_ctrl(wire.OP_PUT_INLINE, rid=remote.region_id, offset=offset, nbytes=n,
+                                notify_id=notify_id, tag=tag, inline=src)
+            else:
+                zero_copy = self._zero_copy_min is not None and n >= self._zero_copy_min
+                self._room(0 if zero_copy else n, deadline, False, "the put", timeout_s)
+                self._put_seq = (self._put_seq + 1) & 0xFFFFFFFF
+                seq = self._put_seq
+                self._send_ctrl(wire.OP_PUT_HEADER, rid=remote.region_id, offset=offset, nbytes=n,
+                                notify_id=notify_id, seq=seq, tag=tag)
+                if zero_copy:
+                    self._zero_copy(src, n, self._tx_data | seq, deadline, "zero-copy put", timeout_s)
+                else:
+                    self._post(src, n, self._tx_data | seq)
+        self._counters.puts += 1
+        self._counters.put_bytes += n
+
+    def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
+        """Wait for the next put completion targeted at this side (progressing puts meanwhile)."""
+        self._check_open()
+        deadline = deadline_of(timeout_s)
+        backoff = Backoff()
+        while True:
+            note = self._next_note()
+            if note is not None:
+                return note
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._check_link(now)
+            if (self._peer_closed or self._broken is not None) and not self._put_pending:
+                note = self._next_note()
+                if note is not None:
+                    return note
+                self._counters.errors += 1
+                raise self._broken_error("no more put notifications will arrive")
+            if deadline is not None and now >= deadline:
+                raise self._timed_out("wait_notification", timeout_s)
+            backoff.pause()
+            self._check_open()
+
+    def poll_notification_nowait(self) -> Notification:
+        """The next put completion if one has arrived, else raise WouldBlock."""
+        self._check_open()
+        note = self._next_note()
+        if note is not None:
+            return note
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._check_link(now)
+        if (self._peer_closed or self._broken is not None) and not self._put_pending:
+            self._counters.errors += 1
+            raise self._broken_error("no more put notifications will arrive")
+        raise WouldBlock("no ucx put notification has arrived yet")
+
+    def _next_note(self):
+        with self._rx_lock:
+            if not self._notes:
+                self._poll(False)
+            if self._notes:
+                self._counters.notifications += 1
+                return self._notes.popleft()
+        return None
+
