@@ -7,8 +7,8 @@
  * acquire load of `head`, one memcpy and a release store of `tail`. Nothing is
  * allocated on those paths (results are small ints, which CPython caches).
  *
- * The GIL is held while spinning: spins are bounded by the caller (spin_iters) and
- * releasing/reacquiring it costs more than a typical wait on the hot path.
+ * A receive that finds its record at once never releases the GIL; one that has to spin
+ * releases it for the spin (see spin_for_record).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -72,7 +72,11 @@ typedef struct {
     uint64_t tail, head_cache; /* consumer side, local */
     unsigned long long messages, message_bytes;
     PyObject *data_view; /* memoryview of the data area, created on first use */
+    int spinning;        /* threads inside a GIL-free spin on this ring */
+    int release_pending; /* release() came while spinning: the last spinner does it */
 } RingObject;
+
+static void ring_release(RingObject *r);
 
 static inline uint64_t ld_acq(const uint8_t *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }
 static inline uint64_t ld_rlx(const uint8_t *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_RELAXED); }
@@ -209,20 +213,42 @@ static inline int head_record(RingObject *r, rec_hdr *h, uint64_t *pos_out) {
     }
 }
 
-/* Poll up to spin_iters times. With yield_every > 0, call sched_yield() every that many
- * polls, handing the CPU to another runnable task queued on it (perhaps the producer we
- * wait for). Off by default: measured on a busy 2-core machine, yielding inside the short
- * C spin raised the median round trip ~10x when a third process wanted a CPU, while not
- * yielding kept it at the floor; the endpoint's Python wait loop yields between spins. */
+/* Poll up to spin_iters times; 1 / 0 / -1 as head_record (0 also when the ring was
+ * released meanwhile: callers then find has_buf cleared).
+ *
+ * The GIL is released for the spin (not for the first poll, which is all a ready record
+ * costs), so another thread of this process (a sender, a progress thread) runs meanwhile
+ * instead of waiting for the interpreter's 5 ms switch interval. A release() that comes
+ * from another thread during the spin is deferred to the spinner, which stops early.
+ *
+ * With yield_every > 0, sched_yield() every that many polls. Off by default: measured on
+ * a busy 2-core machine, yielding inside the short C spin raised the median round trip
+ * ~10x when a third process wanted a CPU; the endpoint's Python wait loop yields instead,
+ * after 100 us without progress. */
 static long yield_every = 0;
-static inline int spin_for_record(RingObject *r, rec_hdr *h, uint64_t *pos, long spin_iters) {
+static int release_gil = 1;
+static int spin_for_record(RingObject *r, rec_hdr *h, uint64_t *pos, long spin_iters) {
     int st = head_record(r, h, pos);
+    if (st != 0 || spin_iters <= 0)
+        return st;
+    PyThreadState *ts = NULL;
+    r->spinning++;
+    if (release_gil)
+        ts = PyEval_SaveThread();
     for (long i = 1; st == 0 && i <= spin_iters; i++) {
+        if (__atomic_load_n(&r->release_pending, __ATOMIC_ACQUIRE))
+            break;
         if (yield_every > 0 && i % yield_every == 0)
             sched_yield();
         else
             CPU_RELAX();
         st = head_record(r, h, pos);
+    }
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+    if (--r->spinning == 0 && r->release_pending) {
+        ring_release(r);
+        return 0;
     }
     return st;
 }
@@ -246,7 +272,9 @@ static PyObject *Ring_try_recv(RingObject *r, PyObject *const *args, Py_ssize_t 
     uint64_t pos;
     long rc;
     int st = spin_for_record(r, &h, &pos, spin);
-    if (st == 0) {
+    if (!r->has_buf) {
+        rc = RELEASED;
+    } else if (st == 0) {
         rc = RECV_EMPTY;
     } else if (st < 0 || h.kind != KIND_MSG || (uint64_t)h.nbytes != h.aux || (Py_ssize_t)h.nbytes > b.len) {
         rc = RECV_SLOW;
@@ -308,6 +336,11 @@ static PyObject *Ring_consume(RingObject *r, PyObject *Py_UNUSED(ignored)) {
 /* ------------------------------------------------------------------ lifecycle */
 
 static void ring_release(RingObject *r) {
+    if (r->spinning > 0) { /* another thread spins on this memory without the GIL: it releases */
+        __atomic_store_n(&r->release_pending, 1, __ATOMIC_RELEASE);
+        return;
+    }
+    r->release_pending = 0;
     Py_CLEAR(r->data_view);
     if (r->has_buf) {
         r->has_buf = 0;
@@ -326,6 +359,10 @@ static int Ring_init(RingObject *r, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"buffer", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Ring", kwlist, &obj))
         return -1;
+    if (r->spinning) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot re-initialise a ring another thread is waiting on");
+        return -1;
+    }
     ring_release(r);
     if (PyObject_GetBuffer(obj, &r->buf, PyBUF_WRITABLE) < 0)
         return -1;
@@ -658,7 +695,7 @@ static PyObject *fp_recv_impl(FastPathObject *f, const char *name, PyObject *con
             uint64_t pos;
             long n = -1;
             int st = spin_for_record(r, &h, &pos, nowait ? 0 : f->spin_iters);
-            if (st > 0 && h.kind == KIND_MSG && (uint64_t)h.nbytes == h.aux && (Py_ssize_t)h.nbytes <= b.len) {
+            if (st > 0 && r->has_buf && h.kind == KIND_MSG && (uint64_t)h.nbytes == h.aux && (Py_ssize_t)h.nbytes <= b.len) {
                 memcpy(b.buf, r->data + pos + REC_HDR, h.nbytes);
                 r->tail += REC_HDR + align16(h.nbytes);
                 st_rel(r->hdr + OFF_TAIL, r->tail);
@@ -731,6 +768,15 @@ static PyTypeObject FastPathType = {
     .tp_getset = fp_getset,
 };
 
+static PyObject *mod_set_release_gil(PyObject *Py_UNUSED(m), PyObject *arg) {
+    int v = PyObject_IsTrue(arg);
+    if (v < 0)
+        return NULL;
+    int old = release_gil;
+    release_gil = v;
+    return PyBool_FromLong(old);
+}
+
 static PyObject *mod_set_yield_every(PyObject *Py_UNUSED(m), PyObject *arg) {
     long v = PyLong_AsLong(arg);
     if (v == -1 && PyErr_Occurred())
@@ -741,6 +787,8 @@ static PyObject *mod_set_yield_every(PyObject *Py_UNUSED(m), PyObject *arg) {
 }
 
 static PyMethodDef module_methods[] = {
+    {"set_release_gil", mod_set_release_gil, METH_O,
+     "set_release_gil(flag) -> previous value: release the GIL while spinning (default True)"},
     {"set_yield_every", mod_set_yield_every, METH_O,
      "set_yield_every(polls) -> previous value: sched_yield() every that many polls of a spin (0: never)"},
     {NULL, NULL, 0, NULL},

@@ -351,6 +351,50 @@ def test_orderly_close_delivers_then_breaks(shm_dir, impl):
             b.wait_notification(timeout_s=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_close_from_another_thread_while_one_spins(shm_dir, impl):
+    # the C ring spins without the GIL; a close meanwhile must not pull the memory from under it
+    for i in range(10):
+        lis, a, b = _pair(f"spinclose{i}", ring_impl=impl, spin_s=10.0)  # spin, never sleep
+        got = []
+
+        def waiter():
+            try:
+                b.recv_into(bytearray(64), timeout_s=10)
+            except Exception as e:  # checked below
+                got.append(e)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.02)
+        b.close()
+        t.join(10)
+        assert not t.is_alive() and len(got) == 1 and isinstance(got[0], ClosedError), got
+        a.close(), lis.close()
+
+
+def test_threads_of_one_process_share_the_cpu_while_spinning(shm_dir):
+    # an echo thread and the main thread ping-pong on two endpoints of one process: each
+    # receive spins (the C ring without the GIL), yet both threads keep making progress
+    lis, a, b = _pair("threads", spin_s=10.0)
+
+    def echo():
+        buf = bytearray(64)
+        for _ in range(300):
+            n = b.recv_into(buf, timeout_s=10)
+            b.send(memoryview(buf)[:n], timeout_s=10)
+
+    t = threading.Thread(target=echo)
+    t.start()
+    try:
+        for i in range(300):
+            a.send(i.to_bytes(4, "little"), timeout_s=10)
+            assert a.recv(timeout_s=10) == i.to_bytes(4, "little")
+    finally:
+        t.join(20)
+        a.close(), b.close(), lis.close()
+
+
 def test_mixed_ring_implementations_talk(shm_dir):
     if len(IMPLS) < 2:
         pytest.skip("the C ring accelerator is not built here")
