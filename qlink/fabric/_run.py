@@ -37,7 +37,8 @@ class Run:
         K = F + (1 if cfg.poll else 0)
         cyc = float(cfg.cycle_ns)
         P = cfg.ticks_per_shot
-        phase = (self.rng_phase.random(N) * cyc) if cfg.phase == "random" else np.zeros(N)
+        # whole ns: with integer link numbers every time stays an exact integer in float64
+        phase = np.floor(self.rng_phase.random(N) * cyc) if cfg.phase == "random" else np.zeros(N)
         tick = np.array([f.last_round + 1 for f in frames] + ([frames[-1].last_round + 1] if cfg.poll else []),
                         dtype=np.float64)
         nb = np.array([f.nbytes for f in frames] + ([GET_CORRECTIONS_NBYTES] if cfg.poll else []), np.float64)
