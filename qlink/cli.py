@@ -2,7 +2,8 @@
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
 ``qlink bench transport|qec|kv|all`` measures figures beside their floors and peers;
-``qlink info`` says which optional stacks are installed.
+``qlink info`` says which optional stacks are installed; ``qlink sweep qec|kv|speedup``
+runs parameter sweeps on Dask into a resumable sinter CSV.
 
 >>> from qlink.cli import build_parser
 >>> build_parser().parse_args(["bench", "transport", "--quick"]).quick
@@ -88,6 +89,12 @@ def _cmd_run(args) -> int:
     return main_job(out_dir=Path(args.out), quick=args.quick, say=_say)
 
 
+def _cmd_sweep(args) -> int:
+    from .sweep._cli import run_from_cli
+
+    return run_from_cli(args, say=_say)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qlink", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -102,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_bench)
     i = sub.add_parser("info", help="which optional stacks are installed")
     i.set_defaults(func=_cmd_info)
+    s = sub.add_parser("sweep", help="parameter sweeps on Dask into a resumable sinter CSV (qec, kv) or the "
+                                     "1-vs-2-worker timing (speedup)")
+    from .sweep._cli import add_arguments
+
+    add_arguments(s)
+    s.set_defaults(func=_cmd_sweep)
     return p
 
 

@@ -2,7 +2,7 @@
 
 By default :func:`run_sweep` starts a ``LocalCluster`` of ``num_workers`` worker
 processes with one thread each (workers may start child processes: the wire path runs
-the decoder service in one), on the loopback interface with no dashboard. Give
+the decoder service in one), on the loopback interface (its dashboard too, on a free port). Give
 ``scheduler`` (``"tcp://host:8786"``) to run on an existing cluster instead; its
 workers need qlink installed and, for wire-path or KV tasks, must be allowed children
 (``DASK_DISTRIBUTED__WORKER__DAEMON=False``).
@@ -80,7 +80,7 @@ def _local_cluster(num_workers: int):
 
     with dask.config.set({"distributed.worker.daemon": False}):
         return LocalCluster(n_workers=num_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                            dashboard_address=None, silence_logs=40)
+                            dashboard_address="127.0.0.1:0", silence_logs=40)
 
 
 def _connect(scheduler, num_workers: int):

@@ -1,0 +1,244 @@
+"""Sweeps: chunks with deterministic seeds on a real Dask LocalCluster, sinter CSV, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sinter = pytest.importorskip("sinter")
+distributed = pytest.importorskip("distributed", reason="needs dask[distributed] (pip install 'qlink[dask]')")
+
+from qlink.sweep import (  # noqa: E402
+    CsvAppender,
+    KvGrid,
+    QecGrid,
+    SweepError,
+    chunk_of,
+    chunk_seed,
+    pending_chunks,
+    read_done_chunks,
+    run_sweep,
+)
+from qlink.sweep._run import _local_cluster  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = QecGrid(distances=(3, 5), ps=(0.005, 0.01), num_shots=1200, chunk_shots=300)  # 4 tasks x 4 chunks
+
+
+def _rows(path) -> set:
+    """Every row as (strong_id, chunk, shots, errors, discards, other custom counts)."""
+    import csv
+
+    out = []
+    with open(path) as f:
+        r = csv.DictReader(f)
+        r.fieldnames = [x.strip() for x in r.fieldnames]
+        for row in r:
+            custom = json.loads(row["custom_counts"] or "{}")
+            chunk = chunk_of(custom)
+            rest = tuple(sorted((k, v) for k, v in custom.items() if not k.startswith("chunk_")))
+            out.append((row["strong_id"], chunk, int(row["shots"]), int(row["errors"]), int(row["discards"]), rest))
+    assert len(out) == len(set(out)), "duplicate rows"
+    return set(out)
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = _local_cluster(2)
+    c = distributed.Client(cluster)
+    c.wait_for_workers(2, timeout=60)
+    yield c
+    c.close()
+    cluster.close()
+
+
+# ------------------------------------------------------------------ no cluster
+
+
+def test_chunk_seeds_depend_on_task_and_chunk_only():
+    tasks = GRID.tasks()
+    again = QecGrid(distances=(3, 5), ps=(0.005, 0.01), num_shots=1200, chunk_shots=300).tasks()
+    assert [t.strong_id for t in tasks] == [t.strong_id for t in again]
+    seeds = {t.seed(c) for t in tasks for c in range(t.num_chunks)}
+    assert len(seeds) == 16
+    assert tasks[0].seed(2) == chunk_seed(tasks[0].strong_id, 2)
+    # strong ids are sinter's: the same Task computed by sinter directly agrees
+    assert len({t.strong_id for t in tasks}) == 4 and all(len(t.strong_id) == 64 for t in tasks)
+    # the chunk size is not part of the task's identity
+    assert QecGrid(distances=(3,), ps=(0.005,), chunk_shots=7).tasks()[0].strong_id == tasks[0].strong_id
+    with pytest.raises(ValueError, match="chunk"):
+        chunk_seed("x", -1)
+
+
+def test_grid_validation_names_what_is_wrong():
+    with pytest.raises(ValueError, match="unknown decoder"):
+        QecGrid(decoders=("nope",)).tasks()
+    with pytest.raises(ValueError, match="transports"):
+        QecGrid(transports=("carrier-pigeon",)).tasks()
+    with pytest.raises(ValueError, match="chunk_shots"):
+        QecGrid(chunk_shots=0).tasks()
+    with pytest.raises(ValueError, match="distance"):
+        QecGrid(distances=(1,)).tasks()
+    with pytest.raises(ValueError, match="preset"):
+        KvGrid(preset="gpt-17").tasks()
+    with pytest.raises(TypeError, match="QecGrid"):
+        run_sweep(42, csv_path="unused.csv")
+
+
+def test_pending_chunks_round_robin_and_chunk_size_mismatch():
+    a, b = QecGrid(distances=(3,), ps=(0.005, 0.01), num_shots=300, chunk_shots=100).tasks()
+    todo = pending_chunks([a, b], {a.strong_id: {1: 100}})
+    assert [(t.strong_id == a.strong_id, c) for t, c in todo] == [(True, 0), (False, 0), (False, 1), (True, 2),
+                                                                  (False, 2)]
+    with pytest.raises(SweepError, match="chunk size"):
+        pending_chunks([a, b], {a.strong_id: {1: 250}})
+
+
+def test_csv_cut_line_duplicates_and_foreign_files(tmp_path):
+    path = tmp_path / "s.csv"
+    counts = {"shots": 10, "errors": 1, "discards": 0, "seconds": 0.5, "custom_counts": {"failed": 2}}
+    with CsvAppender(path) as out:
+        out.append(strong_id="t1", decoder="d", json_metadata={"d": 3}, chunk=0, counts=counts)
+        out.append(strong_id="t1", decoder="d", json_metadata={"d": 3}, chunk=3, counts=counts)
+        with pytest.raises(SweepError, match="another sweep"):
+            CsvAppender(path).__enter__()
+    good = path.read_bytes()
+    path.write_bytes(good + b"        10,         1,         0,    0.5,d,t1,")  # killed mid-append
+    done = read_done_chunks(path)
+    assert done.chunks == {"t1": {0: 10, 3: 10}} and done.truncated_nbytes > 0
+    assert path.read_bytes() == good
+    (stats,) = sinter.read_stats_from_csv_files(path)
+    assert (stats.shots, stats.errors, stats.custom_counts["failed"], stats.custom_counts["chunk_3"]) == (20, 2, 4, 1)
+    # a row from another tool (no chunk key) is counted as foreign, not as a chunk
+    with open(path, "a") as f:
+        f.write(sinter.TaskStats(strong_id="t2", decoder="d", json_metadata=None, shots=5).to_csv_line() + "\n")
+    assert read_done_chunks(path).foreign_rows == 1
+    with open(path, "a") as f:
+        f.write(good.decode().splitlines()[1] + "\n")
+    with pytest.raises(SweepError, match="appears twice"):
+        read_done_chunks(path)
+    other = tmp_path / "other.csv"
+    other.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(SweepError, match="not a sinter CSV"):
+        read_done_chunks(other)
+
+
+# ------------------------------------------------------------------ on Dask
+
+
+@pytest.mark.timeout(180)
+def test_interrupted_and_resumed_equals_one_go(client, tmp_path):
+    one = tmp_path / "one.csv"
+    res = run_sweep(GRID, csv_path=one, client=client, progress=False)
+    assert (res.chunks_total, res.chunks_run, res.chunks_left, res.num_workers) == (16, 16, 0, 2)
+
+    parts = tmp_path / "parts.csv"
+    first = run_sweep(GRID, csv_path=parts, client=client, progress=False, max_chunks=5)
+    assert (first.chunks_run, first.chunks_left) == (5, 11)
+    assert len(_rows(parts)) == 5
+    second = run_sweep(GRID, csv_path=parts, client=client, progress=False, max_chunks=4)
+    assert (second.chunks_before, second.chunks_run, second.chunks_left) == (5, 4, 7)
+    third = run_sweep(GRID, csv_path=parts, client=client, progress=False)
+    assert (third.chunks_before, third.chunks_run, third.chunks_left) == (9, 7, 0)
+    again = run_sweep(GRID, csv_path=parts, client=client, progress=False)
+    assert again.chunks_run == 0 and again.complete
+
+    assert _rows(parts) == _rows(one)
+    rows = _rows(one)
+    assert {(sid, c) for sid, c, *_ in rows} == {(t.strong_id, c) for t in GRID.tasks() for c in range(4)}
+    assert all(shots == 300 for _, _, shots, *_ in rows)
+    merged = {s.strong_id: (s.shots, s.errors, s.json_metadata) for s in sinter.read_stats_from_csv_files(one)}
+    assert merged == {s.strong_id: (s.shots, s.errors, s.json_metadata)
+                      for s in sinter.read_stats_from_csv_files(parts)}
+    assert all(shots == 1200 for shots, _, _ in merged.values())
+    # more errors at the higher physical error rate, for every distance
+    by = {(m["d"], m["p"]): e for _, e, m in merged.values()}
+    assert by[(3, 0.01)] > by[(3, 0.005)] and by[(5, 0.01)] > by[(5, 0.005)]
+
+    # growing the grid later adds only the new chunks
+    bigger = QecGrid(distances=(3, 5), ps=(0.005, 0.01), num_shots=1500, chunk_shots=300)
+    more = run_sweep(bigger, csv_path=parts, client=client, progress=False)
+    assert (more.chunks_before, more.chunks_run) == (16, 4)
+    with pytest.raises(SweepError, match="chunk size"):
+        run_sweep(QecGrid(distances=(3, 5), ps=(0.005, 0.01), num_shots=1200, chunk_shots=400), csv_path=parts,
+                  client=client, progress=False)
+
+
+@pytest.mark.timeout(180)
+def test_both_workers_run_chunks(client, tmp_path):
+    from distributed import get_task_stream
+
+    with get_task_stream(client) as ts:
+        run_sweep(GRID, csv_path=tmp_path / "s.csv", client=client, progress=False)
+    workers = {t["worker"] for t in ts.data if str(t.get("key", "")).startswith("qlink-sweep")}
+    assert len(workers) == 2
+
+
+@pytest.mark.timeout(240)
+def test_wire_path_chunk_matches_direct_decoding(client, tmp_path):
+    grid = QecGrid(distances=(3,), ps=(0.01,), transports=("tcp",), num_shots=300, chunk_shots=300)
+    res = run_sweep(grid, csv_path=tmp_path / "w.csv", client=client, progress=False)
+    assert res.transports_used == {"tcp": "tcp"}
+    ((sid, chunk, shots, errors, discards, rest),) = _rows(tmp_path / "w.csv")
+    assert (chunk, shots, discards) == (0, 300, 0) and errors > 0
+    assert dict(rest).get("offline_mismatches", 0) == 0 and dict(rest).get("failed", 0) == 0
+
+
+@pytest.mark.timeout(240)
+def test_kv_grid_moves_real_blocks(client, tmp_path):
+    grid = KvGrid(tokens=(64, 256), transports=("shm",), preset="tiny", num_transfers=4, chunk_transfers=4,
+                  budget_ms=1e-3)  # an impossible 1 us budget: every transfer misses it
+    res = run_sweep(grid, csv_path=tmp_path / "kv.csv", client=client, progress=False)
+    assert res.complete and res.transports_used == {"shm": "shm"}
+    stats = {s.json_metadata["tokens"]: s for s in sinter.read_stats_from_csv_files(tmp_path / "kv.csv")}
+    for n, s in stats.items():
+        assert (s.shots, s.errors, s.decoder) == (4, 4, "kv@shm")
+        assert s.custom_counts["transfer_us"] > 0
+        assert sum(v for k, v in s.custom_counts.items() if k.startswith("us_log2_")) == 4
+    assert stats[256].custom_counts["kv_bytes"] == 4 * stats[64].custom_counts["kv_bytes"]
+
+
+@pytest.mark.timeout(120)
+def test_default_local_cluster(tmp_path):
+    grid = QecGrid(distances=(3,), ps=(0.01,), num_shots=400, chunk_shots=200)
+    res = run_sweep(grid, csv_path=tmp_path / "d.csv", num_workers=2, progress=False)
+    assert res.num_workers == 2 and res.scheduler.startswith("tcp://127.0.0.1:") and res.complete
+    assert len(_rows(tmp_path / "d.csv")) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_cli_sweep_resumes_to_the_same_rows(client, tmp_path):
+    # chunks big enough (a fraction of a second each) for the kill to land mid-sweep
+    grid = QecGrid(distances=(5,), ps=(0.005, 0.01), num_shots=240_000, chunk_shots=30_000)
+    args = ["--distances", "5", "--ps", "0.005,0.01", "--shots", "240000", "--chunk-shots", "30000"]
+    killed = tmp_path / "killed.csv"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # one worker, so chunks finish one by one and the kill lands mid-sweep
+    proc = subprocess.Popen([sys.executable, "-m", "qlink.cli", "sweep", "qec", *args, "--csv", str(killed),
+                             "--workers", "1", "--no-progress"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if killed.exists() and killed.read_text().count("\n") >= 4:  # header + 3 chunks
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the sweep finished before it could be interrupted"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the CLI, its scheduler and its worker: its own session
+        proc.wait(30)
+    n_before = len(_rows(killed)) if killed.read_text().endswith("\n") else None
+    res = run_sweep(grid, csv_path=killed, client=client, progress=False)
+    assert res.complete and res.chunks_before >= 3 and (n_before is None or res.chunks_before == n_before)
+    one = tmp_path / "one.csv"
+    run_sweep(grid, csv_path=one, client=client, progress=False)
+    assert _rows(killed) == _rows(one) and len(_rows(one)) == 16
