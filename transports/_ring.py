@@ -11,6 +11,9 @@ Layout of a ring region (all integers little-endian)::
       [ 64] u64 head   (bytes ever written; stored by the producer only)
       [128] u64 tail   (bytes ever consumed; stored by the consumer only)
       [192] u64 producer_closed    [256] u64 consumer_closed
+      [320] u64 producer_cpu: 1 + the CPU the producer last sent from, 0 if unknown
+            (a scheduling hint only, written by the C producer; the C consumer yields
+            its CPU when the producer last ran on it)
     data area, data_nbytes bytes, a sequence of records:
       u32 nbytes, u16 kind, u16 reserved, u64 aux, then nbytes of payload,
       padded so every record starts on a 16-byte boundary.

@@ -10,6 +10,7 @@
  * A receive that finds its record at once never releases the GIL; one that has to spin
  * releases it for the spin (see spin_for_record).
  */
+#define _GNU_SOURCE /* sched_getcpu */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -41,6 +42,7 @@
 #define OFF_TAIL 128
 #define OFF_PCLOSED 192
 #define OFF_CCLOSED 256
+#define OFF_PCPU 320 /* hint: 1 + the CPU the producer last sent from (0: unknown) */
 
 #define KIND_CORRUPT 0
 #define KIND_PAD 1
@@ -72,6 +74,7 @@ typedef struct {
     uint64_t tail, head_cache; /* consumer side, local */
     unsigned long long messages, message_bytes;
     PyObject *data_view; /* memoryview of the data area, created on first use */
+    uint64_t cpu_pub;    /* producer: the CPU hint last published */
     int spinning;        /* threads inside a GIL-free spin on this ring */
     int release_pending; /* release() came while spinning: the last spinner does it */
 } RingObject;
@@ -126,6 +129,11 @@ static int send_parts(RingObject *r, unsigned kind, uint64_t aux, const void *p1
         memcpy(dst + REC_HDR + n1, p2, n2);
     r->head += need;
     st_rel(r->hdr + OFF_HEAD, r->head); /* the record's bytes become visible no later than head */
+    int cpu = sched_getcpu();
+    if (cpu >= 0 && (uint64_t)cpu + 1 != r->cpu_pub) { /* stored only when it changes: no line bouncing */
+        r->cpu_pub = (uint64_t)cpu + 1;
+        __atomic_store_n((uint64_t *)(r->hdr + OFF_PCPU), r->cpu_pub, __ATOMIC_RELAXED);
+    }
     return SEND_OK;
 }
 
@@ -221,12 +229,24 @@ static inline int head_record(RingObject *r, rec_hdr *h, uint64_t *pos_out) {
  * instead of waiting for the interpreter's 5 ms switch interval. A release() that comes
  * from another thread during the spin is deferred to the spinner, which stops early.
  *
- * With yield_every > 0, sched_yield() every that many polls. Off by default: measured on
- * a busy 2-core machine, yielding inside the short C spin raised the median round trip
- * ~10x when a third process wanted a CPU; the endpoint's Python wait loop yields instead,
- * after 100 us without progress. */
+ * Every 16 polls, if the producer's CPU hint is our CPU, sched_yield(): it cannot run
+ * while we spin. With yield_every > 0, also sched_yield() every that many polls
+ * regardless. Off by default: measured on a busy 2-core machine, yielding blindly inside
+ * the short C spin raised the median round trip ~10x when a third process wanted a CPU;
+ * the endpoint's Python wait loop yields instead, after 100 us without progress. */
 static long yield_every = 0;
 static int release_gil = 1;
+
+/* The producer last ran on the CPU we are spinning on: it is queued behind us (or asleep),
+ * and spinning can only delay it, so give the CPU away. Two spinning processes that the
+ * scheduler put on one core otherwise stall each other for a time slice per message. */
+static inline int producer_shares_our_cpu(RingObject *r) {
+    uint64_t pc = __atomic_load_n((uint64_t *)(r->hdr + OFF_PCPU), __ATOMIC_RELAXED);
+    if (pc == 0)
+        return 0;
+    int cpu = sched_getcpu();
+    return cpu >= 0 && (uint64_t)cpu + 1 == pc;
+}
 static int spin_for_record(RingObject *r, rec_hdr *h, uint64_t *pos, long spin_iters) {
     int st = head_record(r, h, pos);
     if (st != 0 || spin_iters <= 0)
@@ -238,7 +258,7 @@ static int spin_for_record(RingObject *r, rec_hdr *h, uint64_t *pos, long spin_i
     for (long i = 1; st == 0 && i <= spin_iters; i++) {
         if (__atomic_load_n(&r->release_pending, __ATOMIC_ACQUIRE))
             break;
-        if (yield_every > 0 && i % yield_every == 0)
+        if ((yield_every > 0 && i % yield_every == 0) || ((i & 15) == 0 && producer_shares_our_cpu(r)))
             sched_yield();
         else
             CPU_RELAX();
