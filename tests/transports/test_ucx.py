@@ -284,6 +284,55 @@ def test_sigkilled_peer_is_a_broken_link_within_a_second(peer_error_handling):
         lis.close()
 
 
+# ----- one worker, many connections, threads ----------------------------------------------------
+@pytest.mark.timeout(30)
+def test_connections_sharing_a_worker_never_see_each_others_messages():
+    with transports.listen("ucx://127.0.0.1:0") as lis:
+        clients = [transports.connect(lis.url, timeout_s=5) for _ in range(3)]
+        servers = [lis.accept(timeout_s=5) for _ in range(3)]
+        for round_ in range(20):  # interleaved, both directions
+            for i, (c, s) in enumerate(zip(clients, servers)):
+                c.send(f"c{i}-{round_}".encode())
+                s.send(f"s{i}-{round_}".encode() * (1 + 3000 * (round_ % 2)))
+        first = {}
+        for i, s in enumerate(servers):  # each accepted endpoint gets exactly its own client's messages
+            first[i] = [s.recv(timeout_s=5) for _ in range(20)]
+        for i, c in enumerate(clients):
+            got = [c.recv(timeout_s=5) for _ in range(20)]
+            assert got == [f"s{i}-{r}".encode() * (1 + 3000 * (r % 2)) for r in range(20)]
+        assert all(first[i] == [f"c{i}-{r}".encode() for r in range(20)] for i in range(3))
+        for e in clients + servers:
+            e.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_sending_thread_and_a_receiving_thread_share_an_endpoint(pair):
+    a, b = pair
+    count = 2000
+    got = []
+
+    def echo():
+        buf = np.empty(64, dtype=np.uint8)
+        for _ in range(count):
+            n = b.recv_into(buf, timeout_s=10)
+            b.send(buf[:n], timeout_s=10)
+
+    def receive():
+        buf = bytearray(64)
+        for _ in range(count):
+            n = a.recv_into(buf, timeout_s=10)
+            got.append(int.from_bytes(buf[:n], "little"))
+
+    threads = [threading.Thread(target=echo), threading.Thread(target=receive)]
+    for t in threads:
+        t.start()
+    for i in range(count):  # this thread only sends on ``a`` while another thread receives on it
+        a.send(i.to_bytes(4, "little"), timeout_s=10)
+    for t in threads:
+        t.join(20)
+    assert got == list(range(count))
+
+
 # ----- hot paths, close, buffering, put guards ------------------------------------------------------
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("hot_path", ucx.HOT_PATHS)
