@@ -316,13 +316,30 @@ def start(url: str, *, in_thread: bool, preload: tuple[str, ...] = ()):
     return peer
 
 
-def stop_warm_peers() -> None:
-    """Reap the processes still waiting in the warm pool."""
+_retired: list[ProcessPeer] = []
+
+
+def retire(peer) -> None:
+    """A test is done with ``peer``: reap it now if it is a thread or has exited, else later in
+    :func:`stop_all` (killed if it has not exited by then), so no test waits for an interpreter to exit."""
+    if not peer.is_process:
+        peer.stop()
+        return
+    _retired.append(peer)
+    for p in [p for p in _retired if p.proc.poll() is not None]:
+        _retired.remove(p)
+        p.stop()
+
+
+def stop_all() -> None:
+    """Reap every peer process still around: retired ones and those waiting in the warm pool."""
+    while _retired:
+        _retired.pop().stop()
     while _warm:
         _warm.popitem()[1].stop()
 
 
-atexit.register(stop_warm_peers)
+atexit.register(stop_all)
 
 
 def _main(argv: list[str]) -> int:

@@ -50,7 +50,7 @@ SIZES = [0, 1, 64, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
 @pytest.fixture(scope="module", autouse=True)
 def _reap_warm_peers():
     yield
-    peer_mod.stop_warm_peers()
+    peer_mod.stop_all()
 
 
 @pytest.fixture(params=SCHEMES)
@@ -134,10 +134,8 @@ def link(scheme):
     try:
         yield lk
     finally:
-        lk.ep.close()
-        if lk.peer.is_process and lk.peer.wait(5) is None:
-            lk.peer.kill()
-        lk.peer.stop()
+        lk.ep.close()  # the peer sees a broken link and exits by itself
+        peer_mod.retire(lk.peer)
         lk.listener.close()
 
 
