@@ -333,6 +333,69 @@ def test_a_sending_thread_and_a_receiving_thread_share_an_endpoint(pair):
     assert got == list(range(count))
 
 
+# ----- across hosts, emulated with a network namespace ---------------------------------------------
+_NS_SERVER = r"""
+import sys, transports
+lis = transports.listen(sys.argv[1])
+print(lis.url, flush=True)
+ep = lis.accept(timeout_s=20)
+for _ in range(3):
+    ep.send(ep.recv(timeout_s=20))
+print("LANES", ",".join(ep.statistics().extra["ucx_lanes"]), flush=True)
+ep.recv(timeout_s=20)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not (hasattr(os, "geteuid") and os.geteuid() == 0), reason="needs root to create a network namespace")
+def test_across_network_namespaces_over_tcp():
+    """A peer in its own network namespace behind a veth pair: a non-loopback address, UCX over TCP."""
+    tag = f"qlu{os.getpid() % 100000}"
+    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    ns_cmds = [
+        ["ip", "netns", "add", tag],
+        ["ip", "link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b"],
+        ["ip", "link", "set", f"{tag}b", "netns", tag],
+        ["ip", "addr", "add", f"{net}.1/24", "dev", f"{tag}a"],
+        ["ip", "link", "set", f"{tag}a", "up"],
+        ["ip", "netns", "exec", tag, "ip", "addr", "add", f"{net}.2/24", "dev", f"{tag}b"],
+        ["ip", "netns", "exec", tag, "ip", "link", "set", f"{tag}b", "up"],
+        ["ip", "netns", "exec", tag, "ip", "link", "set", "lo", "up"],
+    ]
+    server = None
+    try:
+        for cmd in ns_cmds:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot build the namespace ({' '.join(cmd)}: {r.stderr.strip()})")
+        env = _env(UCX_TLS="tcp,self")  # one kernel: without this UCX would rightly pick shared memory
+        server = subprocess.Popen(["ip", "netns", "exec", tag, sys.executable, "-c", _NS_SERVER,
+                                   f"ucx://{net}.2:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env, cwd=ROOT)
+        url = server.stdout.readline().strip()
+        assert url.startswith(f"ucx://{net}.2:"), server.stderr.read()
+        client = _spawn(
+            "import sys, numpy as np, transports\n"
+            "ep = transports.connect(sys.argv[1], timeout_s=10)\n"
+            "for m in (b'hi', bytes(64), np.arange(3 << 20, dtype=np.uint8)):\n"
+            "    ep.send(m); assert ep.recv(timeout_s=20) == bytes(memoryview(m).cast('B'))\n"
+            "print('LANES', ','.join(ep.statistics().extra['ucx_lanes']), flush=True)\n"
+            "ep.send(b'bye'); ep.close()\n",
+            url, UCX_TLS="tcp,self")
+        out, err = _reap(client)
+        assert client.returncode == 0, err[-2000:]
+        assert f"LANES tcp/{tag}a" in out
+        s_out, s_err = _reap(server)
+        assert f"LANES tcp/{tag}b" in s_out, s_err[-2000:]
+    finally:
+        if server is not None and server.poll() is None:
+            server.kill()
+            _reap(server)
+        subprocess.run(["ip", "netns", "del", tag], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{tag}a"], capture_output=True)
+
+
 # ----- hot paths, close, buffering, put guards ------------------------------------------------------
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("hot_path", ucx.HOT_PATHS)
