@@ -23,6 +23,10 @@ Messages and notifications that arrive interleaved each go to their own queue.
   the socket, after the messages it sent before have been received.
 * One thread may send (``send``/``put``) while another receives
   (``recv_into``/``wait_notification``) on the same endpoint.
+* ``statistics().extra`` counts ``staged_messages`` (messages that had to be parked
+  in an internal buffer: they arrived while the caller waited for a notification,
+  or a receive left mid-message) and ``puts_rejected`` (puts into a region the
+  target no longer has, counted and dropped).
 
 >>> from transports import tcp
 >>> with tcp.listen("tcp://127.0.0.1:0") as lis:
@@ -680,8 +684,9 @@ class TcpEndpoint(Endpoint):
             pass
         try:  # unread input at close() would make the kernel reset the connection and drop our unsent bytes
             scratch = bytearray(1 << 16)
-            while sock.recv_into(scratch):
-                pass
+            for _ in range(256):  # at most 16 MiB: a peer that keeps streaming does not hold close() up
+                if not sock.recv_into(scratch):
+                    break
         except OSError:
             pass
         try:
