@@ -3,7 +3,11 @@ and close to the real loop that runs on this machine."""
 
 from __future__ import annotations
 
+import csv
+import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,10 +150,10 @@ def test_same_seed_same_result_other_seed_other_result():
 
 def test_lost_messages_are_accounted_for():
     lossy = LinkModel("lossy", latency_ns=1_000, bandwidth_Bps=1e9, loss=0.05)
-    cfg = _cfg(link=lossy, num_controllers=5, num_shots=100)
-    res = simulate(cfg, seed=4)
-    assert res.shots_dropped > 0 and res.corrections_lost > 0
-    assert res.shots_answered + res.shots_dropped + res.corrections_lost == 5 * 100
+    for poll in (False, True):
+        res = simulate(_cfg(link=lossy, num_controllers=5, num_shots=100, poll=poll), seed=4)
+        assert res.shots_dropped > 0 and res.corrections_lost > 0
+        assert res.shots_answered + res.shots_dropped + res.corrections_lost == 5 * 100
 
 
 def test_rows_are_modeled_and_name_their_inputs():
@@ -234,3 +238,26 @@ def test_prediction_matches_the_real_loop_p50():
     assert v.inputs["service"]["source"]["kind"] == "measured"
     assert v.within, (f"predicted p50 {v.predicted_p50_ns / 1e3:.1f} us vs measured "
                       f"{v.measured_p50_ns / 1e3:.1f} us (allowed +/- {v.allowed_ns / 1e3:.1f} us); {v.row()}")
+
+
+# ----------------------------------------------------------------------------- the scenario
+@pytest.mark.timeout(120)
+def test_scenario_sweep_writes_modeled_rows_and_plots(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))
+    import fabric_scale  # a script directory, not a package
+
+    svc = ServiceTimes.linear(fixed_ns=5_000, per_shot_ns=700, note="test")
+    rep = fabric_scale.run(out=tmp_path, fabrics=("nvqlink", "tcp-100g"), controllers=(1, 10), decoders=("2",),
+                           shots=20, service=svc, validate=False, progress=False)
+    assert len(rep["rows"]) == 4
+    with open(tmp_path / "fabric_scale.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["fabric"] for r in rows} == {"nvqlink", "tcp-100g"}
+    assert all(r["basis"] == "modeled" and r["service_kind"] == "assumed" for r in rows)
+    assert [int(r["num_decoders"]) for r in rows] == [1, 2, 1, 2]
+    for name in ("fabric_scale.png", "fabric_backlog.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    saved = json.loads((tmp_path / "service_times.json").read_text())
+    assert ServiceTimes.from_dict(saved).sample_ns(3, 0.5) == 5_000 + 3 * 700
+    with pytest.raises(ValueError, match="N/k"):
+        fabric_scale.decoders_for("lots", 10)

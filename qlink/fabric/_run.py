@@ -21,6 +21,8 @@ _FRAME, _GET, _SHOT = 0, 1, 2
 
 
 class Run:
+    """One simulation of a :class:`~qlink.fabric.model.FabricConfig` (use :func:`~qlink.fabric.simulate`)."""
+
     def __init__(self, cfg, seed: int) -> None:
         self.cfg = cfg
         self.seed = seed
@@ -75,11 +77,9 @@ class Run:
         self.busy = [False] * M
         self.drained = [0] * M
         self.busy_ns = [0.0] * M
-        self.calls = 0
         self.n_sys = 0
         self.area = 0.0
         self.t_last = 0.0
-        self.corr_lost = 0
         self.S, self.M, self.B = S, M, cfg.batch_size
         self.svc = cfg.service
         self.u_svc = _Uniforms(self.rng_svc)
@@ -176,7 +176,6 @@ class Run:
             for g in batch:
                 ds[g] = now
                 bo[g] = k
-            self.calls += 1
             self.busy[d] = True
             self.busy_ns[d] += dur
             loop.schedule(now + dur, self._decoded, (d, batch))
@@ -213,10 +212,8 @@ class Run:
         now = self.loop.now_ns
         self.t_sent[g] = now
         t = self.down.arrival(d, now)
-        if t != t:  # lost on the way back
-            self.corr_lost += 1
-            return
-        self.t_applied[g] = t + self.apply_ns
+        if t == t:  # NaN: lost on the way back (counted with the corrections that never arrive)
+            self.t_applied[g] = t + self.apply_ns
 
     # ------------------------------------------------------------- figures
     def _result(self, emit: np.ndarray, dropped: int, events: int, wall_s: float) -> FabricResult:
@@ -233,6 +230,8 @@ class Run:
         t_app = np.array(self.t_applied)
         shot_idx = np.arange(t_app.size) % S
         answered = np.isfinite(t_app)
+        # decoded, yet no correction reached the controller (the answer or the poll for it was lost)
+        corrections_lost = int((np.isfinite(t_de) & ~answered).sum())
         use = answered & (shot_idx >= cfg.warmup_shots)
         reaction = (t_app - t_emit_last)[use]
         stages = {
@@ -274,9 +273,13 @@ class Run:
         b_slope = _slope(grid, backlog)
         offered = cfg.offered_shots_per_s
         # Keeping up: over the second half of the emission window the decoders' queue grows by
-        # less than 2 % of the shots offered meanwhile (or by less than two shots per decoder).
+        # less than 2 % of the shots offered meanwhile, or by less than one batch per decoder
+        # (the swing batching itself gives the queue).
+        batches = np.array(self.batch_of)
+        mean_batch = float(batches[batches > 0].mean()) if (batches > 0).any() else math.nan
         half_s = (grid[-1] - grid[len(grid) // 2]) / 1e9
-        stable = bool(q_slope * half_s <= max(0.02 * offered * half_s, 2.0 * cfg.num_decoders))
+        swing = cfg.num_decoders * (mean_batch if mean_batch > 1 else 1.0)
+        stable = bool(q_slope * half_s <= max(0.02 * offered * half_s, swing))
 
         # Little's law over the decoders' queue (complete -> decoded), whole run
         done = np.isfinite(t_de)
@@ -295,13 +298,12 @@ class Run:
         inputs = {"service": cfg.service.describe(), "link": describe_link(cfg.link),
                   "downlink": describe_link(cfg.downlink),
                   "ingest": None if cfg.ingest is None else cfg.ingest.describe()}
-        batches = np.array(self.batch_of)
         return FabricResult(
             config=cfg, seed=self.seed, basis="modeled", inputs=inputs, shots_answered=int(answered.sum()),
-            shots_dropped=dropped, corrections_lost=int(self.corr_lost), reaction_p50_ns=p50, reaction_p99_ns=p99,
+            shots_dropped=dropped, corrections_lost=corrections_lost, reaction_p50_ns=p50, reaction_p99_ns=p99,
             reaction_p999_ns=p999, reaction_mean_ns=mean, reaction_max_ns=mx, stage_p50_ns=stage_p50,
             offered_shots_per_s=offered, utilization_bound=cfg.utilization_bound(), utilization_busiest=busiest,
-            mean_batch=float(batches[batches > 0].mean()) if (batches > 0).any() else nan,
+            mean_batch=mean_batch,
             queue_max_shots=int(queue.max()), queue_slope_shots_per_s=q_slope, backlog_slope_rounds_per_s=b_slope,
             stable=stable, little=little, events=int(events), wall_s=wall_s, backlog_t_ns=grid,
             queue_shots=queue, backlog_rounds=backlog, reaction_ns=reaction, stages_ns=stages,
