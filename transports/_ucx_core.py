@@ -265,12 +265,20 @@ class UcpOps:
         return r
 
     def send(self, base: np.ndarray, n: int, tag: int, *, cache: bool = True) -> int:
-        addr = self._addr(base) if cache else _address_of(base)
-        return self._req(self._send(self._e, addr, n, tag, self._param_addr))
+        r = self._send(self._e, self._addr(base) if cache else _address_of(base), n, tag, self._param_addr)
+        if r is None:
+            return 0  # completed at once
+        if r >= _ERR_LAST:
+            raise _UcxStatus(r - (1 << 64))
+        return r
 
     def recv_msg(self, msg, base: np.ndarray, n: int, *, cache: bool = True) -> int:
-        addr = self._addr(base) if cache else _address_of(base)
-        return self._req(self._msg_recv(self._w, addr, n, msg[0], self._param_addr))
+        r = self._msg_recv(self._w, self._addr(base) if cache else _address_of(base), n, msg[0], self._param_addr)
+        if r is None:
+            return 0
+        if r >= _ERR_LAST:
+            raise _UcxStatus(r - (1 << 64))
+        return r
 
     def recv_tag(self, base: np.ndarray, n: int, tag: int) -> int:
         return self._req(self._tag_recv(self._w, _address_of(base), n, tag, (1 << 64) - 1, self._param_addr))
