@@ -165,7 +165,8 @@ def plot_threshold(rows: list[dict], path, *, transport: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for d in sorted({r["d"] for r in rows}):
+    for k, d in enumerate(sorted({r["d"] for r in rows})):
+        color = f"C{k}"
         for path_name, style in (("wire", "-o"), ("offline", "--")):
             rs = sorted((r for r in rows if r["d"] == d and r["path"] == path_name), key=lambda r: r["p"])
             if not rs:
@@ -173,10 +174,10 @@ def plot_threshold(rows: list[dict], path, *, transport: str = "") -> Path:
             p = np.array([r["p"] for r in rs])
             y = np.array([r["ler"] for r in rs])
             label = f"d={d} ({'through ' + transport if path_name == 'wire' else 'offline'})"
-            line = ax.plot(p, np.where(y > 0, y, np.nan), style, label=label, alpha=1.0 if path_name == "wire" else 0.6)
+            ax.plot(p, np.where(y > 0, y, np.nan), style, label=label, color=color,
+                    alpha=1.0 if path_name == "wire" else 0.6)
             if path_name == "wire":
-                ax.fill_between(p, [r["ler_lo"] for r in rs], [r["ler_hi"] for r in rs], alpha=0.2,
-                                color=line[0].get_color())
+                ax.fill_between(p, [r["ler_lo"] for r in rs], [r["ler_hi"] for r in rs], alpha=0.2, color=color)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("physical error rate p (uniform circuit noise)")

@@ -74,6 +74,8 @@ _HDR_IDS = struct.Struct("<IQ")  # request_id, ptp_timestamp
 _HDR_IDS_OFFSET = 12
 _COUNTER = struct.Struct("<q")
 _COUNTER_OFFSET = wire.HEADER_NBYTES + 8
+_GET_RETURN = struct.Struct("<q")  # get_corrections return_size (after the i64 decoder_id)
+_GET_RETURN_OFFSET = wire.HEADER_NBYTES + 8
 _BITS_OFFSET = wire.HEADER_NBYTES + wire.ENQUEUE_SYNDROMES_FIXED_NBYTES
 
 _GET_BIT = 0x80000000  # request ids of get_corrections; enqueue ids stay below
@@ -252,17 +254,20 @@ class Controller:
     """Drives one decoder (``decoder_id``) of a service on ``endpoint`` with ``stream``.
 
     Options: ``cycle_ns``; ``rounds_per_frame`` (0 = the whole shot in one frame);
-    ``gap_cycles`` idle cycles between shots; ``poll_interval_ns`` before asking
-    again after ``NOT_READY``; ``feed_forward_deadline_ns`` (None: pipelined);
-    ``keep_samples`` shots of raw timestamps; ``max_in_flight_shots`` holds a new
-    shot back while that many await their answers (the schedule then restarts from
-    the next tick, and the hold is counted in ``throttled``: for throughput and
-    LER runs, not for cycle-time figures).
+    ``shots_per_frame`` > 1 packs that many whole shots into one frame (sent after
+    the last round of the last of them) and asks their corrections in one
+    ``get_corrections`` — the batching that lets a decoder keep up, paid for in
+    reaction time; ``gap_cycles`` idle cycles between shots; ``poll_interval_ns``
+    before asking again after ``NOT_READY``; ``feed_forward_deadline_ns`` (None:
+    pipelined); ``keep_samples`` shots of raw timestamps; ``max_in_flight_shots``
+    holds new shots back while that many await their answers (the schedule then
+    restarts from the next tick and the hold is counted in ``throttled``: for
+    throughput and LER runs, not for cycle-time figures).
     """
 
     def __init__(self, endpoint, stream: SyndromeStream, *, decoder_id: int = 0, cycle_ns: int = DEFAULT_CYCLE_NS,
-                 rounds_per_frame: int = 1, gap_cycles: int = 0, poll_interval_ns: int = 2_000,
-                 feed_forward_deadline_ns: int | None = None, keep_samples: int = 0,
+                 rounds_per_frame: int = 1, shots_per_frame: int = 1, gap_cycles: int = 0,
+                 poll_interval_ns: int = 2_000, feed_forward_deadline_ns: int | None = None, keep_samples: int = 0,
                  start_delay_ns: int = 200_000, backlog_samples: int = 4096, counter_start: int = 0,
                  request_id_start: int = 0, max_in_flight_shots: int | None = None,
                  trigger_ns: int = MODELED_TRIGGER_NS, analog_in_out_ns: int = MODELED_ANALOG_IN_OUT_NS) -> None:
@@ -278,11 +283,21 @@ class Controller:
             raise ValueError(f"max_in_flight_shots must be >= 1 or None, got {max_in_flight_shots}")
         if stream.num_shots < 1 or stream.num_detectors < 1:
             raise ValueError("the syndrome stream needs at least one shot and one detector")
+        if shots_per_frame < 1:
+            raise ValueError(f"shots_per_frame must be >= 1, got {shots_per_frame}")
+        if shots_per_frame > 1 and rounds_per_frame not in (0, stream.num_rounds):
+            raise ValueError("shots_per_frame > 1 sends whole shots: use rounds_per_frame=0")
+        if shots_per_frame * stream.num_detectors > wire.MAX_SYNDROME_BITS:
+            raise ValueError(f"shots_per_frame={shots_per_frame} x {stream.num_detectors} detectors exceeds the "
+                             f"wire's {wire.MAX_SYNDROME_BITS} bits per frame")
+        if shots_per_frame * stream.num_observables > wire.MAX_CORRECTION_BITS:
+            raise ValueError("shots_per_frame x observables exceeds the wire's correction bits per answer")
         self.ep = endpoint
         self.stream = stream
         self.decoder_id = int(decoder_id)
         self.cycle_ns = int(cycle_ns)
-        self.layout = stream.frames(rounds_per_frame=rounds_per_frame)
+        self.shots_per_frame = int(shots_per_frame)
+        self.layout = stream.frames(rounds_per_frame=0 if shots_per_frame > 1 else rounds_per_frame)
         self.rounds_per_frame = rounds_per_frame
         self.gap_cycles = int(gap_cycles)
         self.poll_interval_ns = int(poll_interval_ns)
@@ -306,30 +321,54 @@ class Controller:
     def next_request_id(self) -> int:
         return self._rid
 
+    @property
+    def frames_per_shot(self) -> int:
+        """Frames one shot takes on the wire (1 when several shots share a frame)."""
+        return len(self.layout)
+
+    def _template(self, num_bits: int) -> bytearray:
+        buf = bytearray(wire.enqueue_syndromes_nbytes(num_bits))
+        wire.encode_enqueue_syndromes_into(buf, request_id=0, decoder_id=self.decoder_id, counter=0,
+                                           syndrome_mapping_id=0, syndromes_bits_packed=bytes((num_bits + 7) >> 3),
+                                           num_syndromes=num_bits)
+        return buf
+
     def _prepare(self) -> None:
         s = self.stream
-        F = len(self.layout)
-        # per frame position: the packed bits of every shot, and a template frame
-        self._packed = []
-        self._templates = []
-        for fl in self.layout:
-            bits = s.detectors[:, fl.first_bit:fl.first_bit + fl.num_bits]
-            packed = np.ascontiguousarray(np.packbits(bits, axis=1, bitorder="little"))
-            self._packed.append(memoryview(packed.reshape(-1)))
-            buf = bytearray(wire.enqueue_syndromes_nbytes(fl.num_bits))
-            wire.encode_enqueue_syndromes_into(buf, request_id=0, decoder_id=self.decoder_id, counter=0,
-                                               syndrome_mapping_id=0, syndromes_bits_packed=bytes(packed.shape[1]),
-                                               num_syndromes=fl.num_bits)
-            self._templates.append(buf)
-        self._nbytes = [(fl.num_bits + 7) >> 3 for fl in self.layout]
-        self._last_round = [fl.last_round for fl in self.layout]
+        N, k = s.num_shots, self.shots_per_frame
+        R = s.num_rounds
+        period = R + self.gap_cycles
+        # Emission units ("groups"): one shot in len(layout) frames, or k whole shots in one frame.
+        # For each group's frames: packed bits (flat buffer + per-frame byte size) and a template.
+        self._frames = []  # per frame position within a group: (template, flat packed view, nbytes, due cycles)
+        if k == 1:
+            for fl in self.layout:
+                bits = s.detectors[:, fl.first_bit:fl.first_bit + fl.num_bits]
+                packed = np.ascontiguousarray(np.packbits(bits, axis=1, bitorder="little"))
+                self._frames.append((self._template(fl.num_bits), memoryview(packed.reshape(-1)),
+                                     packed.shape[1], fl.last_round + 1))
+            self._num_groups = N
+            self._tail = None
+        else:
+            G = -(-N // k)
+            full = (N // k) * k
+            nd = s.num_detectors
+            packed = np.packbits(s.detectors[:full].reshape(N // k, k * nd), axis=1, bitorder="little") \
+                if full else np.zeros((0, (k * nd + 7) >> 3), np.uint8)
+            self._frames.append((self._template(k * nd), memoryview(np.ascontiguousarray(packed).reshape(-1)),
+                                 packed.shape[1], (k - 1) * period + R))
+            self._tail = None
+            if full < N:  # the last, smaller group
+                m = N - full
+                tp = np.packbits(s.detectors[full:].reshape(-1), bitorder="little")
+                self._tail = (self._template(m * nd), memoryview(tp), tp.size, (m - 1) * period + R)
+            self._num_groups = G
         self._get = bytearray(wire.HEADER_NBYTES + wire.GET_CORRECTIONS_PAYLOAD_NBYTES)
         wire.encode_get_corrections_into(self._get, request_id=0, decoder_id=self.decoder_id,
                                          return_size=s.num_observables, reset=True)
-        obs_packed = np.packbits(s.observables, axis=1, bitorder="little")
-        self._truth = [int.from_bytes(row.tobytes(), "little") for row in obs_packed]
-        self._frames_per_shot = F
-        self._shot_period_cycles = s.num_rounds + self.gap_cycles
+        self._truth_packed = np.ascontiguousarray(np.packbits(s.observables, axis=1, bitorder="little"))
+        self._truth = [int.from_bytes(row.tobytes(), "little") for row in self._truth_packed]
+        self._period_cycles = period
 
     # ------------------------------------------------------------------ helpers
     def _send(self, mv, deadline_ns: int) -> None:
@@ -348,49 +387,49 @@ class Controller:
     def run(self, *, timeout_s: float = 60.0) -> ControllerResult:
         """Play every shot of the stream and wait for every answer (at most ``timeout_s``)."""
         s = self.stream
-        N, F, R = s.num_shots, self._frames_per_shot, s.num_rounds
+        N, R = s.num_shots, s.num_rounds
+        k = self.shots_per_frame
+        G = self._num_groups
         cyc = self.cycle_ns
-        period = self._shot_period_cycles
-        last_round = self._last_round
-        templates = self._templates
-        tmpl_mv = [memoryview(t) for t in templates]
-        packed = self._packed
-        nbytes = self._nbytes
+        period = self._period_cycles
+        frames = self._frames
+        F = len(frames)
+        tail = self._tail
         ff = self.ff_deadline_ns
-        dec_id = self.decoder_id
         self.stages = stages = StageRecorder(CONTROLLER_STAGES)
         rec_lag = stages.histogram("emit_lag").record
         rec_send = stages.histogram("send").record
-        self._rec_reaction = stages.histogram("reaction").record
-        self._rec_apply = stages.histogram("apply").record
-        self._rec_rtt = stages.histogram("get_round_trip").record
+        self._h_reaction = stages.histogram("reaction")
+        self._h_apply = stages.histogram("apply")
+        self._h_rtt = stages.histogram("get_round_trip")
         self.records = ShotRecords(CONTROLLER_SHOT_FIELDS, capacity=self._keep)
         # per-shot state
-        # per-shot state as Python lists (cheaper to index than NumPy scalars on the hot path)
-        self._emit_last = [0] * N
-        self._sent_last = [0] * N
-        self._get_sent = [0] * N
-        self._rid_last = [0] * N
-        self._polls = [0] * N
-        self._correct = [-1] * N
-        self._reaction = [-1] * N
-        self._status = [-1] * N
-        self._nbo = (s.num_observables + 7) >> 3
-        self._corrections = np.zeros((N, self._nbo), np.uint8)
+        self._emit_last = np.zeros(N, np.int64)
+        self._sent_last = np.zeros(N, np.int64)
+        self._get_sent = np.zeros(N, np.int64)
+        self._rid_last = np.zeros(N, np.int64)
+        self._polls = np.zeros(N, np.int64)
+        self._correct = np.full(N, -1, np.int8)
+        self._reaction = np.full(N, -1, np.int64)
+        self._status = np.full(N, -1, np.int64)
+        self._nbo = nbo = (s.num_observables + 7) >> 3
+        self._corrections = np.zeros((N, nbo), np.uint8)
         self._corr_mv = memoryview(self._corrections.reshape(-1))
         self._bl_t = np.zeros(self._backlog_cap, np.int64)
         self._bl_v = np.zeros(self._backlog_cap, np.int64)
         self._bl_n = 0
-        self._bl_every = max(1, -(-N // self._backlog_cap))
+        self._bl_every = max(1, -(-G // self._backlog_cap))
         self._statuses: dict[str, int] = {}
         self._resolved = 0  # shots answered (OK / dropped / failed), in order
-        self._asked = 0  # shots whose get_corrections went out
-        self._gets_in_flight = 0
-        self._repoll_due = 0  # time the next re-poll may go (0: none pending)
-        self._repolls_pending = 0
+        self._asked = 0  # shots whose syndromes have all been sent
+        self._claimed = 0  # shots covered by get_corrections in flight
+        self._gets: dict[int, tuple[int, int]] = {}  # request_id -> (shots covered, sent at)
+        self._singles_owed = 0  # asks to send one shot at a time (after a window with a dropped shot)
+        self._first_get_upto = 0
+        self._repoll_due = 0
         self._ok = self._errors = self._dropped = self._failed = 0
         self._frame = 0
-        self._rx = bytearray(wire.HEADER_NBYTES + ((s.num_observables + 7) >> 3) + 64)
+        self._rx = bytearray(wire.HEADER_NBYTES + ((k * s.num_observables + 7) >> 3) + 64)
         self._rx_mv = memoryview(self._rx)
         self._get_rid = 0
         late = 0
@@ -404,9 +443,10 @@ class Controller:
         self._deadline = deadline
         t0 = t_start + self.start_delay_ns
         self._t0 = t0
-        shot_base = t0  # tick 0 of the current shot
-        shot, f = 0, 0
-        due = shot_base + (last_round[0] + 1) * cyc
+        group_base = t0  # tick 0 of the current group's first shot
+        g, f = 0, 0
+        a, b = 0, min(k, N)  # shots of the current group
+        due = group_base + frames[0][3] * cyc if (k == 1 or b - a == k) else group_base + tail[3] * cyc
         counter = self._counter
         rid = self._rid
         send = self._send
@@ -416,23 +456,22 @@ class Controller:
             if now > deadline:
                 raise QlinkTimeoutError(
                     f"controller run exceeded timeout_s={timeout_s}: {self._resolved}/{N} shots answered, "
-                    f"{shot}/{N} shots emitted")
-            if shot < N and due - now < spin_guard:
+                    f"{a}/{N} shots emitted")
+            if g < G and due - now < spin_guard:
                 # the next tick is close: stop polling and watch the clock alone
                 while now < due:
                     now = now_ns()
-                if f == 0 and inflight_cap is not None and shot - self._resolved >= inflight_cap:
-                    # hold the new shot back until an answer frees a place, then restart the clock
+                if f == 0 and inflight_cap is not None and a - self._resolved >= inflight_cap:
+                    # hold the new group back until answers free a place, then restart the clock
                     throttled += 1
-                    while shot - self._resolved >= inflight_cap:
+                    while a - self._resolved >= inflight_cap:
                         poll()
                         if now_ns() > deadline:
                             raise QlinkTimeoutError(
                                 f"controller run exceeded timeout_s={timeout_s} waiting for answers "
                                 f"({self._resolved}/{N} shots answered)")
-                    tnow = now_ns()
-                    shot_base = t0 + -(-(tnow - t0) // cyc) * cyc
-                    due = shot_base + (last_round[0] + 1) * cyc
+                    group_base = t0 + -(-(now_ns() - t0) // cyc) * cyc
+                    due = group_base + (frames[f][3] if (k == 1 or b - a == k) else tail[3]) * cyc
                     continue
                 lag = now - due
                 if lag > cyc:
@@ -440,46 +479,57 @@ class Controller:
                 if lag > max_lag:
                     max_lag = lag
                 rec_lag(lag)
-                nb = nbytes[f]
-                t = templates[f]
-                t[_BITS_OFFSET:_BITS_OFFSET + nb] = packed[f][shot * nb:(shot + 1) * nb]
+                if k == 1 or b - a == k:
+                    t, flat, nb, _ = frames[f]
+                    src_off = (g if k > 1 else a) * nb
+                else:
+                    t, flat, nb, _ = tail
+                    src_off = 0
+                t[_BITS_OFFSET:_BITS_OFFSET + nb] = flat[src_off:src_off + nb]
                 _COUNTER.pack_into(t, _COUNTER_OFFSET, counter)
                 _HDR_IDS.pack_into(t, _HDR_IDS_OFFSET, rid, ptp_now_ns())
-                send(tmpl_mv[f], deadline)
+                send(t, deadline)
                 counter += 1
-                if f == F - 1:
+                if f == F - 1:  # the group's syndromes are all out
                     t_sent = now_ns()
-                    self._emit_last[shot] = due
-                    self._sent_last[shot] = t_sent
-                    self._rid_last[shot] = rid
-                    rec_send(t_sent - due)
-                    self._send_get(shot, t_sent)
-                    self._asked = shot + 1
-                    if shot % self._bl_every == 0:
-                        self._sample_backlog(t_sent, (shot + 1) * R)
-                    if ff is not None:
-                        # feed-forward: wait for this shot's correction before the conditional op
-                        limit = due + ff
-                        while self._resolved <= shot:
-                            poll()
-                            tw = now_ns()
-                            if tw > deadline:
-                                raise QlinkTimeoutError(
-                                    f"no correction for shot {shot} within the run's timeout_s={timeout_s}")
-                        if self._reaction[shot] < 0 or self._emit_last[shot] + self._reaction[shot] > limit:
-                            misses += 1
-                        tnow = now_ns()
-                        # next shot starts on the next tick after the conditional operation
-                        shot_base = max(shot_base + period * cyc, t0 + -(-(tnow - t0) // cyc) * cyc)
+                    if k == 1:
+                        self._emit_last[a] = due
+                        self._sent_last[a] = t_sent
+                        self._rid_last[a] = rid
                     else:
-                        shot_base += period * cyc
-                    shot += 1
+                        m = b - a
+                        self._emit_last[a:b] = group_base + (np.arange(m, dtype=np.int64) * period + R) * cyc
+                        self._sent_last[a:b] = t_sent
+                        self._rid_last[a:b] = rid
+                    rec_send(t_sent - due)
+                    self._asked = b
+                    self._top_up(t_sent)
+                    if g % self._bl_every == 0:
+                        self._sample_backlog(t_sent, b * R)
+                    if ff is not None:
+                        # feed-forward: wait for these corrections before the conditional operation
+                        limit = due + ff
+                        while self._resolved < b:
+                            poll()
+                            if now_ns() > deadline:
+                                raise QlinkTimeoutError(
+                                    f"no correction for shot {self._resolved} within the run's timeout_s={timeout_s}")
+                        r_last = int(self._reaction[b - 1])
+                        if r_last < 0 or int(self._emit_last[b - 1]) + r_last > limit:
+                            misses += 1
+                        # the next group starts on the next tick after the conditional operation
+                        group_base = max(group_base + (b - a) * period * cyc,
+                                         t0 + -(-(now_ns() - t0) // cyc) * cyc)
+                    else:
+                        group_base += (b - a) * period * cyc
+                    g += 1
                     f = 0
+                    a, b = b, min(b + k, N)
                 else:
                     f += 1
                 rid = (rid + 1) & 0x7FFFFFFF
-                if shot < N:
-                    due = shot_base + (last_round[f] + 1) * cyc
+                if g < G:
+                    due = group_base + (frames[f][3] if (k == 1 or b - a == k) else tail[3]) * cyc
                 continue
             poll()
         self._counter = counter
@@ -487,12 +537,12 @@ class Controller:
         t_end = now_ns()
         self._sample_backlog(t_end, N * R)
         return ControllerResult(
-            num_shots=N, num_rounds=R, frames_per_shot=F, cycle_ns=cyc, shots_ok=self._ok,
+            num_shots=N, num_rounds=R, frames_per_shot=self.frames_per_shot, cycle_ns=cyc, shots_ok=self._ok,
             logical_errors=self._errors, shots_dropped=self._dropped, shots_failed=self._failed,
-            late_frames=late, throttled=throttled, max_lag_ns=int(max_lag), deadline_misses=misses, duration_ns=int(t_end - t0),
-            statuses=dict(self._statuses), stages=stages.to_dict(), correct=np.array(self._correct, np.int8),
-            reaction_ns=np.array(self._reaction, np.int64), backlog_t_ns=self._bl_t[:self._bl_n] - t0,
-            backlog_rounds=self._bl_v[:self._bl_n].copy(),
+            late_frames=late, throttled=throttled, max_lag_ns=int(max_lag), deadline_misses=misses,
+            duration_ns=int(t_end - t0), statuses=dict(self._statuses), stages=stages.to_dict(),
+            correct=self._correct.copy(), reaction_ns=self._reaction.copy(),
+            backlog_t_ns=self._bl_t[:self._bl_n] - t0, backlog_rounds=self._bl_v[:self._bl_n].copy(),
             corrections=self._corrections, shot_records=self.records.array().copy() if self._keep else None,
             modeled_controller_ns=dict(self.modeled), pauli_frame=self._frame,
         )
@@ -504,25 +554,39 @@ class Controller:
             self._bl_v[i] = rounds_emitted - self._resolved * self.stream.num_rounds
             self._bl_n = i + 1
 
-    def _send_get(self, shot: int, t: int) -> None:
-        rid = _GET_BIT | self._get_rid
-        self._get_rid = (self._get_rid + 1) & 0x7FFFFFFF
-        _HDR_IDS.pack_into(self._get, _HDR_IDS_OFFSET, rid, ptp_now_ns())
-        self._send(self._get, self._deadline)
-        self._gets_in_flight += 1
-        if self._get_sent[shot] == 0:
-            self._get_sent[shot] = t
-        self._polls[shot] += 1
+    def _top_up(self, t: int) -> None:
+        """Keep every shot whose syndromes are out covered by a get_corrections in flight."""
+        if t < self._repoll_due:
+            return
+        k = self.shots_per_frame
+        while self._claimed < self._asked - self._resolved:
+            u = self._resolved + self._claimed
+            if self._singles_owed > 0:
+                m = 1
+                self._singles_owed -= 1
+            else:
+                m = min(k, self._asked - u)
+            rid = _GET_BIT | self._get_rid
+            self._get_rid = (self._get_rid + 1) & 0x7FFFFFFF
+            _GET_RETURN.pack_into(self._get, _GET_RETURN_OFFSET, m * self.stream.num_observables)
+            _HDR_IDS.pack_into(self._get, _HDR_IDS_OFFSET, rid, ptp_now_ns())
+            self._gets[rid] = (m, t)
+            self._claimed += m
+            self._send(self._get, self._deadline)
+            if u + m > self._first_get_upto:
+                lo = max(u, self._first_get_upto)
+                self._get_sent[lo:u + m] = t
+                self._first_get_upto = u + m
+            self._polls[u] += 1
 
     def _count(self, kind: str, status) -> None:
         name = f"{kind}.{status.name if isinstance(status, Status) else status}"
         self._statuses[name] = self._statuses.get(name, 0) + 1
 
     def _poll_once(self) -> None:
-        """Handle at most one answer; send a pending re-poll when it is due."""
-        if self._repolls_pending and now_ns() >= self._repoll_due and self._resolved < self._asked:
-            self._repolls_pending -= 1
-            self._send_get(self._resolved, now_ns())
+        """Handle at most one answer; send a due re-poll."""
+        if self._claimed < self._asked - self._resolved:
+            self._top_up(now_ns())
         try:
             n = self.ep.recv_into_nowait(self._rx)
         except WouldBlock:
@@ -534,42 +598,96 @@ class Controller:
             self._count("enqueue", status)
             return
         self._count("get_corrections", status)
-        self._gets_in_flight -= 1
+        try:
+            m, t_get = self._gets.pop(resp.request_id)
+        except KeyError:
+            raise QlinkError(f"an answer to get_corrections request {resp.request_id} that was never sent "
+                             "(or answered twice)") from None
+        self._claimed -= m
         if status == Status.NOT_READY:
-            self._repolls_pending += 1
             self._repoll_due = t_resp + self.poll_interval_ns
+            return
+        if status == Status.SYNDROMES_DROPPED and m > 1:
+            # some shot of the window was dropped (nothing consumed): the next m asks go one shot
+            # at a time, so the dropped ones are answered (and passed) individually
+            self._singles_owed += m
+            self._top_up(t_resp)
             return
         if status not in (Status.OK, Status.SYNDROMES_DROPPED, Status.INTERNAL_ERROR):
             raise QlinkError(
                 f"the decoder service refused get_corrections with {status!r} (request {resp.request_id}): "
                 "check that decoder_id and return_size match the service's configuration")
-        shot = self._resolved
-        self._resolved = shot + 1
-        self._status[shot] = int(status)
+        r = self._resolved
+        self._resolved = r + m
         if status == Status.OK:
-            res = resp.result
-            corr = int.from_bytes(res, "little")
-            k = min(len(res), self._nbo)
-            self._corr_mv[shot * self._nbo:shot * self._nbo + k] = res[:k]
-            self._frame ^= corr
-            t_applied = now_ns()
-            right = corr == self._truth[shot]
-            self._ok += 1
-            if not right:
-                self._errors += 1
-            self._correct[shot] = 1 if right else 0
-            reaction = t_applied - self._emit_last[shot]
-            self._reaction[shot] = reaction
-            self._rec_reaction(reaction)
-            self._rec_apply(t_applied - t_resp)
-            self._rec_rtt(t_resp - self._get_sent[shot])
-        else:
-            t_applied = 0
-            if status == Status.SYNDROMES_DROPPED:
-                self._dropped += 1
+            if m == 1:
+                self._apply_one(r, resp.result, t_resp, t_get)
             else:
-                self._failed += 1
+                self._apply_many(r, m, resp.result, t_resp, t_get)
+        else:
+            self._status[r:r + m] = int(status)
+            if status == Status.SYNDROMES_DROPPED:
+                self._dropped += m
+            else:
+                self._failed += m
+            if self._keep:
+                self._keep_records(r, m, t_resp, 0, int(status))
+        self._top_up(now_ns())
+
+    def _apply_one(self, shot: int, res, t_resp: int, t_get: int) -> None:
+        corr = int.from_bytes(res, "little")
+        self._frame ^= corr
+        t_applied = now_ns()
+        right = corr == self._truth[shot]
+        nbo = self._nbo
+        k = min(len(res), nbo)
+        self._corr_mv[shot * nbo:shot * nbo + k] = res[:k]
+        self._ok += 1
+        if not right:
+            self._errors += 1
+        self._correct[shot] = 1 if right else 0
+        self._status[shot] = 0
+        reaction = t_applied - int(self._emit_last[shot])
+        self._reaction[shot] = reaction
+        self._h_reaction.record(reaction)
+        self._h_apply.record(t_applied - t_resp)
+        self._h_rtt.record(t_resp - t_get)
         if self._keep:
-            self.records.append(shot, self._rid_last[shot], self._emit_last[shot], self._sent_last[shot],
-                                self._get_sent[shot], t_resp, t_applied, self._polls[shot], int(status),
-                                self._correct[shot])
+            self._keep_records(shot, 1, t_resp, t_applied, 0)
+
+    def _apply_many(self, r: int, m: int, res, t_resp: int, t_get: int) -> None:
+        no, nbo = self.stream.num_observables, self._nbo
+        raw = np.frombuffer(res, np.uint8)
+        if no % 8 == 0:
+            rows = raw[:m * nbo].reshape(m, nbo)
+        else:
+            bits = np.unpackbits(raw, count=m * no, bitorder="little").reshape(m, no)
+            rows = np.packbits(bits, axis=1, bitorder="little")
+        self._corrections[r:r + m] = rows
+        self._frame ^= int.from_bytes(np.bitwise_xor.reduce(rows, axis=0).tobytes(), "little")
+        t_applied = now_ns()
+        right = (rows == self._truth_packed[r:r + m]).all(axis=1)
+        n_right = int(right.sum())
+        self._ok += m
+        self._errors += m - n_right
+        self._correct[r:r + m] = right
+        self._status[r:r + m] = 0
+        reaction = t_applied - self._emit_last[r:r + m]
+        self._reaction[r:r + m] = reaction
+        self._h_reaction.record_many(reaction)
+        self._h_apply.record_many(np.full(m, t_applied - t_resp, np.int64))
+        self._h_rtt.record_many(np.full(m, t_resp - t_get, np.int64))
+        if self._keep:
+            self._keep_records(r, m, t_resp, t_applied, 0)
+
+    def _keep_records(self, r: int, m: int, t_resp: int, t_applied: int, status: int) -> None:
+        if m == 1:
+            self.records.append(r, int(self._rid_last[r]), int(self._emit_last[r]), int(self._sent_last[r]),
+                                int(self._get_sent[r]), t_resp, t_applied, int(self._polls[r]), status,
+                                int(self._correct[r]))
+            return
+        sl = slice(r, r + m)
+        self.records.extend(
+            shot=np.arange(r, r + m), last_request_id=self._rid_last[sl], emit_last_ns=self._emit_last[sl],
+            sent_last_ns=self._sent_last[sl], get_sent_ns=self._get_sent[sl], response_ns=t_resp,
+            applied_ns=t_applied, polls=self._polls[sl], status=status, correct=self._correct[sl])

@@ -162,6 +162,7 @@ class LoopResult:
     cycle_ns: int
     rounds_per_frame: int
     frames_per_shot: int
+    shots_per_frame: int
     shots_ok: int
     logical_errors: int
     shots_dropped: int
@@ -203,7 +204,8 @@ class LoopResult:
         return {
             "transport": self.transport, "decoder": self.decoder, "distance": self.source.get("distance"),
             "rounds": self.num_rounds, "p": self.source.get("p"), "shots": self.num_shots, "cycle_ns": self.cycle_ns,
-            "rounds_per_frame": self.rounds_per_frame, "ler": self.logical_error_rate, "ler_lo": lo, "ler_hi": hi,
+            "rounds_per_frame": self.rounds_per_frame, "shots_per_frame": self.shots_per_frame,
+            "ler": self.logical_error_rate, "ler_lo": lo, "ler_hi": hi,
             "errors": self.logical_errors, "dropped": self.shots_dropped,
             "reaction_p50_us": self.reaction_p50_ns / 1e3, "reaction_p99_us": self.reaction_p99_ns / 1e3,
             "reaction_p999_us": self.reaction_p999_ns / 1e3,
@@ -271,6 +273,7 @@ def _slope(t_ns: np.ndarray, v: np.ndarray) -> float:
 
 def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str = "pymatching",
              num_shots: int = 1000, cycle_ns: int = DEFAULT_CYCLE_NS, rounds_per_frame: int = 1,
+             shots_per_frame: int = 1,
              seed: int | None = None, decoder_id: int = 0, feed_forward_deadline_ns: int | None = None,
              ack_enqueue: str = "errors", capacity_shots: int = 1024, keep_samples: int = 100_000,
              warmup_shots: int = 200, gap_cycles: int = 0, timeout_s: float = 300.0,
@@ -279,7 +282,9 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     """Run the closed loop: service in a child process (or thread), controller here.
 
     ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``inproc``) or a URL;
-    ``source`` a source spec (see :func:`source_spec`); ``warmup_shots`` extra shots
+    ``source`` a source spec (see :func:`source_spec`); ``shots_per_frame`` > 1 sends
+    that many whole shots per frame and asks their corrections at once (throughput
+    for reaction time); ``warmup_shots`` extra shots
     played first (a separate stream, excluded from every figure) so imports and
     caches are warm; ``max_in_flight_shots`` throttles the controller to the
     decoder (for LER and throughput runs: it bends the cycle clock).
@@ -296,7 +301,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     elif stream.num_shots < num_shots:
         raise ValueError(f"stream has {stream.num_shots} shots, fewer than num_shots={num_shots}")
     stream = stream.take(num_shots)
-    frames_per_shot = len(stream.frames(rounds_per_frame=rounds_per_frame))
+    frames_per_shot = len(stream.frames(rounds_per_frame=0 if shots_per_frame > 1 else rounds_per_frame))
     configs_spec = {decoder_id: {"source": spec, "decoder": decoder, "capacity_shots": int(capacity_shots),
                                  "frames_per_shot": frames_per_shot}}
     service_options = {"ack_enqueue": ack_enqueue, "keep_samples": int(keep_samples) + int(warmup_shots),
@@ -327,6 +332,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
         ep = transports.connect(bound, timeout_s=30)
         try:
             ctl_kw = dict(decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
+                          shots_per_frame=shots_per_frame,
                           gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
                           max_in_flight_shots=max_in_flight_shots)
             counter, rid = 0, 0
@@ -358,11 +364,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     if "error" in srep and not srep.get("counts"):
         raise RuntimeError(f"the decoder service failed: {srep['error']}")
     return _assemble(cres, srep, transport_name=transport_name, url=bound, decoder=decoder, spec=spec,
-                     rounds_per_frame=rounds_per_frame)
+                     rounds_per_frame=rounds_per_frame, shots_per_frame=shots_per_frame)
 
 
 def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: str, decoder: str, spec: dict,
-              rounds_per_frame: int) -> LoopResult:
+              rounds_per_frame: int, shots_per_frame: int) -> LoopResult:
     if cres.shot_records is not None and "shots" in srep:
         svc_shots = ShotRecords.from_dict(SERVICE_SHOT_FIELDS, srep["shots"])
         breakdown = stage_summary(join_shots(cres.shot_records, svc_shots))
@@ -375,13 +381,13 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
     # Keeping up: nothing dropped, the controller itself on time, and a backlog that
     # neither trends upwards nor ever exceeds 64 shots' worth of rounds.
     keeps_up = bool(cres.shots_dropped == 0
-                    and cres.late_frames <= 0.01 * cres.num_shots * cres.frames_per_shot
+                    and cres.late_frames <= 0.01 * -(-cres.num_shots // shots_per_frame) * cres.frames_per_shot
                     and slope < 0.02 * required
                     and (len(bl_v) == 0 or int(bl_v.max()) <= 64 * cres.num_rounds))
     return LoopResult(
         transport=transport_name, url=url, decoder=decoder, source=dict(spec), num_shots=cres.num_shots,
         num_rounds=cres.num_rounds, cycle_ns=cres.cycle_ns, rounds_per_frame=rounds_per_frame,
-        frames_per_shot=cres.frames_per_shot, shots_ok=cres.shots_ok, logical_errors=cres.logical_errors,
+        frames_per_shot=cres.frames_per_shot, shots_per_frame=shots_per_frame, shots_ok=cres.shots_ok, logical_errors=cres.logical_errors,
         shots_dropped=cres.shots_dropped, logical_error_rate=cres.logical_error_rate,
         ler_interval=cres.ler_interval(), reaction_p50_ns=p50, reaction_p99_ns=p99, reaction_p999_ns=p999,
         shares=breakdown["shares"], stage_breakdown=breakdown, late_frames=cres.late_frames,

@@ -21,7 +21,14 @@ bits one shot carries (the DEM's detector count):
   ``reset=1`` consumes the shot, ``reset=0`` only peeks at it.
 * ``reset_decoder`` forgets the decoder's partial shot, queue and counter.
 * The queue is bounded (``capacity_shots``): a shot that finds it full is refused
-  with ``BUSY`` and dropped; memory never grows with load.
+  with ``BUSY`` and dropped (its counter is used up, its later frames discarded,
+  ``get_corrections`` answers ``SYNDROMES_DROPPED`` for it); memory never grows
+  with load.
+* A frame may carry several whole shots, and ``get_corrections`` with
+  ``return_size`` = m × observables answers the m oldest shots at once (their
+  flips one after the other); a window holding a dropped shot is answered
+  ``SYNDROMES_DROPPED`` and consumes nothing, so the caller asks those shots one
+  by one.
 
 Corrupt frames get ``BAD_REQUEST`` (``INVALID_DECODER`` for a decoder id out of
 range) where the header's ``request_id`` could be read; every refusal is counted by
@@ -258,6 +265,8 @@ class _Decoder:
         self.frames_in_shot = 0
         self.pending_drops = 0
         self.discard_frames = 0
+        self.drops_total = 0  # dropped shots not yet answered (fast path when 0)
+        self.shots_per_frame = 1  # learned from frames carrying several whole shots
         self.next_counter: int | None = None
         self.frames_per_shot = self.frames_cfg
 
@@ -297,9 +306,10 @@ class DecoderService:
         self.max_decode_batch = int(max_decode_batch)
         self._rx = bytearray(_MAX_FRAME_NBYTES)
         self._rx_mv = memoryview(self._rx)
-        max_obs_bytes = max(d.nbo for d in self._active)
-        self._tx = bytearray(wire.HEADER_NBYTES + max(max_obs_bytes, 1))
+        # room for the largest answer: get_corrections of many shots (return_size up to the wire's cap)
+        self._tx = bytearray(wire.HEADER_NBYTES + (wire.MAX_CORRECTION_BITS + 7) // 8)
         self._tx_mv = memoryview(self._tx)
+        self._tx_np = np.frombuffer(self._tx, np.uint8)
         wire.encode_response_header_into(self._tx, status=Status.OK, result_len=0, request_id=0)
         # staged answers of the current batch (preallocated)
         m = self.max_batch_requests + 1
@@ -411,6 +421,7 @@ class DecoderService:
             self.faults["counter_gap"] += 1
             self.counts["frames_lost"] += counter - nxt
             self._realign(d, counter - nxt)
+            d.next_counter = counter  # the lost frames are accounted for, whatever becomes of this one
         if d.discard_frames:
             d.discard_frames -= 1
             d.next_counter = counter + 1
@@ -425,20 +436,20 @@ class DecoderService:
             if filled or n % nd:
                 return self._refuse("syndrome_count", Status.BAD_REQUEST, rid, ptp, t_in, _FN_ENQ)
             whole = n // nd
-            if d.occupancy + whole > d.capacity:
+            if d.occupancy + whole > d.capacity:  # no room: these shots are dropped, and say so
                 self.counts["shots_refused_busy"] += whole
+                self._drop_busy(d, whole, counter, frames_left=0)
                 return self._refuse("queue_full", Status.BUSY, rid, ptp, t_in, _FN_ENQ)
-            for k in range(whole):
-                self._start_shot(d)
-                self._append(d, p.syndromes_bits_packed, k * nd, nd)
-                self._finish_frame(d, rid, ptp, t_in)
+            self._enqueue_whole_shots(d, p.syndromes_bits_packed, whole, rid, ptp, t_in)
             d.next_counter = counter + 1
             if self._ack_all:
                 self._stage(_PLAIN, int(Status.OK), rid, ptp, t_in, _FN_ENQ)
             return
         if not d.filling:
-            if d.occupancy >= d.capacity:
+            if d.occupancy >= d.capacity:  # no room for a new shot: it is dropped, its other frames discarded
                 self.counts["shots_refused_busy"] += 1
+                F = d.frames_per_shot or 1
+                self._drop_busy(d, 1, counter, frames_left=F - 1 if n < nd else 0)
                 return self._refuse("queue_full", Status.BUSY, rid, ptp, t_in, _FN_ENQ)
             self._start_shot(d)
         self._append(d, p.syndromes_bits_packed, 0, n)
@@ -446,6 +457,45 @@ class DecoderService:
         d.next_counter = counter + 1
         if self._ack_all:
             self._stage(_PLAIN, int(Status.OK), rid, ptp, t_in, _FN_ENQ)
+
+    def _drop_busy(self, d: _Decoder, shots: int, counter: int, *, frames_left: int) -> None:
+        """A frame refused BUSY: its shots count as dropped (answered SYNDROMES_DROPPED in turn)
+        and its counter is used up, so nothing waits on a frame that will never come."""
+        d.pending_drops += shots
+        d.drops_total += shots
+        d.discard_frames = frames_left
+        d.next_counter = counter + 1
+        self.counts["shots_dropped"] += shots
+
+    def _enqueue_whole_shots(self, d: _Decoder, packed: memoryview, whole: int, rid: int, ptp: int,
+                             t_in: int) -> None:
+        """A frame carrying ``whole`` complete shots: copy them into the ring in one go."""
+        nd, nbd, cap = d.num_det, d.nbd, d.capacity
+        raw = np.frombuffer(packed, np.uint8)
+        if nd & 7 == 0:
+            rows = raw[:whole * nbd].reshape(whole, nbd)
+        else:
+            bits = np.unpackbits(raw, count=whole * nd, bitorder="little").reshape(whole, nd)
+            rows = np.packbits(bits, axis=1, bitorder="little")
+        t_done = now_ns()
+        done = 0
+        while done < whole:
+            a = (d.cmp + done) % cap
+            c = min(whole - done, cap - a)
+            d.syn[a:a + c] = rows[done:done + c]
+            d.drops_before[a:a + c] = [0] * c
+            d.rid_last[a:a + c] = [rid] * c
+            d.ptp_last[a:a + c] = [ptp] * c
+            d.t_in_last[a:a + c] = [t_in] * c
+            d.t_complete[a:a + c] = [t_done] * c
+            done += c
+        d.drops_before[d.cmp % cap] = d.pending_drops
+        d.pending_drops = 0
+        d.cmp += whole
+        d.shots_per_frame = whole
+        if d.frames_per_shot is None:
+            d.frames_per_shot = 1
+        self.counts["shots_completed"] += whole
 
     def _start_shot(self, d: _Decoder) -> None:
         # No need to zero the row: appends start at bit 0 and each writes whole bytes
@@ -496,6 +546,7 @@ class DecoderService:
             if d.filling:
                 d.filling = False
                 d.pending_drops += 1
+                d.drops_total += 1
                 self.counts["shots_dropped"] += 1
             return
         discarding = d.discard_frames > 0
@@ -506,6 +557,12 @@ class DecoderService:
             q = F - d.discard_frames
         else:
             q = 0
+        if F == 1 and d.shots_per_frame > 1 and not d.filling and not discarding:
+            # frames of several whole shots each: every lost frame took that many shots
+            d.pending_drops += gap * d.shots_per_frame
+            d.drops_total += gap * d.shots_per_frame
+            self.counts["shots_dropped"] += gap * d.shots_per_frame
+            return
         k, r = divmod(q + gap, F)
         new_drops = 0
         if k >= 1:
@@ -520,6 +577,7 @@ class DecoderService:
                 new_drops += 1
             d.discard_frames = F - r
         d.pending_drops += new_drops
+        d.drops_total += new_drops
         self.counts["shots_dropped"] += new_drops
 
     def _get(self, p, rid: int, ptp: int, t_in: int) -> None:
@@ -527,27 +585,56 @@ class DecoderService:
         d = self._decoder(p.decoder_id)
         if d is None:
             return self._refuse("decoder_not_configured", Status.INVALID_DECODER, rid, ptp, t_in, _FN_GET)
-        if p.return_size > d.num_obs:
+        rs, no = p.return_size, d.num_obs
+        if rs <= no:
+            m = 1
+        elif no and rs % no == 0 and rs // no <= d.capacity:
+            m = rs // no  # the corrections of the m oldest shots, one after the other
+        else:
             return self._refuse("return_size", Status.BAD_REQUEST, rid, ptp, t_in, _FN_GET)
         consume = p.reset
+        cap = d.capacity
+        if m > 1:
+            avail = d.cmp - d.ret
+            if d.drops_total:
+                # A window with a dropped shot in it is answered SYNDROMES_DROPPED and consumes
+                # nothing: the caller asks those shots one by one.
+                seen = min(avail, m)
+                db = d.drops_before
+                dropped = any(db[(d.ret + j) % cap] for j in range(seen))
+                if not dropped and avail < m:
+                    dropped = (db[d.cmp % cap] > 0) if d.filling else d.pending_drops > 0
+                if dropped:
+                    self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
+                    return
+            if avail < m:
+                self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
+                return
+            self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, rs)
+            if consume:
+                d.ret += m
+            return
         if d.ret < d.cmp:
-            slot = d.ret % d.capacity
+            slot = d.ret % cap
             if d.drops_before[slot] > 0:
                 if consume:
                     d.drops_before[slot] -= 1
+                    d.drops_total -= 1
                 self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
                 return
-            self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, p.return_size)
+            self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, rs)
             if consume:
                 d.ret += 1
             return
-        if d.filling and d.drops_before[d.cmp % d.capacity] > 0:
+        if d.filling and d.drops_before[d.cmp % cap] > 0:
             if consume:
-                d.drops_before[d.cmp % d.capacity] -= 1
+                d.drops_before[d.cmp % cap] -= 1
+                d.drops_total -= 1
             self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
         elif not d.filling and d.pending_drops > 0:
             if consume:
                 d.pending_drops -= 1
+                d.drops_total -= 1
             self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
         else:
             self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
@@ -583,10 +670,13 @@ class DecoderService:
             d.batch[a:a + n] = [n] * n
             self._rec_decode(t1 - t0)
             self._rec_decode_per_shot((t1 - t0) // n)
-            rec_queue = self._rec_queue
-            tc = d.t_complete
-            for i in range(a, a + n):
-                rec_queue(t0 - tc[i])
+            if n > 8:
+                self.stages.histogram("queue").record_many(t0 - np.asarray(d.t_complete[a:a + n], np.int64))
+            else:
+                rec_queue = self._rec_queue
+                tc = d.t_complete
+                for i in range(a, a + n):
+                    rec_queue(t0 - tc[i])
             self.batch_sizes[int(n).bit_length()] += 1
             self.counts["decode_calls"] += 1
             self.counts["shots_decoded"] += n
@@ -605,19 +695,25 @@ class DecoderService:
             rid, ptp = self._st_rid[i], self._st_ptp[i]
             nbytes = hdr
             d = None
+            m = 1
             if self._st_kind[i] == _CORRECTIONS:
                 d = self._decoders[self._st_dec[i]]
                 slot = self._st_seq[i] % d.capacity
-                status = d.slot_status[slot]
-                if status == 0:
-                    bits = self._st_bits[i]
-                    k = (bits + 7) >> 3
-                    if k:
-                        off = slot * d.corr.shape[1]
-                        mv[hdr:hdr + k] = d.corr_mv[off:off + k]
-                        if bits & 7:
-                            tx[hdr + k - 1] &= (1 << (bits & 7)) - 1
-                    nbytes = hdr + k
+                bits = self._st_bits[i]
+                if bits > d.num_obs:
+                    m = bits // d.num_obs
+                    status = self._many_corrections(d, slot, m, bits)
+                    nbytes = hdr + ((bits + 7) >> 3) if status == 0 else hdr
+                else:
+                    status = d.slot_status[slot]
+                    if status == 0:
+                        k = (bits + 7) >> 3
+                        if k:
+                            off = slot * d.corr.shape[1]
+                            mv[hdr:hdr + k] = d.corr_mv[off:off + k]
+                            if bits & 7:
+                                tx[hdr + k - 1] &= (1 << (bits & 7)) - 1
+                        nbytes = hdr + k
             _RESP_FIELDS.pack_into(tx, _RESP_FIELDS_OFFSET, status, nbytes - hdr, rid, ptp)
             if sendto is not None:
                 sendto(mv[:nbytes], self._st_peer[i])
@@ -629,14 +725,56 @@ class DecoderService:
                 self._rec_residence(t_out - self._st_tin[i])
             if d is not None and status == 0:
                 slot = self._st_seq[i] % d.capacity
-                self._rec_respond(t_out - d.t_dec_end[slot])
-                self._rec_shot_service(t_out - d.t_in_last[slot])
-                if self.shots.capacity:
-                    self.shots.append(d.rid_last[slot], d.ptp_last[slot], d.t_in_last[slot], d.t_complete[slot],
-                                      d.t_dec_start[slot], d.t_dec_end[slot], t_out, d.batch[slot], status)
+                if m == 1:
+                    self._rec_respond(t_out - d.t_dec_end[slot])
+                    self._rec_shot_service(t_out - d.t_in_last[slot])
+                    if self.shots.capacity:
+                        self.shots.append(d.rid_last[slot], d.ptp_last[slot], d.t_in_last[slot],
+                                          d.t_complete[slot], d.t_dec_start[slot], d.t_dec_end[slot], t_out,
+                                          d.batch[slot], status)
+                else:
+                    self._record_many(d, slot, m, t_out)
         self._n_staged = 0
         for d in self._active:
             d.free = d.ret
+
+    @staticmethod
+    def _ring_slices(d: _Decoder, slot: int, m: int) -> list[tuple[int, int]]:
+        first = min(m, d.capacity - slot)
+        return [(slot, slot + first)] + ([(0, m - first)] if first < m else [])
+
+    def _many_corrections(self, d: _Decoder, slot: int, m: int, bits: int) -> int:
+        """Write the corrections of ``m`` shots from ``slot`` on into the answer; return its status."""
+        parts = self._ring_slices(d, slot, m)
+        if any(any(d.slot_status[a:b]) for a, b in parts):
+            return int(Status.INTERNAL_ERROR)
+        rows = d.corr[parts[0][0]:parts[0][1], :d.nbo] if len(parts) == 1 else \
+            np.concatenate([d.corr[a:b, :d.nbo] for a, b in parts])
+        if d.num_obs & 7 == 0:
+            packed = rows.reshape(-1)
+        else:
+            flat = np.unpackbits(rows, axis=1, count=d.num_obs, bitorder="little").reshape(-1)
+            packed = np.packbits(flat[:bits], bitorder="little")
+        k = (bits + 7) >> 3
+        self._tx_np[wire.HEADER_NBYTES:wire.HEADER_NBYTES + k] = packed[:k]
+        return 0
+
+    def _record_many(self, d: _Decoder, slot: int, m: int, t_out: int) -> None:
+        cols = {name: np.concatenate([np.asarray(getattr(d, name)[a:b], np.int64)
+                                      for a, b in self._ring_slices(d, slot, m)])
+                for name in ("t_dec_end", "t_in_last")}
+        self.stages.histogram("respond").record_many(t_out - cols["t_dec_end"])
+        self.stages.histogram("shot_service").record_many(t_out - cols["t_in_last"])
+        if self.shots.capacity and len(self.shots) < self.shots.capacity:
+            c = {name: np.concatenate([np.asarray(getattr(d, name)[a:b], np.int64)
+                                       for a, b in self._ring_slices(d, slot, m)])
+                 for name in ("rid_last", "ptp_last", "t_in_last", "t_complete", "t_dec_start", "t_dec_end",
+                              "batch")}
+            self.shots.extend(last_request_id=c["rid_last"], ptp_last_ns=c["ptp_last"], in_last_ns=c["t_in_last"],
+                              complete_ns=c["t_complete"], decode_start_ns=c["t_dec_start"],
+                              decode_end_ns=c["t_dec_end"], out_ns=t_out, batch_shots=c["batch"], status=0)
+        else:
+            self.shots.dropped += m
 
     def _oversized(self, ep, needed: int, t_in: int) -> None:
         """A message larger than any valid frame: read it, count it, answer if its header allows."""

@@ -159,6 +159,29 @@ class ShotRecords:
             col[i] = v
         self._n = i + 1
 
+    def extend(self, **columns) -> int:
+        """Append many rows at once: each column an array (or a scalar for all rows);
+        rows past ``capacity`` are counted in ``dropped``. Returns the rows stored.
+
+        >>> rec = ShotRecords((("a", np.int64), ("b", np.int64)), capacity=3)
+        >>> rec.extend(a=np.array([1, 2]), b=7), rec.extend(a=np.array([3, 4]), b=8), rec.dropped
+        (2, 1, 1)
+        >>> rec.array()["b"].tolist()
+        [7, 7, 8]
+        """
+        names = self._data.dtype.names
+        if set(columns) != set(names):
+            raise ValueError(f"extend needs exactly the columns {list(names)}, got {sorted(columns)}")
+        m = max((np.size(v) for v in columns.values() if np.ndim(v)), default=1)
+        i = self._n
+        n = max(0, min(m, self.capacity - i))
+        for name, v in columns.items():
+            if n:
+                self._data[name][i:i + n] = v[:n] if np.ndim(v) else v
+        self._n = i + n
+        self.dropped += m - n
+        return n
+
     def __len__(self) -> int:
         return self._n
 

@@ -70,6 +70,31 @@ def test_every_decoder_that_runs_here_gives_the_same_bits_over_the_wire(decoder)
     assert np.array_equal(res.controller.corrections, _direct(spec, stream, decoder))
 
 
+def test_many_shots_per_frame_give_the_same_bits_in_fewer_decoder_calls():
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    stream = sample_stream(build_source(spec), num_shots=1000, seed=8)
+    res = run_loop(transport="shm", source=spec, stream=stream, num_shots=1000, rounds_per_frame=0,
+                   shots_per_frame=64, warmup_shots=0, max_in_flight_shots=256, timeout_s=120)
+    assert res.shots_ok == 1000 and res.shots_per_frame == 64
+    assert np.array_equal(res.controller.corrections, _direct(spec, stream))
+    counts = res.service["counts"]
+    assert counts["enqueue"] == 16 and counts["get_corrections"] == 16  # 15 x 64 shots + 40
+    assert counts["decode_calls"] <= 16
+
+
+def test_a_full_decoder_queue_drops_shots_and_every_shot_is_accounted_for():
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    stream = sample_stream(build_source(spec), num_shots=1500, seed=9)
+    res = run_loop(transport="shm", source=spec, stream=stream, num_shots=1500, rounds_per_frame=0,
+                   shots_per_frame=32, cycle_ns=1, capacity_shots=96, warmup_shots=0, timeout_s=120)
+    assert res.shots_dropped > 0, "a controller at full speed should overrun a 96-shot queue"
+    assert res.shots_ok + res.shots_dropped == 1500
+    answered = res.controller.correct >= 0
+    assert np.array_equal(res.controller.corrections[answered], _direct(spec, stream)[answered])
+    assert res.service["counts"]["shots_dropped"] == res.shots_dropped
+    assert res.controller.statuses.get("enqueue.BUSY", 0) > 0
+
+
 def test_loop_result_reports_stages_backlog_and_ler_under_a_deadline():
     spec = source_spec(distance=3, rounds=3, p=0.01)
     res = run_loop(transport="tcp", source=spec, num_shots=400, seed=2, rounds_per_frame=2, warmup_shots=20,
@@ -144,3 +169,46 @@ def test_a_bad_service_spec_fails_fast_with_the_reason():
         start_service_process("tcp://127.0.0.1:0", {0: {"source": source_spec(distance=3), "decoder": "nope"}})
     with pytest.raises(ValueError, match="unknown source spec keys"):
         build_source({"distance": 3, "p": 0.001, "pickle": "no"})
+
+
+def _scenario(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scenarios" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"qlink_scenario_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_qec_memory_scenario_writes_a_sinter_csv_that_resumes(tmp_path):
+    import sinter
+
+    mod = _scenario("qec_memory")
+    rows = mod.run(transport="shm", out=tmp_path, distances=(3,), ps=(0.01,), num_shots=300, progress=False)
+    assert [r["path"] for r in rows] == ["wire", "offline"]
+    assert rows[0]["matches_offline"] and rows[0]["errors"] == rows[1]["errors"]
+    csv = tmp_path / mod.CSV_NAME
+    assert csv.read_text().splitlines()[0] == sinter.CSV_HEADER
+    stats = sinter.read_stats_from_csv_files(csv)
+    assert sorted(s.decoder for s in stats) == ["pymatching@offline", "pymatching@wire"]
+    assert all(s.shots == 300 for s in stats) and stats[0].json_metadata["d"] == 3
+    assert (tmp_path / "threshold.png").stat().st_size > 0
+    again = mod.run(transport="shm", out=tmp_path, distances=(3,), ps=(0.01,), num_shots=300, progress=False)
+    assert [r["errors"] for r in again] == [r["errors"] for r in rows]
+    assert len(csv.read_text().splitlines()) == 3, "a finished task is not run again"
+
+
+def test_realtime_loop_scenario_reports_both_modes_and_plots(tmp_path):
+    import json
+
+    mod = _scenario("realtime_loop")
+    rep = mod.run(transport="shm", out=tmp_path, distance=3, rounds=5, num_shots=200, progress=False)
+    assert set(rep["modes"]) == {"streaming", "feed_forward"}
+    for s in rep["modes"].values():
+        assert s["shots"] == 200 and s["reaction_p50_us"] > 0
+    saved = json.loads((tmp_path / "realtime_loop.json").read_text())
+    assert saved["config"]["distance"] == 3 and len(saved["ler_deadline"]["t_us"]) > 10
+    for png in ("backlog.png", "ler_deadline.png", "reaction_cdf.png"):
+        assert (tmp_path / png).stat().st_size > 0

@@ -268,7 +268,7 @@ def test_the_queue_is_bounded_and_busy_shots_are_dropped(code):
         answers = _answers_by_rid(p.run())
         assert [answers[r][0] for r in acks] == [Status.OK, Status.OK, Status.BUSY]
         assert [answers[g] for g in gets] == [(Status.OK, bytes([expected[s][0]])) for s in range(2)]
-        p.enqueue(dets[3], counter=3)  # counter 3 after the refused 2: the busy shot counts as lost
+        p.enqueue(dets[3], counter=3)  # the busy frame used up counter 2: no gap, its shot is dropped
         gets = [p.get() for _ in range(3)]
         answers = _answers_by_rid(p.run())
         assert [answers[g][0] for g in gets] == [Status.SYNDROMES_DROPPED, Status.OK, Status.NOT_READY]
@@ -294,8 +294,8 @@ def test_peek_keeps_the_shot_and_reset_clears_the_decoder(pair, code):
     assert answers[last] == (Status.OK, bytes([expected[6][0]]))
 
 
-def test_return_size_larger_than_the_observables_is_bad_request(pair):
-    rid = pair.get(return_size=2)
+def test_return_size_beyond_the_queue_is_bad_request(pair):
+    rid = pair.get(return_size=1025)  # 1025 shots of one observable; the queue holds 1024
     assert pair.run()[0][:2] == (Status.BAD_REQUEST, rid)
 
 
@@ -381,3 +381,50 @@ def test_configuration_errors_are_typed_and_say_what_is_right(code):
         DecoderConfig(dem=dem, capacity_shots=0)
     with pytest.raises(ValueError, match="source"):
         DecoderConfig.from_spec({"decoder": "pymatching"})
+
+
+def test_many_shots_per_frame_and_per_answer(code):
+    dem, dets, expected = code
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem, capacity_shots=40)}))
+    try:
+        # 3 frames of 8 whole shots each; then the corrections of 10, 10 and 4 shots in three answers
+        for g in range(3):
+            p.enqueue(dets[8 * g:8 * g + 8].reshape(-1), counter=g)
+        gets = [p.get(return_size=m) for m in (10, 10, 4)]
+        answers = _answers_by_rid(p.run())
+        got = np.concatenate([_flip(answers[g][1], m) for g, m in zip(gets, (10, 10, 4))])
+        assert [answers[g][0] for g in gets] == [Status.OK] * 3
+        assert got.tolist() == expected[:24, 0].tolist()
+        assert p.service.report()["counts"]["decode_calls"] == 1, "24 shots, one decoder call"
+        # not enough complete shots for the window: NOT_READY, nothing consumed
+        p.enqueue(dets[24:28].reshape(-1), counter=3)
+        g = p.get(return_size=5)
+        g2 = p.get(return_size=4)
+        answers = _answers_by_rid(p.run())
+        assert answers[g][0] == Status.NOT_READY
+        assert answers[g2] == (Status.OK, np.packbits(expected[24:28, 0], bitorder="little").tobytes())
+        bad = p.get(return_size=1000 * dem.num_observables + 1)
+        assert p.run()[0][:2] == (Status.BAD_REQUEST, bad)
+    finally:
+        p.close()
+
+
+def test_a_window_with_a_dropped_shot_is_dropped_and_consumes_nothing(code):
+    dem, dets, expected = code
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem)}))
+    try:
+        p.enqueue(dets[0:4].reshape(-1), counter=0)  # shots 0-3
+        # the frame with counter 1 (shots 4-7) is lost
+        p.enqueue(dets[8:12].reshape(-1), counter=2)  # shots 8-11
+        window = p.get(return_size=8)  # shots 0-7: 4-7 were dropped
+        first = p.get(return_size=4)  # shots 0-3 are fine
+        singles = [p.get() for _ in range(4)]  # 4-7 one by one
+        rest = p.get(return_size=4)
+        answers = _answers_by_rid(p.run())
+        assert answers[window][0] == Status.SYNDROMES_DROPPED
+        assert answers[first] == (Status.OK, np.packbits(expected[0:4, 0], bitorder="little").tobytes())
+        assert [answers[s][0] for s in singles] == [Status.SYNDROMES_DROPPED] * 4
+        assert answers[rest] == (Status.OK, np.packbits(expected[8:12, 0], bitorder="little").tobytes())
+        assert p.service.report()["counts"]["shots_dropped"] == 4
+    finally:
+        p.close()
