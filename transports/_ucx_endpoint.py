@@ -38,28 +38,33 @@ _SCRATCH = np.empty(1, dtype=np.uint8)  # 1-byte receives truncate (and so consu
 
 
 class _Stage:
-    """Endpoint-owned send memory: fixed small slots and pooled large buffers (NumPy uint8)."""
+    """Endpoint-owned send memory: small slots (``wire.SMALL`` bytes) and large buffers, pooled.
 
-    __slots__ = ("slots", "views", "free", "large")
+    A staged message costs :meth:`cost` bytes of the send budget: its slot or buffer size.
+    """
+
+    __slots__ = ("free", "large")
+    _KEEP_SMALL = 64
 
     def __init__(self) -> None:
-        self.slots: list[np.ndarray] = []
-        self.views: list[memoryview] = []
-        self.free: list[int] = []
+        self.free: list[tuple[np.ndarray, memoryview]] = []
         self.large: dict[int, list[np.ndarray]] = {}
 
-    def small(self, src, n: int) -> tuple[int, np.ndarray]:
-        if self.free:
-            i = self.free.pop()
-        else:
-            i = len(self.slots)
-            self.slots.append(np.empty(wire.SMALL, dtype=np.uint8))
-            self.views.append(memoryview(self.slots[i]))
-        if n:
-            self.views[i][:n] = src
-        return i, self.slots[i]
+    @staticmethod
+    def cost(n: int) -> int:
+        return wire.SMALL if n <= wire.SMALL else 1 << (n - 1).bit_length()
 
-    def big(self, src, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def small(self, src, n: int):
+        if self.free:
+            item = self.free.pop()
+        else:
+            slot = np.empty(wire.SMALL, dtype=np.uint8)
+            item = (slot, memoryview(slot))
+        if n:
+            item[1][:n] = src
+        return item, item[0]
+
+    def big(self, src, n: int):
         size = 1 << (n - 1).bit_length()
         pool = self.large.get(size)
         buf = pool.pop() if pool else np.empty(size, dtype=np.uint8)
@@ -67,8 +72,9 @@ class _Stage:
         return buf, buf
 
     def release(self, item) -> None:
-        if isinstance(item, int):
-            self.free.append(item)
+        if type(item) is tuple:
+            if len(self.free) < self._KEEP_SMALL:
+                self.free.append(item)
         else:
             pool = self.large.setdefault(len(item), [])
             if len(pool) < 2 and len(item) <= 1 << 26:
@@ -287,8 +293,9 @@ class UcxEndpoint(PutSide, Endpoint):
             return
         st = self._ops.status(req)
         if st == wire.IN_PROGRESS:
-            self._tx_pending.append((req, item, n))
-            self._tx_bytes += n
+            cost = stage.cost(n)
+            self._tx_pending.append((req, item, cost))
+            self._tx_bytes += cost
             return
         self._ops.release(req)
         stage.release(item)
@@ -297,7 +304,8 @@ class UcxEndpoint(PutSide, Endpoint):
             raise self._broken_error("the message was not sent")
 
     def _room(self, n: int, deadline: float | None, nowait: bool, what: str, timeout_s) -> None:
-        """Wait until n more staged bytes fit the send budget (the caller holds _tx_lock)."""
+        """Wait until staging n more bytes fits the send budget (the caller holds _tx_lock)."""
+        n = _Stage.cost(n) if n else 0
         if self._tx_bytes + n <= self._send_budget or not self._tx_pending:
             return
         backoff = Backoff()
