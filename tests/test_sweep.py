@@ -172,6 +172,23 @@ def test_interrupted_and_resumed_equals_one_go(client, tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_failing_chunks_are_reported_after_the_others_are_written(client, tmp_path):
+    from qlink.sweep import SweepTask
+
+    good = QecGrid(distances=(3,), ps=(0.01,), num_shots=600, chunk_shots=200)
+    spec = dict(good.tasks()[0].work["source"], noise="exotic")  # the worker's build_source refuses it
+    bad = SweepTask(strong_id="bad-task", decoder="pymatching@offline", json_metadata={"noise": "exotic"},
+                    work={"kind": "qec", "source": spec, "decoder": "pymatching", "transport": "offline"},
+                    chunk_shots=200, num_chunks=2)
+    path = tmp_path / "f.csv"
+    with pytest.raises(SweepError, match="2 chunk\\(s\\) failed.*noise model") as info:
+        run_sweep([good, bad], csv_path=path, client=client, progress=False)
+    res = info.value.result
+    assert (res.chunks_run, res.chunks_left, len(res.failures)) == (3, 2, 2)
+    assert {sid for sid, *_ in _rows(path)} == {good.tasks()[0].strong_id} and len(_rows(path)) == 3
+
+
+@pytest.mark.timeout(180)
 def test_both_workers_run_chunks(client, tmp_path):
     from distributed import get_task_stream
 

@@ -22,7 +22,7 @@ Running it (a LocalCluster of two worker processes; a few seconds)::
     result = run_sweep(QecGrid(distances=(3, 5), ps=(0.002, 0.004)), csv_path="ler.csv")
 """
 
-from ._bench import default_speedup_grid, sweep_speedup
+from ._bench import default_speedup_grid, machine_parallel_speedup, sweep_speedup
 from ._csv import CHUNK_PREFIX, CsvAppender, DoneChunks, SweepError, chunk_of, read_done_chunks
 from ._grid import KvGrid, QecGrid, SweepTask, chunk_seed, expand
 from ._run import SweepResult, pending_chunks, run_sweep
@@ -46,4 +46,5 @@ __all__ = [
     "CHUNK_PREFIX",
     "sweep_speedup",
     "default_speedup_grid",
+    "machine_parallel_speedup",
 ]
