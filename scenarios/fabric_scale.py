@@ -30,7 +30,7 @@ __all__ = ["run", "main", "decoders_for", "FABRICS", "CONTROLLERS", "DECODERS", 
 FABRICS = ("nvqlink", "roce-400g", "ib-ndr", "tcp-100g")
 CONTROLLERS = (1, 10, 100, 1000)
 DECODERS = ("16", "N/4")  # a fixed pool of 16 decoders, and one decoder per 4 logical qubits
-QUICK = {"shots": 60, "repeats": 30}
+QUICK = {"shots": 100, "repeats": 30}
 FULL = {"shots": 400, "repeats": 100}
 _SUMMARY_COLUMNS = ["fabric", "decoders_spec", "num_controllers", "num_decoders", "reaction_p50_us",
                     "reaction_p99_us", "reaction_p999_us", "utilization_bound", "mean_batch",
@@ -73,7 +73,7 @@ def _load_service(service, *, distance: int, rounds: int, p: float, decoder: str
 def run(*, out: str | Path | None = "results/fabric_scale", quick: bool = False, fabrics=FABRICS,
         controllers=CONTROLLERS, decoders=DECODERS, distance: int = 5, rounds: int | None = None, p: float = 0.001,
         cycle_ns: float = 1100.0, rounds_per_frame: int = 1, batch_size: int = 256, shots: int | None = None,
-        decoder: str = "pymatching", service=None, seed: int = 1, validate: bool = True,
+        decoder: str = "pymatching", service=None, phase: str = "random", seed: int = 1, validate: bool = True,
         progress: bool = True) -> dict:
     """Sweep fabrics x decoder specs x N; return ``{"rows", "meta", "validation", "results"}``.
 
@@ -106,7 +106,7 @@ def run(*, out: str | Path | None = "results/fabric_scale", quick: bool = False,
         for fab, spec, n in cases:
             cfg = FabricConfig(num_controllers=n, num_decoders=decoders_for(spec, n), link=link(fab), service=svc,
                                distance=distance, rounds=rounds, rounds_per_frame=rounds_per_frame,
-                               cycle_ns=cycle_ns, num_shots=shots, batch_size=batch_size,
+                               cycle_ns=cycle_ns, num_shots=shots, batch_size=batch_size, phase=phase,
                                warmup_shots=max(1, shots // 10) if shots > 1 else 0)
             res = simulate(cfg, seed=seed)
             results[(fab, spec, n)] = res
@@ -122,7 +122,7 @@ def run(*, out: str | Path | None = "results/fabric_scale", quick: bool = False,
         "config": {"fabrics": list(fabrics), "controllers": list(controllers), "decoders": list(decoders),
                    "distance": distance, "rounds": rounds, "p": p, "cycle_ns": cycle_ns,
                    "rounds_per_frame": rounds_per_frame, "batch_size": batch_size, "shots_per_controller": shots,
-                   "decoder": decoder, "seed": seed, "quick": quick},
+                   "decoder": decoder, "phase": phase, "seed": seed, "quick": quick},
         "service_times": svc.describe(),
         "links": {f: results[next(k for k in results if k[0] == f)].inputs["link"] for f in fabrics},
         "validation": None if validation is None else {**validation.row(), "inputs": validation.inputs,
@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shots", type=int, default=None, help="shots per controller")
     ap.add_argument("--decoder", default="pymatching")
     ap.add_argument("--service-json", default=None, help="decode-time table from an earlier run (service_times.json)")
+    ap.add_argument("--phase", default="random", choices=("random", "cycle", "aligned"),
+                    help="controllers' clocks: independent (random), skewed within one cycle, or in step")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-validate", action="store_true", help="skip the check against the real loop")
     args = ap.parse_args(argv)
@@ -233,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = run(out=args.out, quick=args.quick, fabrics=fabrics, controllers=controllers, decoders=decoders,
               distance=args.distance, rounds=args.rounds, p=args.p, cycle_ns=args.cycle_ns,
               rounds_per_frame=args.rounds_per_frame, batch_size=args.batch_size, shots=args.shots,
-              decoder=args.decoder, service=args.service_json, seed=args.seed, validate=not args.no_validate)
+              decoder=args.decoder, service=args.service_json, phase=args.phase, seed=args.seed,
+              validate=not args.no_validate)
     v = rep["validation"]
     if v is not None:
         print(f"validation vs the real loop ({v.transport}, d=3, one controller): predicted p50 "

@@ -26,7 +26,7 @@ __all__ = ["EmpiricalDistribution"]
 _BLOCK = 65_536
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EmpiricalDistribution:
     """Sorted samples of a duration (ns), drawn by quantile; ``source`` records their origin."""
 
@@ -52,9 +52,10 @@ class EmpiricalDistribution:
         return cls(name, np.asarray(samples_ns, dtype=np.float64), dict(source or {}))
 
     @classmethod
-    def from_histogram(cls, name: str, hist, *, source: dict | None = None) -> "EmpiricalDistribution":
-        """From a :class:`~qlink.histogram.LatencyHistogram` (or its ``to_dict``): one sample per
-        count at its bucket's midpoint (within the histogram's relative error).
+    def from_histogram(cls, name: str, hist, *, source: dict | None = None, max_samples: int = 2000
+                       ) -> "EmpiricalDistribution":
+        """From a :class:`~qlink.histogram.LatencyHistogram` (or its ``to_dict``): its percentiles at
+        ``min(count, max_samples)`` evenly spaced ranks (exact to the histogram's resolution).
 
         >>> from qlink.histogram import LatencyHistogram
         >>> h = LatencyHistogram(); h.record_many([1000, 1000, 5000])
@@ -67,11 +68,9 @@ class EmpiricalDistribution:
             hist = LatencyHistogram.from_dict(hist)
         if hist.count == 0:
             raise ValueError(f"{name!r}: the histogram is empty; nothing to draw from")
-        counts = hist.counts
-        idx = np.flatnonzero(counts)
-        low, width = hist._bucket_low_width(idx)  # noqa: SLF001 - same package family, layout helper
-        mid = np.clip(low + width // 2, hist.min, hist.max).astype(np.float64)
-        return cls(name, np.repeat(mid, counts[idx]), dict(source or {}))
+        n = min(int(hist.count), int(max_samples))
+        ranks = (np.arange(n) + 0.5) / n * 100.0
+        return cls(name, np.asarray(hist.percentiles(ranks.tolist()), dtype=np.float64), dict(source or {}))
 
     @property
     def count(self) -> int:

@@ -7,12 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import round_frame_nbytes
-
 __all__ = ["FabricResult"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FabricResult:
     """What one simulation predicts; every figure is *modeled* from the inputs it names."""
 
@@ -56,7 +54,7 @@ class FabricResult:
             "basis": self.basis, "fabric": up["name"], "downlink": down["name"],
             "num_controllers": c.num_controllers, "num_decoders": c.num_decoders, "distance": c.distance,
             "rounds": c.rounds, "rounds_per_frame": c.rounds_per_frame, "cycle_ns": c.cycle_ns,
-            "frame_nbytes": round_frame_nbytes(c.distance), "shots_per_controller": c.num_shots,
+            "frame_nbytes": max(f.nbytes for f in c.frames), "shots_per_controller": c.num_shots,
             "batch_size": c.batch_size, "phase": c.phase, "shared_port": c.shared_port, "poll": c.poll,
             "reaction_p50_us": self.reaction_p50_ns / 1e3, "reaction_p99_us": self.reaction_p99_ns / 1e3,
             "reaction_p999_us": self.reaction_p999_ns / 1e3,

@@ -40,7 +40,8 @@ class Run:
         cyc = float(cfg.cycle_ns)
         P = cfg.ticks_per_shot
         # whole ns: with integer link numbers every time stays an exact integer in float64
-        phase = np.floor(self.rng_phase.random(N) * cyc) if cfg.phase == "random" else np.zeros(N)
+        spread = {"random": P * cyc, "cycle": cyc, "aligned": 0.0}[cfg.phase]
+        phase = np.floor(self.rng_phase.random(N) * spread)
         tick = np.array([f.last_round + 1 for f in frames] + ([frames[-1].last_round + 1] if cfg.poll else []),
                         dtype=np.float64)
         nb = np.array([f.nbytes for f in frames] + ([GET_CORRECTIONS_NBYTES] if cfg.poll else []), np.float64)
@@ -272,14 +273,16 @@ class Run:
         q_slope = _slope(grid, queue)
         b_slope = _slope(grid, backlog)
         offered = cfg.offered_shots_per_s
-        # Keeping up: over the second half of the emission window the decoders' queue grows by
-        # less than 2 % of the shots offered meanwhile, or by less than one batch per decoder
-        # (the swing batching itself gives the queue).
+        # Keeping up: no decoder is offered more work than its cheapest batching can do, and over
+        # the second half of the emission window the decoders' queue grows by less than 2 % of
+        # the shots offered meanwhile or by less than two batches per decoder (the swing that
+        # batching itself gives the queue).
         batches = np.array(self.batch_of)
         mean_batch = float(batches[batches > 0].mean()) if (batches > 0).any() else math.nan
         half_s = (grid[-1] - grid[len(grid) // 2]) / 1e9
-        swing = cfg.num_decoders * (mean_batch if mean_batch > 1 else 1.0)
-        stable = bool(q_slope * half_s <= max(0.02 * offered * half_s, swing))
+        swing = 2.0 * cfg.num_decoders * (mean_batch if mean_batch > 1 else 1.0)
+        bound = cfg.utilization_bound()
+        stable = bool(bound < 1.0 and q_slope * half_s <= max(0.02 * offered * half_s, swing))
 
         # Little's law over the decoders' queue (complete -> decoded), whole run
         done = np.isfinite(t_de)
@@ -302,7 +305,7 @@ class Run:
             config=cfg, seed=self.seed, basis="modeled", inputs=inputs, shots_answered=int(answered.sum()),
             shots_dropped=dropped, corrections_lost=corrections_lost, reaction_p50_ns=p50, reaction_p99_ns=p99,
             reaction_p999_ns=p999, reaction_mean_ns=mean, reaction_max_ns=mx, stage_p50_ns=stage_p50,
-            offered_shots_per_s=offered, utilization_bound=cfg.utilization_bound(), utilization_busiest=busiest,
+            offered_shots_per_s=offered, utilization_bound=bound, utilization_busiest=busiest,
             mean_batch=mean_batch,
             queue_max_shots=int(queue.max()), queue_slope_shots_per_s=q_slope, backlog_slope_rounds_per_s=b_slope,
             stable=stable, little=little, events=int(events), wall_s=wall_s, backlog_t_ns=grid,

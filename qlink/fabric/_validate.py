@@ -97,8 +97,11 @@ def loop_inputs(loop_result) -> dict:
     """The measured inputs a real loop gives the model: ``uplink``, ``downlink`` and ``ingest``
     distributions, each recording where it came from."""
     st = _stages_of(loop_result)
+    from ._service import _environment
+
+    env = _environment()
     where = {"kind": "measured", "from": "qlink.qec.loop.run_loop", "transport": loop_result.transport,
-             "shots": int(len(st["reaction"]))}
+             "shots": int(len(st["reaction"])), "host": env["host"], "cpu": env["cpu"], "time_utc": env["time_utc"]}
     up = EmpiricalDistribution("measured-in:" + loop_result.transport, st["send"] + st["wire_in"],
                                {**where, "stages": "send + wire_in (tick -> service received the last frame)"})
     down = EmpiricalDistribution("measured-out:" + loop_result.transport,

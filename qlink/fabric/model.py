@@ -1,8 +1,10 @@
 """N QPU controllers sharing M decoders over a fabric link: a discrete-event model.
 
 Every controller plays shots of a surface-code memory back to back on its cycle
-clock (one ``enqueue_syndromes`` frame per round, or per window of rounds), with
-its own random phase (``phase="random"``) or all in step (``"aligned"``: worst-case
+clock (one ``enqueue_syndromes`` frame per round, or per window of rounds). Their
+clocks are independent (``phase="random"``: each starts at a uniform whole-ns offset
+within a shot), skewed within one cycle of a shared clock (``"cycle"``: every
+controller's shots end in the same cycle), or in step (``"aligned"``: worst-case
 incast). Controller ``c`` talks to decoder ``c % M``. A message crosses the link as
 the catalog models it: the sender's per-message ``overhead_ns``, then the bytes
 serialize at ``bandwidth_Bps`` — on the decoder's port, shared by every controller
@@ -54,7 +56,7 @@ from ._service import ServiceTimes
 
 __all__ = ["FabricConfig", "FabricResult", "simulate", "describe_link", "DRAIN_MAX_MESSAGES"]
 
-_PHASES = ("random", "aligned")
+_PHASES = ("random", "cycle", "aligned")
 
 
 def _pos_int(name: str, v: Any, *, low: int = 1) -> int:
@@ -118,7 +120,8 @@ class FabricConfig:
             object.__setattr__(self, "downlink", self.link)
         check_link("downlink", self.downlink)
         if not isinstance(self.service, ServiceTimes):
-            raise TypeError(f"service must be a ServiceTimes (see measure_service_times), got {type(self.service).__name__}")
+            raise TypeError("service must be a ServiceTimes (see measure_service_times), "
+                            f"got {type(self.service).__name__}")
         if self.rounds is None:
             object.__setattr__(self, "rounds", self.distance)
         shot_frames(self.distance, self.rounds, rounds_per_frame=self.rounds_per_frame)  # validates all three
