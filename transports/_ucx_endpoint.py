@@ -43,12 +43,14 @@ class _Stage:
     A staged message costs :meth:`cost` bytes of the send budget: its slot or buffer size.
     """
 
-    __slots__ = ("free", "large")
+    __slots__ = ("free", "large", "kept")
     _KEEP_SMALL = 64
+    _KEEP_LARGE_BYTES = 128 << 20  # fresh memory costs a page fault per 4 KiB: reuse warm buffers
 
     def __init__(self) -> None:
         self.free: list[tuple[np.ndarray, memoryview]] = []
         self.large: dict[int, list[np.ndarray]] = {}
+        self.kept = 0
 
     @staticmethod
     def cost(n: int) -> int:
@@ -67,18 +69,21 @@ class _Stage:
     def big(self, src, n: int):
         size = 1 << (n - 1).bit_length()
         pool = self.large.get(size)
-        buf = pool.pop() if pool else np.empty(size, dtype=np.uint8)
-        buf.data[:n] = src
+        if pool:
+            buf = pool.pop()
+            self.kept -= size
+        else:
+            buf = np.empty(size, dtype=np.uint8)
+        buf[:n] = np.frombuffer(src, dtype=np.uint8)
         return buf, buf
 
     def release(self, item) -> None:
         if type(item) is tuple:
             if len(self.free) < self._KEEP_SMALL:
                 self.free.append(item)
-        else:
-            pool = self.large.setdefault(len(item), [])
-            if len(pool) < 2 and len(item) <= 1 << 26:
-                pool.append(item)
+        elif self.kept + len(item) <= self._KEEP_LARGE_BYTES:
+            self.large.setdefault(len(item), []).append(item)
+            self.kept += len(item)
 
 
 def _flat_u8(view: memoryview) -> np.ndarray:
