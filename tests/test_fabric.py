@@ -100,7 +100,8 @@ def test_shared_port_serializes_an_incast_in_arrival_order():
 # ----------------------------------------------------------------------------- load
 @pytest.mark.parametrize("load", [0.8, 1.25])
 def test_backlog_is_bounded_below_capacity_and_grows_above_it(load):
-    # 10 controllers, one decoder, one shot per call: offered load = N * S / shot period.
+    # 10 controllers, one decoder, one shot per call. Offered load = N x (service time per round)
+    # / cycle = N x S / (4 rounds x 1000 ns): the queue is bounded below 1 and grows above it.
     n, period = 10, 4 * 1_000
     service_ns = load * period / n
     res = simulate(_cfg(num_controllers=n, service=ServiceTimes.constant(service_ns), batch_size=1,

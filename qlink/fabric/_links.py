@@ -18,6 +18,7 @@ link (:class:`EmpiricalDistribution` of one-way times) draws the whole one-way t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,7 @@ __all__ = ["describe_link", "check_link", "traverse", "Downlink"]
 
 
 def check_link(name: str, v: Any) -> None:
+    """TypeError unless ``v`` is a catalog link or a measured one-way distribution."""
     if not isinstance(v, (LinkModel, EmpiricalDistribution)):
         raise TypeError(f"{name} must be a qlink.links.LinkModel (catalog) or an EmpiricalDistribution of "
                         f"measured one-way times, got {type(v).__name__}")
@@ -46,7 +48,7 @@ def describe_link(v: LinkModel | EmpiricalDistribution) -> dict:
 
 
 def traverse(link, enter_ns: np.ndarray, nbytes: np.ndarray, port: np.ndarray, num_ports: int, *,
-              shared: bool, rng: np.random.Generator, per_shot: int = 0) -> tuple[np.ndarray, np.ndarray]:
+             shared: bool, rng: np.random.Generator, per_shot: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Arrival times (and a lost mask) of messages entering ``link`` at ``enter_ns``.
 
     ``per_shot`` > 0: a measured link draws one one-way time per run of ``per_shot``
