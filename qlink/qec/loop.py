@@ -180,7 +180,9 @@ class LoopResult:
     required_rounds_per_s: float
     backlog_final_rounds: int
     backlog_max_rounds: int
-    backlog_slope_rounds_per_s: float
+    backlog_slope_rounds_per_s: float  # fitted over the second half of the emission
+    backlog_growth_rounds: float  # that slope times that half's duration
+    emit_lag_p99_ns: float  # how late the controller sent its frames (p99)
     keeps_up: bool
     controller: ControllerResult = field(repr=False)
     service: dict = field(repr=False)
@@ -213,7 +215,9 @@ class LoopResult:
             "share_decode": self.shares.get("decode"), "share_other": self.shares.get("other"),
             "late_frames": self.late_frames, "decoded_rounds_per_s": self.decoded_rounds_per_s,
             "required_rounds_per_s": self.required_rounds_per_s, "backlog_max_rounds": self.backlog_max_rounds,
-            "backlog_slope_rounds_per_s": self.backlog_slope_rounds_per_s, "keeps_up": self.keeps_up,
+            "backlog_slope_rounds_per_s": self.backlog_slope_rounds_per_s,
+            "backlog_growth_rounds": self.backlog_growth_rounds, "emit_lag_p99_us": self.emit_lag_p99_ns / 1e3,
+            "keeps_up": self.keeps_up,
             "deadline_misses": self.deadline_misses,
         }
 
@@ -269,6 +273,14 @@ def _slope(t_ns: np.ndarray, v: np.ndarray) -> float:
     if np.ptp(t) <= 0:
         return 0.0
     return float(np.polyfit(t, y, 1)[0])
+
+
+def _p99(hist_dict) -> float:
+    from qlink.histogram import LatencyHistogram
+
+    if not hist_dict or not hist_dict.get("count"):
+        return 0.0
+    return float(LatencyHistogram.from_dict(hist_dict).percentile(99))
 
 
 def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str = "pymatching",
@@ -376,14 +388,21 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
         breakdown = stage_summary({})
     p50, p99, p999 = (float(v) for v in cres.reaction_percentiles_ns((50, 99, 99.9)))
     bl_t, bl_v = cres.backlog_t_ns, cres.backlog_rounds
-    slope = _slope(bl_t, bl_v)
+    # Backlog samples are taken as frames go out, plus one after the last answer: fit the
+    # second half of the emission (the last sample is after it).
+    em_t, em_v = (bl_t[:-1], bl_v[:-1]) if len(bl_t) > 1 else (bl_t, bl_v)
+    slope = _slope(em_t, em_v)
     required = 1e9 / cres.cycle_ns
-    # Keeping up: nothing dropped, the controller itself on time, and a backlog that
-    # neither trends upwards nor ever exceeds 64 shots' worth of rounds.
-    keeps_up = bool(cres.shots_dropped == 0
-                    and cres.late_frames <= 0.01 * -(-cres.num_shots // shots_per_frame) * cres.frames_per_shot
-                    and slope < 0.02 * required
-                    and (len(bl_v) == 0 or int(bl_v.max()) <= 64 * cres.num_rounds))
+    spf = max(1, shots_per_frame)
+    frame_interval_ns = cres.cycle_ns * cres.num_rounds * spf / max(1, cres.frames_per_shot)
+    lag_p99 = _p99(cres.stages.get("emit_lag"))
+    half_s = (em_t[-1] - em_t[len(em_t) // 2]) / 1e9 if len(em_t) > 1 else 0.0
+    growth = max(0.0, slope) * half_s
+    # Keeping up: nothing dropped; the controller itself on its clock (p99 lag within one
+    # frame interval); and a backlog that grew, over the second half of the emission, by
+    # no more than 4 frames' worth of rounds plus 5 % of the rounds emitted meanwhile.
+    keeps_up = bool(cres.shots_dropped == 0 and lag_p99 <= frame_interval_ns
+                    and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s)
     return LoopResult(
         transport=transport_name, url=url, decoder=decoder, source=dict(spec), num_shots=cres.num_shots,
         num_rounds=cres.num_rounds, cycle_ns=cres.cycle_ns, rounds_per_frame=rounds_per_frame,
@@ -394,6 +413,7 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
         max_lag_ns=cres.max_lag_ns, deadline_misses=cres.deadline_misses,
         decoded_rounds_per_s=cres.decoded_rounds_per_s, required_rounds_per_s=required,
         backlog_final_rounds=int(bl_v[-1]) if len(bl_v) else 0, backlog_max_rounds=int(bl_v.max()) if len(bl_v) else 0,
-        backlog_slope_rounds_per_s=slope, keeps_up=keeps_up, controller=cres, service=srep,
+        backlog_slope_rounds_per_s=slope, backlog_growth_rounds=growth, emit_lag_p99_ns=lag_p99,
+        keeps_up=keeps_up, controller=cres, service=srep,
         modeled_controller_ns=dict(cres.modeled_controller_ns),
     )
