@@ -81,9 +81,16 @@ class _Stage:
         if type(item) is tuple:
             if len(self.free) < self._KEEP_SMALL:
                 self.free.append(item)
-        elif self.kept + len(item) <= self._KEEP_LARGE_BYTES:
-            self.large.setdefault(len(item), []).append(item)
-            self.kept += len(item)
+        else:
+            size = len(item)
+            while self.kept + size > self._KEEP_LARGE_BYTES:  # make room by dropping other sizes first
+                other = next((c for c, pool in self.large.items() if pool and c != size), None)
+                if other is None:
+                    return  # the pool is full of this size already
+                self.large[other].pop()
+                self.kept -= other
+            self.large.setdefault(size, []).append(item)
+            self.kept += size
 
 
 def _flat_u8(view: memoryview) -> np.ndarray:
