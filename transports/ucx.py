@@ -27,25 +27,22 @@ Transports
     itself and calls the endpoint's error callback), which on UCX 1.21 rules out the
     shared-memory transports and runs over TCP.
 
-Wire: tags carry the receiver's 24-bit connection id, so one worker per process serves
-every endpoint; ``tag = kind << 56 | connection id << 32 | sequence``.
-    Kind 0x10, a message: its length is the UCX message length, found by probing before
-    receiving (a buffer that is too small raises :class:`BufferTooSmallError` and the
-    message stays held for the next call). Kind 0x11, a control frame: 40-byte header
-    (``u8 op, 3x, u32 region id, u64 offset, u64 nbytes, u64 notify id, u32 put sequence,
-    u16 tag length, 2x``), then the put tag, then inline put bytes; ops put-inline,
-    put-header, region revoked, close, wireup. Kind 0x20: the bytes of a large put, received
-    by the target straight into its registered region.
+Wire (:mod:`transports._ucx_wire`)
+    Tags carry the receiver's 24-bit connection id, so one worker per process serves every
+    endpoint. A message's length is the UCX message length, found by probing before
+    receiving: a buffer that is too small raises :class:`BufferTooSmallError` and the
+    message stays held for the next call. Control frames (put, region revoked, close,
+    wireup) ride their own tag.
 
-One-sided put
+One-sided put (:mod:`transports._ucx_put`)
     UCXX 0.52's Python API has no memory registration or remote keys, so put is done in
     software: puts up to 4 KiB travel inline in a control frame and are copied into the
     region; larger ones send a header, then the bytes, which the target receives directly
     into the region during its progress (``zero_copy_put=False``: the target must be calling
     into its endpoint). The notification is queued only once the bytes are in place.
 
-Sends are staged: the caller's bytes are copied into endpoint-owned memory before UCX sees
-them, so ``send`` returns while a large message waits for the receiver (like a socket
+Sends are staged (:mod:`transports._ucx_endpoint`): the caller's bytes are copied into
+endpoint-owned memory before UCX sees them, so ``send`` returns while a large message waits for the receiver (like a socket
 buffer; ``send_buffer_nbytes`` bounds it, then ``send`` blocks and ``send_nowait`` raises
 WouldBlock). ``zero_copy_send_nbytes=N`` sends messages of at least N bytes from the
 caller's buffer instead; ``send`` then waits until the receiver has taken them. A large
