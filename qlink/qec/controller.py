@@ -78,6 +78,7 @@ _GET_RETURN = struct.Struct("<q")  # get_corrections return_size (after the i64 
 _GET_RETURN_OFFSET = wire.HEADER_NBYTES + 8
 _BITS_OFFSET = wire.HEADER_NBYTES + wire.ENQUEUE_SYNDROMES_FIXED_NBYTES
 
+_STATUS_KEYS = {(kind, st): f"{kind}.{st.name}" for kind in ("enqueue", "get_corrections") for st in Status}
 _GET_BIT = 0x80000000  # request ids of get_corrections; enqueue ids stay below
 
 
@@ -580,7 +581,9 @@ class Controller:
             self._polls[u] += 1
 
     def _count(self, kind: str, status) -> None:
-        name = f"{kind}.{status.name if isinstance(status, Status) else status}"
+        name = _STATUS_KEYS.get((kind, status))
+        if name is None:
+            name = f"{kind}.{status}"
         self._statuses[name] = self._statuses.get(name, 0) + 1
 
     def _poll_once(self) -> None:

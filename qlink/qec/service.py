@@ -62,7 +62,6 @@ service answers every enqueue (``"all"``), only refused ones (``"errors"``) or n
 
 from __future__ import annotations
 
-import json
 import operator
 import struct
 import threading
@@ -75,10 +74,11 @@ import numpy as np
 
 from qlink import wire
 from qlink.clock import now_ns, ptp_now_ns
-from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, WouldBlock
-from qlink.wire import Fault, FrameError, Status
+from qlink.errors import BrokenLinkError, ClosedError, WouldBlock
+from qlink.wire import FrameError, Status
 from transports._base import Backoff, BufferTooSmallError
 
+from ._decoder_state import _Decoder, _decode_packed, compile_decoder
 from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, StageRecorder
 
 __all__ = [
@@ -115,59 +115,6 @@ _STATUS_NAMES = {int(st): st.name for st in Status}
 # staged-response kinds
 _PLAIN, _CORRECTIONS = 0, 1
 _FN_ENQ, _FN_GET, _FN_RESET, _FN_BAD = 0, 1, 2, 3
-
-
-def _decoder_registries():
-    regs = []
-    try:
-        from qlink.qec.decoders import BUILT_IN_DECODERS as q
-
-        regs.append(q)
-    except ImportError:
-        pass
-    try:
-        import sinter
-
-        regs.append(sinter.BUILT_IN_DECODERS)
-    except ImportError:
-        pass
-    return regs
-
-
-def compile_decoder(decoder: Any, dem: Any):
-    """A compiled decoder (with ``decode_shots_bit_packed``) for ``dem``.
-
-    ``decoder`` is a name in ``qlink.qec.decoders.BUILT_IN_DECODERS`` (or sinter's),
-    a decoder object (``compile_for_dem`` / ``compile_decoder_for_dem``), or an
-    already compiled decoder.
-    """
-    if hasattr(decoder, "decode_shots_bit_packed"):
-        return decoder
-    obj = decoder
-    if isinstance(decoder, str):
-        obj = None
-        known: list[str] = []
-        for reg in _decoder_registries():
-            if decoder in reg:
-                obj = reg[decoder]
-                break
-            known.extend(reg)
-        if obj is None:
-            raise ValueError(f"unknown decoder {decoder!r}; known decoders: {', '.join(sorted(set(known)))}")
-    if dem is None:
-        raise ValueError("compiling a decoder needs a detector error model (dem=)")
-    if hasattr(obj, "compile_for_dem"):
-        return obj.compile_for_dem(dem)
-    if hasattr(obj, "compile_decoder_for_dem"):
-        return obj.compile_decoder_for_dem(dem=dem)
-    raise TypeError(
-        f"decoder {decoder!r} is neither a decoder name, an object with compile_for_dem/"
-        "compile_decoder_for_dem, nor a compiled decoder with decode_shots_bit_packed"
-    )
-
-
-def _decode_packed(compiled, packed: np.ndarray) -> np.ndarray:
-    return np.asarray(compiled.decode_shots_bit_packed(bit_packed_detection_event_data=packed), dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -221,58 +168,6 @@ class DecoderConfig:
         if unknown:
             raise ValueError(f"unknown decoder spec keys {sorted(unknown)}; allowed: {sorted(allowed | {'source'})}")
         return cls(dem=build_source(src).dem, **spec)
-
-
-class _Decoder:
-    """One decoder's state: the shot being filled and a ring of completed shots.
-
-    Shot sequence numbers grow monotonically; the ring slot is ``seq % capacity``.
-    ``free <= ret <= dec <= cmp``: [free, ret) answered but not yet sent, [ret, dec)
-    decoded, [dec, cmp) complete and waiting for the decoder, ``cmp`` filling.
-    """
-
-    def __init__(self, decoder_id: int, cfg: DecoderConfig) -> None:
-        self.id = decoder_id
-        self.compiled = compile_decoder(cfg.decoder, cfg.dem)
-        nd = cfg.num_detectors if cfg.num_detectors is not None else cfg.dem.num_detectors
-        no = cfg.num_observables if cfg.num_observables is not None else cfg.dem.num_observables
-        if nd < 1 or nd > wire.MAX_SYNDROME_BITS * 64:
-            raise ValueError(f"decoder {decoder_id}: {nd} detectors per shot is out of range")
-        self.num_det, self.num_obs = int(nd), int(no)
-        self.nbd, self.nbo = (self.num_det + 7) >> 3, (self.num_obs + 7) >> 3
-        cap = self.capacity = cfg.capacity_shots
-        self.frames_cfg = cfg.frames_per_shot
-        self.syn = np.zeros((cap, self.nbd), np.uint8)
-        self.syn_mv = memoryview(self.syn.reshape(-1))
-        self.corr = np.zeros((cap, max(self.nbo, 1)), np.uint8)
-        self.corr_mv = memoryview(self.corr.reshape(-1))
-        # per-slot scalars as Python lists: cheaper to index than NumPy scalars on the hot path
-        self.drops_before = [0] * cap
-        self.slot_status = [0] * cap
-        self.rid_last = [0] * cap
-        self.ptp_last = [0] * cap
-        self.t_in_last = [0] * cap
-        self.t_complete = [0] * cap
-        self.t_dec_start = [0] * cap
-        self.t_dec_end = [0] * cap
-        self.batch = [0] * cap
-        self.reset()
-
-    def reset(self) -> None:
-        self.free = self.ret = self.dec = self.cmp = getattr(self, "cmp", 0)
-        self.filling = False
-        self.filled = 0
-        self.frames_in_shot = 0
-        self.pending_drops = 0
-        self.discard_frames = 0
-        self.drops_total = 0  # dropped shots not yet answered (fast path when 0)
-        self.shots_per_frame = 1  # learned from frames carrying several whole shots
-        self.next_counter: int | None = None
-        self.frames_per_shot = self.frames_cfg
-
-    @property
-    def occupancy(self) -> int:
-        return self.cmp + (1 if self.filling else 0) - self.free
 
 
 class DecoderService:
@@ -898,122 +793,5 @@ class DecoderService:
         return out
 
 
-# ---------------------------------------------------------------------- processes
-
-
-def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, ready_queue=None,
-                        result_queue=None, accept_timeout_s: float = 30.0, timeout_s: float | None = None,
-                        service_options: Mapping[str, Any] | None = None) -> dict:
-    """Run a decoder service in this process: listen on ``url``, serve one peer, report.
-
-    ``configs_spec`` is plain data, ``{decoder_id: {"source": {...}, "decoder": name, ...}}``;
-    every DEM is rebuilt here from its source spec. ``ready_queue`` gets the bound URL
-    (or ``"error: ..."``) once listening; ``result_queue`` gets the report as a JSON
-    string. This is the target of :func:`start_service_process` (spawn).
-    """
-    import transports
-
-    try:
-        configs = {int(k): DecoderConfig.from_spec(v) for k, v in configs_spec.items()}
-        service = DecoderService(configs, **dict(service_options or {}))
-        listener = transports.listen(url)
-    except Exception as exc:
-        if ready_queue is not None:
-            ready_queue.put(f"error: {type(exc).__name__}: {exc}")
-        raise
-    report: dict = {}
-    try:
-        if ready_queue is not None:
-            ready_queue.put(listener.url)
-        ep = listener.accept(timeout_s=accept_timeout_s)
-        try:
-            report = service.serve(ep, timeout_s=timeout_s)
-            report["transport"] = ep.capabilities.name
-            report["transport_statistics"] = {k: v for k, v in vars(ep.statistics()).items() if k != "extra"}
-        finally:
-            ep.close()
-    except Exception as exc:
-        report = service.report()
-        report["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        listener.close()
-        if result_queue is not None:
-            result_queue.put(json.dumps(report))
-    return report
-
-
-class ServiceProcess:
-    """A decoder service running in a spawned child process (see :func:`start_service_process`)."""
-
-    def __init__(self, process, url: str, result_queue) -> None:
-        self.process = process
-        self.url = url
-        self._results = result_queue
-        self._report: dict | None = None
-
-    def report(self, *, timeout_s: float = 30.0) -> dict:
-        """Wait for the child's report (sent when its peer disconnects) and reap it."""
-        if self._report is None:
-            import queue as _queue
-
-            try:
-                self._report = json.loads(self._results.get(timeout=timeout_s))
-            except _queue.Empty:
-                raise QlinkTimeoutError(
-                    f"the decoder service process sent no report within timeout_s={timeout_s} "
-                    f"(alive: {self.process.is_alive()}, exit code: {self.process.exitcode})"
-                ) from None
-            self.process.join(timeout=timeout_s)
-        return self._report
-
-    def close(self) -> None:
-        """Stop the child if it still runs. Idempotent."""
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(timeout=5)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def start_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, start_timeout_s: float = 60.0,
-                          **options) -> ServiceProcess:
-    """Spawn :func:`run_service_process` and wait until it listens; returns its handle.
-
-    >>> # see qlink.qec.loop.run_loop for the full closed loop
-    """
-    import multiprocessing as mp
-    import queue as _queue
-
-    ctx = mp.get_context("spawn")
-    ready, results = ctx.Queue(), ctx.Queue()
-    spec = {int(k): dict(v) for k, v in configs_spec.items()}
-    proc = ctx.Process(target=run_service_process, args=(url, spec),
-                       kwargs=dict(ready_queue=ready, result_queue=results, **options),
-                       name="qlink-decoder-service", daemon=True)
-    proc.start()
-    give_up = time.monotonic() + start_timeout_s
-    while True:
-        try:
-            msg = ready.get(timeout=0.1)
-            break
-        except _queue.Empty:
-            if not proc.is_alive():
-                proc.join(1)
-                raise RuntimeError(f"the decoder service process exited (code {proc.exitcode}) before listening; "
-                                   "its stderr says why") from None
-            if time.monotonic() > give_up:
-                proc.terminate()
-                proc.join(5)
-                raise QlinkTimeoutError(
-                    f"the decoder service did not start listening within {start_timeout_s} s") from None
-    if msg.startswith("error:"):
-        proc.join(5)
-        raise RuntimeError(f"the decoder service failed to start: {msg[7:]}")
-    return ServiceProcess(proc, msg, results)
+# The process helpers live in their own module; re-exported here.
+from ._service_process import ServiceProcess, run_service_process, start_service_process  # noqa: E402

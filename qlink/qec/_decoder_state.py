@@ -1,0 +1,124 @@
+"""One decoder's state inside the decoder service: the shot being filled and a ring of
+completed shots (private to :mod:`qlink.qec.service`), and compiling a decoder by name.
+
+>>> import stim
+>>> dem = stim.DetectorErrorModel("error(0.1) D0 L0\\nerror(0.1) D0 D1")
+>>> compiled = compile_decoder("pymatching", dem)
+>>> compiled.decode_shots_bit_packed(bit_packed_detection_event_data=np.array([[1]], np.uint8)).tolist()
+[[1]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qlink import wire
+
+__all__ = ["compile_decoder"]
+
+
+def _decoder_registries():
+    regs = []
+    try:
+        from qlink.qec.decoders import BUILT_IN_DECODERS as q
+
+        regs.append(q)
+    except ImportError:
+        pass
+    try:
+        import sinter
+
+        regs.append(sinter.BUILT_IN_DECODERS)
+    except ImportError:
+        pass
+    return regs
+
+
+def compile_decoder(decoder: Any, dem: Any):
+    """A compiled decoder (with ``decode_shots_bit_packed``) for ``dem``.
+
+    ``decoder`` is a name in ``qlink.qec.decoders.BUILT_IN_DECODERS`` (or sinter's),
+    a decoder object (``compile_for_dem`` / ``compile_decoder_for_dem``), or an
+    already compiled decoder.
+    """
+    if hasattr(decoder, "decode_shots_bit_packed"):
+        return decoder
+    obj = decoder
+    if isinstance(decoder, str):
+        obj = None
+        known: list[str] = []
+        for reg in _decoder_registries():
+            if decoder in reg:
+                obj = reg[decoder]
+                break
+            known.extend(reg)
+        if obj is None:
+            raise ValueError(f"unknown decoder {decoder!r}; known decoders: {', '.join(sorted(set(known)))}")
+    if dem is None:
+        raise ValueError("compiling a decoder needs a detector error model (dem=)")
+    if hasattr(obj, "compile_for_dem"):
+        return obj.compile_for_dem(dem)
+    if hasattr(obj, "compile_decoder_for_dem"):
+        return obj.compile_decoder_for_dem(dem=dem)
+    raise TypeError(
+        f"decoder {decoder!r} is neither a decoder name, an object with compile_for_dem/"
+        "compile_decoder_for_dem, nor a compiled decoder with decode_shots_bit_packed"
+    )
+
+
+def _decode_packed(compiled, packed: np.ndarray) -> np.ndarray:
+    return np.asarray(compiled.decode_shots_bit_packed(bit_packed_detection_event_data=packed), dtype=np.uint8)
+
+
+class _Decoder:
+    """One decoder's state: the shot being filled and a ring of completed shots.
+
+    Shot sequence numbers grow monotonically; the ring slot is ``seq % capacity``.
+    ``free <= ret <= dec <= cmp``: [free, ret) answered but not yet sent, [ret, dec)
+    decoded, [dec, cmp) complete and waiting for the decoder, ``cmp`` filling.
+    """
+
+    def __init__(self, decoder_id: int, cfg: DecoderConfig) -> None:
+        self.id = decoder_id
+        self.compiled = compile_decoder(cfg.decoder, cfg.dem)
+        nd = cfg.num_detectors if cfg.num_detectors is not None else cfg.dem.num_detectors
+        no = cfg.num_observables if cfg.num_observables is not None else cfg.dem.num_observables
+        if nd < 1 or nd > wire.MAX_SYNDROME_BITS * 64:
+            raise ValueError(f"decoder {decoder_id}: {nd} detectors per shot is out of range")
+        self.num_det, self.num_obs = int(nd), int(no)
+        self.nbd, self.nbo = (self.num_det + 7) >> 3, (self.num_obs + 7) >> 3
+        cap = self.capacity = cfg.capacity_shots
+        self.frames_cfg = cfg.frames_per_shot
+        self.syn = np.zeros((cap, self.nbd), np.uint8)
+        self.syn_mv = memoryview(self.syn.reshape(-1))
+        self.corr = np.zeros((cap, max(self.nbo, 1)), np.uint8)
+        self.corr_mv = memoryview(self.corr.reshape(-1))
+        # per-slot scalars as Python lists: cheaper to index than NumPy scalars on the hot path
+        self.drops_before = [0] * cap
+        self.slot_status = [0] * cap
+        self.rid_last = [0] * cap
+        self.ptp_last = [0] * cap
+        self.t_in_last = [0] * cap
+        self.t_complete = [0] * cap
+        self.t_dec_start = [0] * cap
+        self.t_dec_end = [0] * cap
+        self.batch = [0] * cap
+        self.reset()
+
+    def reset(self) -> None:
+        self.free = self.ret = self.dec = self.cmp = getattr(self, "cmp", 0)
+        self.filling = False
+        self.filled = 0
+        self.frames_in_shot = 0
+        self.pending_drops = 0
+        self.discard_frames = 0
+        self.drops_total = 0  # dropped shots not yet answered (fast path when 0)
+        self.shots_per_frame = 1  # learned from frames carrying several whole shots
+        self.next_counter: int | None = None
+        self.frames_per_shot = self.frames_cfg
+
+    @property
+    def occupancy(self) -> int:
+        return self.cmp + (1 if self.filling else 0) - self.free
