@@ -23,7 +23,8 @@ Which messages are *eligible*: those of ``min_nbytes <= size <= max_nbytes`` (so
 kind of traffic can be targeted by its size, e.g. syndrome frames but not
 ``get_corrections``) whose index among eligible messages lies in
 ``[fault_start, fault_stop)`` (a burst, or a clean tail). ``puts=False`` leaves
-one-sided puts alone. Every fault is counted by kind, and the last ``log_capacity`` are
+one-sided puts alone, ``messages=False`` two-sided messages; ``injector.enabled = False``
+(``endpoint.faults_enabled``) heals the link for a while. Every fault is counted by kind, and the last ``log_capacity`` are
 logged as :class:`FaultEvent` (index, kind, size, flipped bit).
 
 In a URL: ``emulated+tcp://127.0.0.1:0?link=ib-ndr&drop=0.01&dup=0.01&reorder=0.01
@@ -60,8 +61,8 @@ _EXCLUSIVE = ("drop", "dup", "reorder", "corrupt")
 
 #: URL query keys understood as faults (everything else goes to the inner transport).
 QUERY_KEYS = ("drop", "dup", "reorder", "corrupt", "delay", "delay_ns", "min_nbytes", "max_nbytes",
-              "fault_start", "fault_stop", "fault_puts", "hold_ns", "log_capacity")
-_QUERY_FIELD = {"fault_start": "start", "fault_stop": "stop", "fault_puts": "puts"}
+              "fault_start", "fault_stop", "fault_puts", "fault_messages", "hold_ns", "log_capacity")
+_QUERY_FIELD = {"fault_start": "start", "fault_stop": "stop", "fault_puts": "puts", "fault_messages": "messages"}
 _FIELD_QUERY = {v: k for k, v in _QUERY_FIELD.items()}
 
 
@@ -122,6 +123,7 @@ class FaultSpec:
     start: int = 0  # first eligible message index that may be faulted
     stop: int | None = None  # one past the last (None: no end)
     puts: bool = True  # one-sided puts are subject to faults too
+    messages: bool = True  # two-sided messages are subject to faults
     hold_ns: int = 1_000_000  # a reordered message with nothing after it leaves after this long
     log_capacity: int = 4096
 
@@ -141,8 +143,9 @@ class FaultSpec:
                              "would be eligible")
         if self.stop is not None and self.stop < self.start:
             raise ValueError(f"fault window [start={self.start}, stop={self.stop}) is empty")
-        if not isinstance(self.puts, bool):
-            raise ValueError(f"puts must be True or False, got {self.puts!r}")
+        for name in ("puts", "messages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def active(self) -> bool:
@@ -171,9 +174,9 @@ class FaultSpec:
         for k, v in q.items():
             v = v[-1] if isinstance(v, list) else v
             name = _QUERY_FIELD.get(k, k)
-            if name == "puts":
+            if name in ("puts", "messages"):
                 if str(v).lower() not in ("0", "1", "true", "false"):
-                    raise ValueError(f"fault_puts must be 0/1/true/false, got {v!r}")
+                    raise ValueError(f"{k} must be 0/1/true/false, got {v!r}")
                 kw[name] = str(v).lower() in ("1", "true")
             elif name in ("drop", "dup", "reorder", "corrupt", "delay"):
                 kw[name] = v
@@ -244,16 +247,19 @@ class FaultInjector:
         self.eligible = 0  # eligible messages seen
         self.eligible_puts = 0
         self.log: deque[FaultEvent] = deque(maxlen=spec.log_capacity)
+        self.enabled = True  # False: nothing is faulted (nor counted as eligible) until set again
 
-    def _eligible(self, nbytes: int) -> bool:
+    def applies_to(self, what: str) -> bool:
+        """Whether messages (``"message"``) or puts (``"put"``) are subject to faults right now."""
+        return self.enabled and (self.spec.puts if what == "put" else self.spec.messages)
+
+    def eligible_size(self, nbytes: int) -> bool:
         s = self.spec
         return nbytes >= s.min_nbytes and (s.max_nbytes is None or nbytes <= s.max_nbytes)
 
     def decide(self, nbytes: int, *, what: str = "message") -> tuple[str, int, int]:
         s = self.spec
-        if what == "put" and not s.puts:
-            return "none", 0, -1
-        if not self._eligible(nbytes):
+        if not self.applies_to(what) or not self.eligible_size(nbytes):
             return "none", 0, -1
         if what == "put":
             index = self.eligible_puts

@@ -212,10 +212,11 @@ class EmulatedEndpoint(Endpoint):
         if self._outbox and not self._flush_outbox(timeout_s=timeout_s, nowait=nowait):
             raise WouldBlock("emulated: earlier messages are still waiting to leave")
         nbytes = memoryview(data).nbytes
-        if self._held is not None and self._faults._eligible(nbytes):
+        if self._held is not None and self._faults.eligible_size(nbytes):
             # the message after a reordered one: it overtakes the held one, then the held one leaves
             kind, delay, bit = "none", 0, -1
-            self._faults.eligible += 1
+            if self._faults.applies_to("message"):
+                self._faults.eligible += 1
             follow = self._held[0]
             self._held = None
         else:
@@ -245,6 +246,17 @@ class EmulatedEndpoint(Endpoint):
     @property
     def fault_spec(self) -> FaultSpec | None:
         return None if self._faults is None else self._faults.spec
+
+    @property
+    def faults_enabled(self) -> bool:
+        """False while the link is healed (no faults drawn); a held message still leaves."""
+        return self._faults is not None and self._faults.enabled
+
+    @faults_enabled.setter
+    def faults_enabled(self, value: bool) -> None:
+        if self._faults is None:
+            raise ValueError("this emulated endpoint has no faults to enable or disable (give faults=...)")
+        self._faults.enabled = bool(value)
 
     def _fetch(self, *, timeout_s, nowait: bool) -> None:
         if self._pending is not None:
@@ -316,9 +328,10 @@ class EmulatedEndpoint(Endpoint):
         self._release_due()
         nbytes = memoryview(data).nbytes
         follow = None
-        if self._held_put is not None and self._faults.spec.puts and self._faults._eligible(nbytes):
+        if self._held_put is not None and self._faults.eligible_size(nbytes):
             kind, delay, bit = "none", 0, -1
-            self._faults.eligible_puts += 1
+            if self._faults.applies_to("put"):
+                self._faults.eligible_puts += 1
             follow = self._held_put[0]
             self._held_put = None
         else:
