@@ -27,23 +27,17 @@ import time
 
 import numpy as np
 
+from ._procs import die_with_parent, pin_to_cpu, pinned
+
 __all__ = ["spin_round_trip_ns", "memcpy_bandwidth"]
 
 _PING, _PONG = 0, 8  # u64 word indices: 64 bytes apart, one cache line each
 _STOP = np.iinfo(np.int64).min
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this process when its parent dies (no orphan spinning forever)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _echo(parent_pid: int, fd: int, nbytes: int) -> None:
-    _die_with_parent()
+    die_with_parent()
+    pin_to_cpu(1)
     if os.getppid() != parent_pid:
         return
     f = os.open(f"/proc/{parent_pid}/fd/{fd}", os.O_RDWR)
@@ -90,14 +84,15 @@ def spin_round_trip_ns(*, num_round_trips: int = 20000, warmup: int = 2000, time
                 time.sleep(1e-3)
             out = np.empty(num_round_trips, dtype=np.int64)
             clock = time.perf_counter_ns
-            for i in range(1, warmup + num_round_trips + 1):
-                t0 = clock()
-                w[_PING] = i
-                while w[_PONG] != i:
-                    pass
-                t1 = clock()
-                if i > warmup:
-                    out[i - warmup - 1] = t1 - t0
+            with pinned(0):
+                for i in range(1, warmup + num_round_trips + 1):
+                    t0 = clock()
+                    w[_PING] = i
+                    while w[_PONG] != i:
+                        pass
+                    t1 = clock()
+                    if i > warmup:
+                        out[i - warmup - 1] = t1 - t0
             w[_PING] = _STOP
             p.join(timeout_s)
             return out

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from ._procs import die_with_parent, pin_to_cpu
+
 __all__ = ["PeerSamples", "ucxx_asyncio_round_trip_ns", "socket_round_trip_ns"]
 
 _TIMEOUT_S = 60.0
@@ -54,14 +56,6 @@ def _check_counts(nbytes: int, num_round_trips: int, warmup: int, *, min_nbytes:
         raise ValueError(f"nbytes must be at least {min_nbytes}, got {nbytes}")
     if num_round_trips < 1 or warmup < 0:
         raise ValueError(f"need num_round_trips >= 1 and warmup >= 0, got {num_round_trips} and {warmup}")
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this child if the measuring process dies (no orphan echo loops)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _run_pair(server, client, args: tuple) -> tuple[np.ndarray, dict]:
@@ -108,7 +102,8 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def _socket_server(port_tx, nbytes: int, total: int) -> None:
-    _die_with_parent()
+    die_with_parent()
+    pin_to_cpu(1)
     lis = socket.socket()
     lis.bind(("127.0.0.1", 0))
     lis.listen(1)
@@ -125,7 +120,8 @@ def _socket_server(port_tx, nbytes: int, total: int) -> None:
 
 
 def _socket_client(port_rx, res_tx, nbytes: int, total: int) -> None:
-    _die_with_parent()
+    die_with_parent()
+    pin_to_cpu(0)
     try:
         port = int(port_rx.recv_bytes())
         sock = socket.create_connection(("127.0.0.1", port), timeout=_TIMEOUT_S)
@@ -163,7 +159,8 @@ def _ucx_env() -> None:
 
 
 def _ucxx_server(port_tx, nbytes: int, total: int) -> None:
-    _die_with_parent()
+    die_with_parent()
+    pin_to_cpu(1)
     _ucx_env()
     import asyncio
 
@@ -190,7 +187,8 @@ def _ucxx_server(port_tx, nbytes: int, total: int) -> None:
 
 
 def _ucxx_client(port_rx, res_tx, nbytes: int, total: int) -> None:
-    _die_with_parent()
+    die_with_parent()
+    pin_to_cpu(0)
     _ucx_env()
     try:
         import asyncio

@@ -9,8 +9,8 @@ Measured side by side in one run, between two processes:
   (``qlink.alloc``), beside a NumPy memcpy of the same size in the same run.
 
 Each transport figure is also given as a ratio to its floor or peer, which is what
-is comparable across machines. Both processes busy-poll: on a 2-core machine they
-take both cores for the length of a measurement.
+is comparable across machines. Both processes busy-poll, each pinned to its own CPU
+(floor and transports alike): on a 2-core machine they take both cores while measuring.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from ._procs import die_with_parent, pin_to_cpu, pinned
 from ._stats import ratio, summarize_ns
 
 __all__ = ["run_transport_bench", "round_trip_ns", "put_bandwidth", "DEFAULT_PUT_SIZES"]
@@ -40,6 +41,8 @@ def _url_for(scheme: str, tag: str) -> str:
 def _echo_child(url: str, q, nbytes: int, num: int) -> None:
     import transports
 
+    die_with_parent()
+    pin_to_cpu(1)
     with transports.listen(url) as lis:
         q.put(lis.url)
         with lis.accept(timeout_s=30) as ep:
@@ -64,7 +67,7 @@ def round_trip_ns(scheme: str, *, nbytes: int = 64, num_round_trips: int = 20000
         out = np.empty(num_round_trips, dtype=np.int64)
         msg = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         back = bytearray(max(nbytes, 1))
-        with transports.connect(url, timeout_s=30) as ep:
+        with transports.connect(url, timeout_s=30) as ep, pinned(0):
             clock = time.perf_counter_ns
             for i in range(warmup + num_round_trips):
                 t0 = clock()
@@ -87,6 +90,8 @@ def round_trip_ns(scheme: str, *, nbytes: int = 64, num_round_trips: int = 20000
 def _put_target_child(url: str, q, nbytes: int, num_puts: int) -> None:
     import numpy as _np
 
+    die_with_parent()
+    pin_to_cpu(1)
     import transports
     from qlink.memory import alloc
 
@@ -121,7 +126,7 @@ def put_bandwidth(scheme: str, *, sizes: Iterable[int] = DEFAULT_PUT_SIZES, budg
     rows = []
     try:
         url = q.get(timeout=60)
-        with transports.connect(url, timeout_s=30) as ep:
+        with transports.connect(url, timeout_s=30) as ep, pinned(0):
             remote = RemoteRegion.from_bytes(ep.recv(timeout_s=30))
             src = np.random.default_rng(1).integers(0, 256, max(sizes), dtype=np.uint8)
             for nbytes in sizes:
