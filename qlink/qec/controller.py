@@ -264,6 +264,11 @@ class Controller:
     holds new shots back while that many await their answers (the schedule then
     restarts from the next tick and the hold is counted in ``throttled``: for
     throughput and LER runs, not for cycle-time figures).
+
+    On a lossy link: a ``get_corrections`` unanswered for ``get_timeout_ns`` is
+    presumed lost and asked again, and when every frame is out but the service keeps
+    answering ``NOT_READY`` for ``reveal_gap_after_ns`` (the last frame was lost, and
+    only a later frame shows the gap), the controller sends one more frame.
     """
 
     def __init__(self, endpoint, stream: SyndromeStream, *, decoder_id: int = 0, cycle_ns: int = DEFAULT_CYCLE_NS,
@@ -271,6 +276,7 @@ class Controller:
                  poll_interval_ns: int = 2_000, feed_forward_deadline_ns: int | None = None, keep_samples: int = 0,
                  start_delay_ns: int = 200_000, backlog_samples: int = 4096, counter_start: int = 0,
                  request_id_start: int = 0, max_in_flight_shots: int | None = None,
+                 get_timeout_ns: int = 500_000_000, reveal_gap_after_ns: int = 2_000_000,
                  trigger_ns: int = MODELED_TRIGGER_NS, analog_in_out_ns: int = MODELED_ANALOG_IN_OUT_NS) -> None:
         if not 0 <= decoder_id < wire.MAX_DECODERS:
             raise ValueError(f"decoder_id must be in [0, {wire.MAX_DECODERS}), got {decoder_id}")
@@ -308,6 +314,8 @@ class Controller:
         self._keep = int(keep_samples)
         self.max_in_flight_shots = max_in_flight_shots
         self.spin_guard_ns = 3_000  # stop polling for answers this close to a tick
+        self.reveal_gap_after_ns = int(reveal_gap_after_ns)  # NOT_READY this long after the last frame
+        self.get_timeout_ns = int(get_timeout_ns)  # a get_corrections unanswered this long is presumed lost
         self._backlog_cap = max(1, int(backlog_samples))
         self._counter = int(counter_start)  # enqueue counter: continues across runs on one connection
         self._rid = int(request_id_start) & 0x7FFFFFFF
@@ -428,6 +436,10 @@ class Controller:
         self._singles_owed = 0  # asks to send one shot at a time (after a window with a dropped shot)
         self._first_get_upto = 0
         self._repoll_due = 0
+        self._stall_since = 0
+        self._gap_revealed = False
+        self._lost_gets: dict[int, int] = {}
+        self.gets_presumed_lost = 0
         self._ok = self._errors = self._dropped = self._failed = 0
         self._frame = 0
         self._rx = bytearray(wire.HEADER_NBYTES + ((k * s.num_observables + 7) >> 3) + 64)
@@ -491,6 +503,7 @@ class Controller:
                 _HDR_IDS.pack_into(t, _HDR_IDS_OFFSET, rid, ptp_now_ns())
                 send(t, deadline)
                 counter += 1
+                self._counter = counter
                 if f == F - 1:  # the group's syndromes are all out
                     t_sent = now_ns()
                     if k == 1:
@@ -529,12 +542,11 @@ class Controller:
                 else:
                     f += 1
                 rid = (rid + 1) & 0x7FFFFFFF
+                self._rid = rid
                 if g < G:
                     due = group_base + (frames[f][3] if (k == 1 or b - a == k) else tail[3]) * cyc
                 continue
             poll()
-        self._counter = counter
-        self._rid = rid
         t_end = now_ns()
         self._sample_backlog(t_end, N * R)
         return ControllerResult(
@@ -547,6 +559,16 @@ class Controller:
             corrections=self._corrections, shot_records=self.records.array().copy() if self._keep else None,
             modeled_controller_ns=dict(self.modeled), pauli_frame=self._frame,
         )
+
+    def _reveal_gap(self) -> None:
+        t, flat, nb, _ = self._frames[0] if self._tail is None or self.shots_per_frame == 1 else self._tail
+        t[_BITS_OFFSET:_BITS_OFFSET + nb] = flat[0:nb]
+        _COUNTER.pack_into(t, _COUNTER_OFFSET, self._counter)
+        _HDR_IDS.pack_into(t, _HDR_IDS_OFFSET, self._rid, ptp_now_ns())
+        self._counter += 1
+        self._rid = (self._rid + 1) & 0x7FFFFFFF
+        self._gap_revealed = True
+        self._send(t, self._deadline)
 
     def _sample_backlog(self, t: int, rounds_emitted: int) -> None:
         i = self._bl_n
@@ -587,12 +609,24 @@ class Controller:
         self._statuses[name] = self._statuses.get(name, 0) + 1
 
     def _poll_once(self) -> None:
-        """Handle at most one answer; send a due re-poll."""
+        """Handle at most one answer; send a due re-poll; give up on a get that got no answer."""
         if self._claimed < self._asked - self._resolved:
             self._top_up(now_ns())
         try:
             n = self.ep.recv_into_nowait(self._rx)
         except WouldBlock:
+            if self._gets:
+                rid0 = next(iter(self._gets))
+                m, t_get = self._gets[rid0]
+                if now_ns() - t_get > self.get_timeout_ns:
+                    # No answer: presume the request was lost (a lossy link) and ask again. Should
+                    # the answer still come, it is used all the same: answers always concern the
+                    # oldest shots, so an extra ask only ever asks early.
+                    del self._gets[rid0]
+                    self._lost_gets[rid0] = m
+                    self._claimed -= m
+                    self.gets_presumed_lost += 1
+                    self._count("get_corrections", "presumed_lost")
             return
         t_resp = now_ns()
         resp = wire.decode_response(self._rx_mv[:n])
@@ -601,15 +635,31 @@ class Controller:
             self._count("enqueue", status)
             return
         self._count("get_corrections", status)
-        try:
-            m, t_get = self._gets.pop(resp.request_id)
-        except KeyError:
-            raise QlinkError(f"an answer to get_corrections request {resp.request_id} that was never sent "
-                             "(or answered twice)") from None
-        self._claimed -= m
+        entry = self._gets.pop(resp.request_id, None)
+        if entry is not None:
+            m, t_get = entry
+            self._claimed -= m
+        else:
+            m = self._lost_gets.pop(resp.request_id, 0)
+            if not m:
+                raise QlinkError(f"an answer to get_corrections request {resp.request_id} that was never sent "
+                                 "(or answered twice)")
+            t_get = t_resp
+            if status == Status.NOT_READY:
+                return
         if status == Status.NOT_READY:
             self._repoll_due = t_resp + self.poll_interval_ns
+            if self._asked == self.stream.num_shots:
+                # Everything is out yet a shot is not complete: its last frame was lost, and
+                # only a later frame can show the service the gap. Send one that starts a
+                # shot nobody will finish (again if the stall goes on).
+                if self._stall_since == 0:
+                    self._stall_since = t_resp
+                elif t_resp - self._stall_since > self.reveal_gap_after_ns:
+                    self._reveal_gap()
+                    self._stall_since = t_resp
             return
+        self._stall_since = 0
         if status == Status.SYNDROMES_DROPPED and m > 1:
             # some shot of the window was dropped (nothing consumed): the next m asks go one shot
             # at a time, so the dropped ones are answered (and passed) individually

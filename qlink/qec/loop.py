@@ -154,6 +154,7 @@ class LoopResult:
     machine except ``modeled_controller_ns`` (cited controller delays, never added in)."""
 
     transport: str  # the transport that carried the bytes (from the endpoint)
+    basis: str  # "measured", or "modeled" when the transport delivers at modeled link times
     url: str
     decoder: str
     source: dict
@@ -204,7 +205,7 @@ class LoopResult:
         """The headline figures as a flat JSON-able dict."""
         lo, hi = self.ler_interval
         return {
-            "transport": self.transport, "decoder": self.decoder, "distance": self.source.get("distance"),
+            "transport": self.transport, "basis": self.basis, "decoder": self.decoder, "distance": self.source.get("distance"),
             "rounds": self.num_rounds, "p": self.source.get("p"), "shots": self.num_shots, "cycle_ns": self.cycle_ns,
             "rounds_per_frame": self.rounds_per_frame, "shots_per_frame": self.shots_per_frame,
             "ler": self.logical_error_rate, "ler_lo": lo, "ler_hi": hi,
@@ -290,7 +291,8 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
              ack_enqueue: str = "errors", capacity_shots: int = 1024, keep_samples: int = 100_000,
              warmup_shots: int = 200, gap_cycles: int = 0, timeout_s: float = 300.0,
              stream: SyndromeStream | None = None, max_batch_requests: int = 256,
-             max_in_flight_shots: int | None = None) -> LoopResult:
+             max_in_flight_shots: int | None = None, controller_query: str | None = None,
+             controller_options: Mapping[str, Any] | None = None) -> LoopResult:
     """Run the closed loop: service in a child process (or thread), controller here.
 
     ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``inproc``) or a URL;
@@ -299,7 +301,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     for reaction time); ``warmup_shots`` extra shots
     played first (a separate stream, excluded from every figure) so imports and
     caches are warm; ``max_in_flight_shots`` throttles the controller to the
-    decoder (for LER and throughput runs: it bends the cycle clock).
+    decoder (for LER and throughput runs: it bends the cycle clock);
+    ``controller_query`` is appended to the URL the controller connects with (for an
+    ``emulated+…`` transport: faults on the controller's sends only, e.g.
+    ``"drop=0.01&seed=3"``); ``controller_options`` go to the
+    :class:`~qlink.qec.controller.Controller` (``get_timeout_ns``, ``poll_interval_ns`` …).
     """
     import transports
 
@@ -341,12 +347,15 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     if thread is not None:
         sys.setswitchinterval(2e-5)
     try:
-        ep = transports.connect(bound, timeout_s=30)
+        connect_url = bound
+        if controller_query:
+            connect_url += ("&" if "?" in bound else "?") + controller_query.lstrip("?&")
+        ep = transports.connect(connect_url, timeout_s=30)
         try:
             ctl_kw = dict(decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
                           shots_per_frame=shots_per_frame,
                           gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
-                          max_in_flight_shots=max_in_flight_shots)
+                          max_in_flight_shots=max_in_flight_shots, **dict(controller_options or {}))
             counter, rid = 0, 0
             if warmup_shots > 0:
                 warm_stream = sample_stream(src, num_shots=warmup_shots,
@@ -404,7 +413,8 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
     keeps_up = bool(cres.shots_dropped == 0 and lag_p99 <= frame_interval_ns
                     and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s)
     return LoopResult(
-        transport=transport_name, url=url, decoder=decoder, source=dict(spec), num_shots=cres.num_shots,
+        transport=transport_name, basis="modeled" if transport_name.startswith("emulated") else "measured",
+        url=url, decoder=decoder, source=dict(spec), num_shots=cres.num_shots,
         num_rounds=cres.num_rounds, cycle_ns=cres.cycle_ns, rounds_per_frame=rounds_per_frame,
         frames_per_shot=cres.frames_per_shot, shots_per_frame=shots_per_frame, shots_ok=cres.shots_ok, logical_errors=cres.logical_errors,
         shots_dropped=cres.shots_dropped, logical_error_rate=cres.logical_error_rate,

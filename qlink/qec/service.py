@@ -434,25 +434,33 @@ class DecoderService:
             d.frames_per_shot = d.frames_in_shot
         self.counts["shots_completed"] += 1
 
+    @staticmethod
+    def _abandon_filling(d: _Decoder) -> None:
+        """Give up the shot being filled; the drops that preceded it stay pending."""
+        d.filling = False
+        d.pending_drops += d.drops_before[d.cmp % d.capacity]
+        d.drops_before[d.cmp % d.capacity] = 0
+
     def _realign(self, d: _Decoder, gap: int) -> None:
         """Account for ``gap`` lost frames: drop every shot they touched."""
         F = d.frames_per_shot
         if F is None:  # layout unknown: drop the shot in progress, restart at this frame
             if d.filling:
-                d.filling = False
+                self._abandon_filling(d)
                 d.pending_drops += 1
                 d.drops_total += 1
                 self.counts["shots_dropped"] += 1
             return
         discarding = d.discard_frames > 0
+        was_filling = d.filling
         if d.filling:
             q = d.frames_in_shot
-            d.filling = False
+            self._abandon_filling(d)
         elif discarding:
             q = F - d.discard_frames
         else:
             q = 0
-        if F == 1 and d.shots_per_frame > 1 and not d.filling and not discarding:
+        if F == 1 and d.shots_per_frame > 1 and not was_filling and not discarding:
             # frames of several whole shots each: every lost frame took that many shots
             d.pending_drops += gap * d.shots_per_frame
             d.drops_total += gap * d.shots_per_frame

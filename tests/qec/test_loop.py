@@ -95,6 +95,22 @@ def test_a_full_decoder_queue_drops_shots_and_every_shot_is_accounted_for():
     assert res.controller.statuses.get("enqueue.BUSY", 0) > 0
 
 
+def test_frames_and_requests_lost_on_a_lossy_link_are_dropped_shots_never_wrong_ones():
+    import os
+
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    stream = sample_stream(build_source(spec), num_shots=500, seed=4)
+    # the controller's sends (syndrome frames and get_corrections) cross a modeled link losing 2 %
+    res = run_loop(transport=f"emulated+shm://qlink-lossy-{os.getpid()}?link=nvqlink", source=spec, stream=stream,
+                   num_shots=500, rounds_per_frame=1, warmup_shots=0, max_in_flight_shots=64, timeout_s=120,
+                   controller_query="drop=0.02&seed=5", controller_options={"get_timeout_ns": 20_000_000})
+    assert res.transport.startswith("emulated") and res.basis == "modeled"
+    assert res.shots_dropped > 0 and res.shots_ok + res.shots_dropped == 500
+    answered = res.controller.correct >= 0
+    assert np.array_equal(res.controller.corrections[answered], _direct(spec, stream)[answered])
+    assert res.service["counts"]["frames_lost"] > 0
+
+
 def test_loop_result_reports_stages_backlog_and_ler_under_a_deadline():
     spec = source_spec(distance=3, rounds=3, p=0.01)
     res = run_loop(transport="tcp", source=spec, num_shots=400, seed=2, rounds_per_frame=2, warmup_shots=20,

@@ -428,3 +428,37 @@ def test_a_window_with_a_dropped_shot_is_dropped_and_consumes_nothing(code):
         assert p.service.report()["counts"]["shots_dropped"] == 4
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_frame_loss_drops_exactly_the_shots_that_lost_a_frame(code, seed):
+    dem, _, _ = code
+    circuit = _circuit()
+    dets, _ = circuit.compile_detector_sampler(seed=seed).sample(300, separate_observables=True)
+    dets = dets.astype(np.uint8)
+    expected = compile_decoder("pymatching", dem).decode_batch(dets)
+    rounds = np.array([int(c[-1]) for c in dem.get_detector_coordinates().values()])
+    R = rounds.max() + 1
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem, frames_per_shot=R)}, ack_enqueue="none"))
+    try:
+        rng = np.random.default_rng(seed)
+        counter, lost = 0, set()
+        for shot in range(300):
+            for r in range(R):
+                if rng.random() < 0.03:
+                    lost.add(shot)  # this frame never arrives; its counter value is used up
+                else:
+                    p.enqueue(dets[shot][rounds == r], counter=counter)
+                counter += 1
+        p.enqueue(dets[0][rounds == 0], counter=counter)  # a later frame shows a lost tail
+        gets = [p.get() for _ in range(300)]
+        answers = _answers_by_rid(p.run())
+        for shot, rid in enumerate(gets):
+            status, result = answers[rid]
+            if shot in lost:
+                assert status == Status.SYNDROMES_DROPPED, f"shot {shot} lost a frame but was answered {status!r}"
+            else:
+                assert status == Status.OK and _flip(result) == expected[shot].tolist(), f"shot {shot}"
+        assert p.service.report()["counts"]["shots_dropped"] == len(lost) > 0
+    finally:
+        p.close()
