@@ -1,0 +1,411 @@
+"""Crash runs: a peer SIGKILLed mid-run, how soon the other side knows, and what survives.
+
+* :func:`qec_service_kill_run` -- the decoder service process dies while a controller
+  streams shots to it. The controller sees :class:`~qlink.errors.BrokenLinkError`
+  (detection time measured from the kill); the experiment resumes against a fresh
+  service without restarting: shots answered before are kept, the shots in flight are
+  reported lost by their ids. The controller runs in chunks (one
+  :class:`~qlink.qec.controller.Controller` per chunk, the counter carried over),
+  because ``Controller.run`` returns nothing when it raises: a chunk in flight at the
+  kill is lost as a whole.
+* :func:`qec_controller_kill_run` -- a controller process dies mid-run. The decoder
+  service (one :class:`~qlink.qec.service.DecoderService` behind an accept loop, in its
+  own process) sees the link break (time measured), keeps listening, and serves the next
+  controller: with ``reset_first`` that controller sends ``reset_decoder`` before its
+  shots.
+* :func:`kv_receiver_kill_run` / :func:`kv_sender_kill_run` -- one side of a KV transfer
+  dies mid-transfer. The sender gets BrokenLinkError; the receiver gets a typed error and
+  never reports a layer that did not land whole (checked bit for bit).
+
+Times are ``time.monotonic_ns`` on one host (shared by its processes).
+
+>>> sorted(KILL_RUNS)
+['kv_receiver', 'kv_sender', 'qec_controller', 'qec_service']
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["qec_service_kill_run", "qec_controller_kill_run", "kv_receiver_kill_run", "kv_sender_kill_run",
+           "KILL_RUNS", "serve_forever"]
+
+_names = iter(range(1 << 62))
+
+
+def _url(transport: str) -> str:
+    if transport in ("tcp", "ucx"):
+        return f"{transport}://127.0.0.1:0"
+    if transport == "shm":
+        return f"shm://qlink-crash-{os.getpid()}-{next(_names)}"
+    raise ValueError(f"a crash run needs a cross-process transport (shm, tcp, ucx), got {transport!r}")
+
+
+def _kill(proc) -> int:
+    """SIGKILL a child; return the monotonic time of the kill."""
+    t = time.monotonic_ns()
+    os.kill(proc.pid, signal.SIGKILL)
+    return t
+
+
+def _reap(proc, timeout_s: float = 10.0) -> None:
+    if proc is None:
+        return
+    if proc.is_alive():
+        proc.kill()
+    proc.join(timeout_s)
+
+
+# ----------------------------------------------------------------------------- QEC
+
+
+def _qec_setup(distance: int, num_shots: int, seed: int):
+    from qlink.qec.loop import build_source, sample_stream, source_spec
+
+    spec = source_spec(distance=distance, rounds=distance, p=0.001)
+    stream = sample_stream(build_source(spec), num_shots=num_shots, seed=seed)
+    configs = {0: {"source": spec, "decoder": "pymatching", "frames_per_shot": 1}}
+    return spec, stream, configs
+
+
+def qec_service_kill_run(*, transport: str = "tcp", num_shots: int = 4000, chunk_shots: int = 200,
+                         cycle_ns: int = 20_000, kill_after_s: float = 0.3, distance: int = 3, seed: int = 1,
+                         timeout_s: float = 60.0) -> dict:
+    """See the module docstring. Returns the accounting and the measured detection time."""
+    import transports
+    from qlink.errors import BrokenLinkError
+    from qlink.qec.controller import Controller
+    from qlink.qec.service import start_service_process
+
+    _, stream, configs = _qec_setup(distance, num_shots, seed)
+    opts = {"ack_enqueue": "errors"}
+    svc = start_service_process(_url(transport), configs, service_options=opts)
+    services_started = 1
+    ep = transports.connect(svc.url, timeout_s=30)
+    status = np.full(num_shots, -1, np.int8)  # 1 decoded, 2 answered dropped/failed, 0 lost in flight
+    kill_at: list[int] = []
+    timer = threading.Timer(kill_after_s, lambda: kill_at.append(_kill(svc.process)))
+    detect_ns = None
+    n_dropped = n_failed = 0
+    lost_ids: list[int] = []
+    counter = 0
+    t_start = time.monotonic()
+    try:
+        timer.start()
+        lo = 0
+        while lo < num_shots:
+            hi = min(lo + chunk_shots, num_shots)
+            ctl = Controller(ep, _rows(stream, lo, hi),
+                             cycle_ns=cycle_ns, rounds_per_frame=0, counter_start=counter,
+                             start_delay_ns=20_000)
+            try:
+                res = ctl.run(timeout_s=timeout_s)
+            except BrokenLinkError:
+                t = time.monotonic_ns()
+                if detect_ns is None and kill_at:
+                    detect_ns = t - kill_at[0]
+                status[lo:hi] = 0
+                lost_ids.extend(range(lo, hi))
+                ep.close()
+                svc.close()
+                svc = start_service_process(_url(transport), configs, service_options=opts)  # resume: a new service
+                services_started += 1
+                ep = transports.connect(svc.url, timeout_s=30)
+                counter = 0
+                lo = hi
+                continue
+            status[lo:hi] = np.where(res.correct >= 0, 1, 2)  # decoded, or answered dropped / failed
+            n_dropped += res.shots_dropped
+            n_failed += res.shots_failed
+            counter = ctl.counter
+            lo = hi
+    finally:
+        timer.cancel()
+        ep.close()
+        svc.close()
+    accounted = int((status >= 0).sum())
+    return {
+        "scenario": "qec_service_killed", "transport": transport, "shots": num_shots, "chunk_shots": chunk_shots,
+        "killed": bool(kill_at), "detection_s": None if detect_ns is None else detect_ns / 1e9,
+        "decoded": int((status == 1).sum()), "reported_dropped": n_dropped,
+        "failed": n_failed, "lost_in_flight": len(lost_ids), "lost_shot_ids": lost_ids,
+        "services_started": services_started, "accounted_pct": 100.0 * accounted / num_shots,
+        "elapsed_s": time.monotonic() - t_start,
+    }
+
+
+def _rows(stream, lo: int, hi: int):
+    from qlink.qec.controller import SyndromeStream
+
+    return SyndromeStream(stream.detectors[lo:hi], stream.observables[lo:hi], stream.round_of_detector)
+
+
+def serve_forever(url: str, configs_spec: dict, ready, events, *, max_connections: int = 4,
+                  service_options: dict | None = None) -> None:
+    """An accept loop around one DecoderService (target of a spawned process): serve each
+    controller until its link breaks or closes, report ``("closed", monotonic_ns, counts)``
+    on ``events``, then accept the next one."""
+    import transports
+    from qlink.qec.service import DecoderConfig, DecoderService
+
+    configs = {int(k): DecoderConfig.from_spec(v) for k, v in configs_spec.items()}
+    service = DecoderService(configs, **dict(service_options or {}))
+    with transports.listen(url) as lis:
+        ready.put(lis.url)
+        for _ in range(max_connections):
+            ep = lis.accept(timeout_s=120)
+            try:
+                rep = service.serve(ep)
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                events.put(("error", time.monotonic_ns(), f"{type(e).__name__}: {e}"))
+                continue
+            finally:
+                ep.close()
+            events.put(("closed", time.monotonic_ns(), dict(rep["counts"])))
+
+
+def _controller_child(url: str, distance: int, num_shots: int, cycle_ns: int, seed: int, ready) -> None:
+    """A controller playing a long stream (target of a spawned process; it is killed mid-run)."""
+    import transports
+    from qlink.qec.controller import Controller
+
+    _, stream, _ = _qec_setup(distance, num_shots, seed)
+    ep = transports.connect(url, timeout_s=30)
+    ctl = Controller(ep, stream, cycle_ns=cycle_ns, rounds_per_frame=1)
+    ready.put(os.getpid())
+    ctl.run(timeout_s=600)
+
+
+def _reset_decoder(ep, decoder_id: int = 0, *, timeout_s: float = 5.0) -> int:
+    from qlink import wire
+
+    buf = bytearray(64)
+    n = wire.encode_reset_decoder_into(buf, request_id=0x7FFF_FFF0, decoder_id=decoder_id)
+    ep.send(buf[:n], timeout_s=timeout_s)
+    return int(wire.decode_response(ep.recv(timeout_s=timeout_s)).status)
+
+
+def qec_controller_kill_run(*, transport: str = "tcp", reset_first: bool = True, distance: int = 3,
+                            num_shots: int = 300, cycle_ns: int = 20_000, kill_after_s: float = 0.3, seed: int = 1,
+                            timeout_s: float = 30.0) -> dict:
+    """See the module docstring. The second controller runs here; ``reset_first`` makes it
+    send ``reset_decoder`` before its shots."""
+    import queue
+
+    import transports
+    from qlink.errors import QlinkTimeoutError
+    from qlink.qec.controller import Controller
+
+    _, stream, configs = _qec_setup(distance, num_shots, seed)
+    configs[0]["frames_per_shot"] = len(stream.frames(rounds_per_frame=1))
+    ctx = mp.get_context("spawn")
+    ready, events, cready = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    service = ctx.Process(target=serve_forever, args=(_url(transport), configs, ready, events),
+                          kwargs=dict(service_options={"ack_enqueue": "errors"}), daemon=True,
+                          name="qlink-crash-service")
+    controller = None
+    out: dict[str, Any] = {"scenario": "qec_controller_killed", "transport": transport, "reset_first": reset_first}
+    try:
+        service.start()
+        url = ready.get(timeout=120)
+        controller = ctx.Process(target=_controller_child, args=(url, distance, 10**6, cycle_ns, seed + 1, cready),
+                                 daemon=True, name="qlink-crash-controller")
+        controller.start()
+        cready.get(timeout=120)
+        time.sleep(kill_after_s)
+        t_kill = _kill(controller)
+        kind, t_closed, counts = events.get(timeout=30)
+        out["service_saw"] = kind
+        out["detection_s"] = (t_closed - t_kill) / 1e9
+        out["first_controller_requests"] = counts.get("requests", 0)
+        out["service_alive"] = service.is_alive()
+        ep = transports.connect(url, timeout_s=30)
+        try:
+            if reset_first:
+                out["reset_status"] = _reset_decoder(ep)
+            try:
+                res = Controller(ep, stream, cycle_ns=cycle_ns, rounds_per_frame=1).run(timeout_s=timeout_s)
+                out.update(next_ok=res.shots_ok, next_dropped=res.shots_dropped, next_logical_errors=res.logical_errors,
+                           next_statuses=dict(res.statuses))
+            except QlinkTimeoutError as e:
+                out.update(next_ok=0, next_error=str(e))
+        finally:
+            ep.close()
+        try:
+            out["second_closed"] = events.get(timeout=10)[0]
+        except queue.Empty:
+            out["second_closed"] = None
+    finally:
+        _reap(controller)
+        _reap(service)
+    out["next_shots"] = num_shots
+    return out
+
+
+# ------------------------------------------------------------------------------ KV
+
+
+def _kv_receiver_child(url: str, spec_bytes: bytes, ready) -> None:
+    """A KV receiver waiting on requests 1, 2, ... (target of a spawned process; killed mid-transfer)."""
+    import transports
+    from qlink.ai import KVCache, KVCacheSpec, KVReceiver
+
+    cache = KVCache.allocate(KVCacheSpec.from_bytes(spec_bytes))
+    ep = transports.connect(url, timeout_s=30)
+    rx = KVReceiver(ep, cache)
+    ready.put(os.getpid())
+    rid = 1
+    while True:
+        rx.wait_request(rid, timeout_s=600)
+        rid += 1
+
+
+def kv_receiver_kill_run(*, transport: str = "tcp", num_blocks: int = 32, kill_after_s: float = 0.5,
+                         give_up_s: float = 5.0, timeout_s: float = 30.0) -> dict:
+    """The sender (here) pushes whole-cache requests of the ``llama-3-8b`` layout
+    (``num_blocks`` blocks of 16 tokens) until the receiver process is SIGKILLed; returns
+    how long the sender took to see BrokenLinkError (None if it still had not ``give_up_s``
+    after the kill)."""
+    import transports
+    from qlink.ai import KVCache, KVSender, preset
+    from qlink.errors import BrokenLinkError, QlinkError
+
+    spec = preset("llama-3-8b", num_blocks=num_blocks)
+    cache = KVCache.allocate(spec)
+    for i, a in enumerate(cache.layers):
+        a.view(np.uint8).fill(i + 1)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    out: dict[str, Any] = {"scenario": "kv_receiver_killed", "transport": transport,
+                           "request_nbytes": spec.nbytes}
+    proc = None
+    with transports.listen(_url(transport)) as lis:
+        try:
+            proc = ctx.Process(target=_kv_receiver_child, args=(lis.url, spec.to_bytes(), ready), daemon=True,
+                               name="qlink-crash-kv-receiver")
+            proc.start()
+            ep = lis.accept(timeout_s=120)
+            try:
+                ready.get(timeout=120)
+                tx = KVSender(ep, cache)
+                tx.handshake(timeout_s=30)
+                ids = list(range(num_blocks))
+                kill_at: list[int] = []
+                timer = threading.Timer(kill_after_s, lambda: kill_at.append(_kill(proc)))
+                timer.start()
+                sent = 0
+                err: BaseException | None = None
+                try:
+                    while True:
+                        tx.send_request(sent + 1, ids, ids, timeout_s=timeout_s)
+                        sent += 1
+                        if kill_at and time.monotonic_ns() - kill_at[0] > give_up_s * 1e9:
+                            break
+                except QlinkError as e:
+                    err = e
+                t = time.monotonic_ns()
+                timer.cancel()
+                out.update(requests_sent=sent, error=type(err).__name__ if err else None,
+                           broken_link=isinstance(err, BrokenLinkError),
+                           detection_s=(t - kill_at[0]) / 1e9 if kill_at and err else None,
+                           mode=tx.mode)
+            finally:
+                ep.close()
+        finally:
+            _reap(proc)
+    return out
+
+
+def _kv_sender_child(url: str, spec_bytes: bytes, seed: int, layer_gap_s: float, ready) -> None:
+    """A KV sender that pushes one whole-cache request layer by layer, ``layer_gap_s`` apart
+    (prefill producing its layers), then idles (target of a spawned process; killed mid-transfer)."""
+    import transports
+    from qlink.ai import KVCache, KVCacheSpec, KVSender
+
+    spec = KVCacheSpec.from_bytes(spec_bytes)
+    cache = KVCache.allocate(spec)
+    cache.fill_random(seed=seed)
+    ep = transports.connect(url, timeout_s=30)
+    tx = KVSender(ep, cache)
+    tx.handshake(timeout_s=30)
+    ids = list(range(spec.num_blocks))
+    req = tx.begin_request(7, ids, ids)
+    ready.put(os.getpid())
+    for layer in req.layers:
+        req.send_layer(layer, timeout_s=60)
+        time.sleep(layer_gap_s)
+    time.sleep(600)
+
+
+def _ready_layers_after(rx, rid: int, num_layers: int) -> int:
+    """Layers of ``rid`` the receiver reported ready (asked one by one without waiting: a
+    layer ready before the link broke stays ready)."""
+    n = 0
+    for layer in range(num_layers):
+        try:
+            rx.wait_layer(rid, layer, timeout_s=0)
+        except Exception:  # noqa: BLE001 - the first layer that is not ready ends the count
+            break
+        n += 1
+    return n
+
+
+def kv_sender_kill_run(*, transport: str = "tcp", num_blocks: int = 8, seed: int = 5, layer_gap_s: float = 0.02,
+                       kill_at_layer: int = 3, timeout_s: float = 30.0) -> dict:
+    """A sender process pushes one request of the ``llama-3-8b`` layout layer by layer and is
+    SIGKILLed once the receiver (here) has ``kill_at_layer`` layers; the receiver must raise
+    a typed error, and every layer it reported ready must match the sender's bytes."""
+    import transports
+    from qlink.ai import KVCache, KVReceiver, preset
+    from qlink.errors import QlinkError
+
+    spec = preset("llama-3-8b", num_blocks=num_blocks)
+    expected = KVCache.allocate(spec, shared=False)
+    expected.fill_random(seed=seed)  # the sender's cache, rebuilt from its seed
+    cache = KVCache.allocate(spec)
+    ids = list(range(num_blocks))
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    out: dict[str, Any] = {"scenario": "kv_sender_killed", "transport": transport, "request_nbytes": spec.nbytes,
+                           "layers": spec.num_layers}
+    proc = None
+    with transports.listen(_url(transport)) as lis:
+        try:
+            proc = ctx.Process(target=_kv_sender_child, args=(lis.url, spec.to_bytes(), seed, layer_gap_s, ready),
+                               daemon=True, name="qlink-crash-kv-sender")
+            proc.start()
+            ep = lis.accept(timeout_s=120)
+            try:
+                rx = KVReceiver(ep, cache)
+                ready.get(timeout=120)
+                rx.wait_layer(7, kill_at_layer - 1, timeout_s=timeout_s)
+                t_kill = _kill(proc)
+                err = None
+                try:
+                    rx.wait_request(7, timeout_s=timeout_s, release=False)
+                except QlinkError as e:
+                    err = e
+                t = time.monotonic_ns()
+                ready_n = _ready_layers_after(rx, 7, spec.num_layers)
+                bad = sum(int(not (cache.block_checksums(ids, layers=[k]) ==
+                                   expected.block_checksums(ids, layers=[k])).all()) for k in range(ready_n))
+                out.update(ready_layers=ready_n, error=type(err).__name__ if err else None,
+                           detection_s=(t - t_kill) / 1e9 if err else None, partial_layers_reported=bad,
+                           completed=err is None)
+                rx.close()
+            finally:
+                ep.close()
+        finally:
+            _reap(proc)
+    return out
+
+
+KILL_RUNS = {"qec_service": qec_service_kill_run, "qec_controller": qec_controller_kill_run,
+             "kv_receiver": kv_receiver_kill_run, "kv_sender": kv_sender_kill_run}
