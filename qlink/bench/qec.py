@@ -138,7 +138,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distance
                                                                   warmup=200), 50))
                 row["floor_rt_p50_us"] = floors[t] / 1e3
                 common = dict(transport=t, source=spec, stream=stream, num_shots=shots, decoder=decoder,
-                              rounds_per_frame=0, timeout_s=300)
+                              rounds_per_frame=0, timeout_s=300, pin_cpus=True)
                 flat = run_loop(cycle_ns=1, shots_per_frame=k_flat, warmup_shots=2 * k_flat,
                                 max_in_flight_shots=max_in_flight_frames * k_flat, keep_samples=0,
                                 capacity_shots=max(1024, 2 * max_in_flight_frames * k_flat), **common)

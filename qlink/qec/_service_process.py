@@ -18,17 +18,25 @@ __all__ = ["run_service_process", "ServiceProcess", "start_service_process"]
 
 def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, ready_queue=None,
                         result_queue=None, accept_timeout_s: float = 30.0, timeout_s: float | None = None,
-                        service_options: Mapping[str, Any] | None = None) -> dict:
+                        service_options: Mapping[str, Any] | None = None, pin_cpu: int | None = None) -> dict:
     """Run a decoder service in this process: listen on ``url``, serve one peer, report.
 
     ``configs_spec`` is plain data, ``{decoder_id: {"source": {...}, "decoder": name, ...}}``;
     every DEM is rebuilt here from its source spec. ``ready_queue`` gets the bound URL
     (or ``"error: ..."``) once listening; ``result_queue`` gets the report as a JSON
-    string. This is the target of :func:`start_service_process` (spawn).
+    string; ``pin_cpu`` pins this process to that CPU slot (busy-polling benchmarks
+    keep the service and the controller on different cores). This is the target of
+    :func:`start_service_process` (spawn).
     """
     import transports
 
+    from qlink.bench._procs import die_with_parent, pin_to_cpu
+
     from .service import DecoderConfig, DecoderService
+
+    die_with_parent()  # a service never outlives the process that started it
+    if pin_cpu is not None:
+        pin_to_cpu(pin_cpu)
 
     try:
         configs = {int(k): DecoderConfig.from_spec(v) for k, v in configs_spec.items()}

@@ -40,7 +40,7 @@ from qlink.clock import now_ns, ptp_now_ns
 from qlink.errors import QlinkError, QlinkTimeoutError, WouldBlock
 from qlink.wire import Status
 
-from .timeline import CONTROLLER_SHOT_FIELDS, ShotRecords, StageRecorder
+from .timeline import CONTROLLER_SHOT_FIELDS, ShotRecords, StageRecorder, record_values
 
 __all__ = [
     "SyndromeStream",
@@ -433,7 +433,6 @@ class Controller:
         self._asked = 0  # shots whose syndromes have all been sent
         self._claimed = 0  # shots covered by get_corrections in flight
         self._gets: dict[int, tuple[int, int]] = {}  # request_id -> (shots covered, sent at)
-        self._singles_owed = 0  # asks to send one shot at a time (after a window with a dropped shot)
         self._first_get_upto = 0
         self._repoll_due = 0
         self._stall_since = 0
@@ -584,11 +583,7 @@ class Controller:
         k = self.shots_per_frame
         while self._claimed < self._asked - self._resolved:
             u = self._resolved + self._claimed
-            if self._singles_owed > 0:
-                m = 1
-                self._singles_owed -= 1
-            else:
-                m = min(k, self._asked - u)
+            m = min(k, self._asked - u)
             rid = _GET_BIT | self._get_rid
             self._get_rid = (self._get_rid + 1) & 0x7FFFFFFF
             _GET_RETURN.pack_into(self._get, _GET_RETURN_OFFSET, m * self.stream.num_observables)
@@ -660,12 +655,6 @@ class Controller:
                     self._stall_since = t_resp
             return
         self._stall_since = 0
-        if status == Status.SYNDROMES_DROPPED and m > 1:
-            # some shot of the window was dropped (nothing consumed): the next m asks go one shot
-            # at a time, so the dropped ones are answered (and passed) individually
-            self._singles_owed += m
-            self._top_up(t_resp)
-            return
         if status not in (Status.OK, Status.SYNDROMES_DROPPED, Status.INTERNAL_ERROR):
             raise QlinkError(
                 f"the decoder service refused get_corrections with {status!r} (request {resp.request_id}): "
@@ -677,6 +666,16 @@ class Controller:
                 self._apply_one(r, resp.result, t_resp, t_get)
             else:
                 self._apply_many(r, m, resp.result, t_resp, t_get)
+        elif status == Status.SYNDROMES_DROPPED and m > 1:
+            # a window with dropped shots: the flips of all m, then the mask of the dropped ones
+            no = self.stream.num_observables
+            k = (m * no + 7) >> 3
+            res = resp.result
+            if len(res) < k + ((m + 7) >> 3):
+                raise QlinkError(f"a SYNDROMES_DROPPED answer for {m} shots carries {len(res)} result bytes; "
+                                 f"expected the flips ({k} bytes) and a dropped mask ({(m + 7) >> 3} bytes)")
+            dropped = np.unpackbits(np.frombuffer(res[k:], np.uint8), count=m, bitorder="little").astype(bool)
+            self._apply_many(r, m, res[:k], t_resp, t_get, dropped=dropped)
         else:
             self._status[r:r + m] = int(status)
             if status == Status.SYNDROMES_DROPPED:
@@ -708,7 +707,7 @@ class Controller:
         if self._keep:
             self._keep_records(shot, 1, t_resp, t_applied, 0)
 
-    def _apply_many(self, r: int, m: int, res, t_resp: int, t_get: int) -> None:
+    def _apply_many(self, r: int, m: int, res, t_resp: int, t_get: int, *, dropped=None) -> None:
         no, nbo = self.stream.num_observables, self._nbo
         raw = np.frombuffer(res, np.uint8)
         if no % 8 == 0:
@@ -716,22 +715,32 @@ class Controller:
         else:
             bits = np.unpackbits(raw, count=m * no, bitorder="little").reshape(m, no)
             rows = np.packbits(bits, axis=1, bitorder="little")
-        self._corrections[r:r + m] = rows
-        self._frame ^= int.from_bytes(np.bitwise_xor.reduce(rows, axis=0).tobytes(), "little")
+        ok = slice(None) if dropped is None else ~dropped
+        self._corrections[r:r + m][ok] = rows[ok]
+        self._frame ^= int.from_bytes(np.bitwise_xor.reduce(rows[ok], axis=0).tobytes(), "little") \
+            if rows[ok].size else 0
         t_applied = now_ns()
         right = (rows == self._truth_packed[r:r + m]).all(axis=1)
-        n_right = int(right.sum())
-        self._ok += m
-        self._errors += m - n_right
-        self._correct[r:r + m] = right
-        self._status[r:r + m] = 0
         reaction = t_applied - self._emit_last[r:r + m]
+        status = np.zeros(m, np.int64)
+        if dropped is not None:
+            status[dropped] = int(Status.SYNDROMES_DROPPED)
+            n_drop = int(dropped.sum())
+            self._dropped += n_drop
+            right = np.where(dropped, -1, right)
+            reaction = np.where(dropped, -1, reaction)
+        n_ok = m if dropped is None else m - n_drop
+        self._ok += n_ok
+        self._errors += n_ok - int((right == 1).sum())
+        self._correct[r:r + m] = right
+        self._status[r:r + m] = status
         self._reaction[r:r + m] = reaction
-        self._h_reaction.record_many(reaction)
-        self._h_apply.record_many(np.full(m, t_applied - t_resp, np.int64))
-        self._h_rtt.record_many(np.full(m, t_resp - t_get, np.int64))
+        if n_ok:
+            record_values(self._h_reaction, reaction[reaction >= 0])
+            self._h_apply.record(t_applied - t_resp)  # one sample per answer
+            self._h_rtt.record(t_resp - t_get)
         if self._keep:
-            self._keep_records(r, m, t_resp, t_applied, 0)
+            self._keep_records(r, m, t_resp, t_applied, status)
 
     def _keep_records(self, r: int, m: int, t_resp: int, t_applied: int, status: int) -> None:
         if m == 1:
@@ -741,6 +750,6 @@ class Controller:
             return
         sl = slice(r, r + m)
         self.records.extend(
-            shot=np.arange(r, r + m), last_request_id=self._rid_last[sl], emit_last_ns=self._emit_last[sl],
+            m, shot=np.arange(r, r + m), last_request_id=self._rid_last[sl], emit_last_ns=self._emit_last[sl],
             sent_last_ns=self._sent_last[sl], get_sent_ns=self._get_sent[sl], response_ns=t_resp,
             applied_ns=t_applied, polls=self._polls[sl], status=status, correct=self._correct[sl])

@@ -292,7 +292,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
              warmup_shots: int = 200, gap_cycles: int = 0, timeout_s: float = 300.0,
              stream: SyndromeStream | None = None, max_batch_requests: int = 256,
              max_in_flight_shots: int | None = None, controller_query: str | None = None,
-             controller_options: Mapping[str, Any] | None = None) -> LoopResult:
+             controller_options: Mapping[str, Any] | None = None, pin_cpus: bool = False) -> LoopResult:
     """Run the closed loop: service in a child process (or thread), controller here.
 
     ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``inproc``) or a URL;
@@ -305,7 +305,9 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     ``controller_query`` is appended to the URL the controller connects with (for an
     ``emulated+…`` transport: faults on the controller's sends only, e.g.
     ``"drop=0.01&seed=3"``); ``controller_options`` go to the
-    :class:`~qlink.qec.controller.Controller` (``get_timeout_ns``, ``poll_interval_ns`` …).
+    :class:`~qlink.qec.controller.Controller` (``get_timeout_ns``, ``poll_interval_ns`` …);
+    ``pin_cpus`` puts the service process and the controller on different CPUs for
+    the run (both busy-poll).
     """
     import transports
 
@@ -329,7 +331,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     thread_out: dict = {}
     if caps.cross_process:
         proc = start_service_process(url, configs_spec, service_options=service_options,
-                                     timeout_s=timeout_s + 60)
+                                     timeout_s=timeout_s + 60, pin_cpu=1 if pin_cpus else None)
         bound = proc.url
     else:
         ready: list = []
@@ -346,6 +348,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     old_switch = sys.getswitchinterval()
     if thread is not None:
         sys.setswitchinterval(2e-5)
+    pinned_before = None
+    if pin_cpus and proc is not None:
+        from qlink.bench._procs import pin_to_cpu
+
+        pinned_before = pin_to_cpu(0)
     try:
         connect_url = bound
         if controller_query:
@@ -380,6 +387,8 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
             srep = thread_out
     finally:
         sys.setswitchinterval(old_switch)
+        if pinned_before is not None:
+            os.sched_setaffinity(0, pinned_before)
         if proc is not None:
             proc.close()
     if "error" in srep and not srep.get("counts"):

@@ -26,9 +26,10 @@ bits one shot carries (the DEM's detector count):
   with load.
 * A frame may carry several whole shots, and ``get_corrections`` with
   ``return_size`` = m × observables answers the m oldest shots at once (their
-  flips one after the other); a window holding a dropped shot is answered
-  ``SYNDROMES_DROPPED`` and consumes nothing, so the caller asks those shots one
-  by one.
+  flips one after the other). A window holding dropped shots (a qlink extension
+  of the protocol) is answered ``SYNDROMES_DROPPED`` with a result: the flips of
+  the m shots (zeros for the dropped ones), then an m-bit mask of the dropped
+  ones, each part packed LSB first and byte-padded.
 
 Corrupt frames get ``BAD_REQUEST`` (``INVALID_DECODER`` for a decoder id out of
 range) where the header's ``request_id`` could be read; every refusal is counted by
@@ -79,7 +80,7 @@ from qlink.wire import FrameError, Status
 from transports._base import Backoff, BufferTooSmallError
 
 from ._decoder_state import _Decoder, _decode_packed, compile_decoder
-from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, StageRecorder
+from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, StageRecorder, record_values
 
 __all__ = [
     "DecoderConfig",
@@ -102,6 +103,8 @@ SERVICE_STAGES = (
     "residence",  # get_corrections received -> answer handed to the transport
     "shot_service",  # last syndrome frame received -> its corrections sent
 )
+# Samples are per shot, except where several whole shots share a frame and an answer:
+# then queue, respond and shot_service take one sample per frame / answer.
 
 _ACK_MODES = ("all", "errors", "none")
 _MAX_FRAME_NBYTES = wire.enqueue_syndromes_nbytes(wire.MAX_SYNDROME_BITS)
@@ -218,6 +221,7 @@ class DecoderService:
         self._st_tin = [0] * m
         self._st_fn = [0] * m
         self._st_peer = [None] * m  # sender of each staged frame, for any-peer (datagram) endpoints
+        self._st_plan: list = [None] * m  # a window's shots when it holds dropped ones
         self._peer = None
         self._n_staged = 0
         self._ep = None
@@ -261,6 +265,7 @@ class DecoderService:
         self._st_seq[i] = seq
         self._st_bits[i] = bits
         self._st_peer[i] = self._peer
+        self._st_plan[i] = None
         self._n_staged = i + 1
 
     def _refuse(self, fault: str, status: int, rid: int, ptp: int, t_in: int, fn: int) -> None:
@@ -498,19 +503,9 @@ class DecoderService:
         consume = p.reset
         cap = d.capacity
         if m > 1:
-            avail = d.cmp - d.ret
             if d.drops_total:
-                # A window with a dropped shot in it is answered SYNDROMES_DROPPED and consumes
-                # nothing: the caller asks those shots one by one.
-                seen = min(avail, m)
-                db = d.drops_before
-                dropped = any(db[(d.ret + j) % cap] for j in range(seen))
-                if not dropped and avail < m:
-                    dropped = (db[d.cmp % cap] > 0) if d.filling else d.pending_drops > 0
-                if dropped:
-                    self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
-                    return
-            if avail < m:
+                return self._get_window_with_drops(d, m, rs, consume, rid, ptp, t_in)
+            if d.cmp - d.ret < m:
                 self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
                 return
             self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, rs)
@@ -541,6 +536,71 @@ class DecoderService:
             self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
         else:
             self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
+
+    def _get_window_with_drops(self, d: _Decoder, m: int, rs: int, consume: bool, rid: int, ptp: int,
+                               t_in: int) -> None:
+        """The m oldest shots when some were dropped: in order, each a queued shot or a drop.
+        Answered once all m are known (else NOT_READY): SYNDROMES_DROPPED with the flips of
+        the decoded ones and a mask of the dropped ones, or OK if none in the window was."""
+        cap = d.capacity
+        plan: list[int] = []  # shot sequence numbers, -1 for a dropped shot
+        taken: list[tuple[int, int]] = []  # (slot, drops consumed before it)
+        seq = d.ret
+        tail_take = 0
+        while len(plan) < m:
+            if seq < d.cmp:
+                slot = seq % cap
+                take = min(d.drops_before[slot], m - len(plan))
+                if take:
+                    plan += [-1] * take
+                    taken.append((slot, take))
+                if len(plan) == m:
+                    break
+                plan.append(seq)
+                seq += 1
+            else:
+                avail = d.drops_before[d.cmp % cap] if d.filling else d.pending_drops
+                tail_take = min(avail, m - len(plan))
+                plan += [-1] * tail_take
+                if len(plan) < m:
+                    self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
+                    return
+        i = self._n_staged
+        self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, rs)
+        self._st_plan[i] = plan
+        if consume:
+            for slot, take in taken:
+                d.drops_before[slot] -= take
+            if tail_take:
+                if d.filling:
+                    d.drops_before[d.cmp % cap] -= tail_take
+                else:
+                    d.pending_drops -= tail_take
+            d.drops_total -= sum(t for _, t in taken) + tail_take
+            d.ret = seq
+
+    def _planned_corrections(self, d: _Decoder, plan: list[int], bits: int) -> tuple[int, int]:
+        """Write a window's answer (flips, then the dropped mask if any); return (status, result bytes)."""
+        m = len(plan)
+        cap = d.capacity
+        kept = [q for q in plan if q >= 0]
+        if any(d.slot_status[q % cap] for q in kept):
+            return int(Status.INTERNAL_ERROR), 0
+        rows = np.zeros((m, d.nbo), np.uint8)
+        idx = np.array([j for j, q in enumerate(plan) if q >= 0], dtype=np.int64)
+        if idx.size:
+            rows[idx] = d.corr[np.array([q % cap for q in kept], dtype=np.int64), :d.nbo]
+        flat = np.unpackbits(rows, axis=1, count=d.num_obs, bitorder="little").reshape(-1)[:bits]
+        out = np.packbits(flat, bitorder="little")
+        k = out.size
+        hdr = wire.HEADER_NBYTES
+        self._tx_np[hdr:hdr + k] = out
+        dropped = np.array([q < 0 for q in plan], dtype=np.uint8)
+        if not dropped.any():
+            return 0, k
+        mask = np.packbits(dropped, bitorder="little")
+        self._tx_np[hdr + k:hdr + k + mask.size] = mask
+        return int(Status.SYNDROMES_DROPPED), k + mask.size
 
     def _reset(self, p, rid: int, ptp: int, t_in: int) -> None:
         self.counts["reset_decoder"] += 1
@@ -574,7 +634,8 @@ class DecoderService:
             self._rec_decode(t1 - t0)
             self._rec_decode_per_shot((t1 - t0) // n)
             if n > 8:
-                self.stages.histogram("queue").record_many(t0 - np.asarray(d.t_complete[a:a + n], np.int64))
+                # one sample per frame of whole shots (they completed together)
+                record_values(self.stages.histogram("queue"), t0 - np.unique(np.asarray(d.t_complete[a:a + n])))
             else:
                 rec_queue = self._rec_queue
                 tc = d.t_complete
@@ -603,7 +664,14 @@ class DecoderService:
                 d = self._decoders[self._st_dec[i]]
                 slot = self._st_seq[i] % d.capacity
                 bits = self._st_bits[i]
-                if bits > d.num_obs:
+                plan = self._st_plan[i]
+                if plan is not None:
+                    self._st_plan[i] = None
+                    m = len(plan)
+                    status, k = self._planned_corrections(d, plan, bits)
+                    nbytes = hdr + k if status in (0, int(Status.SYNDROMES_DROPPED)) else hdr
+                    d = None  # per-shot records only for the plain path
+                elif bits > d.num_obs:
                     m = bits // d.num_obs
                     status = self._many_corrections(d, slot, m, bits)
                     nbytes = hdr + ((bits + 7) >> 3) if status == 0 else hdr
@@ -666,14 +734,15 @@ class DecoderService:
         cols = {name: np.concatenate([np.asarray(getattr(d, name)[a:b], np.int64)
                                       for a, b in self._ring_slices(d, slot, m)])
                 for name in ("t_dec_end", "t_in_last")}
-        self.stages.histogram("respond").record_many(t_out - cols["t_dec_end"])
-        self.stages.histogram("shot_service").record_many(t_out - cols["t_in_last"])
+        # one sample per answer (its shots share a frame, a decoder call and this send)
+        self._rec_respond(t_out - int(cols["t_dec_end"].max()))
+        self._rec_shot_service(t_out - int(cols["t_in_last"].min()))
         if self.shots.capacity and len(self.shots) < self.shots.capacity:
             c = {name: np.concatenate([np.asarray(getattr(d, name)[a:b], np.int64)
                                        for a, b in self._ring_slices(d, slot, m)])
                  for name in ("rid_last", "ptp_last", "t_in_last", "t_complete", "t_dec_start", "t_dec_end",
                               "batch")}
-            self.shots.extend(last_request_id=c["rid_last"], ptp_last_ns=c["ptp_last"], in_last_ns=c["t_in_last"],
+            self.shots.extend(m, last_request_id=c["rid_last"], ptp_last_ns=c["ptp_last"], in_last_ns=c["t_in_last"],
                               complete_ns=c["t_complete"], decode_start_ns=c["t_dec_start"],
                               decode_end_ns=c["t_dec_end"], out_ns=t_out, batch_shots=c["batch"], status=0)
         else:

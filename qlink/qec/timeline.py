@@ -37,6 +37,7 @@ __all__ = [
     "join_shots",
     "stage_summary",
     "histogram_summary",
+    "record_values",
 ]
 
 # Service side, one row per decoded shot (timestamps in ns of the shared monotonic clock).
@@ -123,6 +124,24 @@ class StageRecorder:
         return {name: histogram_summary(h) for name, h in self._hists.items() if h.count}
 
 
+def record_values(hist, values) -> None:
+    """Record many durations: one by one for short arrays, where a vectorised pass over
+    the histogram's every bucket would cost more than the values themselves.
+
+    >>> from qlink.histogram import LatencyHistogram
+    >>> h = LatencyHistogram(); record_values(h, np.array([5, 7])); record_values(h, np.arange(1000))
+    >>> h.count
+    1002
+    """
+    a = np.asarray(values)
+    if a.size <= 512:
+        rec = hist.record
+        for v in a.tolist():
+            rec(v)
+    else:
+        hist.record_many(a)
+
+
 def histogram_summary(hist) -> dict:
     """p50/p99/p99.9/max in µs and the count of a LatencyHistogram (or its ``to_dict``)."""
     if isinstance(hist, dict):
@@ -159,27 +178,26 @@ class ShotRecords:
             col[i] = v
         self._n = i + 1
 
-    def extend(self, **columns) -> int:
-        """Append many rows at once: each column an array (or a scalar for all rows);
-        rows past ``capacity`` are counted in ``dropped``. Returns the rows stored.
+    def extend(self, num_rows: int, **columns) -> int:
+        """Append ``num_rows`` rows at once: each column an array of at least that many
+        values, or a scalar for all rows; rows past ``capacity`` are counted in
+        ``dropped``. Returns the rows stored.
 
         >>> rec = ShotRecords((("a", np.int64), ("b", np.int64)), capacity=3)
-        >>> rec.extend(a=np.array([1, 2]), b=7), rec.extend(a=np.array([3, 4]), b=8), rec.dropped
+        >>> rec.extend(2, a=np.array([1, 2]), b=7), rec.extend(2, a=np.array([3, 4]), b=8), rec.dropped
         (2, 1, 1)
         >>> rec.array()["b"].tolist()
         [7, 7, 8]
         """
-        names = self._data.dtype.names
-        if set(columns) != set(names):
-            raise ValueError(f"extend needs exactly the columns {list(names)}, got {sorted(columns)}")
-        m = max((np.size(v) for v in columns.values() if np.ndim(v)), default=1)
         i = self._n
-        n = max(0, min(m, self.capacity - i))
-        for name, v in columns.items():
-            if n:
-                self._data[name][i:i + n] = v[:n] if np.ndim(v) else v
+        n = max(0, min(num_rows, self.capacity - i))
+        if n:
+            data = self._data
+            for name, v in columns.items():
+                col = data[name]
+                col[i:i + n] = v[:n] if isinstance(v, (np.ndarray, list)) else v
         self._n = i + n
-        self.dropped += m - n
+        self.dropped += num_rows - n
         return n
 
     def __len__(self) -> int:

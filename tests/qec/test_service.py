@@ -409,23 +409,28 @@ def test_many_shots_per_frame_and_per_answer(code):
         p.close()
 
 
-def test_a_window_with_a_dropped_shot_is_dropped_and_consumes_nothing(code):
+def test_a_window_with_dropped_shots_answers_their_mask_beside_the_flips(code):
     dem, dets, expected = code
     p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem)}))
     try:
         p.enqueue(dets[0:4].reshape(-1), counter=0)  # shots 0-3
         # the frame with counter 1 (shots 4-7) is lost
         p.enqueue(dets[8:12].reshape(-1), counter=2)  # shots 8-11
-        window = p.get(return_size=8)  # shots 0-7: 4-7 were dropped
-        first = p.get(return_size=4)  # shots 0-3 are fine
-        singles = [p.get() for _ in range(4)]  # 4-7 one by one
-        rest = p.get(return_size=4)
+        first = p.get(return_size=6)  # shots 0-5: 4 and 5 were dropped
+        second = p.get(return_size=6)  # shots 6-11: 6 and 7 were dropped
         answers = _answers_by_rid(p.run())
-        assert answers[window][0] == Status.SYNDROMES_DROPPED
-        assert answers[first] == (Status.OK, np.packbits(expected[0:4, 0], bitorder="little").tobytes())
-        assert [answers[s][0] for s in singles] == [Status.SYNDROMES_DROPPED] * 4
-        assert answers[rest] == (Status.OK, np.packbits(expected[8:12, 0], bitorder="little").tobytes())
-        assert p.service.report()["counts"]["shots_dropped"] == 4
+        for rid, shots, lost in ((first, range(0, 6), {4, 5}), (second, range(6, 12), {6, 7})):
+            status, result = answers[rid]
+            assert status == Status.SYNDROMES_DROPPED
+            flips = np.unpackbits(np.frombuffer(result[:1], np.uint8), bitorder="little")[:6]
+            mask = np.unpackbits(np.frombuffer(result[1:2], np.uint8), bitorder="little")[:6]
+            assert mask.tolist() == [int(s in lost) for s in shots]
+            assert flips.tolist() == [0 if s in lost else int(expected[s, 0]) for s in shots]
+        assert len(answers[first][1]) == 2  # ceil(6 flips / 8) + ceil(6 mask bits / 8)
+        p.enqueue(dets[12:14].reshape(-1), counter=3)
+        ok = p.get(return_size=2)  # no drop left in the window: a plain OK
+        answers = _answers_by_rid(p.run())
+        assert answers[ok] == (Status.OK, np.packbits(expected[12:14, 0], bitorder="little").tobytes())
     finally:
         p.close()
 
