@@ -117,6 +117,7 @@ class _Decoder:
         self.drops_total = 0  # dropped shots not yet answered (fast path when 0)
         self.shots_per_frame = 1  # learned from frames carrying several whole shots
         self.next_counter: int | None = None
+        self.jump_candidate = -2  # a counter refused as too far ahead (confirmed by its successor)
         self.frames_per_shot = self.frames_cfg
 
     @property

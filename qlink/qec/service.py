@@ -8,7 +8,9 @@ bits one shot carries (the DEM's detector count):
 * ``enqueue_syndromes`` appends a round (or a window of rounds) of detection events
   to the decoder's current shot. ``counter`` must grow by one per request and
   decoder: a gap means frames were lost, and the shots they touched are *dropped*
-  (answered ``SYNDROMES_DROPPED`` later, counted). A request that does not fit the
+  (answered ``SYNDROMES_DROPPED`` later, counted); a jump further than the queue
+  could ever hold is taken for a corrupt counter and refused, unless the next frame
+  continues from it (a renumbering: only the refused frame counts as lost). A request that does not fit the
   shot (more bits than the shot has left, or a multi-shot window that is not whole
   shots) is ``BAD_REQUEST`` and changes nothing, so the sender may retry it with the
   same counter. Only ``syndrome_mapping_id`` 0 (identity) is known.
@@ -317,6 +319,15 @@ class DecoderService:
         if nxt is not None and counter != nxt:
             if counter < nxt:
                 return self._refuse("counter_backwards", Status.BAD_REQUEST, rid, ptp, t_in, _FN_ENQ)
+            if counter - nxt > d.capacity * (d.frames_per_shot or 1) * d.shots_per_frame:
+                if counter != d.jump_candidate + 1:
+                    # More frames lost than the queue could ever hold: more likely a corrupt counter
+                    # than a real loss. Refuse it (nothing changes); its successor confirms a jump.
+                    d.jump_candidate = counter
+                    return self._refuse("counter_jump", Status.BAD_REQUEST, rid, ptp, t_in, _FN_ENQ)
+                # Confirmed: the sender renumbered. Only the refused frame is lost.
+                self.faults["counter_resync"] += 1
+                nxt = d.next_counter = counter - 1
             # Lost frames: check the frame fits before touching state, then realign.
             self.faults["counter_gap"] += 1
             self.counts["frames_lost"] += counter - nxt

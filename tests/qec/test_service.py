@@ -467,3 +467,24 @@ def test_random_frame_loss_drops_exactly_the_shots_that_lost_a_frame(code, seed)
         assert p.service.report()["counts"]["shots_dropped"] == len(lost) > 0
     finally:
         p.close()
+
+
+def test_a_corrupt_counter_costs_only_its_own_shot_and_a_confirmed_jump_is_a_loss(code):
+    dem, dets, expected = code
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem, frames_per_shot=1, capacity_shots=8)}))
+    try:
+        for shot in range(6):
+            p.enqueue(dets[shot], counter=shot | (1 << 40) if shot == 2 else shot)  # one flipped counter bit
+        gets = [p.get() for _ in range(6)]
+        answers = _answers_by_rid(p.run())
+        assert [answers[g][0] for g in gets] == [Status.OK, Status.OK, Status.SYNDROMES_DROPPED] + [Status.OK] * 3
+        assert p.service.report()["faults"]["counter_jump"] == 1
+        # a real jump (two frames in a row continue from it) is accepted as lost frames
+        p.enqueue(dets[6], counter=1000)
+        p.enqueue(dets[7], counter=1001)
+        gets = [p.get() for _ in range(2)]
+        answers = _answers_by_rid(p.run())
+        assert [answers[g][0] for g in gets] == [Status.SYNDROMES_DROPPED, Status.OK]
+        assert answers[gets[1]][1] == bytes([expected[7][0]])
+    finally:
+        p.close()
