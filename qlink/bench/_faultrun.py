@@ -83,11 +83,12 @@ def _spec_for(fault: str, rate: float, *, seed: int, delay_ns: int, stop: int | 
 class _ServiceThread:
     """A DecoderService serving one endpoint accepted on ``url`` in a daemon thread."""
 
-    def __init__(self, service, url: str):
+    def __init__(self, service, url: str, *, faults=None):
         import transports
 
         self.service = service
-        self.listener = transports.listen(url)
+        self.listener = transports.listen(url, faults=faults)
+        self.endpoint = None
         self.url = self.listener.url
         self.report: dict = {}
         self.error: BaseException | None = None
@@ -98,6 +99,7 @@ class _ServiceThread:
     def _run(self) -> None:
         try:
             ep = self.listener.accept(timeout_s=30)
+            self.endpoint = ep
             try:
                 self.report = self.service.serve(ep, stop_event=self._stop)
             finally:
@@ -112,6 +114,16 @@ class _ServiceThread:
             self._thread.join(10)
         self.listener.close()
         return self.report or self.service.report()
+
+
+def _controller_options(**options) -> dict:
+    """The options this Controller accepts (older ones have no loss handling)."""
+    import inspect
+
+    from qlink.qec.controller import Controller
+
+    params = inspect.signature(Controller.__init__).parameters
+    return {k: v for k, v in options.items() if k in params}
 
 
 def _classify_corruptions(log) -> dict:
@@ -133,38 +145,53 @@ def _classify_corruptions(log) -> dict:
 
 def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots: int = 400, distance: int = 3,
                   rounds_per_frame: int = 0, cycle_ns: int = 20_000, delay_ns: int = 20_000_000, seed: int = 1,
-                  clean_tail_shots: int = 2, link: str = "ib-ndr", timeout_s: float = 60.0) -> dict:
+                  clean_tail_shots: int = 2, link: str = "ib-ndr", timeout_s: float = 60.0,
+                  direction: str = "to_service", get_timeout_ns: int = 50_000_000, p: float = 0.001,
+                  window: tuple[int, int | None] | None = None) -> dict:
     """The QEC loop (controller here, decoder service in a thread) with ``fault`` injected at
-    ``rate`` into the syndrome frames; returns the accounting (see the module docstring).
+    ``rate``; returns the accounting (see the module docstring).
 
-    ``rounds_per_frame=0`` sends each shot in one frame; 1 sends one frame per round.
-    A run that does not finish (a shot never answered) raises the controller's
-    QlinkTimeoutError.
+    ``direction="to_service"`` faults the syndrome frames (controller -> service);
+    ``"to_controller"`` faults every answer of the service (service -> controller), which
+    the controller meets with re-asks after ``get_timeout_ns``. ``rounds_per_frame=0``
+    sends each shot in one frame; 1 sends one frame per round. A run that does not finish
+    (a shot never answered) raises the controller's QlinkTimeoutError. ``window``
+    (first, stop) overrides which frames may be faulted; ``p`` is the circuit noise.
     """
     import transports
     from qlink.qec.controller import Controller
     from qlink.qec.loop import build_source, sample_stream, source_spec
     from qlink.qec.service import DecoderConfig, DecoderService
 
-    src = build_source(source_spec(distance=distance, rounds=distance, p=0.001))
+    src = build_source(source_spec(distance=distance, rounds=distance, p=p))
     stream = sample_stream(src, num_shots=num_shots, seed=seed)
     frames_per_shot = len(stream.frames(rounds_per_frame=rounds_per_frame))
     service = DecoderService({0: DecoderConfig(decoder="pymatching", dem=src.dem, frames_per_shot=frames_per_shot)},
                              ack_enqueue="errors")
+    if direction not in ("to_service", "to_controller"):
+        raise ValueError(f"direction must be 'to_service' or 'to_controller', got {direction!r}")
+    start, stop = window if window is not None else (0, (num_shots - clean_tail_shots) * frames_per_shot)
+    if direction == "to_service":
+        spec = _spec_for(fault, rate, seed=seed, delay_ns=delay_ns, start=start, stop=stop,
+                         min_nbytes=SYNDROME_FRAME_MIN_NBYTES)
+        service_faults = None
+    else:
+        spec = None
+        service_faults = _spec_for(fault, rate, seed=seed, delay_ns=delay_ns, stop=None)
     base = f"emulated+{inner_url(transport)}?link={link}"
-    st = _ServiceThread(service, base)
-    stop = (num_shots - clean_tail_shots) * frames_per_shot
-    spec = _spec_for(fault, rate, seed=seed, delay_ns=delay_ns, stop=stop, min_nbytes=SYNDROME_FRAME_MIN_NBYTES)
+    st = _ServiceThread(service, base, faults=service_faults)
     old_switch = sys.getswitchinterval()
     sys.setswitchinterval(2e-5)  # two busy-polling threads under one GIL: take turns often
     ep = None
     t0 = time.monotonic()
     try:
         ep = transports.connect(st.url.split("?", 1)[0] + f"?link={link}", faults=spec, timeout_s=10)
-        ctl = Controller(ep, stream, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame)
+        ctl = Controller(ep, stream, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
+                         **_controller_options(get_timeout_ns=get_timeout_ns))
         res = ctl.run(timeout_s=timeout_s)
-        stats = ep.statistics()
-        log = ep.fault_log()
+        faulty = ep if direction == "to_service" else st.endpoint
+        stats = faulty.statistics()
+        log = faulty.fault_log()
     finally:
         sys.setswitchinterval(old_switch)
         if ep is not None:
@@ -172,18 +199,29 @@ def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots:
         rep = st.close()
     elapsed = time.monotonic() - t0
     injected = stats.extra["faults"][fault]
+    # every shot answered OK must carry *its own* correction: the offline decode of the same shot
+    from qlink.qec.decoders import compile_decoder
+
+    packed = np.packbits(stream.detectors, axis=1, bitorder="little")
+    offline = np.asarray(compile_decoder("pymatching", src.dem).decode_shots_bit_packed(
+        bit_packed_detection_event_data=packed), np.uint8)
+    answered = res.correct >= 0
+    misattributed = int((res.corrections[answered] != offline[answered]).any(axis=1).sum())
     counts, faults = rep.get("counts", {}), rep.get("faults", {})
     accounted = res.shots_ok + res.shots_dropped + res.shots_failed
     row = {
-        "component": "qec", "fault": fault, "transport": transport, "rate": rate, "frames_per_shot": frames_per_shot,
+        "component": "qec", "direction": direction, "fault": fault, "transport": transport, "rate": rate, "frames_per_shot": frames_per_shot,
         "shots": num_shots, "frames_sent": stats.messages_sent, "injected": injected,
         "decoded": res.shots_ok, "reported_lost": res.shots_dropped, "failed": res.shots_failed,
         "accounted_pct": 100.0 * accounted / num_shots, "logical_errors": res.logical_errors,
+        "not_its_own_correction": misattributed,
         "service_decoded": counts.get("shots_decoded", 0), "service_dropped": counts.get("shots_dropped", 0),
         "frames_lost": counts.get("frames_lost", 0), "frames_refused": counts.get("frames_refused", 0),
         "counter_gap": faults.get("counter_gap", 0), "counter_backwards": faults.get("counter_backwards", 0),
         "service_faults": dict(faults), "controller_statuses": dict(res.statuses), "elapsed_s": elapsed,
+        "gets_presumed_lost": getattr(ctl, "gets_presumed_lost", None),
         "lost_shot_ids": [int(i) for i in np.flatnonzero(res.correct < 0)],
+        "fault_indices": [e.index for e in log if e.kind == fault],
     }
     if rep.get("error") or st.error is not None:
         row["service_error"] = rep.get("error") or repr(st.error)
