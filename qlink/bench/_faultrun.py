@@ -237,7 +237,7 @@ def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots:
         refused = counts.get("frames_refused", 0) + faults.get("decoder_not_configured", 0) + \
             faults.get("syndrome_mapping_id", 0)
         row.update(corrupt_fields=cls, refused=refused, detected=refused + min(cls["counter"], faults.get(
-            "counter_gap", 0) + faults.get("counter_backwards", 0)),
+            "counter_gap", 0) + faults.get("counter_backwards", 0) + faults.get("counter_jump", 0)),
             detectable=cls["detectable"] + cls["counter"], undetectable=cls["undetectable"], benign=cls["benign"],
             bound="on arrival (validation) / next frame (counter)")
     else:
