@@ -13,6 +13,9 @@ For each transport and code distance, on the same sampled shots:
   shots per frame (the throughput configuration): does the backlog stay flat
   (``keeps_up``), the reaction time p50/p99/p99.9 (goal at d=5: p50 ≤ 63 µs,
   Willow's average), and the shares of transport / queue / decode in it;
+* **lock-step** — the controller waits for each shot's correction before the next
+  (a feed-forward with a 63 µs deadline): the reaction time without any backlog,
+  and how many shots miss the deadline;
 * beside them, the bare 64-byte round trip of the same transport (the floor).
 
 A service batches every shot that is complete when it has drained the transport into
@@ -43,6 +46,8 @@ BENCH_COLUMNS = [
     "keeps_up_1", "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1", "share_transport_1",
     "share_queue_1", "share_decode_1", "late_frames_1", "backlog_max_rounds_1",
     # at the cycle, several shots per frame (the throughput configuration)
+    # lock-step: the controller waits for each shot's correction (feed-forward), no backlog
+    "reaction_p50_us_ff", "reaction_p99_us_ff", "reaction_p999_us_ff", "deadline_misses_ff",
     "shots_per_frame", "keeps_up", "backlog_max_rounds", "backlog_growth_rounds", "emit_lag_p99_us",
     "late_frames",
     "reaction_p50_us", "reaction_p99_us", "share_transport", "share_queue", "share_decode",
@@ -88,6 +93,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distance
                   decoder: str = "pymatching", flat_shots_per_frame: int = 256,
                   cycle_shots_per_frame: int | None = None, frame_period_ns: int = 40_000,
                   max_in_flight_frames: int = 4, floor_round_trips: int = 2000, seed: int = 1,
+                  feed_forward_deadline_ns: int = 63_000, ff_shots: int = 1000,
                   progress: Callable[[str], None] | None = None) -> list[dict]:
     """One row per (transport, distance); see the module docstring for what each measures.
 
@@ -147,6 +153,13 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distance
                 lat = run_loop(cycle_ns=cycle_ns, shots_per_frame=1, warmup_shots=200, keep_samples=shots,
                                capacity_shots=max(1024, shots), **common)
                 row.update(_cycle_figures(lat, "_1"))
+                ff = run_loop(cycle_ns=cycle_ns, shots_per_frame=1, warmup_shots=50, keep_samples=0,
+                              feed_forward_deadline_ns=feed_forward_deadline_ns,
+                              **{**common, "num_shots": min(shots, ff_shots)})
+                row.update({"reaction_p50_us_ff": ff.reaction_p50_ns / 1e3,
+                            "reaction_p99_us_ff": ff.reaction_p99_ns / 1e3,
+                            "reaction_p999_us_ff": ff.reaction_p999_ns / 1e3,
+                            "deadline_misses_ff": ff.deadline_misses})
                 cyc = run_loop(cycle_ns=cycle_ns, shots_per_frame=k_cyc, warmup_shots=max(200, 2 * k_cyc),
                                keep_samples=shots, capacity_shots=max(1024, shots), **common)
                 row.update(_cycle_figures(cyc, ""))
@@ -160,7 +173,8 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distance
                 say(f"  {t}: flat out {row['wire_rounds_per_s'] / 1e3:.0f} k rounds/s "
                     f"({100 * row['wire_vs_offline']:.0f} % of offline, {k_flat} shots/frame); at the cycle: "
                     f"1 shot/frame keeps up {lat.keeps_up}, reaction p50 {row['reaction_p50_us_1']:.1f} us "
-                    f"p99 {row['reaction_p99_us_1']:.1f} us; {k_cyc} shots/frame keeps up {cyc.keeps_up}, "
+                    f"p99 {row['reaction_p99_us_1']:.1f} us; lock-step p50 {row['reaction_p50_us_ff']:.1f} us "
+                    f"p99 {row['reaction_p99_us_ff']:.1f} us; {k_cyc} shots/frame keeps up {cyc.keeps_up}, "
                     f"reaction p50 {row['reaction_p50_us']:.1f} us")
             except Exception as e:  # one transport failing must not hide the others' figures
                 row["note"] = f"error: {type(e).__name__}: {e}"
