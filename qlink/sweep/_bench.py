@@ -11,6 +11,7 @@ and after is part of the result.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -74,8 +75,8 @@ def sweep_speedup(*, grid=None, workers=(1, 2), repeats: int = 1, out_dir=None, 
     "machine_parallel_speedup": ..., "cpu_count": ..., "loadavg_before": ..., "loadavg_after": ...}``.
     Timing covers submission to the last row written; cluster start-up and worker imports
     are outside it. ``machine_parallel_speedup`` (:func:`machine_parallel_speedup` with as
-    many processes as the most workers, measured just before) says how much parallelism
-    the machine offered at the time: read the sweep's speedup against it.
+    many processes as the most workers, measured before each repeat, best kept) says how
+    much parallelism the machine offered at the time: read the sweep's speedup against it.
     """
     from distributed import Client
 
@@ -94,34 +95,38 @@ def sweep_speedup(*, grid=None, workers=(1, 2), repeats: int = 1, out_dir=None, 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     load_before = os.getloadavg()
-    ceiling = machine_parallel_speedup(processes=counts[-1]) if counts[-1] > 1 else 1.0
     seconds: dict = {}
     rows: dict = {}
-    try:
-        for n in counts:
-            path = out / f"speedup_{n}w.csv"
-            if path.exists():
-                path.unlink()
-            cluster = _local_cluster(n)
-            try:
-                with Client(cluster) as client:
-                    client.wait_for_workers(n, timeout=60)
-                    client.run(warm_worker)
-                    for _ in range(repeats):
-                        if path.exists():
-                            path.unlink()
-                        t0 = time.perf_counter()
-                        res = run_sweep(tasks, csv_path=path, client=client, progress=progress)
-                        took = time.perf_counter() - t0
-                        seconds[n] = min(seconds.get(n, took), took)
-                        if not res.complete:
-                            raise RuntimeError(f"the {n}-worker run left {res.chunks_left} chunks undone")
-            finally:
-                cluster.close()
-            rows[n] = _rows(path)
-    finally:
+    ceilings = []
+    with contextlib.ExitStack() as stack:
         if tmp is not None:
-            tmp.cleanup()
+            stack.callback(tmp.cleanup)
+        clients = {}
+        for n in counts:  # every cluster up and warm before any timing; idle ones cost no CPU
+            cluster = _local_cluster(n)
+            stack.callback(cluster.close)
+            client = Client(cluster)
+            stack.callback(client.close)
+            client.wait_for_workers(n, timeout=60)
+            client.run(warm_worker)
+            clients[n] = client
+        # Interleave the worker counts, repeat after repeat, so a change in the machine's
+        # load touches them alike; keep each count's best time.
+        for _ in range(repeats):
+            if counts[-1] > 1:
+                ceilings.append(machine_parallel_speedup(processes=counts[-1]))
+            for n in counts:
+                path = out / f"speedup_{n}w.csv"
+                if path.exists():
+                    path.unlink()
+                t0 = time.perf_counter()
+                res = run_sweep(tasks, csv_path=path, client=clients[n], progress=progress)
+                took = time.perf_counter() - t0
+                seconds[n] = min(seconds.get(n, took), took)
+                if not res.complete:
+                    raise RuntimeError(f"the {n}-worker run left {res.chunks_left} chunks undone")
+                rows[n] = _rows(path)
+    ceiling = max(ceilings) if ceilings else 1.0
     base = seconds[counts[0]]
     return {
         "seconds": {n: round(s, 3) for n, s in seconds.items()},
