@@ -155,8 +155,8 @@ def test_below_threshold_the_ler_through_the_loop_falls_with_distance():
     rates = {}
     for d in (3, 5, 7):
         res = run_loop(transport="shm", source=source_spec(distance=d, p=0.002), num_shots=50_000, seed=d,
-                       rounds_per_frame=0, cycle_ns=1, warmup_shots=0, max_in_flight_shots=512,
-                       keep_samples=0, timeout_s=200)
+                       rounds_per_frame=0, shots_per_frame=100, cycle_ns=1, warmup_shots=0,
+                       max_in_flight_shots=1000, keep_samples=0, timeout_s=200)
         assert res.shots_ok == 50_000
         rates[d] = (res.logical_errors, res.shots_ok)
     iv = {d: wilson_interval(*rates[d]) for d in rates}
