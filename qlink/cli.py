@@ -89,6 +89,12 @@ def _cmd_run(args) -> int:
     return main_job(out_dir=Path(args.out), quick=args.quick, say=_say)
 
 
+def _cmd_paper(args) -> int:
+    from .paper import main_from_cli
+
+    return main_from_cli(args, say=_say)
+
+
 def _cmd_sweep(args) -> int:
     from .sweep._cli import run_from_cli
 
@@ -115,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(s)
     s.set_defaults(func=_cmd_sweep)
+    pp = sub.add_parser("paper", help="build the cross-domain latency paper's artifact: figures (PNG, PDF), tables "
+                                      "(CSV, LaTeX) and a manifest with hashes")
+    pp.add_argument("action", choices=["build"])
+    pp.add_argument("--quick", action="store_true", help="smaller settings (a few minutes on 2 cores)")
+    pp.add_argument("--profile", choices=["test", "quick", "full"], default=None,
+                    help="settings by name (overrides --quick; default full, or quick with --quick)")
+    pp.add_argument("--out", default=None, help="output directory (default: papers/cross-domain-latency/build)")
+    pp.add_argument("--seed", type=int, default=1, help="seed of every scenario (default 1)")
+    pp.set_defaults(func=_cmd_paper)
     return p
 
 
