@@ -30,8 +30,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["run_crosshost_loop", "crosshost_bench", "serve_decoder", "run_controller", "clock_echo",
-           "clock_probe", "transport_env"]
+__all__ = ["run_crosshost_loop", "crosshost_bench", "main_from_cli", "serve_decoder", "run_controller",
+           "clock_echo", "clock_probe", "transport_env"]
 
 _NS = struct.Struct("<q")
 
@@ -260,4 +260,30 @@ def crosshost_bench(*, transports=("tcp", "ucx"), distance: int = 3, p: float = 
                          "logical_errors": r["logical_errors"], "shots": r["num_shots"],
                          "bit_identical": r["bit_identical"], "clock_offset_ns": r["clock"]["offset_ns"],
                          "clock_error_bound_ns": r["clock"]["error_bound_ns"], "url": r["url"]})
+    return rows
+
+
+def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
+    """``qlink bench crosshost [--quick] [--out DIR]``: run, print a table, write JSON/CSV
+    (needs root for the namespaces; says why and writes nothing where they cannot be made)."""
+    from pathlib import Path
+
+    from qlink.netns import netns_unavailable
+
+    from ._report import format_table, write_results
+
+    why = netns_unavailable()
+    if why:
+        say(f"crosshost: skipped ({why})")
+        return []
+    quick = bool(getattr(args, "quick", False))
+    num_shots = 1000 if quick else 5000
+    rows = crosshost_bench(num_shots=num_shots, progress=say)
+    out = Path(getattr(args, "out", "results/bench"))
+    write_results(rows, out_dir=out, name="crosshost", meta={"num_shots": num_shots, "distance": 3, "p": 0.001,
+                                                             "max_in_flight_shots": 1})
+    print("\nQEC reaction time, decoder service and controller in two network namespaces (veth) vs one host")
+    print(format_table(rows, columns=["case", "transport", "reaction_p50_us", "reaction_p99_us", "reaction_p999_us",
+                                      "bit_identical", "clock_offset_ns", "clock_error_bound_ns", "error"]))
+    print(f"\nwritten: {out}/crosshost.{{json,csv}}")
     return rows
