@@ -236,7 +236,9 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
     with a correction applied) are kept. The stages of :data:`REACTION_STAGES` add
     up to ``reaction`` (= applied − emitted) exactly:
 
-    send (emitted → sent) · wire_in (sent → service received the last frame) ·
+    send (emitted → sent; with several shots per frame it includes waiting for the
+    frame's later shots) · wire_in (sent → service received the last frame; includes
+    time in the transport's receive buffer while the service was busy) ·
     queue (received → decode start) · decode · respond (decode end → corrections
     sent; includes waiting for the get_corrections request) · wire_out (sent →
     controller received) · apply (received → applied to the Pauli frame).
