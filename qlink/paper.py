@@ -457,7 +457,8 @@ def build(*, out_dir=DEFAULT_OUT_DIR, quick: bool = False, seed: int = 1, profil
     timing = sorted(k for k, v in a.tables.items() if v["timing_dependent"])
     manifest = {
         "artifact": "papers/cross-domain-latency", "profile": profile, "seed": seed,
-        "seeds": {"cross_domain": seed, "qec_memory": f"{seed} + task index (one stream per (d, p))",
+        "seeds": {"cross_domain": f"{seed} (the QEC shots; the KV bench draws its block patterns from its own "
+                                  f"fixed seed)", "qec_memory": f"{seed} + task index (one stream per (d, p))",
                   "realtime_loop": seed, "kv_disagg": seed},
         "started_utc": started, "wall_s": wall_s,
         "commands": {"invocation": invocation, "argv": list(sys.argv),
