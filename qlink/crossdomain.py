@@ -140,12 +140,17 @@ def _kv(res: CrossDomainResult, transports: Iterable[str], presets: Iterable[str
 
 
 def _kv_lines(res, name, tokens, t_ns, basis, transport, num_layers, layer_budget, *, per_layer_ns=None):
-    what = f"{name} KV transfer, {tokens // 1024}k tokens"
+    what = f"{name} KV transfer, {_tokens_label(tokens)} tokens"
     res.lines.append(assess(Figure(what, t_ns, basis, transport, "p50"), BUDGETS["ai.ttft"]))
     res.lines.append(assess(Figure(what, t_ns, basis, transport, "p50"), BUDGETS["ai.kv_transfer"]))
     per_layer = per_layer_ns if per_layer_ns is not None else t_ns / num_layers
-    res.lines.append(assess(Figure(f"{name} one layer's KV transfer, {tokens // 1024}k tokens", per_layer, basis,
+    res.lines.append(assess(Figure(f"{name} one layer's KV transfer, {_tokens_label(tokens)} tokens", per_layer, basis,
                                    transport, "p50" if basis == "measured" else "nominal"), layer_budget))
+
+
+def _tokens_label(tokens: int) -> str:
+    """``4096`` -> ``"4k"``, ``1536`` -> ``"1536"``."""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
 def run_cross_domain(*, transports=("shm", "tcp", "ucx"), distances=(5, 11), presets=("llama-3-8b", "llama-3-70b"),

@@ -13,7 +13,6 @@ No server to start; everything runs as local processes. Plan on a few minutes on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -23,19 +22,17 @@ from .bench._report import format_table, write_results
 
 __all__ = ["main_job"]
 
-_SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 _TABLE_COLUMNS = ["domain", "what", "transport", "basis", "stat", "value_us", "budget_us", "share_pct",
                   "headroom_us", "within"]
 
 
 def _scenario(name: str):
-    path = _SCENARIOS / f"{name}.py"
-    if not path.exists():
+    from .paper import load_scenario
+
+    try:
+        return load_scenario(name)
+    except FileNotFoundError:
         return None
-    spec = importlib.util.spec_from_file_location(f"qlink_scenario_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main_job(*, out_dir: Path, quick: bool = False, say: Callable[[str], None] = print) -> int:

@@ -1,0 +1,36 @@
+"""QEC closed loop: syndrome sources, decoders, the decoder service and the controller emulator.
+
+>>> from qlink.qec import source_spec, build_source
+>>> build_source(source_spec(distance=3, rounds=3, p=0.001)).dem.num_detectors
+24
+"""
+
+from .controller import Controller, ControllerResult, SyndromeStream, ler_under_deadline, wilson_interval
+from .decoders import BUILT_IN_DECODERS, SlidingWindowDecoder, compile_decoder, get_decoder
+from .loop import LoopResult, build_source, run_loop, source_spec
+from .service import DecoderConfig, DecoderService, run_service_process, start_service_process
+from .sources import CircuitError, CudaqSource, StimSource, SyndromeBatch
+
+__all__ = [
+    "StimSource",
+    "CudaqSource",
+    "SyndromeBatch",
+    "CircuitError",
+    "BUILT_IN_DECODERS",
+    "get_decoder",
+    "compile_decoder",
+    "SlidingWindowDecoder",
+    "DecoderConfig",
+    "DecoderService",
+    "run_service_process",
+    "start_service_process",
+    "Controller",
+    "ControllerResult",
+    "SyndromeStream",
+    "ler_under_deadline",
+    "wilson_interval",
+    "run_loop",
+    "LoopResult",
+    "source_spec",
+    "build_source",
+]

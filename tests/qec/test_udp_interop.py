@@ -275,11 +275,6 @@ def test_a_lost_datagram_is_reported_as_dropped_not_as_a_wrong_correction():
     assert service.counts["shots_decoded"] == num_shots - len(lost)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DecoderService answers a batch of frames through endpoint.send(), which a udp serve endpoint "
-    "sends to the sender of the *last* datagram read; answers to frames of other peers in the same "
-    "batch go to the wrong controller. The service needs to remember the sender per staged answer "
-    "(endpoint.last_peer) and answer with endpoint.sendto()."))
 def test_two_controllers_in_one_batch_each_get_their_own_answer():
     import transports
     from qlink.qec.service import DecoderConfig, DecoderService
