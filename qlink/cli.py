@@ -83,6 +83,26 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_budget(args) -> int:
+    from .bench._report import format_table, write_results
+    from .crossdomain import plot_cross_domain, run_cross_domain
+    from .run import _TABLE_COLUMNS
+
+    transports = tuple(args.transports.split(","))
+    res = run_cross_domain(transports=transports, distances=(5,) if args.quick else (5, 11),
+                           presets=("llama-3-8b",) if args.quick else ("llama-3-8b", "llama-3-70b"),
+                           num_shots=500 if args.quick else 2000, say=_say)
+    rows = res.rows()
+    out = Path(args.out)
+    write_results(rows, out_dir=out, name="cross_domain", meta={"notes": res.notes})
+    png = plot_cross_domain(rows, out / "cross_domain.png")
+    print(format_table(rows, columns=_TABLE_COLUMNS))
+    for n in res.notes:
+        print(f"  note: {n}")
+    print(f"\nwritten: {out}/cross_domain.{{json,csv}}, {png}")
+    return 0
+
+
 def _cmd_run(args) -> int:
     from .run import main_job
 
@@ -109,10 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="smaller settings (about a minute)")
     r.set_defaults(func=_cmd_run)
     b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV")
-    b.add_argument("what", choices=["transport", "qec", "kv", "all"])
+    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "all"])
     b.add_argument("--out", default="results/bench", help="output directory (default: results/bench)")
     b.add_argument("--quick", action="store_true", help="fewer samples (for a smoke run)")
     b.set_defaults(func=_cmd_bench)
+    bu = sub.add_parser("budget", help="the cross-domain budget table: QEC and KV figures on the same transports, "
+                                      "each against its own budget (measured and modeled apart); writes a plot")
+    bu.add_argument("--out", default="results/budget", help="output directory (default: results/budget)")
+    bu.add_argument("--transports", default="shm,tcp,ucx", help="comma-separated (default: shm,tcp,ucx)")
+    bu.add_argument("--quick", action="store_true", help="d=5 and Llama-3-8B only, fewer shots")
+    bu.set_defaults(func=_cmd_budget)
     i = sub.add_parser("info", help="which optional stacks are installed")
     i.set_defaults(func=_cmd_info)
     s = sub.add_parser("sweep", help="parameter sweeps on Dask into a resumable sinter CSV (qec, kv) or the "
