@@ -87,7 +87,7 @@ class _ServiceThread:
         import transports
 
         self.service = service
-        self.listener = transports.listen(url, faults=faults)
+        self.listener = transports.listen(url, faults=faults) if faults is not None else transports.listen(url)
         self.endpoint = None
         self.url = self.listener.url
         self.report: dict = {}
