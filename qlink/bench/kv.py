@@ -118,7 +118,7 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                 label = "NIXL UCX" if backend == "nixl" else f"qlink {scheme} {sub.mode}"
                 rows.append({
                     "case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
-                    "p50_ms": round(t_us / 1e3, 3), "GBps": round(gbps, 3),
+                    "p50_ms": float(f"{t_us / 1e3:.4g}"), "GBps": float(f"{gbps:.4g}"),
                     "x_memcpy": ratio(gbps, memcpy_GBps.get(n_tokens)),
                     "num_descs": rec.num_descs, "transport": rec.transport,
                     "prep_us_per_block": round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
