@@ -72,7 +72,8 @@ def _fds(pid: int | None = None) -> list[str]:
 
 def resource_counts(pid: int | None = None) -> dict:
     """Open fds, memfds among them, qlink entries in ``/dev/shm`` (qlink makes none: its
-    shared memory is memfds), and shm rendezvous sockets.
+    shared memory is memfds), and the shm rendezvous sockets of this process's listeners
+    (names carrying its pid, as the soak's do).
 
     >>> sorted(resource_counts())
     ['dev_shm_qlink', 'fds', 'memfds', 'shm_sockets']
@@ -85,8 +86,9 @@ def resource_counts(pid: int | None = None) -> dict:
     try:
         from transports._shm_rendezvous import socket_dir
 
-        d = socket_dir()
-        socks = len([n for n in os.listdir(d) if n.endswith(".sock")]) if os.path.isdir(d) else 0
+        d = socket_dir()  # shared by every process of this user: count the sockets of this process's listeners
+        mine = f"-{os.getpid() if pid is None else pid}-"
+        socks = len([n for n in os.listdir(d) if n.endswith(".sock") and mine in n]) if os.path.isdir(d) else 0
     except Exception:  # noqa: BLE001 - no shm transport here: nothing to count
         socks = 0
     return {"fds": len(fds), "memfds": sum(1 for f in fds if f.startswith("/memfd:")), "dev_shm_qlink": dev_shm,
