@@ -39,6 +39,7 @@ it accepts, and its ``url`` carries them (connect to it and both directions are 
 from __future__ import annotations
 
 import struct
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -117,6 +118,7 @@ class EmulatedEndpoint(Endpoint):
         self._outbox: deque = deque()  # stamped messages due out before anything new (dup copies, released holds)
         self._held = None  # (stamped message, held since ns): a reordered message waiting for the next one
         self._held_put = None  # (put args, held since ns)
+        self._fault_lock = threading.RLock()  # a sending and a receiving thread may share one faulty endpoint
         self.capabilities = caps
 
     # --- timing ---------------------------------------------------------------
@@ -184,7 +186,16 @@ class EmulatedEndpoint(Endpoint):
             out.popleft()
         return True
 
-    def _release_due(self, *, force: bool = False) -> None:
+    def _release_due(self, *, force: bool = False, wait: bool = True) -> None:
+        """``wait=False`` (the receive paths): skip when another thread is sending right now."""
+        if not self._fault_lock.acquire(blocking=wait):
+            return
+        try:
+            self._release_due_locked(force=force)
+        finally:
+            self._fault_lock.release()
+
+    def _release_due_locked(self, *, force: bool) -> None:
         """Let a reordered message (or put) go when nothing followed it within hold_ns."""
         if self._faults is None:
             return
@@ -204,6 +215,10 @@ class EmulatedEndpoint(Endpoint):
                 pass  # the link is going down; the caller's own call will say so
 
     def _send_faulty(self, data, *, timeout_s, nowait: bool) -> None:
+        with self._fault_lock:
+            self._send_faulty_locked(data, timeout_s=timeout_s, nowait=nowait)
+
+    def _send_faulty_locked(self, data, *, timeout_s, nowait: bool) -> None:
         """Send under faults. The decision is drawn only once everything due out before has
         left, so a run is reproducible whatever the backpressure; ``send_nowait`` then
         accepts the message (it may wait in a queue of at most three: itself, its
@@ -277,7 +292,7 @@ class EmulatedEndpoint(Endpoint):
     def recv_into(self, buf, *, timeout_s=None) -> int:
         self._check_open()
         if self._faults is not None:
-            self._release_due()
+            self._release_due(wait=False)
         deadline_ns = None if timeout_s is None else _now() + int(timeout_s * 1e9)
         self._fetch(timeout_s=timeout_s, nowait=False)
         arrival_ns, nbytes = self._pending
@@ -287,7 +302,7 @@ class EmulatedEndpoint(Endpoint):
     def recv_into_nowait(self, buf) -> int:
         self._check_open()
         if self._faults is not None:
-            self._release_due()
+            self._release_due(wait=False)
         self._fetch(timeout_s=0, nowait=True)
         if _now() < self._pending[0]:
             raise WouldBlock("emulated: the next message has not reached its modeled arrival time")
@@ -325,6 +340,10 @@ class EmulatedEndpoint(Endpoint):
         self._counters.put_bytes += memoryview(data).nbytes
 
     def _put_faulty(self, data, remote, *, offset, notify_id, tag, timeout_s) -> None:
+        with self._fault_lock:
+            self._put_faulty_locked(data, remote, offset=offset, notify_id=notify_id, tag=tag, timeout_s=timeout_s)
+
+    def _put_faulty_locked(self, data, remote, *, offset, notify_id, tag, timeout_s) -> None:
         self._release_due()
         nbytes = memoryview(data).nbytes
         follow = None
@@ -361,14 +380,14 @@ class EmulatedEndpoint(Endpoint):
     def wait_notification(self, *, timeout_s=None) -> Notification:
         self._check_open()
         if self._faults is not None:
-            self._release_due()
+            self._release_due(wait=False)
         deadline_ns = None if timeout_s is None else _now() + int(timeout_s * 1e9)
         return self._unstamp(self._inner.wait_notification(timeout_s=timeout_s), deadline_ns, timeout_s)
 
     def poll_notification_nowait(self) -> Notification:
         self._check_open()
         if self._faults is not None:
-            self._release_due()
+            self._release_due(wait=False)
         return self._unstamp(self._inner.poll_notification_nowait(), None, None)
 
     def close(self) -> None:

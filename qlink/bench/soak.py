@@ -19,9 +19,13 @@ rate for comparison (it does far more per shot: cycle clock, per-shot timelines)
 :func:`main_from_cli` adds the fault matrix, the crash runs and a fuzz pass, prints one
 table, and writes ``soak.json`` / ``soak.csv``.
 
->>> r = run_soak(num_frames=2000, num_kv_transfers=20, transport="shm")
->>> r["unaccounted_frames"], r["correction_mismatches"], r["unaccounted_kv"], r["leaks"]
-(0, 0, 0, {})
+>>> rss_kib() > 0, sorted(resource_counts())
+(True, ['dev_shm_qlink', 'fds', 'memfds', 'shm_sockets'])
+
+A small soak (a few seconds: it starts two processes)::
+
+    r = run_soak(num_frames=20_000, num_kv_transfers=200, transport="shm")
+    r["unaccounted_frames"], r["correction_mismatches"], r["unaccounted_kv"], r["leaks"]  # (0, 0, 0, {})
 """
 
 from __future__ import annotations
