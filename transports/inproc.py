@@ -36,9 +36,10 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
-from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, RegistrationError, WouldBlock
+from qlink.errors import BrokenLinkError, RegistrationError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
+from ._accept import AcceptQueue
 from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, deadline_of
 
 __all__ = ["CAPABILITIES", "listen", "connect", "InprocEndpoint", "InprocListener"]
@@ -296,45 +297,25 @@ class InprocListener(Listener):
     def __init__(self, name: str) -> None:
         self.name = name
         self.url = f"inproc://{name}"
-        self._cond = threading.Condition(threading.Lock())
-        self._backlog: deque[InprocEndpoint] = deque()
-        self._closed = False
+        self._queue = AcceptQueue(self.url)
+
+    @property
+    def _closed(self) -> bool:
+        return self._queue.closed
 
     def __repr__(self) -> str:
         return f"<InprocListener {self.url} {'closed' if self._closed else 'listening'}>"
 
     def _offer(self, server_side: InprocEndpoint) -> bool:
-        with self._cond:
-            if self._closed:
-                return False
-            self._backlog.append(server_side)
-            self._cond.notify_all()
-            return True
+        return self._queue.offer(server_side)
 
     def accept(self, *, timeout_s: float | None = None) -> InprocEndpoint:
-        deadline = deadline_of(timeout_s)
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise ClosedError(f"inproc listener {self.url} was closed by this side")
-                if self._backlog:
-                    return self._backlog.popleft()
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise QlinkTimeoutError(f"inproc: no connection to {self.url} within timeout_s={timeout_s}")
-                    self._cond.wait(left)
+        return self._queue.take(timeout_s=timeout_s)
 
     def close(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._backlog)
-            self._backlog.clear()
-            self._cond.notify_all()
+        pending = self._queue.close()
+        if pending is None:
+            return
         with _registry_lock:
             if _listeners.get(self.name) is self:
                 del _listeners[self.name]

@@ -52,10 +52,11 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
-from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, RegistrationError, WireError, WouldBlock
+from qlink.errors import BrokenLinkError, QlinkTimeoutError, RegistrationError, WireError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _framing as fr
+from ._accept import AcceptQueue
 from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics, deadline_of
 
 __all__ = ["CAPABILITIES", "listen", "connect", "TcpEndpoint", "TcpListener"]
@@ -734,13 +735,14 @@ class TcpListener(Listener):
         self.accepted_handshakes = 0
         self._busy_poll_s = busy_poll_s
         self._handshake_timeout_s = handshake_timeout_s
-        self._cond = threading.Condition(threading.Lock())
-        self._ready: deque[TcpEndpoint] = deque()
-        self._closed = False
-        self._error: BaseException | None = None
+        self._queue = AcceptQueue(self.url)
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name=f"qlink-tcp-listener {self.url}", daemon=True)
         self._thread.start()
+
+    @property
+    def _closed(self) -> bool:
+        return self._queue.closed
 
     def __repr__(self) -> str:
         return f"<TcpListener {self.url} {'closed' if self._closed else 'listening'}>"
@@ -749,9 +751,7 @@ class TcpListener(Listener):
         try:
             self._serve_loop()
         except BaseException as e:  # surface in accept() rather than dying silently
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
+            self._queue.fail(e)
 
     def _serve_loop(self) -> None:
         poller = select.poll()
@@ -794,8 +794,8 @@ class TcpListener(Listener):
     def _drop(self, poller, pending, fd) -> None:
         conn = pending.pop(fd)[0]
         poller.unregister(fd)
+        self.refused_handshakes += 1  # counted before the hang-up the client can observe
         conn.close()
-        self.refused_handshakes += 1
 
     def _read_hello(self, poller, pending, fd, entry) -> None:
         conn, buf, got, _deadline = entry
@@ -823,44 +823,22 @@ class TcpListener(Listener):
             conn.send(fr.pack_reply(fr.STATUS_OK, local_key), _SEND_FLAGS)
             ep = TcpEndpoint(conn, url=self.url, local_key=local_key, peer_key=peer_key, busy_poll_s=self._busy_poll_s)
         except OSError:
-            conn.close()
             self.refused_handshakes += 1
+            conn.close()
             return
-        with self._cond:
-            if self._closed:
-                ep.close()
-                return
-            self.accepted_handshakes += 1
-            self._ready.append(ep)
-            self._cond.notify_all()
+        if not self._queue.offer(ep):
+            ep.close()
+            return
+        self.accepted_handshakes += 1
 
     def accept(self, *, timeout_s: float | None = None) -> TcpEndpoint:
         """The next connected peer whose handshake succeeded (QlinkTimeoutError after timeout_s)."""
-        deadline = deadline_of(timeout_s)
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise ClosedError(f"tcp listener {self.url} was closed by this side")
-                if self._ready:
-                    return self._ready.popleft()
-                if self._error is not None:
-                    raise BrokenLinkError(f"tcp listener {self.url} stopped: {self._error!r}") from self._error
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise QlinkTimeoutError(f"tcp: no connection to {self.url} within timeout_s={timeout_s}")
-                    self._cond.wait(left)
+        return self._queue.take(timeout_s=timeout_s)
 
     def close(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            ready = list(self._ready)
-            self._ready.clear()
-            self._cond.notify_all()
+        ready = self._queue.close()
+        if ready is None:
+            return
         try:
             self._wake_w.send(b"x")
         except OSError:

@@ -62,18 +62,18 @@ b'ping'
 from __future__ import annotations
 
 import atexit
-import collections
 import os
 import select
 import socket
 import threading
 import time
 
-from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, WireError
+from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
 from . import _ucx_boot as boot
 from . import _ucx_core as core
 from . import _ucx_wire as wire
+from ._accept import AcceptQueue
 from ._base import Listener, deadline_of
 from ._ucx_endpoint import CAPABILITIES, UcxEndpoint
 
@@ -147,11 +147,13 @@ class UcxListener(Listener):
         self._sock.setblocking(False)
         self.url = boot.url_of(host, self._sock.getsockname()[1])
         self._box = core.worker_for(boot.scope_of(host))
-        self._closed = False
-        self._cond = threading.Condition()
-        self._backlog: collections.deque[UcxEndpoint] = collections.deque()
+        self._queue = AcceptQueue(self.url)
         self._thread = threading.Thread(target=self._serve, name=f"qlink-ucx-accept {self.url}", daemon=True)
         self._thread.start()
+
+    @property
+    def _closed(self) -> bool:
+        return self._queue.closed
 
     def __repr__(self) -> str:
         return f"<UcxListener {self.url} {'closed' if self._closed else 'listening'}>"
@@ -178,36 +180,19 @@ class UcxListener(Listener):
                 self.rejected += 1  # a bad or vanished client never takes the listener down
                 conn.close()
                 continue
-            with self._cond:
-                if self._closed:
-                    ep.close()
-                    return
-                self._backlog.append(ep)
-                self._cond.notify_all()
+            if not self._queue.offer(ep):
+                ep.close()
+                return
 
     def accept(self, *, timeout_s: float | None = None) -> UcxEndpoint:
         """Wait for the next peer and return its connected endpoint."""
-        deadline = deadline_of(timeout_s)
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise ClosedError(f"ucx listener {self.url} was closed by this side")
-                if self._backlog:
-                    return self._backlog.popleft()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise QlinkTimeoutError(f"ucx: no connection to {self.url} within timeout_s={timeout_s}")
-                self._cond.wait(left)
+        return self._queue.take(timeout_s=timeout_s)
 
     def close(self) -> None:
         """Stop listening and release the port; connections not yet accepted are closed. Idempotent."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._backlog)
-            self._backlog.clear()
-            self._cond.notify_all()
+        pending = self._queue.close()
+        if pending is None:
+            return
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self._opts["handshake_timeout_s"] + 1.0)
         self._sock.close()
