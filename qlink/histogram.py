@@ -247,6 +247,10 @@ class LatencyHistogram:
         self._count += int(arr.size)
         counts = self._counts_np
         bits, bits1, highest = self._bits, self._bits_plus_1, self._highest
+        # The bucket index grows with the value, so every index lies between those of the
+        # (clamped) extremes: count over that span only, not over all the buckets.
+        first = self._index(min(max(lo, 0), highest))
+        span = self._index(min(max(hi, 0), highest)) - first + 1
         chunk = max(1, min(_CHUNK, (2**62) // max(highest, 1)))
         for start in range(0, arr.size, chunk):
             part = arr[start : start + chunk]
@@ -259,7 +263,9 @@ class LatencyHistogram:
             _, exp = np.frexp(v.astype(np.float64))  # exp == bit_length, exact below 2**53
             shift = np.maximum(exp - bits1, 0).astype(np.int64)
             idx = (shift << bits) + (v >> shift)
-            counts += np.bincount(idx, minlength=counts.size)
+            if first:
+                idx -= first
+            counts[first : first + span] += np.bincount(idx, minlength=span)
 
     def merge(self, other: "LatencyHistogram") -> "LatencyHistogram":
         """Add ``other``'s samples into this histogram (same layout required); returns self.

@@ -68,21 +68,22 @@ def compile_decoder(decoder: Any, dem: Any):
     )
 
 
-def _decode_packed(compiled, packed: np.ndarray) -> np.ndarray:
-    return np.asarray(compiled.decode_shots_bit_packed(bit_packed_detection_event_data=packed), dtype=np.uint8)
-
-
 class _Decoder:
     """One decoder's state: the shot being filled and a ring of completed shots.
 
     Shot sequence numbers grow monotonically; the ring slot is ``seq % capacity``.
     ``free <= ret <= dec <= cmp``: [free, ret) answered but not yet sent, [ret, dec)
     decoded, [dec, cmp) complete and waiting for the decoder, ``cmp`` filling.
+    Timestamps are kept per *unit* — one completion: a frame's whole shots, or a shot
+    its last frame completed — in a ring of Python lists indexed ``unit % capacity``
+    (at most ``capacity`` units are live: each holds a shot); each shot slot names
+    its unit, so a frame of many shots costs one slice write, not one per field.
     """
 
     def __init__(self, decoder_id: int, cfg: DecoderConfig) -> None:
         self.id = decoder_id
         self.compiled = compile_decoder(cfg.decoder, cfg.dem)
+        self._decode_bit_packed = self.compiled.decode_shots_bit_packed
         nd = cfg.num_detectors if cfg.num_detectors is not None else cfg.dem.num_detectors
         no = cfg.num_observables if cfg.num_observables is not None else cfg.dem.num_observables
         if nd < 1 or nd > wire.MAX_SYNDROME_BITS * 64:
@@ -95,20 +96,51 @@ class _Decoder:
         self.syn_mv = memoryview(self.syn.reshape(-1))
         self.corr = np.zeros((cap, max(self.nbo, 1)), np.uint8)
         self.corr_mv = memoryview(self.corr.reshape(-1))
-        # per-slot scalars as Python lists: cheaper to index than NumPy scalars on the hot path
+        # dropped-shot bookkeeping, read one slot at a time: a Python list is cheaper to index
         self.drops_before = [0] * cap
-        self.slot_status = [0] * cap
-        self.rid_last = [0] * cap
-        self.ptp_last = [0] * cap
-        self.t_in_last = [0] * cap
-        self.t_complete = [0] * cap
-        self.t_dec_start = [0] * cap
-        self.t_dec_end = [0] * cap
-        self.batch = [0] * cap
+        self.slot_status = np.zeros(cap, np.int32)  # decoder failures (INTERNAL_ERROR); see any_failed
+        self.any_failed = False
+        self.unit_of = [0] * cap  # per shot slot: its unit
+        self.u_end = [0] * cap  # per unit slot: the shot sequence after its last shot
+        self.u_rid = [0] * cap  # request_id of the frame that completed it
+        self.u_ptp = [0] * cap  # that frame's ptp_timestamp
+        self.u_in = [0] * cap  # that frame received
+        self.u_done = [0] * cap  # complete, queued for decoding
+        self.u_dec0 = [0] * cap  # the decoder call that finished it: start, end, shots in it
+        self.u_dec1 = [0] * cap
+        self.u_batch = [0] * cap
+        self.units = 0  # units completed so far
+        self.units_decoded = 0
         self.reset()
+
+    def complete(self, num_shots: int, rid: int, ptp: int, t_in: int, t_done: int) -> None:
+        """``num_shots`` shots from ``cmp`` on are complete (one unit): stamp it, queue them."""
+        cap = self.capacity
+        u = self.units
+        j = u % cap
+        a = self.cmp % cap
+        if num_shots == 1:
+            self.unit_of[a] = u
+        else:
+            c = min(num_shots, cap - a)
+            self.unit_of[a:a + c] = [u] * c
+            if c < num_shots:
+                self.unit_of[:num_shots - c] = [u] * (num_shots - c)
+        self.cmp += num_shots
+        self.u_end[j] = self.cmp
+        self.u_rid[j] = rid
+        self.u_ptp[j] = ptp
+        self.u_in[j] = t_in
+        self.u_done[j] = t_done
+        self.units = u + 1
+
+    def decode(self, packed: np.ndarray) -> np.ndarray:
+        """One decoder call over bit-packed shots (rows); bit-packed observable flips back."""
+        return np.asarray(self._decode_bit_packed(bit_packed_detection_event_data=packed), dtype=np.uint8)
 
     def reset(self) -> None:
         self.free = self.ret = self.dec = self.cmp = getattr(self, "cmp", 0)
+        self.units_decoded = self.units
         self.filling = False
         self.filled = 0
         self.frames_in_shot = 0

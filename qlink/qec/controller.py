@@ -28,6 +28,7 @@ distribution 212 ns and analog in → out 364 ns (Qblox documentation).
 
 from __future__ import annotations
 
+import gc
 import math
 import struct
 from dataclasses import dataclass, field
@@ -78,8 +79,20 @@ _GET_RETURN = struct.Struct("<q")  # get_corrections return_size (after the i64 
 _GET_RETURN_OFFSET = wire.HEADER_NBYTES + 8
 _BITS_OFFSET = wire.HEADER_NBYTES + wire.ENQUEUE_SYNDROMES_FIXED_NBYTES
 
-_STATUS_KEYS = {(kind, st): f"{kind}.{st.name}" for kind in ("enqueue", "get_corrections") for st in Status}
+_PTP = struct.Struct("<Q")  # ptp_timestamp, stamped into a prebuilt frame at its tick
+_PTP_OFFSET = 16
+_RESP = struct.Struct("<IiIIQ")  # response header: magic, status, result_len, request_id, ptp_timestamp
+_RESP_NBYTES = wire.HEADER_NBYTES
+_RESPONSE_MAGIC = wire.RESPONSE_MAGIC
+_OK, _NOT_READY = int(Status.OK), int(Status.NOT_READY)
+_DROPPED, _FAILED = int(Status.SYNDROMES_DROPPED), int(Status.INTERNAL_ERROR)
+_WINDOW_DROPPED = -_DROPPED  # an answer's status: a window of shots, some of them dropped (mask follows)
+_STATUS_NAMES = {int(st): st.name for st in Status}
 _GET_BIT = 0x80000000  # request ids of get_corrections; enqueue ids stay below
+
+
+def _status_name(status) -> str:
+    return _STATUS_NAMES.get(status, str(status))
 
 
 @dataclass(frozen=True)
@@ -342,42 +355,66 @@ class Controller:
                                            num_syndromes=num_bits)
         return buf
 
+    def _frame_block(self, bits: np.ndarray, first_frame: np.ndarray) -> tuple[np.ndarray, memoryview, int]:
+        """Whole ``enqueue_syndromes`` frames, one per row of ``bits`` (0/1, one frame's syndrome
+        bits each): header, counter and request id filled in; the ptp stamp is written at the tick.
+        ``first_frame`` is each row's frame index in the run (its counter and request id offset)."""
+        rows, num_bits = bits.shape
+        nb = wire.enqueue_syndromes_nbytes(num_bits)
+        block = np.empty((rows, nb), np.uint8)
+        block[:] = np.frombuffer(self._template(num_bits), np.uint8)
+        block[:, _BITS_OFFSET:] = np.packbits(bits, axis=1, bitorder="little")
+        counters = (self._counter_first + first_frame).astype("<i8")
+        block[:, _COUNTER_OFFSET:_COUNTER_OFFSET + 8] = counters.view(np.uint8).reshape(rows, 8)
+        rids = ((self._rid_first + first_frame) & 0x7FFFFFFF).astype("<u4")
+        block[:, _HDR_IDS_OFFSET:_HDR_IDS_OFFSET + 4] = rids.view(np.uint8).reshape(rows, 4)
+        return block, memoryview(block.reshape(-1)), nb
+
     def _prepare(self) -> None:
+        """Every frame of the run, built up front: at a tick the controller stamps the send
+        time and hands a view to the transport."""
         s = self.stream
         N, k = s.num_shots, self.shots_per_frame
         R = s.num_rounds
         period = R + self.gap_cycles
+        self._counter_first, self._rid_first = self._counter, self._rid
+        self._extra_frames = 0  # frames sent beyond the prebuilt ones (revealing a lost tail)
         # Emission units ("groups"): one shot in len(layout) frames, or k whole shots in one frame.
-        # For each group's frames: packed bits (flat buffer + per-frame byte size) and a template.
-        self._frames = []  # per frame position within a group: (template, flat packed view, nbytes, due cycles)
+        # Per frame position of a group: (block, its flat view, frame bytes, due in cycles from the group's tick 0).
+        self._frames = []
         if k == 1:
-            for fl in self.layout:
+            F = len(self.layout)
+            for f, fl in enumerate(self.layout):
                 bits = s.detectors[:, fl.first_bit:fl.first_bit + fl.num_bits]
-                packed = np.ascontiguousarray(np.packbits(bits, axis=1, bitorder="little"))
-                self._frames.append((self._template(fl.num_bits), memoryview(packed.reshape(-1)),
-                                     packed.shape[1], fl.last_round + 1))
+                block, mv, nb = self._frame_block(bits, np.arange(N, dtype=np.int64) * F + f)
+                self._frames.append((block, mv, nb, fl.last_round + 1))
             self._num_groups = N
             self._tail = None
+            self._last_due_cycles = self.layout[-1].last_round + 1
         else:
             G = -(-N // k)
             full = (N // k) * k
             nd = s.num_detectors
-            packed = np.packbits(s.detectors[:full].reshape(N // k, k * nd), axis=1, bitorder="little") \
-                if full else np.zeros((0, (k * nd + 7) >> 3), np.uint8)
-            self._frames.append((self._template(k * nd), memoryview(np.ascontiguousarray(packed).reshape(-1)),
-                                 packed.shape[1], (k - 1) * period + R))
+            if full:
+                block, mv, nb = self._frame_block(s.detectors[:full].reshape(N // k, k * nd),
+                                                  np.arange(N // k, dtype=np.int64))
+                self._frames.append((block, mv, nb, (k - 1) * period + R))
             self._tail = None
             if full < N:  # the last, smaller group
                 m = N - full
-                tp = np.packbits(s.detectors[full:].reshape(-1), bitorder="little")
-                self._tail = (self._template(m * nd), memoryview(tp), tp.size, (m - 1) * period + R)
+                block, mv, nb = self._frame_block(s.detectors[full:].reshape(1, m * nd),
+                                                  np.array([N // k], dtype=np.int64))
+                self._tail = (block, mv, nb, (m - 1) * period + R)
+                if not full:
+                    self._frames.append(self._tail)
             self._num_groups = G
+            self._last_due_cycles = R
         self._get = bytearray(wire.HEADER_NBYTES + wire.GET_CORRECTIONS_PAYLOAD_NBYTES)
         wire.encode_get_corrections_into(self._get, request_id=0, decoder_id=self.decoder_id,
                                          return_size=s.num_observables, reset=True)
         self._truth_packed = np.ascontiguousarray(np.packbits(s.observables, axis=1, bitorder="little"))
-        self._truth = [int.from_bytes(row.tobytes(), "little") for row in self._truth_packed]
         self._period_cycles = period
+        self._prepared = True
 
     # ------------------------------------------------------------------ helpers
     def _send(self, mv, deadline_ns: int) -> None:
@@ -395,6 +432,19 @@ class Controller:
 
     def run(self, *, timeout_s: float = 60.0) -> ControllerResult:
         """Play every shot of the stream and wait for every answer (at most ``timeout_s``)."""
+        if not self._prepared:  # a second run continues the counters: build its frames anew
+            self._prepare()
+        self._prepared = False
+        gc_was_enabled = gc.isenabled()
+        gc.freeze()  # what exists now outlives the run: no collector pass over it mid-run
+        gc.disable()  # the run allocates no cycles; a collector pause would land on a tick
+        try:
+            return self._run(timeout_s)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self, timeout_s: float) -> ControllerResult:
         s = self.stream
         N, R = s.num_shots, s.num_rounds
         k = self.shots_per_frame
@@ -402,33 +452,37 @@ class Controller:
         cyc = self.cycle_ns
         period = self._period_cycles
         frames = self._frames
-        F = len(frames)
+        F = len(frames) if k == 1 else 1
         tail = self._tail
         ff = self.ff_deadline_ns
         self.stages = stages = StageRecorder(CONTROLLER_STAGES)
-        rec_lag = stages.histogram("emit_lag").record
-        rec_send = stages.histogram("send").record
-        self._h_reaction = stages.histogram("reaction")
-        self._h_apply = stages.histogram("apply")
-        self._h_rtt = stages.histogram("get_round_trip")
-        self.records = ShotRecords(CONTROLLER_SHOT_FIELDS, capacity=self._keep)
-        # per-shot state
-        self._emit_last = np.zeros(N, np.int64)
-        self._sent_last = np.zeros(N, np.int64)
+        rec_lag = stages.adder("emit_lag")
+        rec_send = stages.adder("send")
+        self._rec_apply = stages.adder("apply")
+        self._rec_rtt = stages.adder("get_round_trip")
+        # per group: its tick 0 and when its last frame was handed to the transport
+        self._g_base = g_base = [0] * G
+        self._g_sent = g_sent = [0] * G
+        # per shot: first get_corrections covering it, and how many asked for it
         self._get_sent = np.zeros(N, np.int64)
-        self._rid_last = np.zeros(N, np.int64)
         self._polls = np.zeros(N, np.int64)
-        self._correct = np.full(N, -1, np.int8)
-        self._reaction = np.full(N, -1, np.int64)
-        self._status = np.full(N, -1, np.int64)
-        self._nbo = nbo = (s.num_observables + 7) >> 3
-        self._corrections = np.zeros((N, nbo), np.uint8)
-        self._corr_mv = memoryview(self._corrections.reshape(-1))
+        # per answer that resolved shots (at most one per shot), in order
+        self._a_first = [0] * N
+        self._a_num = [0] * N
+        self._a_status = [0] * N
+        self._a_resp = [0] * N
+        self._a_applied = [0] * N
+        self._a_boff = [0] * N
+        self._n_answers = 0
+        nbo = (s.num_observables + 7) >> 3
+        self._a_bytes = bytearray(N * nbo + 2 * N + ((N * s.num_observables + N) >> 3) + 64)
+        self._a_bytes_n = 0
         self._bl_t = np.zeros(self._backlog_cap, np.int64)
         self._bl_v = np.zeros(self._backlog_cap, np.int64)
         self._bl_n = 0
         self._bl_every = max(1, -(-G // self._backlog_cap))
-        self._statuses: dict[str, int] = {}
+        self._st_enq: dict = {}
+        self._st_get: dict = {}
         self._resolved = 0  # shots answered (OK / dropped / failed), in order
         self._asked = 0  # shots whose syndromes have all been sent
         self._claimed = 0  # shots covered by get_corrections in flight
@@ -439,9 +493,11 @@ class Controller:
         self._gap_revealed = False
         self._lost_gets: dict[int, int] = {}
         self.gets_presumed_lost = 0
-        self._ok = self._errors = self._dropped = self._failed = 0
         self._frame = 0
-        self._rx = bytearray(wire.HEADER_NBYTES + ((k * s.num_observables + 7) >> 3) + 64)
+        self._last_ok_upto = 0  # shots [0, this) resolved; was the last of them answered OK?
+        self._last_ok = False
+        self._last_applied = 0
+        self._rx = bytearray(wire.HEADER_NBYTES + ((k * s.num_observables + 7) >> 3) + ((k + 7) >> 3) + 64)
         self._rx_mv = memoryview(self._rx)
         self._get_rid = 0
         late = 0
@@ -458,9 +514,13 @@ class Controller:
         group_base = t0  # tick 0 of the current group's first shot
         g, f = 0, 0
         a, b = 0, min(k, N)  # shots of the current group
-        due = group_base + frames[0][3] * cyc if (k == 1 or b - a == k) else group_base + tail[3] * cyc
-        counter = self._counter
-        rid = self._rid
+        if k == 1 or b - a == k:
+            block, mv, nb, due_c = frames[0]
+            row = 0
+        else:
+            block, mv, nb, due_c = tail
+            row = -1  # the tail block holds one frame
+        due = group_base + due_c * cyc
         send = self._send
         poll = self._poll_once
         while self._resolved < N:
@@ -483,7 +543,7 @@ class Controller:
                                 f"controller run exceeded timeout_s={timeout_s} waiting for answers "
                                 f"({self._resolved}/{N} shots answered)")
                     group_base = t0 + -(-(now_ns() - t0) // cyc) * cyc
-                    due = group_base + (frames[f][3] if (k == 1 or b - a == k) else tail[3]) * cyc
+                    due = group_base + due_c * cyc
                     continue
                 lag = now - due
                 if lag > cyc:
@@ -491,29 +551,13 @@ class Controller:
                 if lag > max_lag:
                     max_lag = lag
                 rec_lag(lag)
-                if k == 1 or b - a == k:
-                    t, flat, nb, _ = frames[f]
-                    src_off = (g if k > 1 else a) * nb
-                else:
-                    t, flat, nb, _ = tail
-                    src_off = 0
-                t[_BITS_OFFSET:_BITS_OFFSET + nb] = flat[src_off:src_off + nb]
-                _COUNTER.pack_into(t, _COUNTER_OFFSET, counter)
-                _HDR_IDS.pack_into(t, _HDR_IDS_OFFSET, rid, ptp_now_ns())
-                send(t, deadline)
-                counter += 1
-                self._counter = counter
+                off = g * nb if row >= 0 else 0  # (with one shot per group, g is the shot)
+                _PTP.pack_into(mv, off + _PTP_OFFSET, ptp_now_ns())
+                send(mv[off:off + nb], deadline)
                 if f == F - 1:  # the group's syndromes are all out
                     t_sent = now_ns()
-                    if k == 1:
-                        self._emit_last[a] = due
-                        self._sent_last[a] = t_sent
-                        self._rid_last[a] = rid
-                    else:
-                        m = b - a
-                        self._emit_last[a:b] = group_base + (np.arange(m, dtype=np.int64) * period + R) * cyc
-                        self._sent_last[a:b] = t_sent
-                        self._rid_last[a:b] = rid
+                    g_base[g] = group_base
+                    g_sent[g] = t_sent
                     rec_send(t_sent - due)
                     self._asked = b
                     self._top_up(t_sent)
@@ -521,14 +565,13 @@ class Controller:
                         self._sample_backlog(t_sent, b * R)
                     if ff is not None:
                         # feed-forward: wait for these corrections before the conditional operation
-                        limit = due + ff
                         while self._resolved < b:
                             poll()
                             if now_ns() > deadline:
                                 raise QlinkTimeoutError(
                                     f"no correction for shot {self._resolved} within the run's timeout_s={timeout_s}")
-                        r_last = int(self._reaction[b - 1])
-                        if r_last < 0 or int(self._emit_last[b - 1]) + r_last > limit:
+                        # due is the last shot's emission tick
+                        if not self._last_ok or self._last_applied - due > ff:
                             misses += 1
                         # the next group starts on the next tick after the conditional operation
                         group_base = max(group_base + (b - a) * period * cyc,
@@ -540,32 +583,98 @@ class Controller:
                     a, b = b, min(b + k, N)
                 else:
                     f += 1
-                rid = (rid + 1) & 0x7FFFFFFF
-                self._rid = rid
                 if g < G:
-                    due = group_base + (frames[f][3] if (k == 1 or b - a == k) else tail[3]) * cyc
+                    if k == 1 or b - a == k:
+                        block, mv, nb, due_c = frames[f]
+                        row = 0
+                    else:
+                        block, mv, nb, due_c = tail
+                        row = -1
+                    due = group_base + due_c * cyc
                 continue
             poll()
         t_end = now_ns()
+        self._counter = self._counter_first + G * F + self._extra_frames
+        self._rid = (self._rid_first + G * F + self._extra_frames) & 0x7FFFFFFF
         self._sample_backlog(t_end, N * R)
+        stages.settle()
+        return self._result(t_end, late=late, throttled=throttled, max_lag=max_lag, misses=misses)
+
+    def _result(self, t_end: int, *, late: int, throttled: int, max_lag: int, misses: int) -> ControllerResult:
+        """The run's per-shot figures, computed once, vectorised, from what the answers left."""
+        s = self.stream
+        N, R, k = s.num_shots, s.num_rounds, self.shots_per_frame
+        no, cyc = s.num_observables, self.cycle_ns
+        A = self._n_answers
+        first = np.array(self._a_first[:A], np.int64)
+        num = np.array(self._a_num[:A], np.int64)
+        a_status = np.array(self._a_status[:A], np.int64)
+        boff = np.array(self._a_boff[:A], np.int64)
+        shot_answer = np.repeat(np.arange(A), num)  # answers resolve shots in order: 0 .. resolved-1
+        resolved = int(num.sum())
+        shots = np.arange(resolved)
+        status = np.where(a_status[shot_answer] == _WINDOW_DROPPED, 0, a_status[shot_answer])
+        has_bits = (a_status == 0) | (a_status == _WINDOW_DROPPED)
+        # each shot's flips: bit (shot - first) * no + o of its answer's result bytes
+        bits_all = np.unpackbits(np.frombuffer(self._a_bytes, np.uint8, count=self._a_bytes_n), bitorder="little")
+        pos = (boff * 8 - first * no)[shot_answer] + shots * no
+        take = has_bits[shot_answer]
+        flips = np.zeros((resolved, no), np.uint8)
+        if take.any():
+            flips[take] = bits_all[pos[take, None] + np.arange(no)]
+        for i in np.flatnonzero(a_status == _WINDOW_DROPPED):  # windows with dropped shots: their mask
+            m = int(num[i])
+            mask_at = int(boff[i]) * 8 + ((m * no + 7) >> 3) * 8
+            dropped = bits_all[mask_at:mask_at + m].astype(bool)
+            lo = int(first[i])
+            status[lo:lo + m][dropped] = int(Status.SYNDROMES_DROPPED)
+            flips[lo:lo + m][dropped] = 0
+        corrections = np.zeros((N, (no + 7) >> 3), np.uint8)
+        corrections[:resolved] = np.packbits(flips, axis=1, bitorder="little") if no else 0
+        ok = status == 0
+        group = shots // k
+        emit = np.array(self._g_base, np.int64)[group] + ((shots - group * k) * self._period_cycles
+                                                           + self._last_due_cycles) * cyc
+        applied = np.array(self._a_applied[:A], np.int64)[shot_answer]
+        reaction = np.full(N, -1, np.int64)
+        reaction[:resolved][ok] = applied[ok] - emit[ok]
+        correct = np.full(N, -1, np.int8)
+        correct[:resolved][ok] = (corrections[:resolved][ok] == self._truth_packed[:resolved][ok]).all(axis=1)
+        self.stages.histogram("reaction").record_many(reaction[:resolved][ok])
+        n_ok = int(ok.sum())
+        n_drop = int((status == Status.SYNDROMES_DROPPED).sum())
+        records = None
+        if self._keep:
+            n = min(resolved, self._keep)
+            F = len(self._frames) if k == 1 else 1
+            rid_last = (self._rid_first + group[:n] * F + F - 1) & 0x7FFFFFFF
+            resp = np.array(self._a_resp[:A], np.int64)[shot_answer[:n]]
+            self.records = rec = ShotRecords(CONTROLLER_SHOT_FIELDS, capacity=self._keep)
+            rec.extend(n, shot=shots[:n], last_request_id=rid_last, emit_last_ns=emit[:n],
+                       sent_last_ns=np.array(self._g_sent, np.int64)[group[:n]], get_sent_ns=self._get_sent[:n],
+                       response_ns=resp, applied_ns=np.where(ok[:n], applied[:n], 0), polls=self._polls[:n],
+                       status=status[:n], correct=correct[:n])
+            records = rec.array().copy()
+        statuses = {f"enqueue.{_status_name(st)}": c for st, c in self._st_enq.items()}
+        statuses.update({f"get_corrections.{_status_name(st)}": c for st, c in self._st_get.items()})
         return ControllerResult(
-            num_shots=N, num_rounds=R, frames_per_shot=self.frames_per_shot, cycle_ns=cyc, shots_ok=self._ok,
-            logical_errors=self._errors, shots_dropped=self._dropped, shots_failed=self._failed,
+            num_shots=N, num_rounds=R, frames_per_shot=self.frames_per_shot, cycle_ns=cyc, shots_ok=n_ok,
+            logical_errors=int((correct == 0).sum()), shots_dropped=n_drop, shots_failed=resolved - n_ok - n_drop,
             late_frames=late, throttled=throttled, max_lag_ns=int(max_lag), deadline_misses=misses,
-            duration_ns=int(t_end - t0), statuses=dict(self._statuses), stages=stages.to_dict(),
-            correct=self._correct.copy(), reaction_ns=self._reaction.copy(),
-            backlog_t_ns=self._bl_t[:self._bl_n] - t0, backlog_rounds=self._bl_v[:self._bl_n].copy(),
-            corrections=self._corrections, shot_records=self.records.array().copy() if self._keep else None,
+            duration_ns=int(t_end - self._t0), statuses=statuses, stages=self.stages.to_dict(),
+            correct=correct, reaction_ns=reaction,
+            backlog_t_ns=self._bl_t[:self._bl_n] - self._t0, backlog_rounds=self._bl_v[:self._bl_n].copy(),
+            corrections=corrections, shot_records=records,
             modeled_controller_ns=dict(self.modeled), pauli_frame=self._frame,
         )
 
     def _reveal_gap(self) -> None:
-        t, flat, nb, _ = self._frames[0] if self._tail is None or self.shots_per_frame == 1 else self._tail
-        t[_BITS_OFFSET:_BITS_OFFSET + nb] = flat[0:nb]
-        _COUNTER.pack_into(t, _COUNTER_OFFSET, self._counter)
-        _HDR_IDS.pack_into(t, _HDR_IDS_OFFSET, self._rid, ptp_now_ns())
-        self._counter += 1
-        self._rid = (self._rid + 1) & 0x7FFFFFFF
+        block, mv, nb, _ = self._frames[0]
+        t = bytearray(mv[:nb])
+        k = self._num_groups * (len(self._frames) if self.shots_per_frame == 1 else 1) + self._extra_frames
+        _COUNTER.pack_into(t, _COUNTER_OFFSET, self._counter_first + k)
+        _HDR_IDS.pack_into(t, _HDR_IDS_OFFSET, (self._rid_first + k) & 0x7FFFFFFF, ptp_now_ns())
+        self._extra_frames += 1
         self._gap_revealed = True
         self._send(t, self._deadline)
 
@@ -597,12 +706,6 @@ class Controller:
                 self._first_get_upto = u + m
             self._polls[u] += 1
 
-    def _count(self, kind: str, status) -> None:
-        name = _STATUS_KEYS.get((kind, status))
-        if name is None:
-            name = f"{kind}.{status}"
-        self._statuses[name] = self._statuses.get(name, 0) + 1
-
     def _poll_once(self) -> None:
         """Handle at most one answer; send a due re-poll; give up on a get that got no answer."""
         if self._claimed < self._asked - self._resolved:
@@ -621,28 +724,33 @@ class Controller:
                     self._lost_gets[rid0] = m
                     self._claimed -= m
                     self.gets_presumed_lost += 1
-                    self._count("get_corrections", "presumed_lost")
+                    self._st_get["presumed_lost"] = self._st_get.get("presumed_lost", 0) + 1
             return
         t_resp = now_ns()
-        resp = wire.decode_response(self._rx_mv[:n])
-        status = resp.status
-        if not resp.request_id & _GET_BIT:
-            self._count("enqueue", status)
+        rx = self._rx
+        if n >= _RESP_NBYTES:
+            magic, status, result_len, rid, _ = _RESP.unpack_from(rx)
+        if n < _RESP_NBYTES or magic != _RESPONSE_MAGIC or result_len > n - _RESP_NBYTES:
+            wire.decode_response(self._rx_mv[:n])  # raises the FrameError that names the fault
+            raise QlinkError("unreachable: a response frame failed the fast check but not qlink.wire's")
+        if not rid & _GET_BIT:
+            self._st_enq[status] = self._st_enq.get(status, 0) + 1
             return
-        self._count("get_corrections", status)
-        entry = self._gets.pop(resp.request_id, None)
+        st_get = self._st_get
+        st_get[status] = st_get.get(status, 0) + 1
+        entry = self._gets.pop(rid, None)
         if entry is not None:
             m, t_get = entry
             self._claimed -= m
         else:
-            m = self._lost_gets.pop(resp.request_id, 0)
+            m = self._lost_gets.pop(rid, 0)
             if not m:
-                raise QlinkError(f"an answer to get_corrections request {resp.request_id} that was never sent "
+                raise QlinkError(f"an answer to get_corrections request {rid} that was never sent "
                                  "(or answered twice)")
             t_get = t_resp
-            if status == Status.NOT_READY:
+            if status == _NOT_READY:
                 return
-        if status == Status.NOT_READY:
+        if status == _NOT_READY:
             self._repoll_due = t_resp + self.poll_interval_ns
             if self._asked == self.stream.num_shots:
                 # Everything is out yet a shot is not complete: its last frame was lost, and
@@ -655,101 +763,50 @@ class Controller:
                     self._stall_since = t_resp
             return
         self._stall_since = 0
-        if status not in (Status.OK, Status.SYNDROMES_DROPPED, Status.INTERNAL_ERROR):
+        if status != _OK and status != _DROPPED and status != _FAILED:
             raise QlinkError(
-                f"the decoder service refused get_corrections with {status!r} (request {resp.request_id}): "
+                f"the decoder service refused get_corrections with {_status_name(status)} (request {rid}): "
                 "check that decoder_id and return_size match the service's configuration")
         r = self._resolved
-        self._resolved = r + m
-        if status == Status.OK:
-            if m == 1:
-                self._apply_one(r, resp.result, t_resp, t_get)
-            else:
-                self._apply_many(r, m, resp.result, t_resp, t_get)
-        elif status == Status.SYNDROMES_DROPPED and m > 1:
-            # a window with dropped shots: the flips of all m, then the mask of the dropped ones
+        i = self._n_answers
+        self._a_first[i] = r
+        self._a_num[i] = m
+        self._a_resp[i] = t_resp
+        ok = status == _OK
+        if ok or (status == _DROPPED and m > 1):
+            # apply: XOR the flips into the Pauli frame (a window with dropped shots carries
+            # the flips of all m, zeros for the dropped, then their mask)
             no = self.stream.num_observables
             k = (m * no + 7) >> 3
-            res = resp.result
-            if len(res) < k + ((m + 7) >> 3):
-                raise QlinkError(f"a SYNDROMES_DROPPED answer for {m} shots carries {len(res)} result bytes; "
-                                 f"expected the flips ({k} bytes) and a dropped mask ({(m + 7) >> 3} bytes)")
-            dropped = np.unpackbits(np.frombuffer(res[k:], np.uint8), count=m, bitorder="little").astype(bool)
-            self._apply_many(r, m, res[:k], t_resp, t_get, dropped=dropped)
-        else:
-            self._status[r:r + m] = int(status)
-            if status == Status.SYNDROMES_DROPPED:
-                self._dropped += m
+            if not ok:
+                if result_len < k + ((m + 7) >> 3):
+                    raise QlinkError(f"a SYNDROMES_DROPPED answer for {m} shots carries {result_len} result "
+                                     f"bytes; expected the flips ({k} bytes) and a dropped mask ({(m + 7) >> 3} bytes)")
+                status = _WINDOW_DROPPED
+            elif result_len < k:
+                raise QlinkError(f"an answer for {m} shots carries {result_len} result bytes; expected {k}")
+            flips = int.from_bytes(self._rx_mv[_RESP_NBYTES:_RESP_NBYTES + k], "little")
+            if no == 1:
+                self._frame ^= flips.bit_count() & 1
             else:
-                self._failed += m
-            if self._keep:
-                self._keep_records(r, m, t_resp, 0, int(status))
+                mask = (1 << no) - 1
+                for _ in range(m):
+                    self._frame ^= flips & mask
+                    flips >>= no
+            t_applied = now_ns()
+            j = self._a_bytes_n
+            self._a_bytes[j:j + result_len] = self._rx_mv[_RESP_NBYTES:_RESP_NBYTES + result_len]
+            self._a_boff[i] = j
+            self._a_bytes_n = j + result_len
+            self._a_applied[i] = t_applied
+            self._last_applied = t_applied
+            self._rec_apply(t_applied - t_resp)  # one sample per answer
+            self._rec_rtt(t_resp - t_get)
+            if not ok:  # was the window's last shot dropped?
+                mask_bits = int.from_bytes(self._rx_mv[_RESP_NBYTES + k:_RESP_NBYTES + k + ((m + 7) >> 3)], "little")
+                ok = not (mask_bits >> (m - 1)) & 1
+        self._a_status[i] = status
+        self._n_answers = i + 1
+        self._last_ok = ok
+        self._resolved = r + m
         self._top_up(now_ns())
-
-    def _apply_one(self, shot: int, res, t_resp: int, t_get: int) -> None:
-        corr = int.from_bytes(res, "little")
-        self._frame ^= corr
-        t_applied = now_ns()
-        right = corr == self._truth[shot]
-        nbo = self._nbo
-        k = min(len(res), nbo)
-        self._corr_mv[shot * nbo:shot * nbo + k] = res[:k]
-        self._ok += 1
-        if not right:
-            self._errors += 1
-        self._correct[shot] = 1 if right else 0
-        self._status[shot] = 0
-        reaction = t_applied - int(self._emit_last[shot])
-        self._reaction[shot] = reaction
-        self._h_reaction.record(reaction)
-        self._h_apply.record(t_applied - t_resp)
-        self._h_rtt.record(t_resp - t_get)
-        if self._keep:
-            self._keep_records(shot, 1, t_resp, t_applied, 0)
-
-    def _apply_many(self, r: int, m: int, res, t_resp: int, t_get: int, *, dropped=None) -> None:
-        no, nbo = self.stream.num_observables, self._nbo
-        raw = np.frombuffer(res, np.uint8)
-        if no % 8 == 0:
-            rows = raw[:m * nbo].reshape(m, nbo)
-        else:
-            bits = np.unpackbits(raw, count=m * no, bitorder="little").reshape(m, no)
-            rows = np.packbits(bits, axis=1, bitorder="little")
-        ok = slice(None) if dropped is None else ~dropped
-        self._corrections[r:r + m][ok] = rows[ok]
-        self._frame ^= int.from_bytes(np.bitwise_xor.reduce(rows[ok], axis=0).tobytes(), "little") \
-            if rows[ok].size else 0
-        t_applied = now_ns()
-        right = (rows == self._truth_packed[r:r + m]).all(axis=1)
-        reaction = t_applied - self._emit_last[r:r + m]
-        status = np.zeros(m, np.int64)
-        if dropped is not None:
-            status[dropped] = int(Status.SYNDROMES_DROPPED)
-            n_drop = int(dropped.sum())
-            self._dropped += n_drop
-            right = np.where(dropped, -1, right)
-            reaction = np.where(dropped, -1, reaction)
-        n_ok = m if dropped is None else m - n_drop
-        self._ok += n_ok
-        self._errors += n_ok - int((right == 1).sum())
-        self._correct[r:r + m] = right
-        self._status[r:r + m] = status
-        self._reaction[r:r + m] = reaction
-        if n_ok:
-            record_values(self._h_reaction, reaction[reaction >= 0])
-            self._h_apply.record(t_applied - t_resp)  # one sample per answer
-            self._h_rtt.record(t_resp - t_get)
-        if self._keep:
-            self._keep_records(r, m, t_resp, t_applied, status)
-
-    def _keep_records(self, r: int, m: int, t_resp: int, t_applied: int, status: int) -> None:
-        if m == 1:
-            self.records.append(r, int(self._rid_last[r]), int(self._emit_last[r]), int(self._sent_last[r]),
-                                int(self._get_sent[r]), t_resp, t_applied, int(self._polls[r]), status,
-                                int(self._correct[r]))
-            return
-        sl = slice(r, r + m)
-        self.records.extend(
-            m, shot=np.arange(r, r + m), last_request_id=self._rid_last[sl], emit_last_ns=self._emit_last[sl],
-            sent_last_ns=self._sent_last[sl], get_sent_ns=self._get_sent[sl], response_ns=t_resp,
-            applied_ns=t_applied, polls=self._polls[sl], status=status, correct=self._correct[sl])

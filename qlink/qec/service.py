@@ -65,6 +65,7 @@ service answers every enqueue (``"all"``), only refused ones (``"errors"``) or n
 
 from __future__ import annotations
 
+import gc
 import operator
 import struct
 import threading
@@ -81,8 +82,8 @@ from qlink.errors import BrokenLinkError, ClosedError, WouldBlock
 from qlink.wire import FrameError, Status
 from transports._base import Backoff, BufferTooSmallError
 
-from ._decoder_state import _Decoder, _decode_packed, compile_decoder
-from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, StageRecorder, record_values
+from ._decoder_state import _Decoder, compile_decoder
+from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, StageRecorder
 
 __all__ = [
     "DecoderConfig",
@@ -114,6 +115,21 @@ _MAX_FRAME_NBYTES = wire.enqueue_syndromes_nbytes(wire.MAX_SYNDROME_BITS)
 # the layout of qlink.wire's response header, patched in place on the hot path.
 _RESP_FIELDS = struct.Struct("<iIIQ")
 _RESP_FIELDS_OFFSET = 4
+# The request header and the fixed payload fields of the two hot calls (qlink.wire's
+# layout): a well-formed frame is read with two unpacks; anything unusual goes through
+# wire.decode_request, which names the fault.
+_REQ_HEADER = struct.Struct("<IIIIQ")
+_ENQ_FIXED = struct.Struct("<qqqq")
+_GET_FIXED = struct.Struct("<qqB")
+_HDR = wire.HEADER_NBYTES
+_ENQ_BITS_OFFSET = _HDR + wire.ENQUEUE_SYNDROMES_FIXED_NBYTES
+_REQUEST_MAGIC, _ENQ_ID, _GET_ID = wire.REQUEST_MAGIC, wire.ENQUEUE_SYNDROMES, wire.GET_CORRECTIONS
+_MAX_BITS, _MAX_CORR_BITS, _MAX_DEC = wire.MAX_SYNDROME_BITS, wire.MAX_CORRECTION_BITS, wire.MAX_DECODERS
+_ENQ_MIN_ARG, _GET_ARG = wire.ENQUEUE_SYNDROMES_FIXED_NBYTES, wire.GET_CORRECTIONS_PAYLOAD_NBYTES
+# counts kept in plain attributes on the hot path, folded into ``counts`` when read
+_HOT_COUNTS = (("requests", "_n_requests"), ("enqueue", "_n_enqueue"), ("get_corrections", "_n_get"),
+               ("shots_completed", "_n_completed"), ("decode_calls", "_n_decode_calls"),
+               ("shots_decoded", "_n_decoded"))
 
 _STATUS_NAMES = {int(st): st.name for st in Status}
 
@@ -179,8 +195,11 @@ class DecoderService:
     """Serves up to 32 decoders over one endpoint at a time (see the module docstring).
 
     ``max_batch_requests``: frames drained from the transport before the pending
-    shots are decoded and the answers sent; ``keep_samples``: how many shots' raw
-    timestamps to keep (0: histograms only).
+    shots are decoded and the answers sent; ``keep_samples``: how many rows of raw
+    timestamps to keep, one per answered shot or per frame of whole shots answered
+    together (0: histograms only). The hot path does no per-shot Python work: a
+    frame's shots are copied, stamped and answered with NumPy slices, decoded in one
+    call, and stage samples are parked and counted in bulk.
     """
 
     def __init__(self, configs: Mapping[int, DecoderConfig], *, ack_enqueue: str = "all",
@@ -206,6 +225,7 @@ class DecoderService:
         self.max_decode_batch = int(max_decode_batch)
         self._rx = bytearray(_MAX_FRAME_NBYTES)
         self._rx_mv = memoryview(self._rx)
+        self._rx_np = np.frombuffer(self._rx, np.uint8)
         # room for the largest answer: get_corrections of many shots (return_size up to the wire's cap)
         self._tx = bytearray(wire.HEADER_NBYTES + (wire.MAX_CORRECTION_BITS + 7) // 8)
         self._tx_mv = memoryview(self._tx)
@@ -213,29 +233,41 @@ class DecoderService:
         wire.encode_response_header_into(self._tx, status=Status.OK, result_len=0, request_id=0)
         # staged answers of the current batch (preallocated)
         m = self.max_batch_requests + 1
-        self._st_kind = [0] * m
-        self._st_status = [0] * m
-        self._st_rid = [0] * m
-        self._st_ptp = [0] * m
-        self._st_dec = [0] * m
-        self._st_seq = [0] * m
-        self._st_bits = [0] * m
-        self._st_tin = [0] * m
-        self._st_fn = [0] * m
-        self._st_peer = [None] * m  # sender of each staged frame, for any-peer (datagram) endpoints
+        # one tuple per answer: (kind, status, request_id, ptp, t_in, function, decoder, shot seq,
+        # bits, peer — the sender, for any-peer (datagram) endpoints)
+        self._staged: list = [None] * m
         self._st_plan: list = [None] * m  # a window's shots when it holds dropped ones
         self._peer = None
         self._n_staged = 0
         self._ep = None
         self._sendto = None
         self.stages = StageRecorder(SERVICE_STAGES)
-        for name in SERVICE_STAGES:  # bound record methods for the hot path
-            setattr(self, f"_rec_{name}", self.stages.histogram(name).record)
+        for name in SERVICE_STAGES:  # hot-path adders: samples parked, counted in bulk (see StageRecorder)
+            setattr(self, f"_rec_{name}", self.stages.adder(name))
         self.shots = ShotRecords(SERVICE_SHOT_FIELDS, capacity=int(keep_samples))
-        self.counts: Counter = Counter()
+        self._keep = self.shots.capacity > 0
+        self._counts: Counter = Counter()
+        for _, attr in _HOT_COUNTS:
+            setattr(self, attr, 0)
         self.faults: Counter = Counter()
         self.statuses: Counter = Counter()
-        self.batch_sizes = np.zeros(65, np.int64)  # log2 buckets of shots per decoder call
+        self._batch_log2 = [0] * 65  # log2 buckets of shots per decoder call
+
+    @property
+    def counts(self) -> Counter:
+        """Requests, frames and shots counted so far, by what became of them."""
+        c = self._counts
+        for name, attr in _HOT_COUNTS:
+            v = getattr(self, attr)
+            if v:
+                c[name] += v
+                setattr(self, attr, 0)
+        return c
+
+    @property
+    def batch_sizes(self) -> np.ndarray:
+        """Decoder calls by shots per call, in log2 buckets (bucket i: 2**(i-1) <= n < 2**i)."""
+        return np.array(self._batch_log2, np.int64)
 
     # ------------------------------------------------------------------ queries
     def decoder_shape(self, decoder_id: int) -> tuple[int, int]:
@@ -257,17 +289,7 @@ class DecoderService:
     def _stage(self, kind: int, status: int, rid: int, ptp: int, t_in: int, fn: int,
                dec: int = 0, seq: int = 0, bits: int = 0) -> None:
         i = self._n_staged
-        self._st_kind[i] = kind
-        self._st_status[i] = status
-        self._st_rid[i] = rid
-        self._st_ptp[i] = ptp
-        self._st_tin[i] = t_in
-        self._st_fn[i] = fn
-        self._st_dec[i] = dec
-        self._st_seq[i] = seq
-        self._st_bits[i] = bits
-        self._st_peer[i] = self._peer
-        self._st_plan[i] = None
+        self._staged[i] = (kind, status, rid, ptp, t_in, fn, dec, seq, bits, self._peer)
         self._n_staged = i + 1
 
     def _refuse(self, fault: str, status: int, rid: int, ptp: int, t_in: int, fn: int) -> None:
@@ -278,43 +300,73 @@ class DecoderService:
             self.statuses[f"{Status(status).name}_unsent"] += 1
 
     # ------------------------------------------------------------------ handlers
-    def _handle(self, mv: memoryview, t_in: int) -> None:
-        self.counts["requests"] += 1
+    def _handle(self, n: int, t_in: int) -> None:
+        """One frame, ``self._rx[:n]``: the hot calls read straight off the buffer."""
+        self._n_requests += 1
+        rx = self._rx
+        if n >= _HDR + _GET_ARG:
+            magic, fid, arg_len, rid, ptp = _REQ_HEADER.unpack_from(rx)
+            if magic == _REQUEST_MAGIC and arg_len <= n - _HDR:
+                if fid == _ENQ_ID:
+                    if arg_len >= _ENQ_MIN_ARG:
+                        did, counter, mapping, nbits = _ENQ_FIXED.unpack_from(rx, _HDR)
+                        if (0 <= did < _MAX_DEC and counter >= 0 and 1 <= nbits <= _MAX_BITS
+                                and arg_len == _ENQ_MIN_ARG + ((nbits + 7) >> 3)):
+                            if ptp:  # the sender's wall-clock (PTP) send stamp
+                                self._rec_wire_in(ptp_now_ns() - ptp)
+                            self._enqueue(did, counter, mapping, nbits, rid, ptp, t_in)
+                            self._rec_parse(now_ns() - t_in)
+                            return
+                elif fid == _GET_ID:
+                    if arg_len == _GET_ARG:
+                        did, rs, reset = _GET_FIXED.unpack_from(rx, _HDR)
+                        if 0 <= did < _MAX_DEC and 0 <= rs <= _MAX_CORR_BITS and reset <= 1:
+                            if ptp:
+                                self._rec_wire_in(ptp_now_ns() - ptp)
+                            self._get(did, rs, reset == 1, rid, ptp, t_in)
+                            self._rec_parse(now_ns() - t_in)
+                            return
+        self._handle_checked(self._rx_mv[:n], t_in)
+
+    def _handle_checked(self, mv: memoryview, t_in: int) -> None:
+        """Any other frame: validated by qlink.wire, which names what is wrong with it."""
         try:
             req = wire.decode_request(mv)
         except FrameError as e:
             self.faults[e.fault.value] += 1
-            self.counts["frames_refused"] += 1
+            self._counts["frames_refused"] += 1
             if e.request_id is not None:
                 self._stage(_PLAIN, int(e.fault.status), e.request_id, e.ptp_timestamp or 0, t_in, _FN_BAD)
             else:
-                self.counts["frames_unanswerable"] += 1
+                self._counts["frames_unanswerable"] += 1
             return
         ptp = req.ptp_timestamp
-        if ptp:  # the sender's wall-clock (PTP) send stamp
+        if ptp:
             self._rec_wire_in(ptp_now_ns() - ptp)
         fid = req.function_id
-        if fid == wire.ENQUEUE_SYNDROMES:
-            self._enqueue(req.payload, req.request_id, ptp, t_in)
+        p = req.payload
+        if fid == wire.ENQUEUE_SYNDROMES:  # (a valid frame the fast path passed on: never, but cheap to keep)
+            self._enqueue(p.decoder_id, p.counter, p.syndrome_mapping_id, p.num_syndromes, req.request_id, ptp,
+                          t_in, bits=p.syndromes_bits_packed)
         elif fid == wire.GET_CORRECTIONS:
-            self._get(req.payload, req.request_id, ptp, t_in)
+            self._get(p.decoder_id, p.return_size, p.reset, req.request_id, ptp, t_in)
         elif fid == wire.RESET_DECODER:
-            self._reset(req.payload, req.request_id, ptp, t_in)
+            self._reset(p, req.request_id, ptp, t_in)
         else:  # registered elsewhere (another qlink function) but not served here
             self.faults["function_not_served"] += 1
             self._stage(_PLAIN, int(Status.BAD_REQUEST), req.request_id, ptp, t_in, _FN_BAD)
             return
         self._rec_parse(now_ns() - t_in)
 
-    def _enqueue(self, p, rid: int, ptp: int, t_in: int) -> None:
-        self.counts["enqueue"] += 1
-        d = self._decoder(p.decoder_id)
+    def _enqueue(self, decoder_id: int, counter: int, mapping_id: int, n: int, rid: int, ptp: int, t_in: int,
+                 bits: memoryview | None = None) -> None:
+        """``n`` syndrome bits (``bits``, else at their place in the receive buffer)."""
+        self._n_enqueue += 1
+        d = self._decoders[decoder_id]
         if d is None:
             return self._refuse("decoder_not_configured", Status.INVALID_DECODER, rid, ptp, t_in, _FN_ENQ)
-        if p.syndrome_mapping_id != 0:
+        if mapping_id != 0:
             return self._refuse("syndrome_mapping_id", Status.BAD_REQUEST, rid, ptp, t_in, _FN_ENQ)
-        n = p.num_syndromes
-        counter = p.counter
         nxt = d.next_counter
         if nxt is not None and counter != nxt:
             if counter < nxt:
@@ -330,13 +382,13 @@ class DecoderService:
                 nxt = d.next_counter = counter - 1
             # Lost frames: check the frame fits before touching state, then realign.
             self.faults["counter_gap"] += 1
-            self.counts["frames_lost"] += counter - nxt
+            self._counts["frames_lost"] += counter - nxt
             self._realign(d, counter - nxt)
             d.next_counter = counter  # the lost frames are accounted for, whatever becomes of this one
         if d.discard_frames:
             d.discard_frames -= 1
             d.next_counter = counter + 1
-            self.counts["frames_discarded"] += 1
+            self._counts["frames_discarded"] += 1
             if self._ack_all:
                 self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_ENQ)
             return
@@ -348,22 +400,23 @@ class DecoderService:
                 return self._refuse("syndrome_count", Status.BAD_REQUEST, rid, ptp, t_in, _FN_ENQ)
             whole = n // nd
             if d.occupancy + whole > d.capacity:  # no room: these shots are dropped, and say so
-                self.counts["shots_refused_busy"] += whole
+                self._counts["shots_refused_busy"] += whole
                 self._drop_busy(d, whole, counter, frames_left=0)
                 return self._refuse("queue_full", Status.BUSY, rid, ptp, t_in, _FN_ENQ)
-            self._enqueue_whole_shots(d, p.syndromes_bits_packed, whole, rid, ptp, t_in)
+            raw = self._rx_np[_ENQ_BITS_OFFSET:] if bits is None else np.frombuffer(bits, np.uint8)
+            self._enqueue_whole_shots(d, raw, whole, rid, ptp, t_in)
             d.next_counter = counter + 1
             if self._ack_all:
                 self._stage(_PLAIN, int(Status.OK), rid, ptp, t_in, _FN_ENQ)
             return
         if not d.filling:
             if d.occupancy >= d.capacity:  # no room for a new shot: it is dropped, its other frames discarded
-                self.counts["shots_refused_busy"] += 1
+                self._counts["shots_refused_busy"] += 1
                 F = d.frames_per_shot or 1
                 self._drop_busy(d, 1, counter, frames_left=F - 1 if n < nd else 0)
                 return self._refuse("queue_full", Status.BUSY, rid, ptp, t_in, _FN_ENQ)
             self._start_shot(d)
-        self._append(d, p.syndromes_bits_packed, 0, n)
+        self._append(d, self._rx_mv[_ENQ_BITS_OFFSET:] if bits is None else bits, 0, n)
         self._finish_frame(d, rid, ptp, t_in)
         d.next_counter = counter + 1
         if self._ack_all:
@@ -376,37 +429,31 @@ class DecoderService:
         d.drops_total += shots
         d.discard_frames = frames_left
         d.next_counter = counter + 1
-        self.counts["shots_dropped"] += shots
+        self._counts["shots_dropped"] += shots
 
-    def _enqueue_whole_shots(self, d: _Decoder, packed: memoryview, whole: int, rid: int, ptp: int,
+    def _enqueue_whole_shots(self, d: _Decoder, raw: np.ndarray, whole: int, rid: int, ptp: int,
                              t_in: int) -> None:
-        """A frame carrying ``whole`` complete shots: copy them into the ring in one go."""
+        """A frame carrying ``whole`` complete shots (``raw``: its packed bits onwards): into the ring in one go."""
         nd, nbd, cap = d.num_det, d.nbd, d.capacity
-        raw = np.frombuffer(packed, np.uint8)
         if nd & 7 == 0:
             rows = raw[:whole * nbd].reshape(whole, nbd)
         else:
-            bits = np.unpackbits(raw, count=whole * nd, bitorder="little").reshape(whole, nd)
-            rows = np.packbits(bits, axis=1, bitorder="little")
-        t_done = now_ns()
-        done = 0
-        while done < whole:
-            a = (d.cmp + done) % cap
-            c = min(whole - done, cap - a)
-            d.syn[a:a + c] = rows[done:done + c]
-            d.drops_before[a:a + c] = [0] * c
-            d.rid_last[a:a + c] = [rid] * c
-            d.ptp_last[a:a + c] = [ptp] * c
-            d.t_in_last[a:a + c] = [t_in] * c
-            d.t_complete[a:a + c] = [t_done] * c
-            done += c
-        d.drops_before[d.cmp % cap] = d.pending_drops
+            bits = np.unpackbits(raw[:(whole * nd + 7) >> 3], count=whole * nd, bitorder="little")
+            rows = np.packbits(bits.reshape(whole, nd), axis=1, bitorder="little")
+        a = d.cmp % cap
+        c = min(whole, cap - a)
+        d.syn[a:a + c] = rows[:c]
+        d.drops_before[a:a + c] = [0] * c
+        if c < whole:  # the ring wraps
+            d.syn[:whole - c] = rows[c:]
+            d.drops_before[:whole - c] = [0] * (whole - c)
+        d.drops_before[a] = d.pending_drops
         d.pending_drops = 0
-        d.cmp += whole
+        d.complete(whole, rid, ptp, t_in, now_ns())
         d.shots_per_frame = whole
         if d.frames_per_shot is None:
             d.frames_per_shot = 1
-        self.counts["shots_completed"] += whole
+        self._n_completed += whole
 
     def _start_shot(self, d: _Decoder) -> None:
         # No need to zero the row: appends start at bit 0 and each writes whole bytes
@@ -439,16 +486,11 @@ class DecoderService:
         d.frames_in_shot += 1
         if d.filled < d.num_det:
             return
-        slot = d.cmp % d.capacity
-        d.rid_last[slot] = rid
-        d.ptp_last[slot] = ptp
-        d.t_in_last[slot] = t_in
-        d.t_complete[slot] = now_ns()
-        d.cmp += 1
+        d.complete(1, rid, ptp, t_in, now_ns())
         d.filling = False
         if d.frames_per_shot is None:
             d.frames_per_shot = d.frames_in_shot
-        self.counts["shots_completed"] += 1
+        self._n_completed += 1
 
     @staticmethod
     def _abandon_filling(d: _Decoder) -> None:
@@ -465,7 +507,7 @@ class DecoderService:
                 self._abandon_filling(d)
                 d.pending_drops += 1
                 d.drops_total += 1
-                self.counts["shots_dropped"] += 1
+                self._counts["shots_dropped"] += 1
             return
         discarding = d.discard_frames > 0
         was_filling = d.filling
@@ -480,7 +522,7 @@ class DecoderService:
             # frames of several whole shots each: every lost frame took that many shots
             d.pending_drops += gap * d.shots_per_frame
             d.drops_total += gap * d.shots_per_frame
-            self.counts["shots_dropped"] += gap * d.shots_per_frame
+            self._counts["shots_dropped"] += gap * d.shots_per_frame
             return
         k, r = divmod(q + gap, F)
         new_drops = 0
@@ -497,21 +539,21 @@ class DecoderService:
             d.discard_frames = F - r
         d.pending_drops += new_drops
         d.drops_total += new_drops
-        self.counts["shots_dropped"] += new_drops
+        self._counts["shots_dropped"] += new_drops
 
-    def _get(self, p, rid: int, ptp: int, t_in: int) -> None:
-        self.counts["get_corrections"] += 1
-        d = self._decoder(p.decoder_id)
+    def _get(self, decoder_id: int, rs: int, consume: bool, rid: int, ptp: int, t_in: int) -> None:
+        """``get_corrections`` of ``rs`` bits; ``consume``: the request's reset flag."""
+        self._n_get += 1
+        d = self._decoders[decoder_id]
         if d is None:
             return self._refuse("decoder_not_configured", Status.INVALID_DECODER, rid, ptp, t_in, _FN_GET)
-        rs, no = p.return_size, d.num_obs
+        no = d.num_obs
         if rs <= no:
             m = 1
         elif no and rs % no == 0 and rs // no <= d.capacity:
             m = rs // no  # the corrections of the m oldest shots, one after the other
         else:
             return self._refuse("return_size", Status.BAD_REQUEST, rid, ptp, t_in, _FN_GET)
-        consume = p.reset
         cap = d.capacity
         if m > 1:
             if d.drops_total:
@@ -614,7 +656,7 @@ class DecoderService:
         return int(Status.SYNDROMES_DROPPED), k + mask.size
 
     def _reset(self, p, rid: int, ptp: int, t_in: int) -> None:
-        self.counts["reset_decoder"] += 1
+        self._counts["reset_decoder"] += 1
         d = self._decoder(p.decoder_id)
         if d is None:
             return self._refuse("decoder_not_configured", Status.INVALID_DECODER, rid, ptp, t_in, _FN_RESET)
@@ -624,12 +666,17 @@ class DecoderService:
 
     # ------------------------------------------------------------------ decode + answer
     def _decode_pending(self, d: _Decoder) -> None:
+        """Every complete shot not yet decoded, in one decoder call (more only where the ring
+        wraps or ``max_decode_batch`` is reached)."""
+        cap = d.capacity
+        u_end = d.u_end
+        rec_queue = self._rec_queue
         while d.dec < d.cmp:
-            a = d.dec % d.capacity
-            n = min(d.cmp - d.dec, d.capacity - a, self.max_decode_batch)
+            a = d.dec % cap
+            n = min(d.cmp - d.dec, cap - a, self.max_decode_batch)
             t0 = now_ns()
             try:
-                out = _decode_packed(d.compiled, d.syn[a:a + n])
+                out = d.decode(d.syn[a:a + n])
                 if out.shape != (n, d.nbo):
                     raise ValueError(f"decoder returned shape {out.shape}, expected {(n, d.nbo)}")
                 d.corr[a:a + n, :d.nbo] = out
@@ -638,24 +685,25 @@ class DecoderService:
                 status = int(Status.INTERNAL_ERROR)
                 self.faults["decoder_exception"] += 1
             t1 = now_ns()
-            d.slot_status[a:a + n] = [status] * n
-            d.t_dec_start[a:a + n] = [t0] * n
-            d.t_dec_end[a:a + n] = [t1] * n
-            d.batch[a:a + n] = [n] * n
+            if status or d.any_failed:
+                d.slot_status[a:a + n] = status
+                d.any_failed = True
             self._rec_decode(t1 - t0)
             self._rec_decode_per_shot((t1 - t0) // n)
-            if n > 8:
-                # one sample per frame of whole shots (they completed together)
-                record_values(self.stages.histogram("queue"), t0 - np.unique(np.asarray(d.t_complete[a:a + n])))
-            else:
-                rec_queue = self._rec_queue
-                tc = d.t_complete
-                for i in range(a, a + n):
-                    rec_queue(t0 - tc[i])
-            self.batch_sizes[int(n).bit_length()] += 1
-            self.counts["decode_calls"] += 1
-            self.counts["shots_decoded"] += n
             d.dec += n
+            # the units this call finished: one queue sample each (a frame's shots complete together)
+            u = d.units_decoded
+            while u < d.units and u_end[u % cap] <= d.dec:
+                j = u % cap
+                d.u_dec0[j] = t0
+                d.u_dec1[j] = t1
+                d.u_batch[j] = n
+                rec_queue(t0 - d.u_done[j])
+                u += 1
+            d.units_decoded = u
+            self._batch_log2[n.bit_length()] += 1
+            self._n_decode_calls += 1
+            self._n_decoded += n
 
     def _flush(self) -> None:
         for d in self._active:
@@ -664,17 +712,18 @@ class DecoderService:
         ep = self._ep
         sendto = self._sendto
         tx, mv = self._tx, self._tx_mv
-        hdr = wire.HEADER_NBYTES
+        hdr = _HDR
+        staged = self._staged
+        statuses = self.statuses
+        n_ok = 0
         for i in range(self._n_staged):
-            status = self._st_status[i]
-            rid, ptp = self._st_rid[i], self._st_ptp[i]
+            kind, status, rid, ptp, t_in, fn, dec, seq, bits, peer = staged[i]
             nbytes = hdr
             d = None
             m = 1
-            if self._st_kind[i] == _CORRECTIONS:
-                d = self._decoders[self._st_dec[i]]
-                slot = self._st_seq[i] % d.capacity
-                bits = self._st_bits[i]
+            if kind == _CORRECTIONS:
+                d = self._decoders[dec]
+                slot = seq % d.capacity
                 plan = self._st_plan[i]
                 if plan is not None:
                     self._st_plan[i] = None
@@ -687,7 +736,7 @@ class DecoderService:
                     status = self._many_corrections(d, slot, m, bits)
                     nbytes = hdr + ((bits + 7) >> 3) if status == 0 else hdr
                 else:
-                    status = d.slot_status[slot]
+                    status = int(d.slot_status[slot]) if d.any_failed else 0
                     if status == 0:
                         k = (bits + 7) >> 3
                         if k:
@@ -698,71 +747,72 @@ class DecoderService:
                         nbytes = hdr + k
             _RESP_FIELDS.pack_into(tx, _RESP_FIELDS_OFFSET, status, nbytes - hdr, rid, ptp)
             if sendto is not None:
-                sendto(mv[:nbytes], self._st_peer[i])
+                sendto(mv[:nbytes], peer)
             elif ep is not None:
                 ep.send(mv[:nbytes])
             t_out = now_ns()
-            self.statuses[_STATUS_NAMES.get(status, str(status))] += 1
-            if self._st_fn[i] == _FN_GET:
-                self._rec_residence(t_out - self._st_tin[i])
+            if status == 0:
+                n_ok += 1
+            else:
+                statuses[_STATUS_NAMES.get(status, str(status))] += 1
+            if fn == _FN_GET:
+                self._rec_residence(t_out - t_in)
             if d is not None and status == 0:
-                slot = self._st_seq[i] % d.capacity
-                if m == 1:
-                    self._rec_respond(t_out - d.t_dec_end[slot])
-                    self._rec_shot_service(t_out - d.t_in_last[slot])
-                    if self.shots.capacity:
-                        self.shots.append(d.rid_last[slot], d.ptp_last[slot], d.t_in_last[slot],
-                                          d.t_complete[slot], d.t_dec_start[slot], d.t_dec_end[slot], t_out,
-                                          d.batch[slot], status)
-                else:
-                    self._record_many(d, slot, m, t_out)
+                # one sample per answer: its shots share a frame, a decoder call and this send
+                cap = d.capacity
+                self._rec_respond(t_out - d.u_dec1[d.unit_of[(slot + m - 1) % cap] % cap])
+                self._rec_shot_service(t_out - d.u_in[d.unit_of[slot] % cap])
+                if self._keep:
+                    self._record_shots(d, slot, m, t_out)
+        if n_ok:
+            statuses["OK"] += n_ok
         self._n_staged = 0
         for d in self._active:
             d.free = d.ret
-
-    @staticmethod
-    def _ring_slices(d: _Decoder, slot: int, m: int) -> list[tuple[int, int]]:
-        first = min(m, d.capacity - slot)
-        return [(slot, slot + first)] + ([(0, m - first)] if first < m else [])
+        self.stages.settle_some()
 
     def _many_corrections(self, d: _Decoder, slot: int, m: int, bits: int) -> int:
         """Write the corrections of ``m`` shots from ``slot`` on into the answer; return its status."""
-        parts = self._ring_slices(d, slot, m)
-        if any(any(d.slot_status[a:b]) for a, b in parts):
-            return int(Status.INTERNAL_ERROR)
-        rows = d.corr[parts[0][0]:parts[0][1], :d.nbo] if len(parts) == 1 else \
-            np.concatenate([d.corr[a:b, :d.nbo] for a, b in parts])
-        if d.num_obs & 7 == 0:
-            packed = rows.reshape(-1)
-        else:
-            flat = np.unpackbits(rows, axis=1, count=d.num_obs, bitorder="little").reshape(-1)
-            packed = np.packbits(flat[:bits], bitorder="little")
+        cap = d.capacity
+        if slot + m <= cap:
+            rows = d.corr[slot:slot + m]
+            if d.any_failed and d.slot_status[slot:slot + m].any():
+                return int(Status.INTERNAL_ERROR)
+        else:  # the window wraps around the ring
+            rows = np.concatenate((d.corr[slot:], d.corr[:slot + m - cap]))
+            if d.any_failed and (d.slot_status[slot:].any() or d.slot_status[:slot + m - cap].any()):
+                return int(Status.INTERNAL_ERROR)
+        no = d.num_obs
         k = (bits + 7) >> 3
-        self._tx_np[wire.HEADER_NBYTES:wire.HEADER_NBYTES + k] = packed[:k]
+        if no == 1:  # one flip per shot, in bit 0 of its byte
+            packed = np.packbits(rows[:, 0], bitorder="little")
+        elif no & 7 == 0:
+            packed = rows[:, :d.nbo].reshape(-1)
+        else:
+            flat = np.unpackbits(rows[:, :d.nbo], axis=1, count=no, bitorder="little").reshape(-1)
+            packed = np.packbits(flat[:bits], bitorder="little")
+        self._tx_np[_HDR:_HDR + k] = packed[:k]
         return 0
 
-    def _record_many(self, d: _Decoder, slot: int, m: int, t_out: int) -> None:
-        cols = {name: np.concatenate([np.asarray(getattr(d, name)[a:b], np.int64)
-                                      for a, b in self._ring_slices(d, slot, m)])
-                for name in ("t_dec_end", "t_in_last")}
-        # one sample per answer (its shots share a frame, a decoder call and this send)
-        self._rec_respond(t_out - int(cols["t_dec_end"].max()))
-        self._rec_shot_service(t_out - int(cols["t_in_last"].min()))
-        if self.shots.capacity and len(self.shots) < self.shots.capacity:
-            c = {name: np.concatenate([np.asarray(getattr(d, name)[a:b], np.int64)
-                                       for a, b in self._ring_slices(d, slot, m)])
-                 for name in ("rid_last", "ptp_last", "t_in_last", "t_complete", "t_dec_start", "t_dec_end",
-                              "batch")}
-            self.shots.extend(m, last_request_id=c["rid_last"], ptp_last_ns=c["ptp_last"], in_last_ns=c["t_in_last"],
-                              complete_ns=c["t_complete"], decode_start_ns=c["t_dec_start"],
-                              decode_end_ns=c["t_dec_end"], out_ns=t_out, batch_shots=c["batch"], status=0)
-        else:
-            self.shots.dropped += m
+    def _record_shots(self, d: _Decoder, slot: int, m: int, t_out: int) -> None:
+        """Keep the raw timestamps of an answer's ``m`` shots (while ``keep_samples`` has room):
+        one row when they are one unit (they share every timestamp), else one per shot."""
+        shots = self.shots
+        cap = d.capacity
+        first, last = d.unit_of[slot], d.unit_of[(slot + m - 1) % cap]
+        units = [first] if first == last else [d.unit_of[(slot + i) % cap] for i in range(m)]
+        for k, u in enumerate(units):
+            if len(shots) >= shots.capacity:
+                shots.dropped += m if len(units) == 1 else len(units) - k
+                return
+            j = u % cap
+            shots.append(d.u_rid[j], d.u_ptp[j], d.u_in[j], d.u_done[j], d.u_dec0[j], d.u_dec1[j], t_out,
+                         d.u_batch[j], 0, m if len(units) == 1 else 1)
 
     def _oversized(self, ep, needed: int, t_in: int) -> None:
         """A message larger than any valid frame: read it, count it, answer if its header allows."""
-        self.counts["requests"] += 1
-        self.counts["frames_refused"] += 1
+        self._n_requests += 1
+        self._counts["frames_refused"] += 1
         self.faults["oversized_frame"] += 1
         data = ep.recv(max_nbytes=needed, timeout_s=1.0)
         if self._sendto is not None:
@@ -778,7 +828,7 @@ class DecoderService:
             magic, fid, arg_len, rid, ptp = struct.unpack_from("<IIIIQ", data)
             self._stage(_PLAIN, int(Status.BAD_REQUEST), rid, ptp, t_in, _FN_BAD)
             return
-        self.counts["frames_unanswerable"] += 1
+        self._counts["frames_unanswerable"] += 1
 
     # ------------------------------------------------------------------ loop
     def serve(self, endpoint, *, stop_event: threading.Event | None = None, max_requests: int | None = None,
@@ -795,7 +845,7 @@ class DecoderService:
             raise ValueError(f"max_requests must be >= 1 or None, got {max_requests}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._ep = endpoint
-        rx, rx_mv = self._rx, self._rx_mv
+        rx = self._rx
         recv = endpoint.recv_into_nowait
         # An any-peer endpoint (a datagram socket serving many controllers) answers each
         # frame's own sender: receive with recvfrom, answer with sendto.
@@ -808,7 +858,10 @@ class DecoderService:
         backoff = Backoff(spin=spin, max_sleep_s=2e-4)
         handled = 0
         idle_since = None
-        self.counts["serve_calls"] += 1
+        self._counts["serve_calls"] += 1
+        # What exists now lives as long as the service: keep the cyclic collector off it
+        # (a full collection over every imported module is a pause of milliseconds).
+        gc.freeze()
         try:
             while True:
                 n_batch = 0
@@ -823,7 +876,7 @@ class DecoderService:
                     except BufferTooSmallError as e:
                         self._oversized(endpoint, e.needed_nbytes, now_ns())
                     else:
-                        handle(rx_mv[:n], now_ns())
+                        handle(n, now_ns())
                     n_batch += 1
                     if max_requests is not None and handled + n_batch >= max_requests:
                         break
@@ -849,12 +902,14 @@ class DecoderService:
                         break
                 backoff.pause()
         except (BrokenLinkError, ClosedError):
-            self.counts["peer_closed"] += 1
+            self._counts["peer_closed"] += 1
             self._n_staged = 0
+            self._st_plan = [None] * len(self._st_plan)
         finally:
             self._ep = None
             self._sendto = None
             self._peer = None
+            self.stages.settle()
         return self.report()
 
     # ------------------------------------------------------------------ results

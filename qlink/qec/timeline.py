@@ -12,9 +12,9 @@ Two kinds of record, both constant-memory on the hot path:
   add up exactly (both processes read the same monotonic clock).
 
 >>> rec = ShotRecords(SERVICE_SHOT_FIELDS, capacity=2)
->>> rec.append(7, 100, 150, 150, 160, 170, 190, 1, 0)
->>> rec.append(8, 200, 250, 250, 260, 270, 290, 1, 0)
->>> rec.append(9, 0, 0, 0, 0, 0, 0, 0, 0)          # past capacity: counted, not stored
+>>> rec.append(7, 100, 150, 150, 160, 170, 190, 1, 0, 1)
+>>> rec.append(8, 200, 250, 250, 260, 270, 290, 1, 0, 1)
+>>> rec.append(9, 0, 0, 0, 0, 0, 0, 0, 0, 1)       # past capacity: counted, not stored
 >>> len(rec), rec.dropped
 (2, 1)
 >>> rec.array()["in_last_ns"].tolist()
@@ -40,7 +40,8 @@ __all__ = [
     "record_values",
 ]
 
-# Service side, one row per decoded shot (timestamps in ns of the shared monotonic clock).
+# Service side, one row per answered shot — or per frame of whole shots answered together,
+# which share every timestamp (timestamps in ns of the shared monotonic clock).
 SERVICE_SHOT_FIELDS = (
     ("last_request_id", np.int64),  # request_id of the frame that completed the shot
     ("ptp_last_ns", np.int64),  # that frame's ptp_timestamp (the controller's send time)
@@ -51,6 +52,7 @@ SERVICE_SHOT_FIELDS = (
     ("out_ns", np.int64),  # its corrections handed to the transport
     ("batch_shots", np.int64),  # shots decoded in the same decoder call
     ("status", np.int64),  # wire.Status answered
+    ("shots", np.int64),  # shots the row stands for
 )
 
 # Controller side, one row per shot.
@@ -71,6 +73,11 @@ CONTROLLER_SHOT_FIELDS = (
 REACTION_STAGES = ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")
 
 
+# Below this many values, recording one by one beats a vectorised pass (numpy's fixed
+# cost per call is a few microseconds).
+_SHORT = 24
+
+
 def _histogram_class():
     from qlink.histogram import LatencyHistogram
 
@@ -78,35 +85,76 @@ def _histogram_class():
 
 
 class StageRecorder:
-    """One latency histogram per stage; ``record`` is the only hot-path call.
+    """One latency histogram per stage.
+
+    ``record`` counts one duration at once. On a hot path, :meth:`adder` and
+    :meth:`extender` give bound ``list.append`` / ``list.extend`` calls that only
+    park the samples (tens of ns each); they are counted, vectorised, by
+    :meth:`settle` — which every query (``histogram``, ``count``, ``to_dict``,
+    ``summary``) runs first, so a reader never sees a parked sample missing.
 
     >>> r = StageRecorder(["decode", "queue"])
     >>> for v in (1000, 2000, 3000):
     ...     r.record("decode", v)
+    >>> add = r.adder("queue"); add(500); add(700)
     >>> r.count("decode"), r.count("queue")
-    (3, 0)
+    (3, 2)
     >>> sorted(r.to_dict())
     ['decode', 'queue']
     """
 
-    __slots__ = ("_hists",)
+    __slots__ = ("_hists", "_pending", "_order", "_next")
 
     def __init__(self, stages: Iterable[str]) -> None:
         cls = _histogram_class()
         self._hists = {str(s): cls() for s in stages}
         if not self._hists:
             raise ValueError("StageRecorder needs at least one stage name")
+        self._pending: dict[str, list] = {s: [] for s in self._hists}
+        self._order = tuple(self._hists)
+        self._next = 0
 
     @property
     def stages(self) -> tuple[str, ...]:
         return tuple(self._hists)
 
+    def _known(self, stage: str) -> str:
+        if stage not in self._hists:
+            raise KeyError(f"unknown stage {stage!r}; stages are {sorted(self._hists)}")
+        return stage
+
     def histogram(self, stage: str):
-        """The :class:`~qlink.histogram.LatencyHistogram` of ``stage``."""
-        try:
-            return self._hists[stage]
-        except KeyError:
-            raise KeyError(f"unknown stage {stage!r}; stages are {sorted(self._hists)}") from None
+        """The :class:`~qlink.histogram.LatencyHistogram` of ``stage`` (parked samples counted)."""
+        self._settle_stage(self._known(stage))
+        return self._hists[stage]
+
+    def adder(self, stage: str):
+        """A hot-path ``add(value_ns)`` for one stage: parks the sample until :meth:`settle`."""
+        return self._pending[self._known(stage)].append
+
+    def extender(self, stage: str):
+        """A hot-path ``extend(values_ns)`` (a list of ints) for one stage; see :meth:`adder`."""
+        return self._pending[self._known(stage)].extend
+
+    def _settle_stage(self, stage: str) -> None:
+        pending = self._pending[stage]
+        if pending:
+            record_values(self._hists[stage], pending)
+            pending.clear()
+
+    def settle(self) -> None:
+        """Count every parked sample into its histogram."""
+        for stage in self._order:
+            self._settle_stage(stage)
+
+    def settle_some(self, *, min_pending: int = 1024) -> None:
+        """Count the parked samples of at most one stage (the next in turn) once it holds
+        ``min_pending``: a bounded, small piece of work a busy loop can afford each pass."""
+        i = self._next
+        stage = self._order[i]
+        self._next = i + 1 if i + 1 < len(self._order) else 0
+        if len(self._pending[stage]) >= min_pending:
+            self._settle_stage(stage)
 
     def record(self, stage: str, value_ns: int) -> None:
         """Add one duration; negative values (clock reads out of order) are clamped to 0."""
@@ -117,29 +165,35 @@ class StageRecorder:
 
     def to_dict(self) -> dict:
         """``{stage: histogram.to_dict()}`` — plain data, JSON-able."""
+        self.settle()
         return {name: h.to_dict() for name, h in self._hists.items()}
 
     def summary(self) -> dict:
         """``{stage: {n, p50_us, p99_us, p999_us, max_us}}`` of the stages that saw samples."""
+        self.settle()
         return {name: histogram_summary(h) for name, h in self._hists.items() if h.count}
 
 
 def record_values(hist, values) -> None:
-    """Record many durations: one by one for short arrays, where a vectorised pass over
-    the histogram's every bucket would cost more than the values themselves.
+    """Record many durations (an array or a list of ints): one by one for short ones,
+    where numpy's per-call cost would exceed the values' own, else vectorised.
 
     >>> from qlink.histogram import LatencyHistogram
     >>> h = LatencyHistogram(); record_values(h, np.array([5, 7])); record_values(h, np.arange(1000))
     >>> h.count
     1002
     """
-    a = np.asarray(values)
-    if a.size <= 512:
-        rec = hist.record
-        for v in a.tolist():
-            rec(v)
-    else:
-        hist.record_many(a)
+    if len(values) > _SHORT:
+        try:
+            arr = np.asarray(values, dtype=np.int64)
+        except OverflowError:  # a value beyond int64 (a peer's garbage timestamp): count it one by one
+            pass
+        else:
+            hist.record_many(arr)
+            return
+    rec = hist.record
+    for v in (values.tolist() if isinstance(values, np.ndarray) else values):
+        rec(int(v))
 
 
 def histogram_summary(hist) -> dict:
@@ -232,8 +286,8 @@ class ShotRecords:
 def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndarray]:
     """Per-shot stage durations (ns) of the shots both sides recorded.
 
-    Shots are matched on ``last_request_id``; only answered shots (service status OK
-    with a correction applied) are kept. The stages of :data:`REACTION_STAGES` add
+    Shots are matched on ``last_request_id`` (a service row may stand for all the shots
+    of its frame); only answered shots (service status OK with a correction applied) are kept. The stages of :data:`REACTION_STAGES` add
     up to ``reaction`` (= applied − emitted) exactly:
 
     send (emitted → sent; with several shots per frame it includes waiting for the
@@ -246,7 +300,7 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
     >>> c = np.zeros(1, dtype=list(CONTROLLER_SHOT_FIELDS))
     >>> s = np.zeros(1, dtype=list(SERVICE_SHOT_FIELDS))
     >>> c[0] = (0, 5, 1000, 1100, 1150, 1900, 1950, 1, 0, 1)
-    >>> s[0] = (5, 1100, 1300, 1300, 1400, 1600, 1700, 1, 0)
+    >>> s[0] = (5, 1100, 1300, 1300, 1400, 1600, 1700, 1, 0, 1)
     >>> st = join_shots(c, s)
     >>> [int(st[k][0]) for k in REACTION_STAGES], int(st["reaction"][0])
     ([100, 200, 100, 200, 100, 200, 50], 950)
