@@ -14,6 +14,12 @@ Endpoint semantics (identical across transports; the conformance suite checks th
   ``put(data, remote, offset=..., notify_id=..., tag=...)``. When the bytes have landed,
   the target sees a :class:`Notification` from ``wait_notification()``; the notification
   is never delivered before every byte of its put is in place.
+  ``put_many(data, remote, src_offsets, dst_offsets, nbytes, ...)`` writes many pieces of
+  one source buffer in one call. Where the endpoint gathers them (``put_many_gathers``)
+  the target sees ONE Notification, never before the last byte of the last piece, whose
+  ``offset``/``nbytes`` cover every piece; elsewhere (the default: one ``put`` per piece)
+  it sees one Notification per piece, each never before its own bytes. The call returns
+  how many Notifications it will cause.
 * **Waiting**: every blocking call takes ``timeout_s`` (``None`` waits without limit but
   still watches the peer) and raises :class:`~qlink.errors.QlinkTimeoutError`; each has a
   ``*_nowait`` twin that raises :class:`~qlink.errors.WouldBlock`.
@@ -70,7 +76,8 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Notification:
-    """Completion of a one-sided put, as seen by the target."""
+    """Completion of a one-sided put, as seen by the target. For a gathered ``put_many``,
+    ``offset``/``nbytes`` span every piece (the lowest offset to the end of the highest)."""
 
     region_id: int
     offset: int
@@ -207,6 +214,47 @@ class Endpoint(abc.ABC):
         from qlink.errors import CapabilityError
 
         raise CapabilityError(f"transport {self.capabilities.name!r} does not support one-sided put")
+
+    #: True where :meth:`put_many` publishes one Notification for all its pieces; False for
+    #: the default below (one ``put`` and one Notification per piece).
+    put_many_gathers: bool = False
+
+    def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
+                 tag: bytes = b"", timeout_s: float | None = None) -> int:
+        """Write ``data[src_offsets[i]:src_offsets[i] + nbytes[i]]`` into the peer's region at
+        ``dst_offsets[i]`` for every ``i``; return how many Notifications the target will see.
+
+        This default checks every piece against ``data`` and the descriptor, then calls
+        :meth:`put` once per piece (each with ``notify_id`` and ``tag``, all within one
+        ``timeout_s``): the target sees one Notification per piece, and the return value is
+        the number of pieces. Endpoints with ``put_many_gathers`` publish a single
+        Notification after the last byte of every piece, covering the lowest destination
+        offset up to the end of the highest piece, and return 1.
+        """
+        import operator
+
+        from qlink.errors import RegistrationError
+        from qlink.memory import as_byte_view
+
+        deadline = deadline_of(timeout_s)
+        src = as_byte_view(data)
+        pieces = [tuple(map(operator.index, p)) for p in zip(src_offsets, dst_offsets, nbytes)]
+        if not pieces or not len(pieces) == len(src_offsets) == len(dst_offsets) == len(nbytes):
+            raise ValueError("put_many needs src_offsets, dst_offsets and nbytes of one length >= 1, got lengths "
+                             f"{len(src_offsets)}, {len(dst_offsets)}, {len(nbytes)}")
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        for i, (s, d, n) in enumerate(pieces):
+            if n < 0 or s < 0 or s + n > len(src):
+                raise ValueError(f"put_many piece {i} ({n} bytes at source offset {s}) lies outside the "
+                                 f"{len(src)}-byte source; need 0 <= src_offsets and src_offsets + nbytes <= len(data)")
+            if d < 0 or d + n > remote.nbytes:
+                raise RegistrationError(f"put_many piece {i} ({n} bytes at offset {d}) falls outside region "
+                                        f"{remote.region_id} of {remote.nbytes} bytes")
+        for s, d, n in pieces:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.put(src[s:s + n], remote, offset=d, notify_id=notify_id, tag=tag, timeout_s=left)
+        return len(pieces)
 
     def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
         """Wait for the next put completion targeted at this side."""

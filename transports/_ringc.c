@@ -561,7 +561,12 @@ typedef struct {
     PyObject *slow_recv;
     long spin_iters;
     int rx_clean;
+    /* one-sided put / notifications (enable_one_sided); see the section below */
+    struct one_sided *os;
 } FastPathObject;
+
+static void os_free(FastPathObject *f);
+static int os_traverse(FastPathObject *f, visitproc visit, void *arg);
 
 static PyObject *str_timeout_s; /* interned "timeout_s" */
 
@@ -571,7 +576,7 @@ static int fp_traverse(FastPathObject *f, visitproc visit, void *arg) {
     Py_VISIT(f->owner_ref);
     Py_VISIT(f->slow_send);
     Py_VISIT(f->slow_recv);
-    return 0;
+    return os_traverse(f, visit, arg);
 }
 
 static int fp_clear(FastPathObject *f) {
@@ -580,6 +585,7 @@ static int fp_clear(FastPathObject *f) {
     Py_CLEAR(f->owner_ref);
     Py_CLEAR(f->slow_send);
     Py_CLEAR(f->slow_recv);
+    os_free(f);
     return 0;
 }
 
@@ -746,6 +752,681 @@ static PyObject *fp_recv_into_nowait(FastPathObject *f, PyObject *const *args, s
     return fp_recv_impl(f, "recv_into_nowait", args, PyVectorcall_NARGS(nargsf), kwnames, 1);
 }
 
+/* ------------------------------------------------------------------ one-sided put and notifications */
+
+/* Enabled by FastPath.enable_one_sided(peer_table, local_table, note_type, notes, slow_put,
+ * slow_put_many, slow_wait, slow_poll, finish_put). Layouts are those of transports/_shm_regions.py:
+ *
+ *   peer_table   the peer's region table in the shared memfd (TABLE_SLOTS slots of 8 u64 words;
+ *                word 0 = region_id << 32 | flags), read to see a deregistration;
+ *   local_table  a private array of TABLE_SLOTS x (state, nbytes) u64 pairs mirroring the regions
+ *                registered on this side (private: the peer cannot change what we validate against).
+ *
+ * put(data, remote, *, offset, notify_id, tag, timeout_s) and put_many(...) run here when
+ * `remote` is a RemoteRegion object the Python put has already validated and mapped
+ * (cache_remote() records it, keyed by the object's identity; RemoteRegion is frozen) and the
+ * peer's table still shows the same registration: bounds check, memcpy into the mapped
+ * region, then one PUT_DONE record published with a release store of head (after an sfence,
+ * so even non-temporal stores of a large memcpy are visible before it). Anything else -- a
+ * first put into a region, a full ring, an odd argument, an error to raise -- goes to the
+ * endpoint's Python method, called with the same arguments.
+ *
+ * wait_notification / poll_notification_nowait take a PUT_DONE record at the head of the
+ * ring when no notification is queued aside in Python (`notes`, a deque) and the record names
+ * a region registered here; otherwise the Python method runs. */
+
+#define TABLE_SLOTS 4096
+#define SLOT_WORDS 8
+#define REGION_ACTIVE 1
+#define KIND_PUT_DONE 5
+#define DONE_NBYTES 32 /* u32 region_id, u32 tag_len, u64 offset, u64 nbytes, u64 notify_id (then the tag) */
+#define MAX_TAG_NBYTES 256
+#define REMOTE_CACHE 64
+#define NOGIL_COPY_NBYTES (256u << 10) /* copies at least this large run without the GIL */
+#define FENCE_COPY_NBYTES (64u << 10)  /* copies at least this large may use non-temporal stores */
+
+typedef struct {
+    PyObject *remote; /* the RemoteRegion object (strong reference: its address identifies it) */
+    PyObject *view;   /* memoryview of the peer's region, mapped here */
+    Py_buffer vbuf;
+    uint64_t state;   /* the peer table's word 0 when the Python put validated it */
+    uint64_t nbytes;
+    uint32_t rid;
+} remote_entry;
+
+struct one_sided {
+    Py_buffer peer_tbl;
+    Py_buffer local_tbl;
+    PyObject *note_type, *notes, *slow_put, *slow_put_many, *slow_wait, *slow_poll, *finish_put;
+    int peer_gone; /* set by the endpoint once it knows the peer is gone: puts go to Python */
+    int released;  /* disable_one_sided() ran: the tables are no longer held, everything goes to Python */
+    unsigned long long puts, put_bytes, zero_copy_puts, gathered_puts, notifications;
+    remote_entry cache[REMOTE_CACHE];
+};
+
+static PyObject *str_offset, *str_notify_id, *str_tag, *str_region_id, *str_nbytes, *empty_tuple, *empty_bytes;
+
+static void entry_clear(remote_entry *e) {
+    if (e->remote == NULL)
+        return;
+    PyBuffer_Release(&e->vbuf);
+    Py_CLEAR(e->view);
+    Py_CLEAR(e->remote);
+}
+
+static void os_free(FastPathObject *f) {
+    struct one_sided *o = f->os;
+    if (o == NULL)
+        return;
+    f->os = NULL;
+    for (int i = 0; i < REMOTE_CACHE; i++)
+        entry_clear(&o->cache[i]);
+    PyBuffer_Release(&o->peer_tbl);
+    PyBuffer_Release(&o->local_tbl);
+    Py_CLEAR(o->note_type);
+    Py_CLEAR(o->notes);
+    Py_CLEAR(o->slow_put);
+    Py_CLEAR(o->slow_put_many);
+    Py_CLEAR(o->slow_wait);
+    Py_CLEAR(o->slow_poll);
+    Py_CLEAR(o->finish_put);
+    PyMem_Free(o);
+}
+
+/* The objects whose buffers are held (the tables, the mapped views) are not visited: to the
+ * collector they stay referenced from outside, so it never clears one (a memoryview cleared
+ * while exported crashes when the export goes) before os_free() releases it. */
+static int os_traverse(FastPathObject *f, visitproc visit, void *arg) {
+    struct one_sided *o = f->os;
+    if (o == NULL)
+        return 0;
+    Py_VISIT(o->note_type);
+    Py_VISIT(o->notes);
+    Py_VISIT(o->slow_put);
+    Py_VISIT(o->slow_put_many);
+    Py_VISIT(o->slow_wait);
+    Py_VISIT(o->slow_poll);
+    Py_VISIT(o->finish_put);
+    for (int i = 0; i < REMOTE_CACHE; i++)
+        Py_VISIT(o->cache[i].remote);
+    return 0;
+}
+
+static PyObject *fp_enable_one_sided(FastPathObject *f, PyObject *args) {
+    PyObject *peer, *local, *nt, *notes, *sp, *spm, *sw, *spo, *fin;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO:enable_one_sided", &peer, &local, &nt, &notes, &sp, &spm, &sw, &spo, &fin))
+        return NULL;
+    if (!PyType_Check(nt) || !PyCallable_Check(sp) || !PyCallable_Check(spm) || !PyCallable_Check(sw) ||
+        !PyCallable_Check(spo) || !PyCallable_Check(fin)) {
+        PyErr_SetString(PyExc_TypeError, "enable_one_sided needs a type and five callables");
+        return NULL;
+    }
+    struct one_sided *o = PyMem_Calloc(1, sizeof(*o));
+    if (o == NULL)
+        return PyErr_NoMemory();
+    if (PyObject_GetBuffer(peer, &o->peer_tbl, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(o);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(local, &o->local_tbl, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&o->peer_tbl);
+        PyMem_Free(o);
+        return NULL;
+    }
+    size_t need = (size_t)TABLE_SLOTS * SLOT_WORDS * 8;
+    if ((size_t)o->peer_tbl.len < need || (size_t)o->local_tbl.len < (size_t)TABLE_SLOTS * 16 ||
+        ((uintptr_t)o->peer_tbl.buf & 7) || ((uintptr_t)o->local_tbl.buf & 7)) {
+        PyBuffer_Release(&o->peer_tbl);
+        PyBuffer_Release(&o->local_tbl);
+        PyMem_Free(o);
+        PyErr_SetString(PyExc_ValueError, "region tables are too small or misaligned");
+        return NULL;
+    }
+    Py_INCREF(nt);
+    Py_INCREF(notes);
+    Py_INCREF(sp);
+    Py_INCREF(spm);
+    Py_INCREF(sw);
+    Py_INCREF(spo);
+    Py_INCREF(fin);
+    o->note_type = nt;
+    o->notes = notes;
+    o->slow_put = sp;
+    o->slow_put_many = spm;
+    o->slow_wait = sw;
+    o->slow_poll = spo;
+    o->finish_put = fin;
+    os_free(f);
+    f->os = o;
+    Py_RETURN_NONE;
+}
+
+/* disable_one_sided(): release every buffer and mapping held here (the endpoint is closing);
+ * later calls go to Python. The counters stay readable. */
+static PyObject *fp_disable_one_sided(FastPathObject *f, PyObject *Py_UNUSED(ignored)) {
+    struct one_sided *o = f->os;
+    if (o != NULL && !o->released) {
+        o->released = o->peer_gone = 1;
+        for (int i = 0; i < REMOTE_CACHE; i++)
+            entry_clear(&o->cache[i]);
+        PyBuffer_Release(&o->peer_tbl);
+        PyBuffer_Release(&o->local_tbl);
+    }
+    Py_RETURN_NONE;
+}
+
+static inline remote_entry *cache_slot(struct one_sided *o, PyObject *remote) {
+    return &o->cache[((uintptr_t)remote >> 4) % REMOTE_CACHE];
+}
+
+/* cache_remote(remote, region_id, state, view): the Python put validated `remote` against the
+ * peer's table (word 0 == state) and mapped the region as `view`. */
+static PyObject *fp_cache_remote(FastPathObject *f, PyObject *args) {
+    PyObject *remote, *view;
+    unsigned long rid;
+    unsigned long long state;
+    if (!PyArg_ParseTuple(args, "OkKO:cache_remote", &remote, &rid, &state, &view))
+        return NULL;
+    struct one_sided *o = f->os;
+    if (o == NULL || o->peer_gone || o->released)
+        Py_RETURN_NONE;
+    remote_entry *e = cache_slot(o, remote);
+    entry_clear(e);
+    if (PyObject_GetBuffer(view, &e->vbuf, PyBUF_WRITABLE) < 0)
+        return NULL;
+    Py_INCREF(remote);
+    Py_INCREF(view);
+    e->remote = remote;
+    e->view = view;
+    e->rid = (uint32_t)rid;
+    e->state = state;
+    e->nbytes = (uint64_t)e->vbuf.len;
+    Py_RETURN_NONE;
+}
+
+/* forget_remote(region_id): drop every cached mapping of that region (before it is unmapped). */
+static PyObject *fp_forget_remote(FastPathObject *f, PyObject *arg) {
+    unsigned long rid = PyLong_AsUnsignedLong(arg);
+    if (rid == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    struct one_sided *o = f->os;
+    if (o != NULL)
+        for (int i = 0; i < REMOTE_CACHE; i++)
+            if (o->cache[i].remote != NULL && o->cache[i].rid == (uint32_t)rid)
+                entry_clear(&o->cache[i]);
+    Py_RETURN_NONE;
+}
+
+/* Keyword arguments by name into out[] (NULL when absent); positional count must be npos. */
+static int parse_kw(const char *name, Py_ssize_t nargs, Py_ssize_t npos, PyObject *const *args, PyObject *kwnames,
+                    PyObject **names, PyObject **out, int nnames) {
+    for (int i = 0; i < nnames; i++)
+        out[i] = NULL;
+    if (nargs != npos) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", name, npos, nargs);
+        return -1;
+    }
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int j = 0;
+        for (; j < nnames; j++)
+            if (key == names[j])
+                break;
+        if (j == nnames)
+            for (j = 0; j < nnames; j++)
+                if (PyUnicode_Compare(key, names[j]) == 0)
+                    break;
+        if (j == nnames) {
+            if (PyErr_Occurred())
+                return -1;
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", name, key);
+            return -1;
+        }
+        out[j] = args[nargs + k];
+    }
+    return 0;
+}
+
+static int timeout_plain(PyObject *t) { /* None or a non-negative float/int: the C path may run */
+    if (t == NULL || t == Py_None)
+        return 1;
+    if (PyFloat_CheckExact(t))
+        return PyFloat_AS_DOUBLE(t) >= 0.0;
+    if (PyLong_CheckExact(t)) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+        return overflow > 0 || (overflow == 0 && v >= 0);
+    }
+    return 0;
+}
+
+/* Call the endpoint's Python method `fn` with the owner first and the caller's arguments. */
+static PyObject *forward(FastPathObject *f, PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *stack[16];
+    if (fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "one-sided operations are not enabled on this fast path");
+        return NULL;
+    }
+    if (total + 1 > 16) {
+        PyErr_SetString(PyExc_TypeError, "too many arguments");
+        return NULL;
+    }
+    PyObject *owner = NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(f->owner_ref, &owner) < 0)
+        return NULL;
+#else
+    owner = PyWeakref_GetObject(f->owner_ref);
+    if (owner == NULL)
+        return NULL;
+    owner = owner == Py_None ? NULL : (Py_INCREF(owner), owner);
+#endif
+    if (owner == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the shm endpoint behind this method no longer exists");
+        return NULL;
+    }
+    stack[0] = owner;
+    for (Py_ssize_t i = 0; i < total; i++)
+        stack[i + 1] = args[i];
+    PyObject *res = PyObject_Vectorcall(fn, stack, (size_t)(nargs + 1), kwnames);
+    Py_DECREF(owner);
+    return res;
+}
+
+/* Common checks of put/put_many: 1 and *e set when the C path may go on. */
+typedef struct {
+    unsigned long long notify_id;
+    const char *tag;
+    Py_ssize_t tag_len;
+} put_args;
+
+static int put_prelude(FastPathObject *f, PyObject *remote, PyObject *nid, PyObject *tag, PyObject *timeout,
+                       remote_entry **ep, put_args *pa) {
+    struct one_sided *o = f->os;
+    if (o == NULL || o->peer_gone || o->released || !f->tx->has_buf || !timeout_plain(timeout))
+        return 0;
+    remote_entry *e = cache_slot(o, remote);
+    if (e->remote != remote)
+        return 0;
+    const uint8_t *slot = (const uint8_t *)o->peer_tbl.buf + (size_t)(e->rid & (TABLE_SLOTS - 1)) * SLOT_WORDS * 8;
+    if (ld_acq(slot) != e->state) /* deregistered (or re-registered) since: Python looks again */
+        return 0;
+    pa->notify_id = 0;
+    pa->tag = NULL;
+    pa->tag_len = 0;
+    if (nid != NULL) {
+        if (!PyLong_CheckExact(nid))
+            return 0;
+        pa->notify_id = PyLong_AsUnsignedLongLong(nid);
+        if (pa->notify_id == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    if (tag != NULL) {
+        if (!PyBytes_CheckExact(tag) || PyBytes_GET_SIZE(tag) > MAX_TAG_NBYTES)
+            return 0;
+        pa->tag = PyBytes_AS_STRING(tag);
+        pa->tag_len = PyBytes_GET_SIZE(tag);
+    }
+    RingObject *tx = f->tx;
+    if (ld_rlx(tx->hdr + OFF_CCLOSED))
+        return 0;
+    /* room for the PUT_DONE record (and a pad before it) now, so it never waits after the copy */
+    uint64_t need = REC_HDR + align16(DONE_NBYTES + (uint64_t)pa->tag_len);
+    uint64_t pos = tx->head & tx->mask, contiguous = tx->size - pos;
+    uint64_t total = need <= contiguous ? need : contiguous + need;
+    if (tx->size - (tx->head - tx->tail_cache) < total) {
+        tx->tail_cache = ld_acq(tx->hdr + OFF_TAIL);
+        if (tx->size - (tx->head - tx->tail_cache) < total)
+            return 0;
+    }
+    *ep = e;
+    return 1;
+}
+
+static inline void store_fence(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_sfence();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
+/* Copy pieces into the mapped region; without the GIL when large. -1 with an exception set. */
+static int copy_pieces(remote_entry *e, const uint8_t *src, const int64_t *so, const int64_t *dof, const int64_t *ln,
+                       Py_ssize_t k, uint64_t single_off, uint64_t single_n, uint64_t total) {
+    uint8_t *base = (uint8_t *)e->vbuf.buf;
+    if (total < NOGIL_COPY_NBYTES) {
+        if (so == NULL)
+            memcpy(base + single_off, src, single_n);
+        else
+            for (Py_ssize_t i = 0; i < k; i++)
+                memcpy(base + dof[i], src + so[i], (size_t)ln[i]);
+    } else {
+        /* Another thread may forget this entry while we copy: a second export of the view keeps
+         * the mapping alive (the endpoint unmaps only views without exports). */
+        Py_buffer hold;
+        if (PyObject_GetBuffer(e->view, &hold, PyBUF_WRITABLE) < 0)
+            return -1;
+        uint8_t *b = (uint8_t *)hold.buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (so == NULL)
+            memcpy(b + single_off, src, single_n);
+        else
+            for (Py_ssize_t i = 0; i < k; i++)
+                memcpy(b + dof[i], src + so[i], (size_t)ln[i]);
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&hold);
+    }
+    if (total >= FENCE_COPY_NBYTES)
+        store_fence();
+    return 0;
+}
+
+/* Publish PUT_DONE; on a ring that changed under us (closed by another thread) let Python finish. */
+static PyObject *publish_done(FastPathObject *f, uint32_t rid, uint64_t off, uint64_t n, const put_args *pa,
+                              PyObject *tag_obj, PyObject *timeout, PyObject *result) {
+    uint8_t done[DONE_NBYTES];
+    uint32_t tl = (uint32_t)pa->tag_len;
+    memcpy(done, &rid, 4);
+    memcpy(done + 4, &tl, 4);
+    memcpy(done + 8, &off, 8);
+    memcpy(done + 16, &n, 8);
+    memcpy(done + 24, &pa->notify_id, 8);
+    int rc = f->tx->has_buf ? send_parts(f->tx, KIND_PUT_DONE, 0, done, DONE_NBYTES, pa->tag, (uint64_t)pa->tag_len)
+                            : RELEASED;
+    if (rc == SEND_OK) {
+        Py_INCREF(result);
+        return result;
+    }
+    PyObject *rec = PyBytes_FromStringAndSize((const char *)done, DONE_NBYTES);
+    if (rec == NULL)
+        return NULL;
+    PyObject *argv[3] = {rec, tag_obj ? tag_obj : empty_bytes, timeout ? timeout : Py_None};
+    PyObject *r = forward(f, f->os->finish_put, argv, 3, NULL);
+    Py_DECREF(rec);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    Py_INCREF(result);
+    return result;
+}
+
+static PyObject *fp_put(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    static PyObject **names_p[4] = {&str_offset, &str_notify_id, &str_tag, &str_timeout_s};
+    PyObject *names[4] = {*names_p[0], *names_p[1], *names_p[2], *names_p[3]};
+    PyObject *kw[4];
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (f->os == NULL)
+        goto slow;
+    if (parse_kw("put", nargs, 2, args, kwnames, names, kw, 4) < 0)
+        return NULL;
+    remote_entry *e;
+    put_args pa;
+    if (!put_prelude(f, args[1], kw[1], kw[2], kw[3], &e, &pa))
+        goto slow;
+    long long off = 0;
+    if (kw[0] != NULL) {
+        int overflow;
+        if (!PyLong_CheckExact(kw[0]))
+            goto slow;
+        off = PyLong_AsLongLongAndOverflow(kw[0], &overflow);
+        if (overflow)
+            goto slow;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        goto slow;
+    }
+    uint64_t n = (uint64_t)b.len;
+    if (off < 0 || n > e->nbytes || (uint64_t)off > e->nbytes - n) {
+        PyBuffer_Release(&b);
+        goto slow; /* Python raises RegistrationError */
+    }
+    uint32_t rid = e->rid;
+    int rc = n ? copy_pieces(e, (const uint8_t *)b.buf, NULL, NULL, NULL, 0, (uint64_t)off, n, n) : 0;
+    PyBuffer_Release(&b);
+    if (rc < 0)
+        return NULL;
+    struct one_sided *o = f->os;
+    o->puts++;
+    o->put_bytes += n;
+    o->zero_copy_puts++;
+    return publish_done(f, rid, (uint64_t)off, n, &pa, kw[2], kw[3], Py_None);
+slow:
+    return forward(f, f->os ? f->os->slow_put : NULL, args, nargsf, kwnames);
+}
+
+/* A 1-D C-contiguous int64 buffer (NumPy int64 arrays, array('q')...). 0 when not one. */
+static int i64_buffer(PyObject *obj, Py_buffer *b) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *fmt = b->format ? b->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@')
+        fmt++;
+    if (b->itemsize != 8 || b->ndim > 1 || !((fmt[0] == 'q' || fmt[0] == 'l') && fmt[1] == 0)) {
+        PyBuffer_Release(b);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *fp_put_many(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    static PyObject **names_p[3] = {&str_notify_id, &str_tag, &str_timeout_s};
+    PyObject *names[3] = {*names_p[0], *names_p[1], *names_p[2]};
+    PyObject *kw[3];
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (f->os == NULL)
+        goto slow;
+    if (parse_kw("put_many", nargs, 5, args, kwnames, names, kw, 3) < 0)
+        return NULL;
+    remote_entry *e;
+    put_args pa;
+    if (!put_prelude(f, args[1], kw[0], kw[1], kw[2], &e, &pa))
+        goto slow;
+    Py_buffer b, bs, bd, bl;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        goto slow;
+    }
+    int got = 0;
+    got += i64_buffer(args[2], &bs);
+    if (got == 1)
+        got += i64_buffer(args[3], &bd);
+    if (got == 2)
+        got += i64_buffer(args[4], &bl);
+    if (got < 3) {
+        if (got >= 2)
+            PyBuffer_Release(&bd);
+        if (got >= 1)
+            PyBuffer_Release(&bs);
+        PyBuffer_Release(&b);
+        goto slow;
+    }
+    Py_ssize_t k = bs.len / 8;
+    const int64_t *so = bs.buf, *dof = bd.buf, *ln = bl.buf;
+    uint64_t slen = (uint64_t)b.len, rn = e->nbytes, total = 0, lo = UINT64_MAX, hi = 0;
+    int ok = k > 0 && bd.len / 8 == k && bl.len / 8 == k;
+    for (Py_ssize_t i = 0; ok && i < k; i++) {
+        int64_t s = so[i], d = dof[i], n = ln[i];
+        if (s < 0 || d < 0 || n < 0 || (uint64_t)n > slen || (uint64_t)s > slen - (uint64_t)n || (uint64_t)n > rn ||
+            (uint64_t)d > rn - (uint64_t)n) {
+            ok = 0;
+            break;
+        }
+        total += (uint64_t)n;
+        if ((uint64_t)d < lo)
+            lo = (uint64_t)d;
+        if ((uint64_t)d + (uint64_t)n > hi)
+            hi = (uint64_t)d + (uint64_t)n;
+    }
+    uint32_t rid = e->rid;
+    int rc = 0;
+    if (ok)
+        rc = copy_pieces(e, (const uint8_t *)b.buf, so, dof, ln, k, 0, 0, total);
+    PyBuffer_Release(&bl);
+    PyBuffer_Release(&bd);
+    PyBuffer_Release(&bs);
+    PyBuffer_Release(&b);
+    if (!ok)
+        goto slow; /* Python says what is wrong */
+    if (rc < 0)
+        return NULL;
+    struct one_sided *o = f->os;
+    o->puts += (unsigned long long)k;
+    o->put_bytes += total;
+    o->zero_copy_puts += (unsigned long long)k;
+    o->gathered_puts++;
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL)
+        return NULL;
+    PyObject *r = publish_done(f, rid, lo, hi - lo, &pa, kw[1], kw[2], one);
+    Py_DECREF(one);
+    return r;
+slow:
+    return forward(f, f->os ? f->os->slow_put_many : NULL, args, nargsf, kwnames);
+}
+
+/* The PUT_DONE record at the head of rx as a Notification, consumed; NULL without an error
+ * when it does not name a region registered here (Python counts it). */
+static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
+    struct one_sided *o = f->os;
+    RingObject *rx = f->rx;
+    if (h->nbytes < DONE_NBYTES)
+        return NULL;
+    const uint8_t *p = rx->data + pos + REC_HDR;
+    uint32_t rid, tag_len;
+    uint64_t off, n, nid;
+    memcpy(&rid, p, 4);
+    memcpy(&tag_len, p + 4, 4);
+    memcpy(&off, p + 8, 8);
+    memcpy(&n, p + 16, 8);
+    memcpy(&nid, p + 24, 8);
+    if ((uint64_t)DONE_NBYTES + tag_len != h->nbytes)
+        return NULL;
+    const uint64_t *lt = (const uint64_t *)o->local_tbl.buf + 2 * (size_t)(rid & (TABLE_SLOTS - 1));
+    uint64_t state = lt[0], lim = lt[1];
+    if ((state >> 32) != rid || !(state & REGION_ACTIVE) || n > lim || off > lim - n)
+        return NULL;
+    PyTypeObject *tp = (PyTypeObject *)o->note_type;
+    PyObject *note = tp->tp_new(tp, empty_tuple, NULL);
+    if (note == NULL)
+        return NULL;
+    PyObject *vals[5];
+    vals[0] = PyLong_FromUnsignedLong(rid);
+    vals[1] = PyLong_FromUnsignedLongLong(off);
+    vals[2] = PyLong_FromUnsignedLongLong(n);
+    vals[3] = PyLong_FromUnsignedLongLong(nid);
+    vals[4] = tag_len ? PyBytes_FromStringAndSize((const char *)p + DONE_NBYTES, tag_len) : (Py_INCREF(empty_bytes), empty_bytes);
+    PyObject *keys[5] = {str_region_id, str_offset, str_nbytes, str_notify_id, str_tag};
+    int bad = 0;
+    for (int i = 0; i < 5; i++) {
+        if (vals[i] == NULL || (!bad && PyObject_GenericSetAttr(note, keys[i], vals[i]) < 0))
+            bad = 1;
+        Py_XDECREF(vals[i]);
+    }
+    if (bad) {
+        Py_DECREF(note);
+        return NULL;
+    }
+    rx->tail += REC_HDR + align16(h->nbytes);
+    st_rel(rx->hdr + OFF_TAIL, rx->tail);
+    o->notifications++;
+    return note;
+}
+
+static PyObject *note_impl(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames, int nowait) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    struct one_sided *o = f->os;
+    if (o == NULL || o->released)
+        goto slow;
+    PyObject *names[1] = {str_timeout_s};
+    PyObject *kw[1] = {NULL};
+    if (parse_kw(nowait ? "poll_notification_nowait" : "wait_notification", nargs, 0, args, kwnames, names, kw,
+                 nowait ? 0 : 1) < 0)
+        return NULL;
+    RingObject *rx = f->rx;
+    if (!rx->has_buf || !timeout_plain(kw[0]))
+        goto slow;
+    Py_ssize_t queued = PyObject_Size(o->notes);
+    if (queued != 0) {
+        if (queued < 0)
+            return NULL;
+        goto slow;
+    }
+    rec_hdr h;
+    uint64_t pos;
+    int st = spin_for_record(rx, &h, &pos, nowait ? 0 : f->spin_iters);
+    if (st > 0 && rx->has_buf && f->os != NULL && !f->os->released && h.kind == KIND_PUT_DONE) {
+        PyObject *note = take_note(f, &h, pos);
+        if (note != NULL || PyErr_Occurred())
+            return note;
+    }
+slow:
+    return forward(f, f->os == NULL ? NULL : nowait ? f->os->slow_poll : f->os->slow_wait, args, nargsf, kwnames);
+}
+
+static PyObject *fp_wait_notification(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return note_impl(f, args, nargsf, kwnames, 0);
+}
+static PyObject *fp_poll_notification_nowait(FastPathObject *f, PyObject *const *args, size_t nargsf,
+                                             PyObject *kwnames) {
+    return note_impl(f, args, nargsf, kwnames, 1);
+}
+
+/* counters() -> (puts, put_bytes, zero_copy_puts, gathered_puts, notifications) done here */
+static PyObject *fp_counters(FastPathObject *f, PyObject *Py_UNUSED(ignored)) {
+    struct one_sided *o = f->os;
+    if (o == NULL)
+        return Py_BuildValue("(KKKKK)", 0ULL, 0ULL, 0ULL, 0ULL, 0ULL);
+    return Py_BuildValue("(KKKKK)", o->puts, o->put_bytes, o->zero_copy_puts, o->gathered_puts, o->notifications);
+}
+
+static PyObject *fp_get_peer_gone(FastPathObject *f, void *Py_UNUSED(c)) {
+    return PyBool_FromLong(f->os != NULL && f->os->peer_gone);
+}
+static int fp_set_peer_gone(FastPathObject *f, PyObject *v, void *Py_UNUSED(c)) {
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "peer_gone cannot be deleted");
+        return -1;
+    }
+    int t = PyObject_IsTrue(v);
+    if (t < 0)
+        return -1;
+    if (f->os != NULL)
+        f->os->peer_gone = t;
+    return 0;
+}
+
+/* make_note(type, region_id, offset, nbytes, notify_id, tag): a Notification built the way the
+ * fast path builds them (the endpoint checks once that it equals one made by the constructor). */
+static PyObject *mod_make_note(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *tp, *vals[5];
+    if (!PyArg_ParseTuple(args, "OOOOOO:make_note", &tp, &vals[0], &vals[1], &vals[2], &vals[3], &vals[4]))
+        return NULL;
+    if (!PyType_Check(tp)) {
+        PyErr_SetString(PyExc_TypeError, "make_note needs a type");
+        return NULL;
+    }
+    PyObject *note = ((PyTypeObject *)tp)->tp_new((PyTypeObject *)tp, empty_tuple, NULL);
+    if (note == NULL)
+        return NULL;
+    PyObject *keys[5] = {str_region_id, str_offset, str_nbytes, str_notify_id, str_tag};
+    for (int i = 0; i < 5; i++)
+        if (PyObject_GenericSetAttr(note, keys[i], vals[i]) < 0) {
+            Py_DECREF(note);
+            return NULL;
+        }
+    return note;
+}
+
 static PyMethodDef fp_methods[] = {
     {"send", (PyCFunction)(void (*)(void))fp_send, METH_FASTCALL | METH_KEYWORDS, "send(data, *, timeout_s=None)"},
     {"send_nowait", (PyCFunction)(void (*)(void))fp_send_nowait, METH_FASTCALL | METH_KEYWORDS, "send_nowait(data)"},
@@ -753,6 +1434,23 @@ static PyMethodDef fp_methods[] = {
      "recv_into(buf, *, timeout_s=None) -> nbytes"},
     {"recv_into_nowait", (PyCFunction)(void (*)(void))fp_recv_into_nowait, METH_FASTCALL | METH_KEYWORDS,
      "recv_into_nowait(buf) -> nbytes"},
+    {"put", (PyCFunction)(void (*)(void))fp_put, METH_FASTCALL | METH_KEYWORDS,
+     "put(data, remote, *, offset=0, notify_id=0, tag=b'', timeout_s=None)"},
+    {"put_many", (PyCFunction)(void (*)(void))fp_put_many, METH_FASTCALL | METH_KEYWORDS,
+     "put_many(data, remote, src_offsets, dst_offsets, nbytes, *, notify_id=0, tag=b'', timeout_s=None) -> 1"},
+    {"wait_notification", (PyCFunction)(void (*)(void))fp_wait_notification, METH_FASTCALL | METH_KEYWORDS,
+     "wait_notification(*, timeout_s=None) -> Notification"},
+    {"poll_notification_nowait", (PyCFunction)(void (*)(void))fp_poll_notification_nowait,
+     METH_FASTCALL | METH_KEYWORDS, "poll_notification_nowait() -> Notification"},
+    {"enable_one_sided", (PyCFunction)fp_enable_one_sided, METH_VARARGS,
+     "enable_one_sided(peer_table, local_table, note_type, notes, slow_put, slow_put_many, slow_wait, slow_poll, "
+     "finish_put)"},
+    {"disable_one_sided", (PyCFunction)fp_disable_one_sided, METH_NOARGS,
+     "drop every cached mapping and send every later put / notification to Python"},
+    {"cache_remote", (PyCFunction)fp_cache_remote, METH_VARARGS, "cache_remote(remote, region_id, state, view)"},
+    {"forget_remote", (PyCFunction)fp_forget_remote, METH_O, "forget_remote(region_id)"},
+    {"counters", (PyCFunction)fp_counters, METH_NOARGS,
+     "counters() -> (puts, put_bytes, zero_copy_puts, gathered_puts, notifications) done in C"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -771,6 +1469,7 @@ static int fp_set_clean(FastPathObject *f, PyObject *v, void *Py_UNUSED(c)) {
 
 static PyGetSetDef fp_getset[] = {
     {"rx_clean", (getter)fp_get_clean, (setter)fp_set_clean, "may receives take the fast path", NULL},
+    {"peer_gone", (getter)fp_get_peer_gone, (setter)fp_set_peer_gone, "send every put to Python (peer gone)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -809,6 +1508,8 @@ static PyObject *mod_set_yield_every(PyObject *Py_UNUSED(m), PyObject *arg) {
 static PyMethodDef module_methods[] = {
     {"set_release_gil", mod_set_release_gil, METH_O,
      "set_release_gil(flag) -> previous value: release the GIL while spinning (default True)"},
+    {"make_note", mod_make_note, METH_VARARGS,
+     "make_note(type, region_id, offset, nbytes, notify_id, tag): a Notification as the fast path builds it"},
     {"set_yield_every", mod_set_yield_every, METH_O,
      "set_yield_every(polls) -> previous value: sched_yield() every that many polls of a spin (0: never)"},
     {NULL, NULL, 0, NULL},
@@ -822,7 +1523,15 @@ PyMODINIT_FUNC PyInit__ringc(void) {
     if (PyType_Ready(&RingType) < 0 || PyType_Ready(&FastPathType) < 0)
         return NULL;
     str_timeout_s = PyUnicode_InternFromString("timeout_s");
-    if (str_timeout_s == NULL)
+    str_offset = PyUnicode_InternFromString("offset");
+    str_notify_id = PyUnicode_InternFromString("notify_id");
+    str_tag = PyUnicode_InternFromString("tag");
+    str_region_id = PyUnicode_InternFromString("region_id");
+    str_nbytes = PyUnicode_InternFromString("nbytes");
+    empty_tuple = PyTuple_New(0);
+    empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
+    if (!str_timeout_s || !str_offset || !str_notify_id || !str_tag || !str_region_id || !str_nbytes || !empty_tuple ||
+        !empty_bytes)
         return NULL;
     PyObject *m = PyModule_Create(&ringc_module);
     if (m == NULL)

@@ -16,6 +16,10 @@ descriptor stops matching. The initiator opens ``/proc/<pid>/fd/<fd>`` and check
 inode before mapping; when that is not possible (another PID namespace, a closed fd)
 the put falls back to inline records, which the target applies itself.
 
+Each side also keeps a private mirror of its own table (``LocalRegions.c_table``: a
+``(state, nbytes)`` pair per slot) that the C fast path validates incoming notifications
+against, so what the peer writes into the shared table never decides what this side accepts.
+
 >>> import numpy as np
 >>> words = memoryview(bytearray(TABLE_NBYTES)).cast("Q")
 >>> mine = LocalRegions(words, key=b"k")
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import mmap
 import os
+
+import numpy as np
 
 from qlink.errors import CapabilityError, RegistrationError
 from qlink.memory import Region, RemoteRegion, is_device_array, shared_fd_of
@@ -53,6 +59,7 @@ class LocalRegions:
         self._regions: dict[int, tuple[Region, memoryview]] = {}
         self._free = list(range(TABLE_SLOTS - 1, -1, -1))
         self._gen = [0] * TABLE_SLOTS
+        self.c_table = np.zeros(2 * TABLE_SLOTS, dtype=np.uint64)  # private (state, nbytes) per slot
 
     def register(self, array) -> Region:
         if is_device_array(array) and not hasattr(array, "__array_interface__"):
@@ -78,6 +85,8 @@ class LocalRegions:
                 q[base + 5], q[base + 6], q[base + 7] = st.st_dev, st.st_size, os.getpid()
                 flags |= _SHARED
             q[base] = (rid << 32) | flags  # published last (x86 keeps stores in order)
+            self.c_table[2 * slot + 1] = region.nbytes
+            self.c_table[2 * slot] = (rid << 32) | flags
         except BaseException:
             self._free.append(slot)
             raise
@@ -92,6 +101,7 @@ class LocalRegions:
             raise RegistrationError(f"region {rid} is not registered on this shm endpoint")
         del self._regions[rid]
         slot = rid & _MASK
+        self.c_table[2 * slot] = 0
         if publish:
             self._q[slot * _SLOT_WORDS] = 0
         self._free.append(slot)
@@ -102,6 +112,7 @@ class LocalRegions:
 
     def clear(self) -> None:
         self._regions.clear()
+        self.c_table[:] = 0
 
 
 class PeerRegions:
@@ -113,10 +124,20 @@ class PeerRegions:
         self._x = counters if counters is not None else {}
         self._cache: dict[int, tuple[int, int, memoryview | None]] = {}  # rid -> (state, nbytes, view)
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
+        self.on_unmap = None  # called with a region id before its mapping goes (the C fast path forgets it)
+
+    @property
+    def words(self) -> memoryview:
+        """The peer's table (u64 words), as the C fast path reads it."""
+        return self._q
 
     def target(self, remote: RemoteRegion, *, offset: int, nbytes: int) -> memoryview | None:
         """Validate a put of ``nbytes`` at ``offset`` into ``remote``; return the mapped
         region (zero-copy put) or None (inline put). Raises RegistrationError."""
+        return self.entry(remote, offset=offset, nbytes=nbytes)[2]
+
+    def entry(self, remote: RemoteRegion, *, offset: int, nbytes: int) -> tuple[int, int, memoryview | None]:
+        """Like :meth:`target`, returning ``(state word, region nbytes, mapped view or None)``."""
         rid = remote.region_id
         e = self._cache.get(rid)
         if (e is None or self._q[(rid & _MASK) * _SLOT_WORDS] != e[0] or remote.key != self._key
@@ -127,7 +148,7 @@ class PeerRegions:
                 f"put of {nbytes} bytes at offset {offset} falls outside region {rid} of {e[1]} bytes; "
                 f"need 0 <= offset and offset + nbytes <= {e[1]}"
             )
-        return e[2]
+        return e
 
     def _lookup(self, remote: RemoteRegion) -> tuple[int, int, memoryview | None]:
         rid = remote.region_id
@@ -183,12 +204,14 @@ class PeerRegions:
         return view
 
     def _unmap(self, rid: int) -> None:
+        if self.on_unmap is not None:
+            self.on_unmap(rid)
         entry = self._maps.pop(rid, None)
         if entry is not None:
-            entry[1].release()
             try:
+                entry[1].release()
                 entry[0].close()
-            except BufferError:  # a slice handed out earlier is still alive; it goes with it
+            except BufferError:  # a slice (or a copy running in another thread) still uses it; it goes with it
                 pass
 
     def prune(self) -> None:

@@ -67,11 +67,14 @@ import weakref
 from collections import deque
 from dataclasses import replace
 
+import numpy as np
+
 from qlink.errors import (
     BrokenLinkError,
     ClosedError,
     MissingDependencyError,
     QlinkTimeoutError,
+    RegistrationError,
     RingFullError,
     WouldBlock,
 )
@@ -197,6 +200,62 @@ def _check_note_shortcut() -> None:
 _check_note_shortcut()
 
 
+def _c_notes_match() -> bool:
+    """The C fast path builds Notifications without their ``__init__`` (like :func:`_note`);
+    it runs only when what it builds equals what the constructor builds."""
+    if _ringc is None or not hasattr(_ringc, "make_note"):  # not built, or built from an older source
+        return False
+    probe = dict(region_id=1, offset=2, nbytes=3, notify_id=(1 << 64) - 1, tag=b"t")
+    try:
+        made, ref = _ringc.make_note(Notification, *probe.values()), Notification(**probe)
+        return made == ref and hash(made) == hash(ref) and repr(made) == repr(ref)
+    except (AttributeError, TypeError):  # pragma: no cover - Notification changed shape
+        return False
+
+
+_C_NOTES = _c_notes_match()
+
+
+def _check_tag(tag) -> bytes:
+    if not tag:
+        return b""
+    tag = bytes(tag)
+    if len(tag) > MAX_TAG_BYTES:
+        raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+    return tag
+
+
+def _check_notify_id(notify_id) -> int:
+    if type(notify_id) is not int:
+        notify_id = operator.index(notify_id)
+    if not 0 <= notify_id < 1 << 64:
+        raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+    return notify_id
+
+
+def _pieces(src_offsets, dst_offsets, nbytes, src_nbytes: int, region_nbytes: int):
+    """The pieces of a put_many as three int64 arrays, checked against both buffers."""
+    arrays = []
+    for name, v in (("src_offsets", src_offsets), ("dst_offsets", dst_offsets), ("nbytes", nbytes)):
+        a = np.asarray(v)
+        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+            raise TypeError(f"put_many {name} must be a 1-D sequence of integers, got {a.dtype} of shape {a.shape}")
+        arrays.append(a.astype(np.int64, copy=False))
+    so, do, ln = arrays
+    if not (so.size == do.size == ln.size) or so.size == 0:
+        raise ValueError(f"put_many needs src_offsets, dst_offsets and nbytes of one length >= 1, got lengths "
+                         f"{so.size}, {do.size}, {ln.size}")
+    if (ln < 0).any() or (so < 0).any() or (ln > src_nbytes).any() or (so > src_nbytes - ln).any():
+        raise ValueError(f"put_many pieces must lie inside the {src_nbytes}-byte source: need 0 <= src_offsets, "
+                         "0 <= nbytes and src_offsets + nbytes <= len(data)")
+    if (do < 0).any() or (ln > region_nbytes).any() or (do > region_nbytes - ln).any():
+        i = int(np.flatnonzero((do < 0) | (ln > region_nbytes) | (do > region_nbytes - ln))[0])
+        raise RegistrationError(f"put_many piece {i} ({int(ln[i])} bytes at offset {int(do[i])}) falls outside the "
+                                f"{region_nbytes}-byte region; need 0 <= dst_offsets and dst_offsets + nbytes <= "
+                                f"{region_nbytes}")
+    return so, do, ln
+
+
 # ----------------------------------------------------------------------------- waiting
 
 
@@ -244,6 +303,7 @@ class ShmEndpoint(Endpoint):
     """One side of an ``shm://`` connection (made by :func:`connect` or ``accept``)."""
 
     capabilities = CAPABILITIES
+    put_many_gathers = True  # one Notification per put_many, after every piece
 
     def __init__(self, *, url: str, sock: socket.socket, mm: mmap.mmap, side: int, ring_nbytes: int, token: int,
                  ring_cls, spin_s: float) -> None:
@@ -262,12 +322,20 @@ class ShmEndpoint(Endpoint):
         self._rx_data = self._rx.data
         tables = memoryview(mm)[_rv.table_offset(0, ring_nbytes):_rv.table_offset(2, ring_nbytes)].cast("Q")
         half = len(tables) // 2
-        self._x = dict(zero_copy_puts=0, inline_puts=0, queued_messages=0, aborted_messages=0, bad_records=0,
-                       zero_copy_unavailable=0)
+        self._x = dict(zero_copy_puts=0, inline_puts=0, gathered_puts=0, queued_messages=0, aborted_messages=0,
+                       bad_records=0, zero_copy_unavailable=0)
         self._local = LocalRegions(tables[side * half:(side + 1) * half], key=_KEY.pack(token, side))
         self._peer = PeerRegions(tables[(1 - side) * half:(2 - side) * half], key=_KEY.pack(token, 1 - side),
                                  counters=self._x)
         self._tables = tables
+        self._clean = True  # no queued message and no half-received one: the fast path may run
+        self._msgq: deque = deque()  # whole messages moved aside (oldest first)
+        self._notes: deque = deque()  # notifications moved aside
+        self._partial: bytearray | None = None  # a streamed message being received off the fast path
+        self._partial_filled = 0
+        self._gone: str | None = None
+        self._peer_cause: BaseException | None = None
+        self._last_socket_check = 0.0
         # the hot paths call these bound methods directly
         self._send_msg = self._tx.try_send_msg
         self._try_recv = self._rx.try_recv
@@ -278,28 +346,46 @@ class ShmEndpoint(Endpoint):
                                               _SPIN_ITERS)
             self.send, self.send_nowait = fp.send, fp.send_nowait
             self.recv_into, self.recv_into_nowait = fp.recv_into, fp.recv_into_nowait
-        self._clean = True  # no queued message and no half-received one: the fast path may run
-        self._msgq: deque = deque()  # whole messages moved aside (oldest first)
-        self._notes: deque = deque()  # notifications moved aside
-        self._partial: bytearray | None = None  # a streamed message being received off the fast path
-        self._partial_filled = 0
-        self._peer_gone: str | None = None
-        self._peer_cause: BaseException | None = None
-        self._last_socket_check = 0.0
+            if _C_NOTES:
+                # put / put_many / notifications in C once a region is mapped, else the Python methods
+                fp.enable_one_sided(self._peer.words, self._local.c_table, Notification, self._notes, ShmEndpoint.put,
+                                    ShmEndpoint.put_many, ShmEndpoint.wait_notification,
+                                    ShmEndpoint.poll_notification_nowait, ShmEndpoint._finish_put)
+                self._peer.on_unmap = fp.forget_remote
+                self.put, self.put_many = fp.put, fp.put_many
+                self.wait_notification, self.poll_notification_nowait = fp.wait_notification, fp.poll_notification_nowait
 
     def __repr__(self) -> str:
         return f"<ShmEndpoint {self.url} side={self._side} ring={self._tx.impl} {'closed' if self._closed else 'open'}>"
 
+    @property
+    def _peer_gone(self) -> str | None:
+        """Why the peer is gone (None while it is there); setting it also stops the C put path."""
+        return self._gone
+
+    @_peer_gone.setter
+    def _peer_gone(self, why: str | None) -> None:
+        self._gone = why
+        if self._fast is not None:
+            self._fast.peer_gone = why is not None
+
     def statistics(self):
         s = super().statistics()
         tx, rx = self._tx, self._rx
+        x = dict(self._x)
+        if self._fast is not None:
+            puts, put_bytes, zc, gathered, notes = self._fast.counters()
+            x["zero_copy_puts"] += zc
+            x["gathered_puts"] += gathered
+            s = replace(s, puts=s.puts + puts, put_bytes=s.put_bytes + put_bytes,
+                        notifications=s.notifications + notes)
         return replace(
             s,
             messages_sent=s.messages_sent + tx.messages,
             bytes_sent=s.bytes_sent + tx.message_bytes,
             messages_received=s.messages_received + rx.messages,
             bytes_received=s.bytes_received + rx.message_bytes,
-            extra={"ring_impl": tx.impl, "ring_nbytes": tx.nbytes, "spin_s": self._spin_s, **self._x},
+            extra={"ring_impl": tx.impl, "ring_nbytes": tx.nbytes, "spin_s": self._spin_s, **x},
         )
 
     # ----- peer state -------------------------------------------------------------
@@ -687,16 +773,8 @@ class ShmEndpoint(Endpoint):
             remote = RemoteRegion.from_bytes(remote)
         if type(offset) is not int:
             offset = operator.index(offset)
-        if tag:
-            tag = bytes(tag)
-            if len(tag) > MAX_TAG_BYTES:
-                raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
-        else:
-            tag = b""
-        if type(notify_id) is not int:
-            notify_id = operator.index(notify_id)
-        if not 0 <= notify_id < 1 << 64:
-            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        tag = _check_tag(tag)
+        notify_id = _check_notify_id(notify_id)
         try:
             src = memoryview(data)
         except TypeError:
@@ -704,7 +782,7 @@ class ShmEndpoint(Endpoint):
         if src is None or src.format != "B" or src.ndim != 1 or not src.c_contiguous:
             src = as_byte_view(data)  # casts, or says what is wrong with the buffer
         n = len(src)
-        dst = self._peer.target(remote, offset=offset, nbytes=n)  # raises before anything is written
+        state, _, dst = self._peer.entry(remote, offset=offset, nbytes=n)  # raises before anything is written
         if self._peer_gone is not None or self._tx.consumer_closed:
             self._peer_flags()
             raise self._broken("put")  # never write into memory the peer may have moved on from
@@ -714,18 +792,75 @@ class ShmEndpoint(Endpoint):
             if n:
                 dst[offset:offset + n] = src
             self._x["zero_copy_puts"] += 1
+            if self._fast is not None:
+                self._fast.cache_remote(remote, rid, state, dst)  # later puts into it run in C
         else:
             w = _Wait(self, "put", timeout_s)
-            step = self._tx.max_payload - _INLINE.size
-            for pos in range(0, n, step):
-                c = min(step, n - pos)
-                self._send_record(KIND_PUT_INLINE, _INLINE.pack(rid, 0, offset + pos), src[pos:pos + c], w, "put")
+            self._put_inline(rid, src, offset, w)
             self._x["inline_puts"] += 1
-        done = _DONE.pack(rid, len(tag), offset, n, notify_id)
-        if self._tx.try_send(KIND_PUT_DONE, 0, done, tag) != SEND_OK:
-            self._send_record(KIND_PUT_DONE, done, tag, w or _Wait(self, "put", timeout_s), "put")
+        self._finish_put(_DONE.pack(rid, len(tag), offset, n, notify_id), tag, timeout_s, w)
         self._counters.puts += 1
         self._counters.put_bytes += n
+
+    def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
+                 tag: bytes = b"", timeout_s: float | None = None) -> int:
+        """Write pieces of ``data`` into the peer's region and publish ONE Notification for all.
+
+        Piece ``i`` is ``data[src_offsets[i]:src_offsets[i] + nbytes[i]]`` and lands at
+        ``dst_offsets[i]`` (later pieces win where destinations overlap). The target's
+        Notification covers the smallest range holding every piece (``offset`` = the lowest
+        destination, ``nbytes`` = up to the end of the highest) and is published after the
+        last byte. Every piece is checked before any is written. Returns 1, the number of
+        Notifications the target will see (see :meth:`transports.Endpoint.put_many`).
+        Offsets and sizes as int64 NumPy arrays take the C path; any integer sequences work.
+        """
+        if self._closed:
+            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
+        if timeout_s is not None and not timeout_s >= 0:
+            deadline_of(timeout_s)
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        tag = _check_tag(tag)
+        notify_id = _check_notify_id(notify_id)
+        src = as_byte_view(data)
+        so, do, ln = _pieces(src_offsets, dst_offsets, nbytes, len(src), remote.nbytes)
+        lo, hi = int(do.min()), int((do + ln).max())
+        state, _, dst = self._peer.entry(remote, offset=lo, nbytes=hi - lo)
+        if self._peer_gone is not None or self._tx.consumer_closed:
+            self._peer_flags()
+            raise self._broken("put_many")
+        rid = remote.region_id
+        w = None
+        pieces = zip(so.tolist(), do.tolist(), ln.tolist())
+        if dst is not None:
+            for s, d, n in pieces:
+                dst[d:d + n] = src[s:s + n]
+            self._x["zero_copy_puts"] += len(ln)
+            if self._fast is not None:
+                self._fast.cache_remote(remote, rid, state, dst)
+        else:
+            w = _Wait(self, "put_many", timeout_s)
+            for s, d, n in pieces:
+                self._put_inline(rid, src[s:s + n], d, w)
+            self._x["inline_puts"] += len(ln)
+        self._finish_put(_DONE.pack(rid, len(tag), lo, hi - lo, notify_id), tag, timeout_s, w)
+        self._x["gathered_puts"] += 1
+        self._counters.puts += len(ln)
+        self._counters.put_bytes += int(ln.sum())
+        return 1
+
+    def _put_inline(self, rid: int, src: memoryview, offset: int, w: "_Wait") -> None:
+        """PUT_INLINE records carrying ``src`` for the target to apply at ``offset``."""
+        n = len(src)
+        step = self._tx.max_payload - _INLINE.size
+        for pos in range(0, n, step):
+            c = min(step, n - pos)
+            self._send_record(KIND_PUT_INLINE, _INLINE.pack(rid, 0, offset + pos), src[pos:pos + c], w, "put")
+
+    def _finish_put(self, done: bytes, tag: bytes, timeout_s: float | None, w: "_Wait | None" = None) -> None:
+        """Publish a put's PUT_DONE record, waiting (up to ``timeout_s``) while the ring is full."""
+        if self._tx.try_send(KIND_PUT_DONE, 0, done, tag) != SEND_OK:
+            self._send_record(KIND_PUT_DONE, done, tag, w or _Wait(self, "put", timeout_s), "put")
 
     def _send_record(self, kind: int, part1, part2, w: _Wait, what: str) -> None:
         tx = self._tx
@@ -795,6 +930,8 @@ class ShmEndpoint(Endpoint):
         except OSError:
             pass
         self._sock.close()
+        if self._fast is not None:
+            self._fast.disable_one_sided()  # drops its mappings and table views before they go
         self._peer.close()
         self._local.clear()
         self._msgq.clear()

@@ -1,7 +1,9 @@
 """Receiver-side accounting of KV requests: which layers of which request have landed.
 
-A layer of a request is complete when all its parts (merged descriptors, or one NIXL
-transfer) have been notified and their byte counts add up to the layer's size; a layer is
+A layer of a request is complete when all its parts (merged descriptors, a gathered
+``put_many`` of a whole layer, or one NIXL transfer) have been notified and their byte
+counts add up to the layer's size; each layer declares its own number of parts (its first
+part sets it), so a sender may gather some layers and not others; a layer is
 *ready* when it and every layer of the request below it are complete, so layer ``k`` is
 always reported before ``k + 1``. A request with an inconsistent, duplicated or aborted
 part fails as a whole and none of its incomplete layers is ever reported.
@@ -93,13 +95,13 @@ class KVStatistics:
 
 
 class _State:
-    __slots__ = ("lo", "hi", "num_parts", "num_descs", "layer_nbytes", "parts", "got", "ready", "next_layer",
+    __slots__ = ("lo", "hi", "num_descs", "layer_nbytes", "need", "parts", "got", "ready", "next_layer",
                  "submit_ns", "error", "done")
 
-    def __init__(self, num_layers: int, lo: int, hi: int, num_parts: int, num_descs: int, layer_nbytes: int,
-                 submit_ns: int):
-        self.lo, self.hi, self.num_parts, self.num_descs, self.layer_nbytes = lo, hi, num_parts, num_descs, layer_nbytes
+    def __init__(self, num_layers: int, lo: int, hi: int, num_descs: int, layer_nbytes: int, submit_ns: int):
+        self.lo, self.hi, self.num_descs, self.layer_nbytes = lo, hi, num_descs, layer_nbytes
         # Python lists: scalar updates on the per-notification path are cheaper than on NumPy arrays
+        self.need = [0] * num_layers  # parts that complete each layer (0: none seen yet)
         self.parts = [0] * num_layers
         self.got = [0] * num_layers
         self.ready = [0] * num_layers
@@ -141,19 +143,21 @@ class RequestTracker:
             if len(self._states) >= self.max_requests:
                 self.bad_frames += 1
                 return False
-            st = self._states[rid] = _State(self.num_layers, lo, hi, num_parts, num_descs, layer_nbytes, submit_ns)
-        elif (st.lo, st.hi, st.num_parts, st.layer_nbytes) != (lo, hi, num_parts, layer_nbytes) or st.done:
+            st = self._states[rid] = _State(self.num_layers, lo, hi, num_descs, layer_nbytes, submit_ns)
+        elif ((st.lo, st.hi, st.layer_nbytes) != (lo, hi, layer_nbytes) or st.done
+              or st.need[layer] not in (0, num_parts)):
             self.bad_frames += 1
             self._fail(st, TransferAbortedError(
-                f"request {rid}: a part disagrees with earlier parts (layers [{lo}, {hi}), {num_parts} parts, "
-                f"{layer_nbytes} B/layer vs [{st.lo}, {st.hi}), {st.num_parts}, {st.layer_nbytes}); was the request "
-                "id reused before release()?", request_id=rid))
+                f"request {rid}: a part disagrees with earlier parts (layers [{lo}, {hi}), {num_parts} parts for "
+                f"layer {layer}, {layer_nbytes} B/layer vs [{st.lo}, {st.hi}), {st.need[layer] or 'any'}, "
+                f"{st.layer_nbytes}); was the request id reused before release()?", request_id=rid))
             return False
         if st.error is not None:
             return True
         self.parts += 1
         self.nbytes += part_nbytes
         st.submit_ns = min(st.submit_ns, submit_ns)
+        st.need[layer] = num_parts
         p = st.parts[layer] = st.parts[layer] + 1
         g = st.got[layer] = st.got[layer] + part_nbytes
         if p > num_parts or g > layer_nbytes:
@@ -163,7 +167,8 @@ class RequestTracker:
             return True
         if p == num_parts and g == layer_nbytes:
             n = st.next_layer
-            while n < st.hi and st.parts[n] == num_parts and st.got[n] == layer_nbytes:
+            need, parts, got = st.need, st.parts, st.got
+            while n < st.hi and need[n] and parts[n] == need[n] and got[n] == layer_nbytes:
                 st.ready[n] = now_ns
                 n += 1
             st.next_layer = n
@@ -183,7 +188,7 @@ class RequestTracker:
             if len(self._states) >= self.max_requests:
                 self.bad_frames += 1
                 return
-            st = self._states[rid] = _State(self.num_layers, 0, self.num_layers, 1, 0, 1, 0)
+            st = self._states[rid] = _State(self.num_layers, 0, self.num_layers, 0, 1, 0)
         self._fail(st, exc)
 
     def fail_all(self, exc: BaseException) -> None:

@@ -8,9 +8,12 @@ side) in a ``kv_hello`` frame; both sides check the layouts agree
 into byte ranges with NumPy, merges contiguous runs (K and V planes), and pushes layer by
 layer:
 
-* over a transport with one-sided put (``capabilities.one_sided``): one ``put`` per merged
-  descriptor straight into the receiver's cache (WRITE), with ``notify_id`` = request id
-  and a ``kv_write`` tag saying which layer and how many parts complete it;
+* over a transport with one-sided put (``capabilities.one_sided``): the merged descriptors
+  go straight into the receiver's cache (WRITE), with ``notify_id`` = request id and a
+  ``kv_write`` tag saying which layer and how many parts complete it. Where the endpoint
+  gathers a vectored put (``endpoint.put_many_gathers``, e.g. ``shm``) a whole layer is one
+  ``put_many`` call and one notification, however scattered its blocks; elsewhere it is
+  one ``put`` (and one notification) per descriptor;
 * otherwise: a ``kv_data`` frame then the payload as two-sided messages, received straight
   into the destination blocks.
 
@@ -151,10 +154,27 @@ class KVSendRequest:
         self._submit_ns_total = 0
         self._sent: set[int] = set()
         self._failed: BaseException | None = None
-        # Python ints once per request, so the per-descriptor loop touches no NumPy scalar.
-        self._src = plan.src_offsets.tolist()
-        self._dst = plan.dst_offsets.tolist()
-        self._len = plan.nbytes.tolist()
+        self._lists = None
+
+    def _descs(self) -> tuple[list, list, list]:
+        """Source offsets, destination offsets and sizes as Python ints (made once, when a
+        per-descriptor loop needs them, so it touches no NumPy scalar)."""
+        if self._lists is None:
+            p = self.plan
+            self._lists = (p.src_offsets.tolist(), p.dst_offsets.tolist(), p.nbytes.tolist())
+        return self._lists
+
+    @property
+    def _src(self) -> list:
+        return self._descs()[0]
+
+    @property
+    def _dst(self) -> list:
+        return self._descs()[1]
+
+    @property
+    def _len(self) -> list:
+        return self._descs()[2]
 
     @property
     def done(self) -> bool:
@@ -227,6 +247,7 @@ class KVSender:
         self._peer: _Peer | None = None
         self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
         self._pack = fr._WRITE_FULL.pack
+        self._gathers = bool(getattr(endpoint, "put_many_gathers", False))
         self._max_desc_nbytes = endpoint.capabilities.max_message_bytes
         endpoint.send(fr.pack_hello(role=_ROLE_SENDER, mode=_MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[]))
 
@@ -293,13 +314,18 @@ class KVSender:
             self._send_layer_two_sided(req, layer, timeout_s)
 
     def _put_layer(self, req: KVSendRequest, layer: int, timeout_s) -> None:
-        put = self.endpoint.put
         src = self._views[layer]
         remote = self._peer.regions[layer]
         plan = req.plan
         pack, rid, ts = self._pack, req.request_id, req.submit_ns
         lo, hi, n, lnb = req.layers.start, req.layers.stop, plan.num_descs, plan.layer_nbytes
-        for so, do, nb in zip(req._src, req._dst, req._len):
+        if self._gathers and n > 1:  # the whole layer in one call: one part, one notification
+            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, 1, n, 0, lnb, lnb)
+            self.endpoint.put_many(src, remote, plan.src_offsets, plan.dst_offsets, plan.nbytes, notify_id=rid,
+                                   tag=tag, timeout_s=timeout_s)
+            return
+        put = self.endpoint.put
+        for so, do, nb in zip(*req._descs()):
             tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n, 0, lnb, nb)
             put(src[so:so + nb], remote, offset=do, notify_id=rid, tag=tag, timeout_s=timeout_s)
 
@@ -309,7 +335,7 @@ class KVSender:
         plan = req.plan
         rid, ts = req.request_id, req.submit_ns
         lo, hi, n, lnb = req.layers.start, req.layers.stop, plan.num_descs, plan.layer_nbytes
-        for so, do, nb in zip(req._src, req._dst, req._len):
+        for so, do, nb in zip(*req._descs()):
             send(fr.pack_data(rid, ts, layer=layer, layer_lo=lo, layer_hi=hi, num_parts=n, num_descs=n,
                               layer_nbytes=lnb, part_nbytes=nb, dst_offset=do), timeout_s=timeout_s)
             send(src[so:so + nb], timeout_s=timeout_s)
@@ -562,7 +588,10 @@ class KVReceiver(_ReceiverBase):
         except WireError:
             tr.bad_frames += 1
             return
-        if self._layer_of_region.get(note.region_id) != layer or pnb != note.nbytes or rid != note.notify_id:
+        # one descriptor per part: the put's size is the part's; a gathered part (several
+        # descriptors, one notification) spans at least its bytes
+        if (self._layer_of_region.get(note.region_id) != layer or rid != note.notify_id
+                or (pnb != note.nbytes if parts == descs else pnb > note.nbytes)):
             tr.bad_frames += 1
             return
         tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=time.monotonic_ns())
