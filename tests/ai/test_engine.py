@@ -91,6 +91,43 @@ def test_blocks_arrive_bit_exact(link):
         assert rec.submit_to_last_us == max(rec.layer_ready_us) >= 0
 
 
+def test_scattered_layers_are_one_notification_each_where_the_endpoint_gathers(link):
+    scheme, mode, rx, cache, peer = link
+    if mode != "put":
+        pytest.skip("notifications come with one-sided puts")
+    src, dst = np.arange(0, 40, 3), np.random.default_rng(5).permutation(RX_BLOCKS)[:14]
+    plan = plan_transfer(src, dst, src_num_blocks=TX_BLOCKS, dst_num_blocks=RX_BLOCKS,
+                         block_nbytes=cache.spec.block_nbytes)
+    assert plan.num_descs > 1
+    before = rx.endpoint.statistics().notifications
+    sub, rec = peer.transfer(rx, next(_ids), src, dst, timeout_s=30)
+    notes = rx.endpoint.statistics().notifications - before
+    nl = cache.spec.num_layers
+    assert notes == (nl if rx.endpoint.put_many_gathers else plan.num_descs * nl)
+    assert rec.num_descs == sub.num_descs == plan.num_descs * nl  # descriptors are counted either way
+    assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
+
+
+def test_tracker_takes_each_layers_own_number_of_parts():
+    from qlink.ai._tracker import RequestTracker
+
+    t = RequestTracker(num_layers=3, transport="shm", mode="put")
+    assert t.on_part(1, 5, 1, 0, 3, 3, 3, 300, 100, now_ns=10)  # layer 1 in 3 parts
+    assert t.on_part(1, 5, 0, 0, 3, 1, 3, 300, 300, now_ns=11)  # layer 0 gathered: one part
+    assert (t.ready_ns(1, 0), t.ready_ns(1, 1)) == (11, 0)
+    t.on_part(1, 5, 1, 0, 3, 3, 3, 300, 100, now_ns=12)
+    t.on_part(1, 5, 2, 0, 3, 1, 3, 300, 300, now_ns=13)  # layer 2 complete, but layer 1 is not yet
+    assert t.ready_layers(1) == 1
+    t.on_part(1, 5, 1, 0, 3, 3, 3, 300, 100, now_ns=14)
+    assert [t.ready_ns(1, k) for k in range(3)] == [11, 14, 14] and t.record(1).nbytes == 900
+    # within one layer every part must agree on how many parts make it
+    assert t.on_part(2, 5, 0, 0, 3, 2, 3, 300, 150, now_ns=20)
+    assert not t.on_part(2, 5, 0, 0, 3, 3, 3, 300, 100, now_ns=21)
+    with pytest.raises(TransferAbortedError, match="disagrees"):
+        t.ready_ns(2, 0)
+    assert t.bad_frames == 1 and t.failed == 1
+
+
 def test_same_blocks_again_and_request_ids_reused(link):
     scheme, mode, rx, cache, peer = link
     rid = next(_ids)

@@ -377,6 +377,40 @@ def test_put_into_peer_region(link):
     assert after.puts == before.puts + 1 and after.put_bytes == before.put_bytes + data.nbytes
 
 
+def test_put_many_lands_every_piece_and_notifies_as_declared(link):
+    """One Notification spanning every piece where the endpoint gathers (put_many_gathers),
+    else one per piece; each seen only once its bytes are in place."""
+    need_one_sided(link.scheme)
+    link.cmd(b"REG_", struct.pack("<Q", 1 << 16))
+    remote = RemoteRegion.from_bytes(link.reply())
+    before = link.ep.statistics()
+    src = np.frombuffer(payload(31, 8192), dtype=np.uint8)
+    so, do, ln = np.array([0, 100, 4000]), np.array([512, 8, 20000]), np.array([64, 32, 4096])
+    count = link.ep.put_many(src, remote, so, do, ln, notify_id=5, tag=b"pm", timeout_s=10)
+    assert count == (1 if link.ep.put_many_gathers else 3)
+    expected = np.zeros(1 << 16, dtype=np.uint8)
+    for s_, d_, n_ in zip(so, do, ln):
+        expected[d_:d_ + n_] = src[s_:s_ + n_]
+    if link.ep.put_many_gathers:
+        spans = [(8, 20000 + 4096 - 8)]
+    else:
+        spans = [(int(d_), int(n_)) for d_, n_ in zip(do, ln)]
+    seen = []
+    for _ in spans:
+        link.cmd(b"WPUT", struct.pack("<d", 10))
+        rid, off, n, nid, c, tag = peer_mod.parse_note_reply(link.reply())
+        assert (rid, nid, tag) == (remote.region_id, 5, b"pm")
+        assert c == crc(expected[off:off + n].tobytes()), "a notification came before its bytes"
+        seen.append((off, n))
+    assert sorted(seen) == sorted(spans)
+    after = link.ep.statistics()
+    assert after.puts == before.puts + 3 and after.put_bytes == before.put_bytes + int(ln.sum())
+    with pytest.raises(ValueError):
+        link.ep.put_many(src, remote, [0], [0, 1], [1, 1], timeout_s=10)
+    with pytest.raises(RegistrationError):
+        link.ep.put_many(src, remote, [0], [(1 << 16) - 1], [2], timeout_s=10)
+
+
 def test_put_outside_the_region_is_refused(link):
     need_one_sided(link.scheme)
     link.cmd(b"REG_", struct.pack("<Q", 4096))

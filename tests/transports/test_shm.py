@@ -569,6 +569,154 @@ def test_messages_and_notifications_share_the_ring(shm_dir, impl):
         assert b.statistics().extra["queued_messages"] == 2  # m1 and the streamed one; m4 went straight out
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["alloc", "numpy"])
+def test_put_many_lands_every_piece_then_one_notification(shm_dir, impl, kind):
+    lis, a, b = _pair(f"pm-{kind}", ring_impl=impl, ring_nbytes=1 << 14)
+    with lis, a, b:
+        target = alloc(1 << 16, dtype=np.uint8) if kind == "alloc" else np.zeros(1 << 16, dtype=np.uint8)
+        region = b.register(target)
+        src = np.frombuffer(_payload(1 << 15, 3), dtype=np.uint8)
+        so = np.array([0, 5000, 100, 20000], dtype=np.int64)
+        do = np.array([40000, 7, 300, 9000], dtype=np.int64)
+        ln = np.array([6000, 64, 0, 12000], dtype=np.int64)  # 12000 B: more than one record of this ring
+        out = []
+        t = threading.Thread(target=lambda: out.append(a.put_many(src, region.descriptor(), so, do, ln, notify_id=8,
+                                                                   tag=b"layer", timeout_s=10)))
+        t.start()  # numpy targets are written by b as it progresses: a may wait for ring space
+        note = b.wait_notification(timeout_s=10)
+        t.join(10)
+        assert out == [1] and a.put_many_gathers
+        expected = np.zeros_like(target)
+        for s_, d_, n_ in zip(so, do, ln):
+            expected[d_:d_ + n_] = src[s_:s_ + n_]
+        assert np.array_equal(target, expected)
+        assert (note.region_id, note.offset, note.nbytes, note.notify_id, note.tag) == (
+            region.region_id, 7, 46000 - 7, 8, b"layer")  # the smallest range covering every piece
+        with pytest.raises(WouldBlock):
+            b.poll_notification_nowait()  # one notification, not one per piece
+        st = a.statistics()
+        assert (st.puts, st.put_bytes, st.extra["gathered_puts"]) == (4, int(ln.sum()), 1)
+        assert st.extra["zero_copy_puts" if kind == "alloc" else "inline_puts"] == 4
+        assert b.statistics().notifications == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_put_many_takes_any_integer_sequences_and_checks_before_writing(shm_dir, impl):
+    lis, a, b = _pair("pm-bad", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(1024, dtype=np.uint8)
+        region = b.register(target)
+        desc = region.descriptor()
+        src = bytes(range(256))
+        assert a.put_many(src, desc, [0, 16], [100, 0], [16, 4], notify_id=2) == 1  # lists, not arrays
+        note = b.wait_notification(timeout_s=1)
+        assert (note.offset, note.nbytes, note.notify_id) == (0, 116, 2)
+        assert target[100:116].tobytes() == src[:16] and target[:4].tobytes() == src[16:20]
+        target[:] = 0
+        bad = [
+            (ValueError, "one length", ([0, 1], [0], [1])),
+            (ValueError, "one length", ([], [], [])),
+            (ValueError, "inside the 256-byte source", ([250], [0], [16])),
+            (ValueError, "inside the 256-byte source", ([-1], [0], [1])),
+            (ValueError, "inside the 256-byte source", ([0], [0], [-1])),
+            (RegistrationError, "piece 1", ([0, 0], [0, 1020], [4, 8])),  # the second piece is past the end
+            (RegistrationError, "piece 0", ([0], [-4], [4])),
+            (TypeError, "integers", ([0.5], [0], [1])),
+        ]
+        for exc, match, (so, do, ln) in bad:
+            with pytest.raises(exc, match=match):
+                a.put_many(src, desc, np.asarray(so, dtype=np.int64) if exc is not TypeError else so, do, ln)
+        with pytest.raises(ValueError, match="tag"):
+            a.put_many(src, desc, [0], [0], [1], tag=bytes(300))
+        with pytest.raises(ValueError, match="notify_id"):
+            a.put_many(src, desc, [0], [0], [1], notify_id=-1)
+        assert not target.any()
+        with pytest.raises(WouldBlock):
+            b.poll_notification_nowait()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_put_after_the_target_deregistered_is_refused_even_when_puts_went_there_before(shm_dir, impl):
+    """The C path keeps mapped regions by descriptor: a deregistration must still stop it."""
+    lis, a, b = _pair("re-dereg", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(64, dtype=np.uint8)
+        region = b.register(target)
+        desc = region.descriptor()
+        for i in range(3):  # the first maps the region, the next ones take the C path
+            a.put(b"\x01", desc, offset=i, notify_id=i)
+            a.put_many(b"\x02\x03", desc, np.array([0, 1]), np.array([10 + i, 20 + i]), np.array([1, 1]))
+        assert [b.wait_notification(timeout_s=1).notify_id for _ in range(6)] == [0, 0, 1, 0, 2, 0]
+        b.deregister(region)
+        target[:] = 0
+        with pytest.raises(RegistrationError, match="not registered"):
+            a.put(b"\x01", desc)
+        with pytest.raises(RegistrationError, match="not registered"):
+            a.put_many(b"\x01", desc, np.array([0]), np.array([0]), np.array([1]))
+        again = b.register(target)  # same memory, new id: the old descriptor stays refused
+        with pytest.raises(RegistrationError):
+            a.put(b"\x01", desc)
+        a.put(b"\x04", again.descriptor(), offset=5)
+        assert target[5] == 4 and target.sum() == 4
+        assert b.wait_notification(timeout_s=1).region_id == again.region_id
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_notifications_are_plain_frozen_notifications(shm_dir, impl):
+    from transports import Notification
+
+    lis, a, b = _pair("note", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(64, dtype=np.uint8)
+        region = b.register(target)
+        for i in range(2):
+            a.put(b"ab", region.descriptor(), offset=3, notify_id=(1 << 64) - 1, tag=b"t" * 256)
+        notes = [b.wait_notification(timeout_s=1), b.poll_notification_nowait()]
+        want = Notification(region_id=region.region_id, offset=3, nbytes=2, notify_id=(1 << 64) - 1, tag=b"t" * 256)
+        for note in notes:
+            assert type(note) is Notification and note == want and hash(note) == hash(want) and repr(note) == repr(want)
+            with pytest.raises(AttributeError):
+                note.offset = 4
+        assert b.statistics().notifications == 2
+
+
+def test_put_records_that_name_no_region_here_are_counted_not_delivered(shm_dir):
+    """A PUT_DONE for a region this side does not have (deregistered after the put) is dropped and counted."""
+    lis, a, b = _pair("stale-note")
+    with lis, a, b:
+        target = alloc(64, dtype=np.uint8)
+        region = b.register(target)
+        a.put(b"x", region.descriptor(), notify_id=1)
+        a.put(b"y", region.descriptor(), notify_id=2)
+        b.deregister(region)
+        with pytest.raises(WouldBlock):
+            b.poll_notification_nowait()
+        assert b.statistics().extra["bad_records"] == 2 and b.statistics().notifications == 0
+
+
+@pytest.mark.timeout(60)
+def test_endpoints_dropped_without_close_are_collected(shm_dir):
+    """The C path holds buffers of the connection's tables and of mapped regions: an endpoint left to
+    the garbage collector (in a reference cycle, after puts) must be freed without harm."""
+    import gc
+
+    for i in range(5):
+        lis, a, b = _pair(f"gc{i}")
+        region = b.register(alloc(4096, dtype=np.uint8))
+        a.put(b"x" * 100, region.descriptor())
+        a.put_many(b"y" * 8, region.descriptor(), np.array([0]), np.array([200]), np.array([8]))
+        b.wait_notification(timeout_s=1)
+        a.loop, b.loop = a, b
+        try:
+            raise RuntimeError("a traceback whose frames hold both endpoints")
+        except RuntimeError as e:
+            a.err = e
+        del a, b, region
+        lis.close()
+        gc.collect()
+
+
 # ----------------------------------------------------------------------------- other processes
 
 _ECHO_PUT_TARGET = """
