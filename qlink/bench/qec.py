@@ -1,27 +1,34 @@
 """``qlink bench qec``: the decoder service over the wire against the cycle and against offline decoding.
 
-For each transport and code distance, on the same sampled shots:
+For each transport and code distance:
 
-* **offline** — the decoder's ``decode_shots_bit_packed`` on all shots at once (the
-  peer every wire figure is a ratio to), in rounds per second;
-* **over the wire, flat out** — the controller sends as fast as the decoder answers
-  (``cycle_ns=1``), many whole shots per frame and per answer: the decoder
+* **offline** — the decoder's ``decode_shots_bit_packed`` on all the flat-out run's
+  shots at once (the peer every wire figure is a ratio to), in rounds per second;
+* **over the wire, flat out** — on the same shots, the controller sends as fast as
+  the decoder answers (``cycle_ns=1``), ``flat_shots_per_frame`` whole shots per frame
+  and per answer, at most ``max_in_flight_frames`` frames unanswered: the decoder
   throughput the whole path sustains, and its ratio to offline (goal ≥ 80 %);
-* **over the wire, at the cycle** — rounds emitted every ``cycle_ns`` (1.1 µs,
-  Willow, arXiv:2408.13687; 1/1.1 µs = 909 k rounds/s needed), once with one shot
-  per frame (columns ``*_1``: the latency configuration) and once with several
-  shots per frame (the throughput configuration): does the backlog stay flat
-  (``keeps_up``), the reaction time p50/p99/p99.9 (goal at d=5: p50 ≤ 63 µs,
-  Willow's average), and the shares of transport / queue / decode in it;
+* **over the wire, at the cycle** — ``cycle_rounds`` rounds (10^6 by default: Willow
+  decoded up to 10^6 cycles, arXiv:2408.13687) emitted one every ``cycle_ns`` (1.1 µs;
+  909 k rounds/s needed), once with one shot per frame (columns ``*_1``: the latency
+  configuration; answers carry several shots only while the decoder is behind) and
+  once with ``shots_per_frame`` shots per frame (enough to span ``frame_period_ns``:
+  the throughput configuration). Does the backlog (rounds emitted − rounds answered)
+  stay flat (``keeps_up``, see :class:`qlink.qec.loop.LoopResult`), the reaction time
+  (the tick of a shot's last round → its correction applied) p50/p99/p99.9 (goal at
+  d=5: p50 ≤ 63 µs, Willow's average), and its shares: ``batch`` (waiting for the
+  frame's later shots), ``transport`` (send + wire both ways), ``queue``, ``decode``;
 * **lock-step** — the controller waits for each shot's correction before the next
   (a feed-forward with a 63 µs deadline): the reaction time without any backlog,
   and how many shots miss the deadline;
-* beside them, the bare 64-byte round trip of the same transport (the floor).
+* beside them, the bare 64-byte round trip of the same transport (the floor) and the
+  machine's 1-minute load average when the row started (``load_1m``: these figures
+  are only as good as the two cores were free).
 
 A service batches every shot that is complete when it has drained the transport into
 one decoder call: that is what lets it keep up when shots arrive faster than one
-decoder call per shot could go. Both processes busy-poll: on a 2-core machine the
-bench uses both cores.
+decoder call per shot could go. Both processes busy-poll, each pinned to its own
+core: on a 2-core machine the bench uses both.
 
 >>> from qlink.bench.qec import BENCH_COLUMNS
 >>> "wire_vs_offline" in BENCH_COLUMNS
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 from typing import Callable, Iterable
 
@@ -40,18 +48,22 @@ import numpy as np
 __all__ = ["run_qec_bench", "main_from_cli", "offline_rounds_per_s", "BENCH_COLUMNS"]
 
 BENCH_COLUMNS = [
-    "transport", "d", "rounds", "shots", "floor_rt_p50_us", "offline_rounds_per_s", "flat_shots_per_frame",
-    "wire_rounds_per_s", "wire_vs_offline", "required_rounds_per_s",
-    # at the cycle, one shot per frame (the latency configuration)
-    "keeps_up_1", "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1", "share_transport_1",
-    "share_queue_1", "share_decode_1", "late_frames_1", "backlog_max_rounds_1",
+    "transport", "d", "rounds", "load_1m", "floor_rt_p50_us",
+    # flat out vs offline, on the same shots
+    "flat_shots", "flat_shots_per_frame", "offline_rounds_per_s", "wire_rounds_per_s", "wire_vs_offline",
     # at the cycle, several shots per frame (the throughput configuration)
+    "cycle_rounds", "required_rounds_per_s", "shots_per_frame", "keeps_up", "cycle_rounds_per_s",
+    "backlog_max_rounds", "backlog_growth_rounds", "late_frames", "emit_lag_p99_us",
+    "reaction_p50_us", "reaction_p99_us", "reaction_p999_us",
+    "share_batch", "share_transport", "share_queue", "share_decode", "share_other",
+    "mean_decode_batch", "decode_per_shot_p50_us", "ler",
+    # at the cycle, one shot per frame (the latency configuration)
+    "keeps_up_1", "cycle_rounds_per_s_1", "backlog_max_rounds_1", "late_frames_1",
+    "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1",
+    "share_transport_1", "share_queue_1", "share_decode_1",
     # lock-step: the controller waits for each shot's correction (feed-forward), no backlog
-    "reaction_p50_us_ff", "reaction_p99_us_ff", "reaction_p999_us_ff", "deadline_misses_ff",
-    "shots_per_frame", "keeps_up", "backlog_max_rounds", "backlog_growth_rounds", "emit_lag_p99_us",
-    "late_frames",
-    "reaction_p50_us", "reaction_p99_us", "share_transport", "share_queue", "share_decode",
-    "decode_per_shot_p50_us", "mean_decode_batch", "ler", "note",
+    "reaction_p50_us_ff", "reaction_p99_us_ff", "reaction_p999_us_ff", "deadline_misses_ff", "shots_ff",
+    "note",
 ]
 
 
@@ -80,33 +92,38 @@ def _mean_batch(service_report: dict) -> float:
 def _cycle_figures(res, suffix: str) -> dict:
     return {
         f"keeps_up{suffix}": res.keeps_up, f"backlog_max_rounds{suffix}": res.backlog_max_rounds,
+        f"cycle_rounds_per_s{suffix}": res.decoded_rounds_per_s,
         f"late_frames{suffix}": res.late_frames, f"reaction_p50_us{suffix}": res.reaction_p50_ns / 1e3,
         f"reaction_p99_us{suffix}": res.reaction_p99_ns / 1e3, f"reaction_p999_us{suffix}": res.reaction_p999_ns / 1e3,
-        f"share_transport{suffix}": res.shares.get("transport"), f"share_queue{suffix}": res.shares.get("queue"),
-        f"share_decode{suffix}": res.shares.get("decode"),
+        f"share_batch{suffix}": res.shares.get("batch"), f"share_transport{suffix}": res.shares.get("transport"),
+        f"share_queue{suffix}": res.shares.get("queue"), f"share_decode{suffix}": res.shares.get("decode"),
+        f"share_other{suffix}": res.shares.get("other"),
+        f"backlog_growth_rounds{suffix}": res.backlog_growth_rounds, f"emit_lag_p99_us{suffix}": res.emit_lag_p99_ns / 1e3,
     }
 
 
 def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distances: Iterable[int] = (5, 7, 11, 17),
-                  num_rounds: int | None = None, num_shots: int | None = None, emission_ms: float = 50.0,
-                  p: float = 0.001, cycle_ns: int = 1100,
-                  decoder: str = "pymatching", flat_shots_per_frame: int = 256,
-                  cycle_shots_per_frame: int | None = None, frame_period_ns: int = 40_000,
-                  max_in_flight_frames: int = 4, floor_round_trips: int = 2000, seed: int = 1,
-                  feed_forward_deadline_ns: int = 63_000, ff_shots: int = 1000,
+                  num_rounds: int | None = None, cycle_rounds: int = 1_000_000, flat_frames: int = 100,
+                  p: float = 0.001, cycle_ns: int = 1100, decoder: str = "pymatching",
+                  flat_shots_per_frame: int = 256, cycle_shots_per_frame: int | None = None,
+                  frame_period_ns: int = 40_000, max_in_flight_frames: int = 4, floor_round_trips: int = 2000,
+                  seed: int = 1, feed_forward_deadline_ns: int = 63_000, ff_shots: int = 2000,
+                  keep_rows: int = 50_000, max_gets_in_flight_1: int = 2, get_window_shots_1: int = 64,
                   progress: Callable[[str], None] | None = None) -> list[dict]:
     """One row per (transport, distance); see the module docstring for what each measures.
 
-    ``num_rounds`` rounds per shot (default: the distance); shots run back to back,
-    so the decoder faces a continuous stream of rounds at the cycle time;
-    ``num_shots`` (default: enough for ``emission_ms`` of rounds at the cycle). Flat out,
-    ``flat_shots_per_frame`` shots share a frame (and an answer); at the cycle, the
-    latency run sends one shot per frame and the throughput run
-    ``cycle_shots_per_frame`` (default: enough shots to span ``frame_period_ns``).
+    ``num_rounds`` rounds per shot (default: the distance); at the cycle, shots run back
+    to back for ``cycle_rounds`` rounds, so the decoder faces a continuous stream. Flat
+    out, ``flat_frames`` frames of ``flat_shots_per_frame`` shots (enough that filling and
+    draining the pipeline does not weigh). At the cycle the throughput run sends
+    ``cycle_shots_per_frame`` shots per frame (default: enough to span
+    ``frame_period_ns``); the latency run one, its answers covering up to
+    ``get_window_shots_1`` shots with at most ``max_gets_in_flight_1`` asks
+    outstanding. ``keep_rows`` bounds the raw timestamps kept for the shares.
     """
+    from qlink import wire
     from qlink.qec.decoders import compile_decoder
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
-    from qlink import wire
 
     say = progress or (lambda msg: None)
     transports = tuple(transports)
@@ -116,21 +133,25 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distance
         r = int(num_rounds or d)
         spec = source_spec(distance=d, rounds=r, p=p)
         src = build_source(spec)
-        shots = int(num_shots or -(-int(emission_ms * 1e6) // ((r + 1) * cycle_ns)))
-        stream = sample_stream(src, num_shots=shots, seed=seed + d)
-        R = stream.num_rounds
-        nd = stream.num_detectors
-        packed = np.packbits(stream.detectors, axis=1, bitorder="little")
+        probe = sample_stream(src, num_shots=1, seed=seed)
+        R, nd = probe.num_rounds, probe.num_detectors
+        k_flat = max(1, min(flat_shots_per_frame, wire.MAX_SYNDROME_BITS // nd))
+        flat_stream = sample_stream(src, num_shots=k_flat * flat_frames, seed=seed + 1000 + d)
+        packed = np.packbits(flat_stream.detectors, axis=1, bitorder="little")
         offline = offline_rounds_per_s(compile_decoder(decoder, src.dem), packed, num_rounds=R)
-        k_flat = max(1, min(flat_shots_per_frame, wire.MAX_SYNDROME_BITS // nd, shots))
+        shots = -(-int(cycle_rounds) // R)
+        stream = sample_stream(src, num_shots=shots, seed=seed + d)
         k_cyc = cycle_shots_per_frame or max(1, -(-frame_period_ns // (R * cycle_ns)))
         k_cyc = max(1, min(k_cyc, wire.MAX_SYNDROME_BITS // nd, shots))
+        keep = min(shots, keep_rows)
         say(f"d={d}: {R} rounds/shot, offline {decoder} decode_batch {offline / 1e6:.2f} M rounds/s "
-            f"(needed at a {cycle_ns} ns cycle: {1e9 / cycle_ns / 1e6:.2f} M)")
+            f"(needed at a {cycle_ns} ns cycle: {1e9 / cycle_ns / 1e6:.2f} M); {shots} shots "
+            f"({shots * R} rounds) at the cycle")
         for t in transports:
-            row = {"transport": t, "d": d, "rounds": R, "shots": shots, "offline_rounds_per_s": offline,
-                   "required_rounds_per_s": 1e9 / cycle_ns, "flat_shots_per_frame": k_flat,
-                   "shots_per_frame": k_cyc}
+            row = {"transport": t, "d": d, "rounds": R, "load_1m": os.getloadavg()[0],
+                   "flat_shots": flat_stream.num_shots, "flat_shots_per_frame": k_flat,
+                   "offline_rounds_per_s": offline, "cycle_rounds": shots * R,
+                   "required_rounds_per_s": 1e9 / cycle_ns, "shots_per_frame": k_cyc}
             why = _available(t)
             if why:
                 row["note"] = f"skipped: {why}"
@@ -143,39 +164,43 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distance
                     floors[t] = float(np.percentile(round_trip_ns(t, num_round_trips=floor_round_trips,
                                                                   warmup=200), 50))
                 row["floor_rt_p50_us"] = floors[t] / 1e3
-                common = dict(transport=t, source=spec, stream=stream, num_shots=shots, decoder=decoder,
-                              rounds_per_frame=0, timeout_s=300, pin_cpus=True)
-                flat = run_loop(cycle_ns=1, shots_per_frame=k_flat, warmup_shots=2 * k_flat,
-                                max_in_flight_shots=max_in_flight_frames * k_flat, keep_samples=0,
-                                capacity_shots=max(1024, 2 * max_in_flight_frames * k_flat), **common)
+                common = dict(transport=t, source=spec, decoder=decoder, rounds_per_frame=0, timeout_s=600,
+                              pin_cpus=True)
+                flat = run_loop(cycle_ns=1, shots_per_frame=k_flat, warmup_shots=2 * k_flat, stream=flat_stream,
+                                num_shots=flat_stream.num_shots, max_in_flight_shots=max_in_flight_frames * k_flat,
+                                keep_samples=0, capacity_shots=max(1024, 2 * max_in_flight_frames * k_flat),
+                                **common)
                 row["wire_rounds_per_s"] = flat.decoded_rounds_per_s
                 row["wire_vs_offline"] = flat.decoded_rounds_per_s / offline
-                lat = run_loop(cycle_ns=cycle_ns, shots_per_frame=1, warmup_shots=200, keep_samples=shots,
-                               capacity_shots=max(1024, shots), **common)
-                row.update(_cycle_figures(lat, "_1"))
-                ff = run_loop(cycle_ns=cycle_ns, shots_per_frame=1, warmup_shots=50, keep_samples=0,
-                              feed_forward_deadline_ns=feed_forward_deadline_ns,
-                              **{**common, "num_shots": min(shots, ff_shots)})
-                row.update({"reaction_p50_us_ff": ff.reaction_p50_ns / 1e3,
-                            "reaction_p99_us_ff": ff.reaction_p99_ns / 1e3,
-                            "reaction_p999_us_ff": ff.reaction_p999_ns / 1e3,
-                            "deadline_misses_ff": ff.deadline_misses})
                 cyc = run_loop(cycle_ns=cycle_ns, shots_per_frame=k_cyc, warmup_shots=max(200, 2 * k_cyc),
-                               keep_samples=shots, capacity_shots=max(1024, shots), **common)
+                               stream=stream, num_shots=shots, keep_samples=keep, capacity_shots=max(1024, shots),
+                               **common)
                 row.update(_cycle_figures(cyc, ""))
                 row.update({
-                    "backlog_growth_rounds": cyc.backlog_growth_rounds, "emit_lag_p99_us": cyc.emit_lag_p99_ns / 1e3,
-                    "backlog_slope_rounds_per_s": cyc.backlog_slope_rounds_per_s,
                     "decode_per_shot_p50_us": cyc.service_stage_summary().get("decode_per_shot", {}).get("p50_us"),
                     "mean_decode_batch": _mean_batch(cyc.service), "ler": cyc.logical_error_rate,
                     "transport_used": cyc.transport,
                 })
-                say(f"  {t}: flat out {row['wire_rounds_per_s'] / 1e3:.0f} k rounds/s "
+                lat = run_loop(cycle_ns=cycle_ns, shots_per_frame=1, warmup_shots=200, stream=stream,
+                               num_shots=shots, keep_samples=keep, capacity_shots=max(1024, shots),
+                               controller_options={"max_gets_in_flight": max_gets_in_flight_1,
+                                                   "get_window_shots": get_window_shots_1}, **common)
+                row.update({k: v for k, v in _cycle_figures(lat, "_1").items() if k in BENCH_COLUMNS})
+                n_ff = min(shots, ff_shots)
+                ff = run_loop(cycle_ns=cycle_ns, shots_per_frame=1, warmup_shots=50, keep_samples=0,
+                              feed_forward_deadline_ns=feed_forward_deadline_ns, stream=stream, num_shots=n_ff,
+                              **common)
+                row.update({"reaction_p50_us_ff": ff.reaction_p50_ns / 1e3,
+                            "reaction_p99_us_ff": ff.reaction_p99_ns / 1e3,
+                            "reaction_p999_us_ff": ff.reaction_p999_ns / 1e3,
+                            "deadline_misses_ff": ff.deadline_misses, "shots_ff": n_ff})
+                say(f"  {t} (load {row['load_1m']:.1f}): flat out {row['wire_rounds_per_s'] / 1e6:.2f} M rounds/s "
                     f"({100 * row['wire_vs_offline']:.0f} % of offline, {k_flat} shots/frame); at the cycle: "
+                    f"{k_cyc} shots/frame keeps up {cyc.keeps_up} ({cyc.decoded_rounds_per_s / 1e3:.0f} k rounds/s), "
+                    f"reaction p50 {row['reaction_p50_us']:.1f} us p99 {row['reaction_p99_us']:.1f} us; "
                     f"1 shot/frame keeps up {lat.keeps_up}, reaction p50 {row['reaction_p50_us_1']:.1f} us "
                     f"p99 {row['reaction_p99_us_1']:.1f} us; lock-step p50 {row['reaction_p50_us_ff']:.1f} us "
-                    f"p99 {row['reaction_p99_us_ff']:.1f} us; {k_cyc} shots/frame keeps up {cyc.keeps_up}, "
-                    f"reaction p50 {row['reaction_p50_us']:.1f} us")
+                    f"p99 {row['reaction_p99_us_ff']:.1f} us")
             except Exception as e:  # one transport failing must not hide the others' figures
                 row["note"] = f"error: {type(e).__name__}: {e}"
                 say(f"  {t}: error {type(e).__name__}: {e}")
@@ -190,7 +215,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     from ._report import format_table, write_results
 
     quick = bool(getattr(args, "quick", False))
-    kw = dict(distances=(5, 7), emission_ms=20.0, floor_round_trips=1000) if quick else {}
+    kw = dict(distances=(5, 7), cycle_rounds=100_000, flat_frames=40, floor_round_trips=1000,
+              ff_shots=1000) if quick else {}
     rows = run_qec_bench(progress=say, **kw)
     out = Path(getattr(args, "out", "results/bench"))
     write_results(rows, out_dir=out, name="qec", meta={"quick": quick, **{k: list(v) if isinstance(v, tuple) else v

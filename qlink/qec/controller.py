@@ -5,10 +5,13 @@ For each shot the controller emits each round's detection events at the cycle
 cadence (``cycle_ns``, default 1100 ns — Google Willow's 1.1 µs surface-code
 cycle, arXiv:2408.13687), ``rounds_per_frame`` rounds per ``enqueue_syndromes``
 frame, busy-waiting to each tick; a frame sent more than one cycle after its tick
-is counted as *late* (the controller itself fell behind). After a shot's last round
-it sends ``get_corrections`` and, between ticks, polls the answers; an answer is
-XORed into the tracked Pauli frame and compared with the true observable flip. The
-loop is pipelined: shots follow each other back to back while earlier shots are
+is counted as *late* (the controller itself fell behind). Every frame of the run is
+built before the first tick (header, counter, request id, packed bits), so at a tick
+the controller only stamps the send time and hands a view to the transport. After a
+shot's last round it sends ``get_corrections`` and, between ticks, polls the
+answers; an answer is XORed into the tracked Pauli frame (its *application*, timed)
+and kept; comparing it with the true observable flip and every per-shot figure are
+bookkeeping, done once, vectorised, when the run ends. The loop is pipelined: shots follow each other back to back while earlier shots are
 still being decoded. With ``feed_forward_deadline_ns`` set, the controller instead
 waits after every shot for its correction before a conditional operation (a
 feed-forward), counting the waits that exceed the deadline, and starts the next
@@ -278,6 +281,13 @@ class Controller:
     restarts from the next tick and the hold is counted in ``throttled``: for
     throughput and LER runs, not for cycle-time figures).
 
+    Asking: by default each group of shots (one shot, or ``shots_per_frame``) gets
+    its own ``get_corrections`` as soon as its last frame is out. With
+    ``max_gets_in_flight`` set, no more than that many are outstanding, and a new one
+    asks for every shot out and not yet asked for, up to ``get_window_shots``: while
+    the decoder keeps up each group still gets its own; when it falls behind, one
+    answer carries many shots, sparing the service a request and an answer per shot.
+
     On a lossy link: a ``get_corrections`` unanswered for ``get_timeout_ns`` is
     presumed lost and asked again, and when every frame is out but the service keeps
     answering ``NOT_READY`` for ``reveal_gap_after_ns`` (the last frame was lost, and
@@ -289,6 +299,7 @@ class Controller:
                  poll_interval_ns: int = 2_000, feed_forward_deadline_ns: int | None = None, keep_samples: int = 0,
                  start_delay_ns: int = 200_000, backlog_samples: int = 4096, counter_start: int = 0,
                  request_id_start: int = 0, max_in_flight_shots: int | None = None,
+                 max_gets_in_flight: int | None = None, get_window_shots: int | None = None,
                  get_timeout_ns: int = 500_000_000, reveal_gap_after_ns: int = 2_000_000,
                  trigger_ns: int = MODELED_TRIGGER_NS, analog_in_out_ns: int = MODELED_ANALOG_IN_OUT_NS) -> None:
         if not 0 <= decoder_id < wire.MAX_DECODERS:
@@ -312,6 +323,12 @@ class Controller:
                              f"wire's {wire.MAX_SYNDROME_BITS} bits per frame")
         if shots_per_frame * stream.num_observables > wire.MAX_CORRECTION_BITS:
             raise ValueError("shots_per_frame x observables exceeds the wire's correction bits per answer")
+        if max_gets_in_flight is not None and max_gets_in_flight < 1:
+            raise ValueError(f"max_gets_in_flight must be >= 1 or None, got {max_gets_in_flight}")
+        window = shots_per_frame if get_window_shots is None else get_window_shots
+        if window < 1 or window * stream.num_observables > wire.MAX_CORRECTION_BITS:
+            raise ValueError(f"get_window_shots must be >= 1 and at most {wire.MAX_CORRECTION_BITS} correction bits "
+                             f"({stream.num_observables} per shot), got {get_window_shots}")
         self.ep = endpoint
         self.stream = stream
         self.decoder_id = int(decoder_id)
@@ -326,6 +343,8 @@ class Controller:
         self.modeled = {"trigger_ns": int(trigger_ns), "analog_in_out_ns": int(analog_in_out_ns)}
         self._keep = int(keep_samples)
         self.max_in_flight_shots = max_in_flight_shots
+        self.max_gets_in_flight = max_gets_in_flight
+        self.get_window_shots = int(window)
         self.spin_guard_ns = 3_000  # stop polling for answers this close to a tick
         self.reveal_gap_after_ns = int(reveal_gap_after_ns)  # NOT_READY this long after the last frame
         self.get_timeout_ns = int(get_timeout_ns)  # a get_corrections unanswered this long is presumed lost
@@ -494,10 +513,10 @@ class Controller:
         self._lost_gets: dict[int, int] = {}
         self.gets_presumed_lost = 0
         self._frame = 0
-        self._last_ok_upto = 0  # shots [0, this) resolved; was the last of them answered OK?
-        self._last_ok = False
+        self._last_ok = False  # was the last shot resolved answered with a correction?
         self._last_applied = 0
-        self._rx = bytearray(wire.HEADER_NBYTES + ((k * s.num_observables + 7) >> 3) + ((k + 7) >> 3) + 64)
+        w = max(k, self.get_window_shots)
+        self._rx = bytearray(wire.HEADER_NBYTES + ((w * s.num_observables + 7) >> 3) + ((w + 7) >> 3) + 64)
         self._rx_mv = memoryview(self._rx)
         self._get_rid = 0
         late = 0
@@ -650,7 +669,10 @@ class Controller:
             rid_last = (self._rid_first + group[:n] * F + F - 1) & 0x7FFFFFFF
             resp = np.array(self._a_resp[:A], np.int64)[shot_answer[:n]]
             self.records = rec = ShotRecords(CONTROLLER_SHOT_FIELDS, capacity=self._keep)
-            rec.extend(n, shot=shots[:n], last_request_id=rid_last, emit_last_ns=emit[:n],
+            # the tick each shot's frame was due: its group's last shot's emission
+            last_of_group = np.minimum((group[:n] + 1) * k, N) - 1
+            frame_due = emit[:n] + (last_of_group - shots[:n]) * self._period_cycles * cyc
+            rec.extend(n, shot=shots[:n], last_request_id=rid_last, emit_last_ns=emit[:n], frame_due_ns=frame_due,
                        sent_last_ns=np.array(self._g_sent, np.int64)[group[:n]], get_sent_ns=self._get_sent[:n],
                        response_ns=resp, applied_ns=np.where(ok[:n], applied[:n], 0), polls=self._polls[:n],
                        status=status[:n], correct=correct[:n])
@@ -689,8 +711,11 @@ class Controller:
         """Keep every shot whose syndromes are out covered by a get_corrections in flight."""
         if t < self._repoll_due:
             return
-        k = self.shots_per_frame
+        k = self.get_window_shots
+        limit = self.max_gets_in_flight
         while self._claimed < self._asked - self._resolved:
+            if limit is not None and len(self._gets) >= limit:
+                return
             u = self._resolved + self._claimed
             m = min(k, self._asked - u)
             rid = _GET_BIT | self._get_rid

@@ -172,7 +172,7 @@ class LoopResult:
     reaction_p50_ns: float
     reaction_p99_ns: float
     reaction_p999_ns: float
-    shares: dict  # transport / queue / decode / other: fractions of the mean reaction time
+    shares: dict  # batch / transport / queue / decode / other: fractions of the mean reaction time
     stage_breakdown: dict  # per stage p50 and share (joined per-shot records)
     late_frames: int
     max_lag_ns: int
@@ -212,6 +212,7 @@ class LoopResult:
             "errors": self.logical_errors, "dropped": self.shots_dropped,
             "reaction_p50_us": self.reaction_p50_ns / 1e3, "reaction_p99_us": self.reaction_p99_ns / 1e3,
             "reaction_p999_us": self.reaction_p999_ns / 1e3,
+            "share_batch": self.shares.get("batch"),
             "share_transport": self.shares.get("transport"), "share_queue": self.shares.get("queue"),
             "share_decode": self.shares.get("decode"), "share_other": self.shares.get("other"),
             "late_frames": self.late_frames, "decoded_rounds_per_s": self.decoded_rounds_per_s,

@@ -415,6 +415,24 @@ class DecoderService:
                 F = d.frames_per_shot or 1
                 self._drop_busy(d, 1, counter, frames_left=F - 1 if n < nd else 0)
                 return self._refuse("queue_full", Status.BUSY, rid, ptp, t_in, _FN_ENQ)
+            if n == nd:  # exactly one whole shot: its bytes go straight into its ring slot
+                slot = d.cmp % d.capacity
+                d.drops_before[slot] = d.pending_drops
+                d.pending_drops = 0
+                nbd = d.nbd
+                base = slot * nbd
+                src = self._rx_mv[_ENQ_BITS_OFFSET:_ENQ_BITS_OFFSET + nbd] if bits is None else bits[:nbd]
+                d.syn_mv[base:base + nbd] = src
+                if nd & 7:  # pad bits of the last byte are not syndrome bits
+                    d.syn_mv[base + nbd - 1] &= (1 << (nd & 7)) - 1
+                d.complete(1, rid, ptp, t_in, now_ns())
+                if d.frames_per_shot is None:
+                    d.frames_per_shot = 1
+                self._n_completed += 1
+                d.next_counter = counter + 1
+                if self._ack_all:
+                    self._stage(_PLAIN, int(Status.OK), rid, ptp, t_in, _FN_ENQ)
+                return
             self._start_shot(d)
         self._append(d, self._rx_mv[_ENQ_BITS_OFFSET:] if bits is None else bits, 0, n)
         self._finish_frame(d, rid, ptp, t_in)

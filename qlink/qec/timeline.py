@@ -60,6 +60,7 @@ CONTROLLER_SHOT_FIELDS = (
     ("shot", np.int64),
     ("last_request_id", np.int64),
     ("emit_last_ns", np.int64),  # the cycle tick at which the last round's syndrome existed
+    ("frame_due_ns", np.int64),  # the tick its last frame was due (later with several shots per frame)
     ("sent_last_ns", np.int64),  # last frame handed to the transport
     ("get_sent_ns", np.int64),  # first get_corrections sent
     ("response_ns", np.int64),  # the answer that resolved the shot received
@@ -70,7 +71,7 @@ CONTROLLER_SHOT_FIELDS = (
 )
 
 # The stages a shot's reaction time splits into, in order (they add up exactly).
-REACTION_STAGES = ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")
+REACTION_STAGES = ("batch", "send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")
 
 
 # Below this many values, recording one by one beats a vectorised pass (numpy's fixed
@@ -290,8 +291,9 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
     of its frame); only answered shots (service status OK with a correction applied) are kept. The stages of :data:`REACTION_STAGES` add
     up to ``reaction`` (= applied − emitted) exactly:
 
-    send (emitted → sent; with several shots per frame it includes waiting for the
-    frame's later shots) · wire_in (sent → service received the last frame; includes
+    batch (emitted → the tick its frame was due: waiting for the frame's later shots;
+    0 with one shot per frame) · send (that tick → handed to the transport) ·
+    wire_in (sent → service received the last frame; includes
     time in the transport's receive buffer while the service was busy) ·
     queue (received → decode start) · decode · respond (decode end → corrections
     sent; includes waiting for the get_corrections request) · wire_out (sent →
@@ -299,11 +301,11 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
 
     >>> c = np.zeros(1, dtype=list(CONTROLLER_SHOT_FIELDS))
     >>> s = np.zeros(1, dtype=list(SERVICE_SHOT_FIELDS))
-    >>> c[0] = (0, 5, 1000, 1100, 1150, 1900, 1950, 1, 0, 1)
+    >>> c[0] = (0, 5, 1000, 1040, 1100, 1150, 1900, 1950, 1, 0, 1)
     >>> s[0] = (5, 1100, 1300, 1300, 1400, 1600, 1700, 1, 0, 1)
     >>> st = join_shots(c, s)
     >>> [int(st[k][0]) for k in REACTION_STAGES], int(st["reaction"][0])
-    ([100, 200, 100, 200, 100, 200, 50], 950)
+    ([40, 60, 200, 100, 200, 100, 200, 50], 950)
     """
     c = controller[(controller["status"] == 0) & (controller["applied_ns"] > 0)]
     s = service[service["status"] == 0]
@@ -317,7 +319,8 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
     hit = s_sorted["last_request_id"][pos] == c["last_request_id"]
     c, m = c[hit], s_sorted[pos[hit]]
     out = {
-        "send": c["sent_last_ns"] - c["emit_last_ns"],
+        "batch": c["frame_due_ns"] - c["emit_last_ns"],
+        "send": c["sent_last_ns"] - c["frame_due_ns"],
         "wire_in": m["in_last_ns"] - c["sent_last_ns"],
         "queue": m["decode_start_ns"] - m["in_last_ns"],
         "decode": m["decode_end_ns"] - m["decode_start_ns"],
@@ -333,14 +336,15 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
 def stage_summary(stages: dict[str, np.ndarray]) -> dict:
     """Per stage: p50 (µs) and share of the mean reaction time; shares sum to 1.
 
-    The three headline shares: ``transport`` (send + wire_in + wire_out), ``queue``
-    and ``decode``; ``other`` is the service's and controller's own work (respond,
-    apply).
+    The headline shares: ``transport`` (send + wire_in + wire_out), ``queue`` and
+    ``decode``; ``batch`` is the wait for a frame's later shots (0 with one shot per
+    frame); ``other`` is the service's and controller's own work (respond, apply).
     """
     n = len(stages.get("reaction", ()))
     nan = float("nan")
     if n == 0:
-        return {"n": 0, "stages": {}, "shares": {"transport": nan, "queue": nan, "decode": nan, "other": nan}}
+        return {"n": 0, "stages": {},
+                "shares": {"batch": nan, "transport": nan, "queue": nan, "decode": nan, "other": nan}}
     total = float(np.mean(stages["reaction"]))
     per = {}
     for k in REACTION_STAGES:
@@ -348,6 +352,7 @@ def stage_summary(stages: dict[str, np.ndarray]) -> dict:
         per[k] = {"p50_us": float(np.percentile(a, 50)) / 1e3, "mean_us": float(np.mean(a)) / 1e3,
                   "share": float(np.mean(a)) / total if total > 0 else nan}
     shares = {
+        "batch": per["batch"]["share"],
         "transport": sum(per[k]["share"] for k in ("send", "wire_in", "wire_out")),
         "queue": per["queue"]["share"],
         "decode": per["decode"]["share"],

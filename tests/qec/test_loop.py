@@ -80,6 +80,33 @@ def test_many_shots_per_frame_give_the_same_bits_in_fewer_decoder_calls():
     counts = res.service["counts"]
     assert counts["enqueue"] == 16 and counts["get_corrections"] == 16  # 15 x 64 shots + 40
     assert counts["decode_calls"] <= 16
+    # a shot waits for its frame's later shots: that wait is its own stage, not transport
+    st = res.stage_breakdown["stages"]
+    assert st["batch"]["mean_us"] > 0 and res.shares["batch"] > 0
+    assert res.stage_breakdown["n"] == 1000  # every shot joined to its frame's service row
+    assert sum(res.shares.values()) == pytest.approx(1.0, abs=1e-9)
+    # the first shot of a full frame waits 63 shots x 4 rounds x 1.1 us for the last one
+    first = res.controller.shot_records[0]
+    assert first["frame_due_ns"] - first["emit_last_ns"] == 63 * 4 * 1100
+
+
+def test_answers_cover_many_shots_only_while_the_decoder_is_behind():
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    stream = sample_stream(build_source(spec), num_shots=600, seed=12)
+    # flat out with one shot per frame and one ask outstanding: asks pile up behind it, so
+    # each answer carries every shot sent meanwhile (up to 32)
+    res = run_loop(transport="shm", source=spec, stream=stream, num_shots=600, rounds_per_frame=0, cycle_ns=1,
+                   warmup_shots=0, max_in_flight_shots=128, timeout_s=120,
+                   controller_options={"max_gets_in_flight": 1, "get_window_shots": 32})
+    assert res.shots_ok == 600 and np.array_equal(res.controller.corrections, _direct(spec, stream))
+    counts = res.service["counts"]
+    assert counts["enqueue"] == 600 and counts["get_corrections"] < 600
+    assert res.controller.shot_records["polls"].sum() == counts["get_corrections"]
+    # when every answer is back before the next shot (lock-step), every shot gets its own ask
+    slow = run_loop(transport="shm", source=spec, stream=stream, num_shots=50, rounds_per_frame=0,
+                    feed_forward_deadline_ns=10**10, warmup_shots=0, timeout_s=120,
+                    controller_options={"max_gets_in_flight": 1, "get_window_shots": 32})
+    assert slow.service["counts"]["get_corrections"] == 50 and slow.shots_ok == 50
 
 
 def test_a_full_decoder_queue_drops_shots_and_every_shot_is_accounted_for():
@@ -118,7 +145,8 @@ def test_loop_result_reports_stages_backlog_and_ler_under_a_deadline():
     assert res.transport == "tcp" and res.num_shots == 400 and res.frames_per_shot == 2
     assert 0 < res.reaction_p50_ns <= res.reaction_p99_ns <= res.reaction_p999_ns
     shares = res.shares
-    assert set(shares) == {"transport", "queue", "decode", "other"}
+    assert set(shares) == {"batch", "transport", "queue", "decode", "other"}
+    assert shares["batch"] == 0  # one shot per frame: no shot waits for a later one
     assert sum(shares.values()) == pytest.approx(1.0, abs=1e-9)
     assert all(v >= 0 for k, v in res.stage_breakdown["stages"].items() if k != "apply" for v in [v["mean_us"]])
     assert res.stage_breakdown["n"] == 400  # every shot joined between the two sides

@@ -163,6 +163,37 @@ def test_unaligned_frames_and_whole_shot_windows_give_the_same_bits(pair, code):
         assert _flip(answers[rid][1]) == expected[shot].tolist(), f"shot {shot}"
 
 
+def test_shots_that_are_not_whole_bytes_ignore_pad_bits_one_per_frame_or_many():
+    circuit = stim.Circuit.generated("repetition_code:memory", distance=3, rounds=5,
+                                     before_round_data_depolarization=0.05)
+    dem = circuit.detector_error_model(decompose_errors=True)
+    nd = dem.num_detectors
+    assert nd % 8, "the shot must end inside a byte for this test"
+    dets, _ = circuit.compile_detector_sampler(seed=4).sample(40, separate_observables=True)
+    dets = dets.astype(np.uint8)
+    expected = compile_decoder("pymatching", dem).decode_batch(dets)
+    assert expected.any()
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem)}))
+    try:
+        gets = []
+        for shot in range(20):  # one shot per frame, the pad bits of its last byte set (garbage)
+            n = wire.encode_enqueue_syndromes_into(p.buf, request_id=p.next_rid(), decoder_id=0, counter=shot,
+                                                   syndrome_mapping_id=0, syndromes=dets[shot])
+            p.buf[n - 1] |= 0xFF ^ ((1 << (nd % 8)) - 1)
+            p._send(n)
+            gets.append(p.get())
+        p.enqueue(dets[20:40].reshape(-1), counter=20)  # twenty shots in one frame, not byte-aligned
+        window = p.get(return_size=20)
+        answers = _answers_by_rid(p.run())
+        for shot, rid in enumerate(gets):
+            assert answers[rid][0] == Status.OK and _flip(answers[rid][1]) == expected[shot].tolist(), shot
+        status, result = answers[window]
+        assert status == Status.OK
+        assert _flip(result, 20) == expected[20:40, 0].tolist()
+    finally:
+        p.close()
+
+
 def test_request_id_and_ptp_timestamp_are_echoed_and_not_ready_before_a_shot(pair):
     rid = pair.get(ptp=0x0102030405060708)
     assert pair.run() == [(Status.NOT_READY, rid, 0x0102030405060708, b"")]
