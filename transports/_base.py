@@ -220,7 +220,7 @@ class Endpoint(abc.ABC):
     put_many_gathers: bool = False
 
     def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
-                 tag: bytes = b"", timeout_s: float | None = None) -> int:
+                 tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
         """Write ``data[src_offsets[i]:src_offsets[i] + nbytes[i]]`` into the peer's region at
         ``dst_offsets[i]`` for every ``i``; return how many Notifications the target will see.
 
@@ -230,6 +230,10 @@ class Endpoint(abc.ABC):
         the number of pieces. Endpoints with ``put_many_gathers`` publish a single
         Notification after the last byte of every piece, covering the lowest destination
         offset up to the end of the highest piece, and return 1.
+
+        ``defer=True`` allows the endpoint to return before the bytes have moved (``shm``:
+        the target copies them out of registered memory as it progresses); ``data`` must
+        then stay unchanged until :meth:`flush` returns. Here it changes nothing.
         """
         import operator
 
@@ -255,6 +259,11 @@ class Endpoint(abc.ABC):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.put(src[s:s + n], remote, offset=d, notify_id=notify_id, tag=tag, timeout_s=left)
         return len(pieces)
+
+    def flush(self, *, timeout_s: float | None = None) -> None:
+        """Wait until every put this side made has moved its bytes (deferred ones included);
+        their sources may be reused from then on. Here every put completes before it returns."""
+        self._check_open()
 
     def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
         """Wait for the next put completion targeted at this side."""

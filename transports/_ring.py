@@ -14,6 +14,8 @@ Layout of a ring region (all integers little-endian)::
       [320] u64 producer_cpu: 1 + the CPU the producer last sent from, 0 if unknown
             (a scheduling hint only, written by the C producer; the C consumer yields
             its CPU when the producer last ran on it)
+      [384] u64 pulled: the sequence number of the last deferred put the consumer has
+            pulled (``KIND_PUT_PULL``; stored by the consumer only, read by the producer)
     data area, data_nbytes bytes, a sequence of records:
       u32 nbytes, u16 kind, u16 reserved, u64 aux, then nbytes of payload,
       padded so every record starts on a 16-byte boundary.
@@ -64,6 +66,7 @@ __all__ = [
     "KIND_MSG_CONT",
     "KIND_PUT_INLINE",
     "KIND_PUT_DONE",
+    "KIND_PUT_PULL",
     "KIND_CORRUPT",
     "SEND_OK",
     "SEND_FULL",
@@ -82,7 +85,7 @@ RING_MAGIC = int.from_bytes(b"QLRING01", "little")
 _MAX_RECORD = 1 << 18
 
 # u64 word indices in the header
-_W_MAGIC, _W_SIZE, _W_HEAD, _W_TAIL, _W_PCLOSED, _W_CCLOSED = 0, 1, 8, 16, 24, 32
+_W_MAGIC, _W_SIZE, _W_HEAD, _W_TAIL, _W_PCLOSED, _W_CCLOSED, _W_PULLED = 0, 1, 8, 16, 24, 32, 48
 
 # record kinds (0 is never written: zeroed memory must not look like a record)
 KIND_CORRUPT = 0  # returned by peek() for a record that fails validation
@@ -91,6 +94,7 @@ KIND_MSG = 2  # a message, or the first chunk of one; aux = total message bytes
 KIND_MSG_CONT = 3  # a later chunk of a message; aux = its offset in the message
 KIND_PUT_INLINE = 4  # put data for a region the initiator cannot map; applied by the target
 KIND_PUT_DONE = 5  # put completion: the target queues a Notification
+KIND_PUT_PULL = 6  # deferred put: pieces the target copies out of the initiator's registered memory
 
 # try_send* results
 SEND_OK = 1
@@ -198,6 +202,15 @@ class Ring:
     @property
     def consumer_closed(self) -> bool:
         return bool(self._w[_W_CCLOSED])
+
+    @property
+    def pulled(self) -> int:
+        """Sequence number of the last deferred put the consumer has pulled."""
+        return int(self._w[_W_PULLED])
+
+    def set_pulled(self, seq: int) -> None:
+        """Consumer: publish that the deferred put ``seq`` has been pulled (after its bytes)."""
+        self._w[_W_PULLED] = seq
 
     def set_producer_closed(self) -> None:
         self._w[_W_PCLOSED] = 1

@@ -43,6 +43,7 @@
 #define OFF_PCLOSED 192
 #define OFF_CCLOSED 256
 #define OFF_PCPU 320 /* hint: 1 + the CPU the producer last sent from (0: unknown) */
+#define OFF_PULLED 384 /* last deferred put the consumer has pulled (stored by the consumer) */
 
 #define KIND_CORRUPT 0
 #define KIND_PAD 1
@@ -479,6 +480,15 @@ static PyObject *Ring_set_producer_closed(RingObject *r, PyObject *Py_UNUSED(ign
     Py_RETURN_NONE;
 }
 
+static PyObject *Ring_set_pulled(RingObject *r, PyObject *arg) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (r->has_buf)
+        st_rel(r->hdr + OFF_PULLED, v);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_set_consumer_closed(RingObject *r, PyObject *Py_UNUSED(ignored)) {
     if (r->has_buf)
         st_rel(r->hdr + OFF_CCLOSED, 1);
@@ -512,6 +522,7 @@ static PyMethodDef Ring_methods[] = {
     {"release", (PyCFunction)Ring_release, METH_NOARGS, "drop the reference to the shared memory"},
     {"set_producer_closed", (PyCFunction)Ring_set_producer_closed, METH_NOARGS, NULL},
     {"set_consumer_closed", (PyCFunction)Ring_set_consumer_closed, METH_NOARGS, NULL},
+    {"set_pulled", (PyCFunction)Ring_set_pulled, METH_O, "consumer: publish the last deferred put pulled"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -519,6 +530,7 @@ static PyGetSetDef Ring_getset[] = {
     {"data", (getter)Ring_get_data, NULL, "memoryview of the data area", NULL},
     {"head", (getter)Ring_get_word, NULL, "shared head", (void *)(uintptr_t)OFF_HEAD},
     {"tail", (getter)Ring_get_word, NULL, "shared tail", (void *)(uintptr_t)OFF_TAIL},
+    {"pulled", (getter)Ring_get_word, NULL, "last deferred put the consumer pulled", (void *)(uintptr_t)OFF_PULLED},
     {"producer_closed", (getter)Ring_get_flag, NULL, NULL, (void *)(uintptr_t)OFF_PCLOSED},
     {"consumer_closed", (getter)Ring_get_flag, NULL, NULL, (void *)(uintptr_t)OFF_CCLOSED},
     {"producer_head", (getter)Ring_get_producer_head, NULL, NULL, NULL},
@@ -773,7 +785,10 @@ static PyObject *fp_recv_into_nowait(FastPathObject *f, PyObject *const *args, s
  *
  * wait_notification / poll_notification_nowait take a PUT_DONE record at the head of the
  * ring when no notification is queued aside in Python (`notes`, a deque) and the record names
- * a region registered here; otherwise the Python method runs. */
+ * a region registered here; otherwise the Python method runs. They also carry out PUT_PULL
+ * records (a deferred put_many): copy each piece out of the peer's region mapped here
+ * (cache_source() records it once Python has mapped it) into ours, then publish the put's
+ * sequence number in the ring header (`pulled`) so the initiator may reuse its source. */
 
 #define TABLE_SLOTS 4096
 #define SLOT_WORDS 8
@@ -782,6 +797,13 @@ static PyObject *fp_recv_into_nowait(FastPathObject *f, PyObject *const *args, s
 #define DONE_NBYTES 32 /* u32 region_id, u32 tag_len, u64 offset, u64 nbytes, u64 notify_id (then the tag) */
 #define MAX_TAG_NBYTES 256
 #define REMOTE_CACHE 64
+#define KIND_PUT_PULL 6
+/* u32 dst region, u32 src region, u32 pieces, u32 tag_len, u64 notify_id, u64 seq, u64 span offset,
+ * u64 span nbytes, u32 flags, u32 reserved; then the tag; then pieces x (u64 src_off, u64 dst_off, u64 nbytes) */
+#define PULL_NBYTES 56
+#define PULL_LAST 1
+#define PIECE_NBYTES 24
+#define LOCAL_WORDS 4 /* private table slot: state, nbytes, address, reserved */
 #define NOGIL_COPY_NBYTES (256u << 10) /* copies at least this large run without the GIL */
 #define FENCE_COPY_NBYTES (64u << 10)  /* copies at least this large may use non-temporal stores */
 
@@ -794,24 +816,43 @@ typedef struct {
     uint32_t rid;
 } remote_entry;
 
+typedef struct {
+    PyObject *view; /* memoryview of a region the peer registered, mapped here: a source of deferred puts */
+    Py_buffer vbuf;
+    uint64_t state;
+    uint32_t rid;
+} source_entry;
+
 struct one_sided {
     Py_buffer peer_tbl;
     Py_buffer local_tbl;
     PyObject *note_type, *notes, *slow_put, *slow_put_many, *slow_wait, *slow_poll, *finish_put;
     int peer_gone; /* set by the endpoint once it knows the peer is gone: puts go to Python */
     int released;  /* disable_one_sided() ran: the tables are no longer held, everything goes to Python */
-    unsigned long long puts, put_bytes, zero_copy_puts, gathered_puts, notifications;
+    unsigned long long puts, put_bytes, zero_copy_puts, gathered_puts, notifications, pulled_bytes, deferred_puts;
+    uint64_t pull_seq;            /* deferred puts posted from this side (C and Python alike) */
+    uint32_t homes[REMOTE_CACHE]; /* local shared regions deferred puts have come from (0: none) */
     remote_entry cache[REMOTE_CACHE];
+    source_entry sources[REMOTE_CACHE];
 };
 
-static PyObject *str_offset, *str_notify_id, *str_tag, *str_region_id, *str_nbytes, *empty_tuple, *empty_bytes;
+static PyObject *str_offset, *str_notify_id, *str_tag, *str_region_id, *str_nbytes, *str_defer, *empty_tuple,
+    *empty_bytes;
 
 static void entry_clear(remote_entry *e) {
     if (e->remote == NULL)
         return;
-    PyBuffer_Release(&e->vbuf);
+    if (e->view != NULL)
+        PyBuffer_Release(&e->vbuf);
     Py_CLEAR(e->view);
     Py_CLEAR(e->remote);
+}
+
+static void source_clear(source_entry *e) {
+    if (e->view == NULL)
+        return;
+    PyBuffer_Release(&e->vbuf);
+    Py_CLEAR(e->view);
 }
 
 static void os_free(FastPathObject *f) {
@@ -819,8 +860,10 @@ static void os_free(FastPathObject *f) {
     if (o == NULL)
         return;
     f->os = NULL;
-    for (int i = 0; i < REMOTE_CACHE; i++)
+    for (int i = 0; i < REMOTE_CACHE; i++) {
         entry_clear(&o->cache[i]);
+        source_clear(&o->sources[i]);
+    }
     PyBuffer_Release(&o->peer_tbl);
     PyBuffer_Release(&o->local_tbl);
     Py_CLEAR(o->note_type);
@@ -874,7 +917,7 @@ static PyObject *fp_enable_one_sided(FastPathObject *f, PyObject *args) {
         return NULL;
     }
     size_t need = (size_t)TABLE_SLOTS * SLOT_WORDS * 8;
-    if ((size_t)o->peer_tbl.len < need || (size_t)o->local_tbl.len < (size_t)TABLE_SLOTS * 16 ||
+    if ((size_t)o->peer_tbl.len < need || (size_t)o->local_tbl.len < (size_t)TABLE_SLOTS * LOCAL_WORDS * 8 ||
         ((uintptr_t)o->peer_tbl.buf & 7) || ((uintptr_t)o->local_tbl.buf & 7)) {
         PyBuffer_Release(&o->peer_tbl);
         PyBuffer_Release(&o->local_tbl);
@@ -907,8 +950,10 @@ static PyObject *fp_disable_one_sided(FastPathObject *f, PyObject *Py_UNUSED(ign
     struct one_sided *o = f->os;
     if (o != NULL && !o->released) {
         o->released = o->peer_gone = 1;
-        for (int i = 0; i < REMOTE_CACHE; i++)
+        for (int i = 0; i < REMOTE_CACHE; i++) {
             entry_clear(&o->cache[i]);
+            source_clear(&o->sources[i]);
+        }
         PyBuffer_Release(&o->peer_tbl);
         PyBuffer_Release(&o->local_tbl);
     }
@@ -919,28 +964,36 @@ static inline remote_entry *cache_slot(struct one_sided *o, PyObject *remote) {
     return &o->cache[((uintptr_t)remote >> 4) % REMOTE_CACHE];
 }
 
-/* cache_remote(remote, region_id, state, view): the Python put validated `remote` against the
- * peer's table (word 0 == state) and mapped the region as `view`. */
+/* cache_remote(remote, region_id, state, nbytes, view): the Python put validated `remote` against
+ * the peer's table (word 0 == state) and mapped the region as `view` (None: not mappable here,
+ * which only deferred puts can target). */
 static PyObject *fp_cache_remote(FastPathObject *f, PyObject *args) {
     PyObject *remote, *view;
     unsigned long rid;
-    unsigned long long state;
-    if (!PyArg_ParseTuple(args, "OkKO:cache_remote", &remote, &rid, &state, &view))
+    unsigned long long state, nbytes;
+    if (!PyArg_ParseTuple(args, "OkKKO:cache_remote", &remote, &rid, &state, &nbytes, &view))
         return NULL;
     struct one_sided *o = f->os;
     if (o == NULL || o->peer_gone || o->released)
         Py_RETURN_NONE;
     remote_entry *e = cache_slot(o, remote);
     entry_clear(e);
-    if (PyObject_GetBuffer(view, &e->vbuf, PyBUF_WRITABLE) < 0)
-        return NULL;
+    if (view != Py_None) {
+        if (PyObject_GetBuffer(view, &e->vbuf, PyBUF_WRITABLE) < 0)
+            return NULL;
+        if ((uint64_t)e->vbuf.len != nbytes) {
+            PyBuffer_Release(&e->vbuf);
+            PyErr_SetString(PyExc_ValueError, "cache_remote: the view and nbytes disagree");
+            return NULL;
+        }
+        Py_INCREF(view);
+        e->view = view;
+    }
     Py_INCREF(remote);
-    Py_INCREF(view);
     e->remote = remote;
-    e->view = view;
     e->rid = (uint32_t)rid;
     e->state = state;
-    e->nbytes = (uint64_t)e->vbuf.len;
+    e->nbytes = nbytes;
     Py_RETURN_NONE;
 }
 
@@ -951,9 +1004,45 @@ static PyObject *fp_forget_remote(FastPathObject *f, PyObject *arg) {
         return NULL;
     struct one_sided *o = f->os;
     if (o != NULL)
-        for (int i = 0; i < REMOTE_CACHE; i++)
+        for (int i = 0; i < REMOTE_CACHE; i++) {
             if (o->cache[i].remote != NULL && o->cache[i].rid == (uint32_t)rid)
                 entry_clear(&o->cache[i]);
+            if (o->sources[i].view != NULL && o->sources[i].rid == (uint32_t)rid)
+                source_clear(&o->sources[i]);
+        }
+    Py_RETURN_NONE;
+}
+
+/* cache_home(region_id): deferred puts from that local region may be posted in C. */
+static PyObject *fp_cache_home(FastPathObject *f, PyObject *arg) {
+    unsigned long rid = PyLong_AsUnsignedLong(arg);
+    if (rid == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    struct one_sided *o = f->os;
+    if (o != NULL && !o->released && rid != 0)
+        o->homes[rid % REMOTE_CACHE] = (uint32_t)rid;
+    Py_RETURN_NONE;
+}
+
+/* cache_source(region_id, state, view): the peer's region `region_id` (table word 0 == state),
+ * mapped here as `view`, may be pulled from in C. */
+static PyObject *fp_cache_source(FastPathObject *f, PyObject *args) {
+    PyObject *view;
+    unsigned long rid;
+    unsigned long long state;
+    if (!PyArg_ParseTuple(args, "kKO:cache_source", &rid, &state, &view))
+        return NULL;
+    struct one_sided *o = f->os;
+    if (o == NULL || o->released)
+        Py_RETURN_NONE;
+    source_entry *e = &o->sources[rid % REMOTE_CACHE];
+    source_clear(e);
+    if (PyObject_GetBuffer(view, &e->vbuf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_INCREF(view);
+    e->view = view;
+    e->rid = (uint32_t)rid;
+    e->state = state;
     Py_RETURN_NONE;
 }
 
@@ -1072,11 +1161,18 @@ static int put_prelude(FastPathObject *f, PyObject *remote, PyObject *nid, PyObj
         pa->tag = PyBytes_AS_STRING(tag);
         pa->tag_len = PyBytes_GET_SIZE(tag);
     }
-    RingObject *tx = f->tx;
-    if (ld_rlx(tx->hdr + OFF_CCLOSED))
+    if (ld_rlx(f->tx->hdr + OFF_CCLOSED))
         return 0;
-    /* room for the PUT_DONE record (and a pad before it) now, so it never waits after the copy */
-    uint64_t need = REC_HDR + align16(DONE_NBYTES + (uint64_t)pa->tag_len);
+    *ep = e;
+    return 1;
+}
+
+/* Is there room for one record of `payload` bytes (and a pad before it)? Checked before a copy,
+ * so the PUT_DONE after it never waits. */
+static int ring_room(RingObject *tx, uint64_t payload) {
+    if (payload > tx->max_payload)
+        return 0;
+    uint64_t need = REC_HDR + align16(payload);
     uint64_t pos = tx->head & tx->mask, contiguous = tx->size - pos;
     uint64_t total = need <= contiguous ? need : contiguous + need;
     if (tx->size - (tx->head - tx->tail_cache) < total) {
@@ -1084,8 +1180,29 @@ static int put_prelude(FastPathObject *f, PyObject *remote, PyObject *nid, PyObj
         if (tx->size - (tx->head - tx->tail_cache) < total)
             return 0;
     }
-    *ep = e;
     return 1;
+}
+
+/* The local region (registered here, shared) holding [p, p + n): its id and the offset of p in it. */
+static int find_home(struct one_sided *o, const uint8_t *p, uint64_t n, uint32_t *rid, uint64_t *off) {
+    for (int i = 0; i < REMOTE_CACHE; i++) {
+        uint32_t r = o->homes[i];
+        if (r == 0)
+            continue;
+        const uint64_t *lt = (const uint64_t *)o->local_tbl.buf + LOCAL_WORDS * (size_t)(r & (TABLE_SLOTS - 1));
+        uint64_t state = lt[0], nb = lt[1];
+        const uint8_t *base = (const uint8_t *)(uintptr_t)lt[2];
+        if ((state >> 32) != r || (state & 3) != 3) { /* deregistered since: forget it */
+            o->homes[i] = 0;
+            continue;
+        }
+        if (p >= base && n <= nb && (uint64_t)(p - base) <= nb - n) {
+            *rid = r;
+            *off = (uint64_t)(p - base);
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static inline void store_fence(void) {
@@ -1125,6 +1242,39 @@ static int copy_pieces(remote_entry *e, const uint8_t *src, const int64_t *so, c
     if (total >= FENCE_COPY_NBYTES)
         store_fence();
     return 0;
+}
+
+/* Write one PUT_PULL record (room checked by the caller) and publish it. */
+static void write_pull(RingObject *tx, uint32_t dst_rid, uint32_t src_rid, uint64_t src_base, const int64_t *so,
+                       const int64_t *dof, const int64_t *ln, uint32_t k, const put_args *pa, uint64_t seq,
+                       uint64_t span_off, uint64_t span_n) {
+    uint64_t n = PULL_NBYTES + (uint64_t)pa->tag_len + (uint64_t)k * PIECE_NBYTES;
+    uint64_t need = REC_HDR + align16(n);
+    int64_t at = reserve(tx, need);
+    uint8_t *p = tx->data + at;
+    rec_hdr h = {(uint32_t)n, KIND_PUT_PULL, 0, 0};
+    memcpy(p, &h, REC_HDR);
+    p += REC_HDR;
+    uint32_t tl = (uint32_t)pa->tag_len, flags = PULL_LAST, zero = 0;
+    memcpy(p, &dst_rid, 4);
+    memcpy(p + 4, &src_rid, 4);
+    memcpy(p + 8, &k, 4);
+    memcpy(p + 12, &tl, 4);
+    memcpy(p + 16, &pa->notify_id, 8);
+    memcpy(p + 24, &seq, 8);
+    memcpy(p + 32, &span_off, 8);
+    memcpy(p + 40, &span_n, 8);
+    memcpy(p + 48, &flags, 4);
+    memcpy(p + 52, &zero, 4);
+    if (tl)
+        memcpy(p + PULL_NBYTES, pa->tag, tl);
+    uint8_t *q = p + PULL_NBYTES + tl;
+    for (uint32_t i = 0; i < k; i++, q += PIECE_NBYTES) {
+        uint64_t v[3] = {src_base + (uint64_t)so[i], (uint64_t)dof[i], (uint64_t)ln[i]};
+        memcpy(q, v, PIECE_NBYTES);
+    }
+    tx->head += need;
+    st_rel(tx->hdr + OFF_HEAD, tx->head);
 }
 
 /* Publish PUT_DONE; on a ring that changed under us (closed by another thread) let Python finish. */
@@ -1167,7 +1317,7 @@ static PyObject *fp_put(FastPathObject *f, PyObject *const *args, size_t nargsf,
         return NULL;
     remote_entry *e;
     put_args pa;
-    if (!put_prelude(f, args[1], kw[1], kw[2], kw[3], &e, &pa))
+    if (!put_prelude(f, args[1], kw[1], kw[2], kw[3], &e, &pa) || e->view == NULL)
         goto slow;
     long long off = 0;
     if (kw[0] != NULL) {
@@ -1187,6 +1337,10 @@ static PyObject *fp_put(FastPathObject *f, PyObject *const *args, size_t nargsf,
     if (off < 0 || n > e->nbytes || (uint64_t)off > e->nbytes - n) {
         PyBuffer_Release(&b);
         goto slow; /* Python raises RegistrationError */
+    }
+    if (!ring_room(f->tx, DONE_NBYTES + (uint64_t)pa.tag_len)) {
+        PyBuffer_Release(&b);
+        goto slow;
     }
     uint32_t rid = e->rid;
     int rc = n ? copy_pieces(e, (const uint8_t *)b.buf, NULL, NULL, NULL, 0, (uint64_t)off, n, n) : 0;
@@ -1219,13 +1373,16 @@ static int i64_buffer(PyObject *obj, Py_buffer *b) {
 }
 
 static PyObject *fp_put_many(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    static PyObject **names_p[3] = {&str_notify_id, &str_tag, &str_timeout_s};
-    PyObject *names[3] = {*names_p[0], *names_p[1], *names_p[2]};
-    PyObject *kw[3];
+    static PyObject **names_p[4] = {&str_notify_id, &str_tag, &str_timeout_s, &str_defer};
+    PyObject *names[4] = {*names_p[0], *names_p[1], *names_p[2], *names_p[3]};
+    PyObject *kw[4];
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (f->os == NULL)
         goto slow;
-    if (parse_kw("put_many", nargs, 5, args, kwnames, names, kw, 3) < 0)
+    if (parse_kw("put_many", nargs, 5, args, kwnames, names, kw, 4) < 0)
+        return NULL;
+    int defer = kw[3] != NULL && PyObject_IsTrue(kw[3]);
+    if (defer < 0)
         return NULL;
     remote_entry *e;
     put_args pa;
@@ -1267,31 +1424,74 @@ static PyObject *fp_put_many(FastPathObject *f, PyObject *const *args, size_t na
         if ((uint64_t)d + (uint64_t)n > hi)
             hi = (uint64_t)d + (uint64_t)n;
     }
-    uint32_t rid = e->rid;
-    int rc = 0;
-    if (ok)
-        rc = copy_pieces(e, (const uint8_t *)b.buf, so, dof, ln, k, 0, 0, total);
+    uint32_t rid = e->rid, home_rid = 0;
+    uint64_t home_off = 0;
+    int rc = 0, pulled = 0;
+    struct one_sided *o = f->os;
+    if (ok && defer) {
+        /* deferred: one PUT_PULL record naming the pieces; the target copies them out of home_rid.
+         * Python posts what does not fit one record now (and a source it has not seen yet). */
+        ok = 0;
+        uint64_t payload = PULL_NBYTES + (uint64_t)pa.tag_len + (uint64_t)k * PIECE_NBYTES;
+        if (find_home(o, (const uint8_t *)b.buf, slen, &home_rid, &home_off) && ring_room(f->tx, payload)) {
+            write_pull(f->tx, rid, home_rid, home_off, so, dof, ln, (uint32_t)k, &pa, ++o->pull_seq, lo, hi - lo);
+            o->deferred_puts++;
+            ok = pulled = 1;
+        }
+    } else if (ok) {
+        if (e->view != NULL && ring_room(f->tx, DONE_NBYTES + (uint64_t)pa.tag_len))
+            rc = copy_pieces(e, (const uint8_t *)b.buf, so, dof, ln, k, 0, 0, total);
+        else
+            ok = 0;
+    }
     PyBuffer_Release(&bl);
     PyBuffer_Release(&bd);
     PyBuffer_Release(&bs);
     PyBuffer_Release(&b);
     if (!ok)
-        goto slow; /* Python says what is wrong */
+        goto slow; /* Python says what is wrong, or does what C does not */
     if (rc < 0)
         return NULL;
-    struct one_sided *o = f->os;
     o->puts += (unsigned long long)k;
     o->put_bytes += total;
-    o->zero_copy_puts += (unsigned long long)k;
     o->gathered_puts++;
     PyObject *one = PyLong_FromLong(1);
     if (one == NULL)
         return NULL;
+    if (pulled)
+        return one;
+    o->zero_copy_puts += (unsigned long long)k;
     PyObject *r = publish_done(f, rid, lo, hi - lo, &pa, kw[1], kw[2], one);
     Py_DECREF(one);
     return r;
 slow:
     return forward(f, f->os ? f->os->slow_put_many : NULL, args, nargsf, kwnames);
+}
+
+static PyObject *new_note(struct one_sided *o, uint32_t rid, uint64_t off, uint64_t n, uint64_t nid,
+                          const uint8_t *tag, uint32_t tag_len) {
+    PyTypeObject *tp = (PyTypeObject *)o->note_type;
+    PyObject *note = tp->tp_new(tp, empty_tuple, NULL);
+    if (note == NULL)
+        return NULL;
+    PyObject *vals[5];
+    vals[0] = PyLong_FromUnsignedLong(rid);
+    vals[1] = PyLong_FromUnsignedLongLong(off);
+    vals[2] = PyLong_FromUnsignedLongLong(n);
+    vals[3] = PyLong_FromUnsignedLongLong(nid);
+    vals[4] = tag_len ? PyBytes_FromStringAndSize((const char *)tag, tag_len) : (Py_INCREF(empty_bytes), empty_bytes);
+    PyObject *keys[5] = {str_region_id, str_offset, str_nbytes, str_notify_id, str_tag};
+    int bad = 0;
+    for (int i = 0; i < 5; i++) {
+        if (vals[i] == NULL || (!bad && PyObject_GenericSetAttr(note, keys[i], vals[i]) < 0))
+            bad = 1;
+        Py_XDECREF(vals[i]);
+    }
+    if (bad) {
+        Py_DECREF(note);
+        return NULL;
+    }
+    return note;
 }
 
 /* The PUT_DONE record at the head of rx as a Notification, consumed; NULL without an error
@@ -1311,35 +1511,84 @@ static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
     memcpy(&nid, p + 24, 8);
     if ((uint64_t)DONE_NBYTES + tag_len != h->nbytes)
         return NULL;
-    const uint64_t *lt = (const uint64_t *)o->local_tbl.buf + 2 * (size_t)(rid & (TABLE_SLOTS - 1));
+    const uint64_t *lt = (const uint64_t *)o->local_tbl.buf + LOCAL_WORDS * (size_t)(rid & (TABLE_SLOTS - 1));
     uint64_t state = lt[0], lim = lt[1];
     if ((state >> 32) != rid || !(state & REGION_ACTIVE) || n > lim || off > lim - n)
         return NULL;
-    PyTypeObject *tp = (PyTypeObject *)o->note_type;
-    PyObject *note = tp->tp_new(tp, empty_tuple, NULL);
+    PyObject *note = new_note(o, rid, off, n, nid, p + DONE_NBYTES, tag_len);
     if (note == NULL)
         return NULL;
-    PyObject *vals[5];
-    vals[0] = PyLong_FromUnsignedLong(rid);
-    vals[1] = PyLong_FromUnsignedLongLong(off);
-    vals[2] = PyLong_FromUnsignedLongLong(n);
-    vals[3] = PyLong_FromUnsignedLongLong(nid);
-    vals[4] = tag_len ? PyBytes_FromStringAndSize((const char *)p + DONE_NBYTES, tag_len) : (Py_INCREF(empty_bytes), empty_bytes);
-    PyObject *keys[5] = {str_region_id, str_offset, str_nbytes, str_notify_id, str_tag};
-    int bad = 0;
-    for (int i = 0; i < 5; i++) {
-        if (vals[i] == NULL || (!bad && PyObject_GenericSetAttr(note, keys[i], vals[i]) < 0))
-            bad = 1;
-        Py_XDECREF(vals[i]);
-    }
-    if (bad) {
-        Py_DECREF(note);
-        return NULL;
-    }
     rx->tail += REC_HDR + align16(h->nbytes);
     st_rel(rx->hdr + OFF_TAIL, rx->tail);
     o->notifications++;
     return note;
+}
+
+/* A PUT_PULL record at the head of rx: copy its pieces out of the peer's mapped region into ours.
+ * 2: the last record of its put, consumed, *note set; 1: an earlier record, consumed; 0: Python must
+ * handle it (source not mapped here yet, or something to count as bad); -1: error. */
+static int take_pull(FastPathObject *f, const rec_hdr *h, uint64_t pos, PyObject **note) {
+    struct one_sided *o = f->os;
+    RingObject *rx = f->rx;
+    if (h->nbytes < PULL_NBYTES)
+        return 0;
+    const uint8_t *p = rx->data + pos + REC_HDR;
+    uint32_t dst_rid, src_rid, k, tag_len, flags;
+    uint64_t nid, seq, span_off, span_n;
+    memcpy(&dst_rid, p, 4);
+    memcpy(&src_rid, p + 4, 4);
+    memcpy(&k, p + 8, 4);
+    memcpy(&tag_len, p + 12, 4);
+    memcpy(&nid, p + 16, 8);
+    memcpy(&seq, p + 24, 8);
+    memcpy(&span_off, p + 32, 8);
+    memcpy(&span_n, p + 40, 8);
+    memcpy(&flags, p + 48, 4);
+    if (tag_len > MAX_TAG_NBYTES || k > h->nbytes / PIECE_NBYTES ||
+        (uint64_t)PULL_NBYTES + tag_len + (uint64_t)k * PIECE_NBYTES != h->nbytes)
+        return 0;
+    const uint64_t *lt = (const uint64_t *)o->local_tbl.buf + LOCAL_WORDS * (size_t)(dst_rid & (TABLE_SLOTS - 1));
+    uint64_t state = lt[0], lim = lt[1];
+    uint8_t *dst = (uint8_t *)(uintptr_t)lt[2];
+    if ((state >> 32) != dst_rid || !(state & REGION_ACTIVE))
+        return 0;
+    source_entry *se = &o->sources[src_rid % REMOTE_CACHE];
+    const uint8_t *slot = (const uint8_t *)o->peer_tbl.buf + (size_t)(src_rid & (TABLE_SLOTS - 1)) * SLOT_WORDS * 8;
+    if (se->view == NULL || se->rid != src_rid || ld_acq(slot) != se->state)
+        return 0;
+    const uint8_t *src = (const uint8_t *)se->vbuf.buf;
+    uint64_t slen = (uint64_t)se->vbuf.len, total = 0;
+    const uint8_t *pieces = p + PULL_NBYTES + tag_len;
+    for (uint32_t i = 0; i < k; i++) {
+        uint64_t q[3];
+        memcpy(q, pieces + (size_t)i * PIECE_NBYTES, PIECE_NBYTES);
+        if (q[2] > slen || q[0] > slen - q[2] || q[2] > lim || q[1] > lim - q[2])
+            return 0;
+        total += q[2];
+    }
+    if ((flags & PULL_LAST) && (span_n > lim || span_off > lim - span_n))
+        return 0;
+    for (uint32_t i = 0; i < k; i++) {
+        uint64_t q[3];
+        memcpy(q, pieces + (size_t)i * PIECE_NBYTES, PIECE_NBYTES);
+        memcpy(dst + q[1], src + q[0], (size_t)q[2]);
+    }
+    o->pulled_bytes += total;
+    if (flags & PULL_LAST) {
+        *note = new_note(o, dst_rid, span_off, span_n, nid, p + PULL_NBYTES, tag_len);
+        if (*note == NULL)
+            return -1;
+    }
+    rx->tail += REC_HDR + align16(h->nbytes);
+    st_rel(rx->hdr + OFF_TAIL, rx->tail);
+    if (flags & PULL_LAST) {
+        if (total >= FENCE_COPY_NBYTES)
+            store_fence();
+        st_rel(rx->hdr + OFF_PULLED, seq); /* the initiator may reuse its source from here on */
+        o->notifications++;
+        return 2;
+    }
+    return 1;
 }
 
 static PyObject *note_impl(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames, int nowait) {
@@ -1361,13 +1610,28 @@ static PyObject *note_impl(FastPathObject *f, PyObject *const *args, size_t narg
             return NULL;
         goto slow;
     }
-    rec_hdr h;
-    uint64_t pos;
-    int st = spin_for_record(rx, &h, &pos, nowait ? 0 : f->spin_iters);
-    if (st > 0 && rx->has_buf && f->os != NULL && !f->os->released && h.kind == KIND_PUT_DONE) {
-        PyObject *note = take_note(f, &h, pos);
-        if (note != NULL || PyErr_Occurred())
+    for (;;) {
+        rec_hdr h;
+        uint64_t pos;
+        int st = spin_for_record(rx, &h, &pos, nowait ? 0 : f->spin_iters);
+        if (st <= 0 || !rx->has_buf || f->os == NULL || f->os->released)
+            break;
+        if (h.kind == KIND_PUT_DONE) {
+            PyObject *note = take_note(f, &h, pos);
+            if (note != NULL || PyErr_Occurred())
+                return note;
+            break;
+        }
+        if (h.kind != KIND_PUT_PULL)
+            break;
+        PyObject *note = NULL;
+        int r = take_pull(f, &h, pos, &note);
+        if (r < 0)
+            return NULL;
+        if (r == 2)
             return note;
+        if (r == 0)
+            break;
     }
 slow:
     return forward(f, f->os == NULL ? NULL : nowait ? f->os->slow_poll : f->os->slow_wait, args, nargsf, kwnames);
@@ -1381,12 +1645,28 @@ static PyObject *fp_poll_notification_nowait(FastPathObject *f, PyObject *const 
     return note_impl(f, args, nargsf, kwnames, 1);
 }
 
-/* counters() -> (puts, put_bytes, zero_copy_puts, gathered_puts, notifications) done here */
+/* counters() -> (puts, put_bytes, zero_copy_puts, gathered_puts, notifications, pulled_bytes, deferred_puts) */
 static PyObject *fp_counters(FastPathObject *f, PyObject *Py_UNUSED(ignored)) {
     struct one_sided *o = f->os;
     if (o == NULL)
-        return Py_BuildValue("(KKKKK)", 0ULL, 0ULL, 0ULL, 0ULL, 0ULL);
-    return Py_BuildValue("(KKKKK)", o->puts, o->put_bytes, o->zero_copy_puts, o->gathered_puts, o->notifications);
+        return Py_BuildValue("(KKKKKKK)", 0ULL, 0ULL, 0ULL, 0ULL, 0ULL, 0ULL, 0ULL);
+    return Py_BuildValue("(KKKKKKK)", o->puts, o->put_bytes, o->zero_copy_puts, o->gathered_puts, o->notifications,
+                         o->pulled_bytes, o->deferred_puts);
+}
+
+static PyObject *fp_get_pull_seq(FastPathObject *f, void *Py_UNUSED(c)) {
+    return PyLong_FromUnsignedLongLong(f->os == NULL ? 0 : f->os->pull_seq);
+}
+static int fp_set_pull_seq(FastPathObject *f, PyObject *v, void *Py_UNUSED(c)) {
+    unsigned long long x = v == NULL ? (unsigned long long)-1 : PyLong_AsUnsignedLongLong(v);
+    if (x == (unsigned long long)-1 && (v == NULL || PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "pull_seq cannot be deleted");
+        return -1;
+    }
+    if (f->os != NULL)
+        f->os->pull_seq = x;
+    return 0;
 }
 
 static PyObject *fp_get_peer_gone(FastPathObject *f, void *Py_UNUSED(c)) {
@@ -1437,7 +1717,8 @@ static PyMethodDef fp_methods[] = {
     {"put", (PyCFunction)(void (*)(void))fp_put, METH_FASTCALL | METH_KEYWORDS,
      "put(data, remote, *, offset=0, notify_id=0, tag=b'', timeout_s=None)"},
     {"put_many", (PyCFunction)(void (*)(void))fp_put_many, METH_FASTCALL | METH_KEYWORDS,
-     "put_many(data, remote, src_offsets, dst_offsets, nbytes, *, notify_id=0, tag=b'', timeout_s=None) -> 1"},
+     "put_many(data, remote, src_offsets, dst_offsets, nbytes, *, notify_id=0, tag=b'', timeout_s=None, "
+     "defer=False) -> 1"},
     {"wait_notification", (PyCFunction)(void (*)(void))fp_wait_notification, METH_FASTCALL | METH_KEYWORDS,
      "wait_notification(*, timeout_s=None) -> Notification"},
     {"poll_notification_nowait", (PyCFunction)(void (*)(void))fp_poll_notification_nowait,
@@ -1449,8 +1730,11 @@ static PyMethodDef fp_methods[] = {
      "drop every cached mapping and send every later put / notification to Python"},
     {"cache_remote", (PyCFunction)fp_cache_remote, METH_VARARGS, "cache_remote(remote, region_id, state, view)"},
     {"forget_remote", (PyCFunction)fp_forget_remote, METH_O, "forget_remote(region_id)"},
+    {"cache_source", (PyCFunction)fp_cache_source, METH_VARARGS, "cache_source(region_id, state, view)"},
+    {"cache_home", (PyCFunction)fp_cache_home, METH_O, "cache_home(region_id)"},
     {"counters", (PyCFunction)fp_counters, METH_NOARGS,
-     "counters() -> (puts, put_bytes, zero_copy_puts, gathered_puts, notifications) done in C"},
+     "counters() -> (puts, put_bytes, zero_copy_puts, gathered_puts, notifications, pulled_bytes, deferred_puts) "
+     "done in C"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1470,6 +1754,7 @@ static int fp_set_clean(FastPathObject *f, PyObject *v, void *Py_UNUSED(c)) {
 static PyGetSetDef fp_getset[] = {
     {"rx_clean", (getter)fp_get_clean, (setter)fp_set_clean, "may receives take the fast path", NULL},
     {"peer_gone", (getter)fp_get_peer_gone, (setter)fp_set_peer_gone, "send every put to Python (peer gone)", NULL},
+    {"pull_seq", (getter)fp_get_pull_seq, (setter)fp_set_pull_seq, "deferred puts posted from this side", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1528,10 +1813,11 @@ PyMODINIT_FUNC PyInit__ringc(void) {
     str_tag = PyUnicode_InternFromString("tag");
     str_region_id = PyUnicode_InternFromString("region_id");
     str_nbytes = PyUnicode_InternFromString("nbytes");
+    str_defer = PyUnicode_InternFromString("defer");
     empty_tuple = PyTuple_New(0);
     empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
-    if (!str_timeout_s || !str_offset || !str_notify_id || !str_tag || !str_region_id || !str_nbytes || !empty_tuple ||
-        !empty_bytes)
+    if (!str_timeout_s || !str_offset || !str_notify_id || !str_tag || !str_region_id || !str_nbytes || !str_defer ||
+        !empty_tuple || !empty_bytes)
         return NULL;
     PyObject *m = PyModule_Create(&ringc_module);
     if (m == NULL)

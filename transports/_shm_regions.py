@@ -12,13 +12,21 @@ the initiator can map it and write it directly. A slot is 8 little-endian u64 wo
     [6] block nbytes        [7] owner pid
 
 ``region_id`` = generation << 12 | slot, so a reused slot gets a new id and an old
-descriptor stops matching. The initiator opens ``/proc/<pid>/fd/<fd>`` and checks the
-inode before mapping; when that is not possible (another PID namespace, a closed fd)
-the put falls back to inline records, which the target applies itself.
+descriptor stops matching. The owner also hands the block's memfd to the peer over the
+connection socket when it registers (``SCM_RIGHTS``; :meth:`PeerRegions.offer_fd`), so the
+peer can map the region even after the owner has died (a deferred put it posted is still
+pulled) or from another PID namespace; without it the peer opens ``/proc/<pid>/fd/<fd>``.
+Either way the inode is checked before mapping; when neither works the put falls back to
+inline records, which the target applies itself.
 
-Each side also keeps a private mirror of its own table (``LocalRegions.c_table``: a
-``(state, nbytes)`` pair per slot) that the C fast path validates incoming notifications
-against, so what the peer writes into the shared table never decides what this side accepts.
+Each side also keeps a private mirror of its own table (``LocalRegions.c_table``: state,
+nbytes, address and a spare word per slot) that the C fast path validates incoming
+notifications and deferred puts against, so what the peer writes into the shared table never
+decides what this side accepts or where it writes.
+
+A deferred put runs the other way round: its source lies in a region the *initiator*
+registered in alloc() memory; the target maps it through the initiator's table
+(:meth:`PeerRegions.source`) and copies the pieces out itself.
 
 >>> import numpy as np
 >>> words = memoryview(bytearray(TABLE_NBYTES)).cast("Q")
@@ -39,7 +47,7 @@ import numpy as np
 from qlink.errors import CapabilityError, RegistrationError
 from qlink.memory import Region, RemoteRegion, is_device_array, shared_fd_of
 
-__all__ = ["LocalRegions", "PeerRegions", "TABLE_SLOTS", "TABLE_NBYTES"]
+__all__ = ["LocalRegions", "PeerRegions", "TABLE_SLOTS", "TABLE_NBYTES", "C_WORDS"]
 
 TABLE_SLOTS = 4096
 _SLOT_BITS = 12
@@ -47,6 +55,7 @@ _SLOT_WORDS = 8
 TABLE_NBYTES = TABLE_SLOTS * _SLOT_WORDS * 8
 _MASK = TABLE_SLOTS - 1
 _ACTIVE, _SHARED = 1, 2
+C_WORDS = 4  # words per slot of LocalRegions.c_table: state, nbytes, address, spare
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -59,7 +68,8 @@ class LocalRegions:
         self._regions: dict[int, tuple[Region, memoryview]] = {}
         self._free = list(range(TABLE_SLOTS - 1, -1, -1))
         self._gen = [0] * TABLE_SLOTS
-        self.c_table = np.zeros(2 * TABLE_SLOTS, dtype=np.uint64)  # private (state, nbytes) per slot
+        self._fds: dict[int, int] = {}  # region id -> its alloc() block's memfd (owned by qlink.memory)
+        self.c_table = np.zeros(C_WORDS * TABLE_SLOTS, dtype=np.uint64)  # private mirror, see the module notes
 
     def register(self, array) -> Region:
         if is_device_array(array) and not hasattr(array, "__array_interface__"):
@@ -85,14 +95,21 @@ class LocalRegions:
                 q[base + 5], q[base + 6], q[base + 7] = st.st_dev, st.st_size, os.getpid()
                 flags |= _SHARED
             q[base] = (rid << 32) | flags  # published last (x86 keeps stores in order)
-            self.c_table[2 * slot + 1] = region.nbytes
-            self.c_table[2 * slot] = (rid << 32) | flags
+            c = C_WORDS * slot
+            self.c_table[c + 1], self.c_table[c + 2] = region.nbytes, region.address
+            self.c_table[c] = (rid << 32) | flags
         except BaseException:
             self._free.append(slot)
             raise
         self._gen[slot] = gen
         self._regions[rid] = (region, view)
+        if shared is not None:
+            self._fds[rid] = shared[0]
         return region
+
+    def shared_fd(self, rid: int) -> int | None:
+        """The memfd of a registered region in alloc() memory (to hand to the peer), else None."""
+        return self._fds.get(rid)
 
     def deregister(self, region: Region, *, publish: bool = True) -> None:
         rid = region.region_id
@@ -100,8 +117,9 @@ class LocalRegions:
         if entry is None or (entry[0] is not region and entry[0].array is not region.array):
             raise RegistrationError(f"region {rid} is not registered on this shm endpoint")
         del self._regions[rid]
+        self._fds.pop(rid, None)
         slot = rid & _MASK
-        self.c_table[2 * slot] = 0
+        self.c_table[C_WORDS * slot] = 0
         if publish:
             self._q[slot * _SLOT_WORDS] = 0
         self._free.append(slot)
@@ -110,8 +128,19 @@ class LocalRegions:
         """(region, flat byte view) of a registered region, or None."""
         return self._regions.get(rid)
 
+    def containing(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """``(region_id, offset)`` of a registered alloc() region holding ``[address, address + nbytes)``
+        (one the peer can map), or None."""
+        q = self._q
+        for rid, (region, _) in self._regions.items():
+            off = address - region.address
+            if 0 <= off and off + nbytes <= region.nbytes and q[(rid & _MASK) * _SLOT_WORDS] & _SHARED:
+                return rid, off
+        return None
+
     def clear(self) -> None:
         self._regions.clear()
+        self._fds.clear()
         self.c_table[:] = 0
 
 
@@ -124,7 +153,18 @@ class PeerRegions:
         self._x = counters if counters is not None else {}
         self._cache: dict[int, tuple[int, int, memoryview | None]] = {}  # rid -> (state, nbytes, view)
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
+        self._offered: dict[int, int] = {}  # region id -> memfd the peer handed over (ours to close)
         self.on_unmap = None  # called with a region id before its mapping goes (the C fast path forgets it)
+        self.before_map = None  # called before mapping a region (the endpoint collects offered memfds)
+
+    def offer_fd(self, rid: int, fd: int) -> None:
+        """Take ownership of the memfd the peer sent for its region ``rid``."""
+        old = self._offered.pop(rid, None)
+        if old is not None:
+            os.close(old)
+        if len(self._offered) >= TABLE_SLOTS:  # a peer flooding us: keep the newest
+            os.close(self._offered.pop(next(iter(self._offered))))
+        self._offered[rid] = fd
 
     @property
     def words(self) -> memoryview:
@@ -149,6 +189,20 @@ class PeerRegions:
                 f"need 0 <= offset and offset + nbytes <= {e[1]}"
             )
         return e
+
+    def source(self, rid: int) -> tuple[int, memoryview] | None:
+        """``(state word, mapped view)`` of region ``rid`` as the peer registered it, for
+        copying out of it (a deferred put); None when it is not registered or not mappable."""
+        q, base = self._q, (rid & _MASK) * _SLOT_WORDS
+        state = q[base]
+        if state >> 32 != rid or not state & _ACTIVE:
+            return None
+        try:
+            state, _, view = self.entry(RemoteRegion(region_id=rid, nbytes=q[base + 1], key=self._key), offset=0,
+                                        nbytes=0)
+        except (RegistrationError, CapabilityError):
+            return None
+        return None if view is None else (state, view)
 
     def _lookup(self, remote: RemoteRegion) -> tuple[int, int, memoryview | None]:
         rid = remote.region_id
@@ -183,12 +237,19 @@ class PeerRegions:
             return entry[1]
         q = self._q
         block_off, fd, ino, dev, block_nbytes, pid = (q[base + i] for i in range(2, 8))
-        try:
-            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            f = -1
+        if self.before_map is not None:
+            self.before_map()
         view = None
-        if f >= 0:
+        for how in ("offered", "proc"):
+            if how == "offered":
+                f = self._offered.pop(rid, -1)
+            else:
+                try:
+                    f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+                except OSError:
+                    f = -1
+            if f < 0:
+                continue
             try:
                 st = os.fstat(f)
                 if st.st_ino == ino and st.st_dev == dev and st.st_size >= block_nbytes > 0:
@@ -199,6 +260,8 @@ class PeerRegions:
                 view = None
             finally:
                 os.close(f)
+            if view is not None:
+                break
         if view is None:
             self._x["zero_copy_unavailable"] = self._x.get("zero_copy_unavailable", 0) + 1
         return view
@@ -216,13 +279,19 @@ class PeerRegions:
 
     def prune(self) -> None:
         """Forget regions the peer has deregistered since they were looked up."""
-        for rid in list(set(self._cache) | set(self._maps)):
+        for rid in list(set(self._cache) | set(self._maps) | set(self._offered)):
             state = self._q[(rid & _MASK) * _SLOT_WORDS]
             if state >> 32 != rid or not state & _ACTIVE:
                 self._cache.pop(rid, None)
                 self._unmap(rid)
+                fd = self._offered.pop(rid, None)
+                if fd is not None:
+                    os.close(fd)
 
     def close(self) -> None:
         self._cache.clear()
         for rid in list(self._maps):
             self._unmap(rid)
+        for fd in self._offered.values():
+            os.close(fd)
+        self._offered.clear()

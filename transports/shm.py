@@ -91,6 +91,7 @@ from ._ring import (
     KIND_MSG_CONT,
     KIND_PUT_DONE,
     KIND_PUT_INLINE,
+    KIND_PUT_PULL,
     RELEASED,
     SEND_OK,
     SEND_PEER_CLOSED,
@@ -141,7 +142,14 @@ _HANDSHAKE_TIMEOUT_S = 1.0
 
 _DONE = struct.Struct("<IIQQQ")  # region_id, tag_len, offset, nbytes, notify_id (then the tag)
 _INLINE = struct.Struct("<IIQ")  # region_id, reserved, offset (then the data)
+# dst region, src region, pieces, tag_len, notify_id, seq, span offset, span nbytes, flags, reserved;
+# then the tag, then pieces x (u64 src_off, u64 dst_off, u64 nbytes)
+_PULL = struct.Struct("<IIIIQQQQII")
+_PULL_LAST = 1
+_PIECE_NBYTES = 24
 _KEY = struct.Struct("<QB")  # connection token, owner side
+_OFFER = struct.Struct("<8sI")  # a memfd for one of the sender's regions rides along (SCM_RIGHTS)
+_OFFER_MAGIC = b"QLSHMFD1"
 
 
 def ring_impls() -> list[str]:
@@ -322,18 +330,28 @@ class ShmEndpoint(Endpoint):
         self._rx_data = self._rx.data
         tables = memoryview(mm)[_rv.table_offset(0, ring_nbytes):_rv.table_offset(2, ring_nbytes)].cast("Q")
         half = len(tables) // 2
-        self._x = dict(zero_copy_puts=0, inline_puts=0, gathered_puts=0, queued_messages=0, aborted_messages=0,
-                       bad_records=0, zero_copy_unavailable=0)
+        self._x = dict(zero_copy_puts=0, inline_puts=0, gathered_puts=0, deferred_puts=0, pulled_bytes=0,
+                       queued_messages=0, aborted_messages=0, bad_records=0, zero_copy_unavailable=0)
+        self._pull_seq = 0  # deferred puts posted; the peer publishes the last one it pulled in the ring header
         self._local = LocalRegions(tables[side * half:(side + 1) * half], key=_KEY.pack(token, side))
         self._peer = PeerRegions(tables[(1 - side) * half:(2 - side) * half], key=_KEY.pack(token, 1 - side),
                                  counters=self._x)
         self._tables = tables
+        me = weakref.ref(self)  # no reference cycle: a dropped endpoint is freed (its socket closed) at once
+
+        def collect_offers() -> None:
+            ep = me()
+            if ep is not None:
+                ep._drain_socket()
+
+        self._peer.before_map = collect_offers
         self._clean = True  # no queued message and no half-received one: the fast path may run
         self._msgq: deque = deque()  # whole messages moved aside (oldest first)
         self._notes: deque = deque()  # notifications moved aside
         self._partial: bytearray | None = None  # a streamed message being received off the fast path
         self._partial_filled = 0
         self._gone: str | None = None
+        self._sock_eof = False
         self._peer_cause: BaseException | None = None
         self._last_socket_check = 0.0
         # the hot paths call these bound methods directly
@@ -374,9 +392,11 @@ class ShmEndpoint(Endpoint):
         tx, rx = self._tx, self._rx
         x = dict(self._x)
         if self._fast is not None:
-            puts, put_bytes, zc, gathered, notes = self._fast.counters()
+            puts, put_bytes, zc, gathered, notes, pulled, deferred = self._fast.counters()
             x["zero_copy_puts"] += zc
             x["gathered_puts"] += gathered
+            x["pulled_bytes"] += pulled
+            x["deferred_puts"] += deferred
             s = replace(s, puts=s.puts + puts, put_bytes=s.put_bytes + put_bytes,
                         notifications=s.notifications + notes)
         return replace(
@@ -399,27 +419,40 @@ class ShmEndpoint(Endpoint):
         self._last_socket_check = time.monotonic()
         if self._peer_gone is not None or self._closed:
             return
-        try:
-            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
+        self._drain_socket()
+
+    def _drain_socket(self) -> None:
+        """Read what the peer sent on the connection socket: memfds of regions it registered
+        (kept for mapping them), then EOF or an error once it is gone."""
+        if self._closed or self._sock_eof:
             return
-        except OSError as e:
-            self._peer_cause = e
-            self._peer_gone = f"the connection to the peer failed ({e.strerror or e}); the peer process probably died"
-            self._tx.set_consumer_closed()
-            return
-        if data:  # the peer never sends after the handshake: discard and count
-            self._x["bad_records"] += 1
+        while True:
             try:
-                self._sock.recv(65536, socket.MSG_DONTWAIT)
-            except OSError:
-                pass
-            return
-        if self._peer_flags() is None:
-            self._peer_cause = EOFError("EOF on the shm connection socket")
-            self._peer_gone = ("the peer's endpoint went away without close() "
-                               "(its process exited or was killed, or it dropped the endpoint)")
-            self._tx.set_consumer_closed()  # the peer will never read again: sends now fail fast, even in C
+                msg, fds, _, _ = socket.recv_fds(self._sock, 64, 4, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._sock_eof = True
+                if self._peer_gone is None:
+                    self._peer_cause = e
+                    self._peer_gone = (f"the connection to the peer failed ({e.strerror or e}); "
+                                       "the peer process probably died")
+                    self._tx.set_consumer_closed()
+                return
+            if not msg and not fds:
+                self._sock_eof = True
+                if self._peer_flags() is None:
+                    self._peer_cause = EOFError("EOF on the shm connection socket")
+                    self._peer_gone = ("the peer's endpoint went away without close() "
+                                       "(its process exited or was killed, or it dropped the endpoint)")
+                    self._tx.set_consumer_closed()  # the peer will never read again: sends now fail fast, even in C
+                return
+            if len(msg) == _OFFER.size and len(fds) == 1 and msg[:8] == _OFFER_MAGIC:
+                self._peer.offer_fd(_OFFER.unpack(msg)[1], fds[0])
+            else:  # nothing else is ever sent after the handshake: drop and count
+                for fd in fds:
+                    os.close(fd)
+                self._x["bad_records"] += 1
 
     def _broken(self, what: str) -> BrokenLinkError:
         self._counters.errors += 1
@@ -716,6 +749,41 @@ class ShmEndpoint(Endpoint):
         self._rx.consume()
         return note
 
+    def _apply_pull(self, n: int, off: int) -> Notification | None:
+        """Copy the pieces of the PUT_PULL record at the head of the ring out of the peer's
+        region into ours, consume it; the Notification when it was the put's last record."""
+        data, note, ok, seq, last = self._rx_data, None, False, 0, False
+        if n >= _PULL.size:
+            dst_rid, src_rid, k, tag_len, nid, seq, span_off, span_n, flags, _ = _PULL.unpack_from(data, off)
+            last = bool(flags & _PULL_LAST)
+            entry = self._local.get(dst_rid)
+            source = self._peer.source(src_rid)
+            if (tag_len <= MAX_TAG_BYTES and _PULL.size + tag_len + k * _PIECE_NBYTES == n and entry is not None
+                    and source is not None):
+                dview, (state, sview) = entry[1], source
+                at = off + _PULL.size + tag_len
+                q = np.frombuffer(data, dtype="<u8", count=3 * k, offset=at).reshape(k, 3).astype(np.int64)
+                s_, d_, l_ = q[:, 0], q[:, 1], q[:, 2]
+                lim = len(dview)
+                if ((l_ <= len(sview)).all() and (s_ <= len(sview) - l_).all() and (l_ <= lim).all()
+                        and (d_ <= lim - l_).all() and (not last or span_off + span_n <= lim)):
+                    for a, b, c in q.tolist():
+                        dview[b:b + c] = sview[a:a + c]
+                    self._x["pulled_bytes"] += int(l_.sum())
+                    if self._fast is not None:
+                        self._fast.cache_source(src_rid, state, sview)  # later records of it are pulled in C
+                    ok = True
+                    if last:
+                        tag = bytes(data[off + _PULL.size:off + _PULL.size + tag_len]) if tag_len else b""
+                        note = _note(dst_rid, span_off, span_n, nid, tag)
+        if not ok:  # the source or the target region is gone, or the record is malformed
+            self._x["bad_records"] += 1
+            self._counters.errors += 1
+        self._rx.consume()
+        if last:
+            self._rx.set_pulled(seq)  # after the copies: the initiator may reuse its source
+        return note
+
     def _side_record(self, kind: int, n: int, aux: int, off: int) -> None:
         rx, data = self._rx, self._rx_data
         if kind == KIND_PUT_DONE:
@@ -735,6 +803,10 @@ class ShmEndpoint(Endpoint):
                 self._x["bad_records"] += 1
                 self._counters.errors += 1
             rx.consume()
+        elif kind == KIND_PUT_PULL:
+            note = self._apply_pull(n, off)
+            if note is not None:
+                self._notes.append(note)
         elif kind == KIND_CORRUPT:
             self._peer_gone = (f"the ring from the peer holds a record of {n} bytes that does not fit it "
                                "(memory corrupted); the connection cannot continue")
@@ -752,7 +824,14 @@ class ShmEndpoint(Endpoint):
         it directly); any other array is written by this side as it progresses.
         """
         self._check_open()
-        return self._local.register(array)
+        region = self._local.register(array)
+        fd = self._local.shared_fd(region.region_id)
+        if fd is not None:  # hand the memfd over: the peer maps it even if this process is gone by then
+            try:
+                socket.send_fds(self._sock, [_OFFER.pack(_OFFER_MAGIC, region.region_id)], [fd], socket.MSG_DONTWAIT)
+            except OSError:
+                pass  # the peer maps it through /proc instead
+        return region
 
     def deregister(self, region: Region) -> None:
         """Forget a region; later puts into it raise RegistrationError on the initiator."""
@@ -793,7 +872,7 @@ class ShmEndpoint(Endpoint):
                 dst[offset:offset + n] = src
             self._x["zero_copy_puts"] += 1
             if self._fast is not None:
-                self._fast.cache_remote(remote, rid, state, dst)  # later puts into it run in C
+                self._fast.cache_remote(remote, rid, state, len(dst), dst)  # later puts into it run in C
         else:
             w = _Wait(self, "put", timeout_s)
             self._put_inline(rid, src, offset, w)
@@ -803,7 +882,7 @@ class ShmEndpoint(Endpoint):
         self._counters.put_bytes += n
 
     def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
-                 tag: bytes = b"", timeout_s: float | None = None) -> int:
+                 tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
         """Write pieces of ``data`` into the peer's region and publish ONE Notification for all.
 
         Piece ``i`` is ``data[src_offsets[i]:src_offsets[i] + nbytes[i]]`` and lands at
@@ -813,6 +892,13 @@ class ShmEndpoint(Endpoint):
         last byte. Every piece is checked before any is written. Returns 1, the number of
         Notifications the target will see (see :meth:`transports.Endpoint.put_many`).
         Offsets and sizes as int64 NumPy arrays take the C path; any integer sequences work.
+
+        ``defer=True`` with ``data`` inside alloc() memory registered on this endpoint: only
+        the list of pieces is sent, and the target copies them out of that memory itself as
+        it progresses (in ``wait_notification`` / ``poll_notification_nowait`` / receives),
+        so the call returns in microseconds however many bytes move; ``data`` must then stay
+        unchanged until :meth:`flush` returns (or the Notification was seen). Elsewhere
+        ``defer`` changes nothing.
         """
         if self._closed:
             raise ClosedError(f"shm endpoint {self.url} was closed by this side")
@@ -825,19 +911,24 @@ class ShmEndpoint(Endpoint):
         src = as_byte_view(data)
         so, do, ln = _pieces(src_offsets, dst_offsets, nbytes, len(src), remote.nbytes)
         lo, hi = int(do.min()), int((do + ln).max())
-        state, _, dst = self._peer.entry(remote, offset=lo, nbytes=hi - lo)
+        state, region_nbytes, dst = self._peer.entry(remote, offset=lo, nbytes=hi - lo)
         if self._peer_gone is not None or self._tx.consumer_closed:
             self._peer_flags()
             raise self._broken("put_many")
         rid = remote.region_id
+        if self._fast is not None:
+            self._fast.cache_remote(remote, rid, state, region_nbytes, dst)  # later put_many into it run in C
+        if defer and len(src):
+            home = self._local.containing(np.frombuffer(src, dtype=np.uint8).ctypes.data, len(src))
+            if home is not None:
+                self._post_pull(home, rid, so, do, ln, lo, hi, notify_id, tag, timeout_s)
+                return 1
         w = None
         pieces = zip(so.tolist(), do.tolist(), ln.tolist())
         if dst is not None:
             for s, d, n in pieces:
                 dst[d:d + n] = src[s:s + n]
             self._x["zero_copy_puts"] += len(ln)
-            if self._fast is not None:
-                self._fast.cache_remote(remote, rid, state, dst)
         else:
             w = _Wait(self, "put_many", timeout_s)
             for s, d, n in pieces:
@@ -848,6 +939,51 @@ class ShmEndpoint(Endpoint):
         self._counters.puts += len(ln)
         self._counters.put_bytes += int(ln.sum())
         return 1
+
+    def _post_pull(self, home: tuple[int, int], rid: int, so, do, ln, lo: int, hi: int, notify_id: int, tag: bytes,
+                   timeout_s: float | None) -> None:
+        """PUT_PULL records naming the pieces; the target copies them out of our region ``home``."""
+        src_rid, base = home
+        pieces = np.empty((len(ln), 3), dtype="<u8")
+        pieces[:, 0], pieces[:, 1], pieces[:, 2] = so + base, do, ln
+        per_record = (self._tx.max_payload - _PULL.size - len(tag)) // _PIECE_NBYTES
+        seq, w = self._next_pull_seq(), None
+        for start in range(0, len(pieces), per_record):
+            part = pieces[start:start + per_record]
+            last = start + per_record >= len(pieces)
+            head = _PULL.pack(rid, src_rid, len(part), len(tag), notify_id, seq, lo, hi - lo,
+                              _PULL_LAST if last else 0, 0) + tag
+            body = memoryview(part).cast("B")
+            if self._tx.try_send(KIND_PUT_PULL, 0, head, body) != SEND_OK:
+                w = w or _Wait(self, "put_many", timeout_s)
+                self._send_record(KIND_PUT_PULL, head, body, w, "put_many")
+        self._x["deferred_puts"] += 1
+        self._x["gathered_puts"] += 1
+        self._counters.puts += len(ln)
+        self._counters.put_bytes += int(ln.sum())
+        if self._fast is not None:
+            self._fast.cache_home(src_rid)  # the next deferred put from there is posted in C
+
+    def _next_pull_seq(self) -> int:
+        if self._fast is not None:
+            self._fast.pull_seq += 1
+            return self._fast.pull_seq
+        self._pull_seq += 1
+        return self._pull_seq
+
+    def flush(self, *, timeout_s: float | None = None) -> None:
+        """Wait until the peer has copied every deferred put (``put_many(..., defer=True)``);
+        their sources may change from then on. BrokenLinkError if the peer goes away first."""
+        self._check_open()
+        deadline_of(timeout_s)
+        w = None
+        posted = self._fast.pull_seq if self._fast is not None else self._pull_seq
+        while self._tx.pulled < posted:
+            if self._peer_flags() is not None:
+                raise self._broken("flush")
+            if w is None:
+                w = _Wait(self, "flush", timeout_s)
+            w.pause()
 
     def _put_inline(self, rid: int, src: memoryview, offset: int, w: "_Wait") -> None:
         """PUT_INLINE records carrying ``src`` for the target to apply at ``offset``."""

@@ -13,7 +13,11 @@ layer:
   ``kv_write`` tag saying which layer and how many parts complete it. Where the endpoint
   gathers a vectored put (``endpoint.put_many_gathers``, e.g. ``shm``) a whole layer is one
   ``put_many`` call and one notification, however scattered its blocks; elsewhere it is
-  one ``put`` (and one notification) per descriptor;
+  one ``put`` (and one notification) per descriptor. Over ``shm`` the sender also registers
+  its own cache and defers the copy (``put_many(..., defer=True)``): submitting a layer only
+  posts its descriptors, and the receiver copies the blocks out of the sender's cache while
+  it waits for them, so the source blocks must stay unchanged until the receiver has the
+  request or :meth:`KVSender.flush` returns (``defer=False`` copies at submission instead);
 * otherwise: a ``kv_data`` frame then the payload as two-sided messages, received straight
   into the destination blocks.
 
@@ -226,10 +230,13 @@ class KVSender:
 
     ``mode``: ``"auto"`` (one-sided put when the transport has it, else two-sided send),
     ``"put"`` or ``"send"``. The hello is sent here; the receiver's is read by
-    :meth:`handshake` (called by the first request if not before).
+    :meth:`handshake` (called by the first request if not before). ``defer`` (where the
+    endpoint gathers puts, ``shm``): register this cache so the receiver copies the blocks
+    out of it itself; submission then costs no copy, and blocks sent must stay unchanged
+    until the receiver has them or :meth:`flush` returns.
     """
 
-    def __init__(self, endpoint, cache: KVCache, *, mode: str = "auto"):
+    def __init__(self, endpoint, cache: KVCache, *, mode: str = "auto", defer: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(cache, KVCache):
@@ -248,6 +255,14 @@ class KVSender:
         self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
         self._pack = fr._WRITE_FULL.pack
         self._gathers = bool(getattr(endpoint, "put_many_gathers", False))
+        self._src_regions = []
+        if defer and self._gathers and cache.device == "cpu" and mode != "send":
+            try:
+                for a in cache.layers:  # so the receiver can copy out of them (deferred put_many)
+                    self._src_regions.append(endpoint.register(a))
+            except QlinkError:
+                self._release_sources()
+        self._defer = bool(self._src_regions)
         self._max_desc_nbytes = endpoint.capabilities.max_message_bytes
         endpoint.send(fr.pack_hello(role=_ROLE_SENDER, mode=_MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[]))
 
@@ -296,8 +311,10 @@ class KVSender:
     def send_request(self, request_id: int, src_block_ids, dst_block_ids, *, layers="all",
                      timeout_s: float | None = 10.0) -> SubmitRecord:
         """Move blocks ``src_block_ids[i]`` -> ``dst_block_ids[i]`` of every layer in ``layers``,
-        layer by layer (WRITE). Returns when everything is submitted (put: landed at the
-        target's memory for copy-based transports; the receiver's notifications say when)."""
+        layer by layer (WRITE). Returns when everything is submitted; the receiver's
+        notifications say when each layer has landed. With deferred puts (``shm``, the
+        default there) the receiver copies the blocks out of this cache as it waits for
+        them: keep them unchanged until it has the request, or call :meth:`flush`."""
         return self.begin_request(request_id, src_block_ids, dst_block_ids, layers=layers,
                                   timeout_s=timeout_s).send_all(timeout_s=timeout_s)
 
@@ -319,10 +336,10 @@ class KVSender:
         plan = req.plan
         pack, rid, ts = self._pack, req.request_id, req.submit_ns
         lo, hi, n, lnb = req.layers.start, req.layers.stop, plan.num_descs, plan.layer_nbytes
-        if self._gathers and n > 1:  # the whole layer in one call: one part, one notification
+        if self._gathers and (n > 1 or self._defer):  # the whole layer in one call: one part, one notification
             tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, 1, n, 0, lnb, lnb)
             self.endpoint.put_many(src, remote, plan.src_offsets, plan.dst_offsets, plan.nbytes, notify_id=rid,
-                                   tag=tag, timeout_s=timeout_s)
+                                   tag=tag, timeout_s=timeout_s, defer=self._defer)
             return
         put = self.endpoint.put
         for so, do, nb in zip(*req._descs()):
@@ -360,8 +377,30 @@ class KVSender:
         except (WouldBlock, CapabilityError):
             pass
 
-    def close(self) -> None:
-        """Nothing to release on the sender (the endpoint belongs to the caller)."""
+    def flush(self, *, timeout_s: float | None = 10.0) -> None:
+        """Wait until the receiver has copied every block submitted so far (deferred puts);
+        the source blocks may change from then on. Immediate where nothing is deferred."""
+        if self._defer:
+            self.endpoint.flush(timeout_s=timeout_s)
+
+    def _release_sources(self) -> None:
+        for r in self._src_regions:
+            try:
+                self.endpoint.deregister(r)
+            except QlinkError:
+                pass
+        self._src_regions = []
+        self._defer = False
+
+    def close(self, *, timeout_s: float = 1.0) -> None:
+        """Let the receiver finish copying (up to ``timeout_s``), then deregister this cache.
+        The endpoint stays open (it belongs to the caller)."""
+        if self._defer and not self.endpoint.closed:
+            try:
+                self.flush(timeout_s=timeout_s)
+            except QlinkError:
+                pass
+        self._release_sources()
 
     def __enter__(self):
         return self
