@@ -21,9 +21,11 @@ For each transport and code distance:
 * **lock-step** — the controller waits for each shot's correction before the next
   (a feed-forward with a 63 µs deadline): the reaction time without any backlog,
   and how many shots miss the deadline;
-* beside them, the bare 64-byte round trip of the same transport (the floor) and the
-  machine's 1-minute load average when the row started (``load_1m``: these figures
-  are only as good as the two cores were free).
+* beside them, the bare 64-byte round trip of the same transport (the floor), the
+  machine's 1-minute load average when the row started (``load_1m``) and, for the
+  throughput run, the CPU time each busy-polling side got over its wall time
+  (``cpu_service``, ``cpu_controller``: well below 1, it was descheduled — these
+  figures are only as good as the two cores were free).
 
 A service batches every shot that is complete when it has drained the transport into
 one decoder call: that is what lets it keep up when shots arrive faster than one
@@ -56,7 +58,7 @@ BENCH_COLUMNS = [
     "backlog_max_rounds", "backlog_growth_rounds", "late_frames", "emit_lag_p99_us",
     "reaction_p50_us", "reaction_p99_us", "reaction_p999_us",
     "share_batch", "share_transport", "share_queue", "share_decode", "share_other",
-    "mean_decode_batch", "decode_per_shot_p50_us", "ler",
+    "mean_decode_batch", "decode_per_shot_p50_us", "cpu_service", "cpu_controller", "ler",
     # at the cycle, one shot per frame (the latency configuration)
     "keeps_up_1", "cycle_rounds_per_s_1", "backlog_max_rounds_1", "late_frames_1",
     "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1",
@@ -99,7 +101,14 @@ def _cycle_figures(res, suffix: str) -> dict:
         f"share_queue{suffix}": res.shares.get("queue"), f"share_decode{suffix}": res.shares.get("decode"),
         f"share_other{suffix}": res.shares.get("other"),
         f"backlog_growth_rounds{suffix}": res.backlog_growth_rounds, f"emit_lag_p99_us{suffix}": res.emit_lag_p99_ns / 1e3,
+        # CPU time each busy-polling side got over its wall time: well below 1, it was descheduled
+        f"cpu_service{suffix}": _ratio(res.service.get("serve_cpu_s"), res.service.get("serve_wall_s")),
+        f"cpu_controller{suffix}": _ratio(res.controller.cpu_ns, res.controller.duration_ns),
     }
+
+
+def _ratio(a, b) -> float:
+    return a / b if a is not None and b else math.nan
 
 
 def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distances: Iterable[int] = (5, 7, 11, 17),

@@ -31,9 +31,11 @@ distribution 212 ns and analog in → out 364 ns (Qblox documentation).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,6 +245,7 @@ class ControllerResult:
     modeled_controller_ns: dict = field(default_factory=lambda: {
         "trigger_ns": MODELED_TRIGGER_NS, "analog_in_out_ns": MODELED_ANALOG_IN_OUT_NS})
     pauli_frame: int = 0  # XOR of every applied correction (observable bits)
+    cpu_ns: int = 0  # CPU time the run got (busy-polling, it should be close to duration_ns: else descheduled)
 
     @property
     def logical_error_rate(self) -> float:
@@ -432,6 +435,7 @@ class Controller:
         wire.encode_get_corrections_into(self._get, request_id=0, decoder_id=self.decoder_id,
                                          return_size=s.num_observables, reset=True)
         self._truth_packed = np.ascontiguousarray(np.packbits(s.observables, axis=1, bitorder="little"))
+        self._no = s.num_observables
         self._period_cycles = period
         self._prepared = True
 
@@ -457,8 +461,10 @@ class Controller:
         gc_was_enabled = gc.isenabled()
         gc.freeze()  # what exists now outlives the run: no collector pass over it mid-run
         gc.disable()  # the run allocates no cycles; a collector pause would land on a tick
+        cpu0 = time.thread_time_ns()
         try:
-            return self._run(timeout_s)
+            res = self._run(timeout_s)
+            return dataclasses.replace(res, cpu_ns=time.thread_time_ns() - cpu0)
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -482,17 +488,10 @@ class Controller:
         # per group: its tick 0 and when its last frame was handed to the transport
         self._g_base = g_base = [0] * G
         self._g_sent = g_sent = [0] * G
-        # per shot: first get_corrections covering it, and how many asked for it
-        self._get_sent = np.zeros(N, np.int64)
-        self._polls = np.zeros(N, np.int64)
-        # per answer that resolved shots (at most one per shot), in order
-        self._a_first = [0] * N
-        self._a_num = [0] * N
-        self._a_status = [0] * N
-        self._a_resp = [0] * N
-        self._a_applied = [0] * N
-        self._a_boff = [0] * N
-        self._n_answers = 0
+        # per get_corrections sent: (first shot, shots, sent at); per answer that resolved shots,
+        # in order: (first shot, shots, status, received, applied, offset of its result bytes)
+        self._asks: list = []
+        self._answers: list = []
         nbo = (s.num_observables + 7) >> 3
         self._a_bytes = bytearray(N * nbo + 2 * N + ((N * s.num_observables + N) >> 3) + 64)
         self._a_bytes_n = 0
@@ -501,12 +500,11 @@ class Controller:
         self._bl_n = 0
         self._bl_every = max(1, -(-G // self._backlog_cap))
         self._st_enq: dict = {}
-        self._st_get: dict = {}
+        self._st_get: dict = {}  # statuses of get answers other than OK (those are counted at the end)
         self._resolved = 0  # shots answered (OK / dropped / failed), in order
         self._asked = 0  # shots whose syndromes have all been sent
         self._claimed = 0  # shots covered by get_corrections in flight
         self._gets: dict[int, tuple[int, int]] = {}  # request_id -> (shots covered, sent at)
-        self._first_get_upto = 0
         self._repoll_due = 0
         self._stall_since = 0
         self._gap_revealed = False
@@ -624,11 +622,9 @@ class Controller:
         s = self.stream
         N, R, k = s.num_shots, s.num_rounds, self.shots_per_frame
         no, cyc = s.num_observables, self.cycle_ns
-        A = self._n_answers
-        first = np.array(self._a_first[:A], np.int64)
-        num = np.array(self._a_num[:A], np.int64)
-        a_status = np.array(self._a_status[:A], np.int64)
-        boff = np.array(self._a_boff[:A], np.int64)
+        A = len(self._answers)
+        ans = np.array(self._answers, np.int64).reshape(A, 6)
+        first, num, a_status, a_resp, a_applied, boff = ans.T
         shot_answer = np.repeat(np.arange(A), num)  # answers resolve shots in order: 0 .. resolved-1
         resolved = int(num.sum())
         shots = np.arange(resolved)
@@ -654,7 +650,7 @@ class Controller:
         group = shots // k
         emit = np.array(self._g_base, np.int64)[group] + ((shots - group * k) * self._period_cycles
                                                            + self._last_due_cycles) * cyc
-        applied = np.array(self._a_applied[:A], np.int64)[shot_answer]
+        applied = a_applied[shot_answer]
         reaction = np.full(N, -1, np.int64)
         reaction[:resolved][ok] = applied[ok] - emit[ok]
         correct = np.full(N, -1, np.int8)
@@ -667,17 +663,31 @@ class Controller:
             n = min(resolved, self._keep)
             F = len(self._frames) if k == 1 else 1
             rid_last = (self._rid_first + group[:n] * F + F - 1) & 0x7FFFFFFF
-            resp = np.array(self._a_resp[:A], np.int64)[shot_answer[:n]]
+            resp = a_resp[shot_answer[:n]]
+            # each shot's first ask, and how many asked for it
+            asks = np.array(self._asks, np.int64).reshape(-1, 3)
+            u, m, t_ask = asks.T
+            ends = u + m
+            before = np.maximum.accumulate(np.concatenate(([0], ends[:-1])))
+            fresh = np.maximum(ends - np.maximum(u, before), 0)  # shots a get was the first to ask for
+            get_sent = np.zeros(N, np.int64)
+            covered = np.repeat(t_ask, fresh)
+            get_sent[:len(covered)] = covered
+            polls = np.zeros(N, np.int64)
+            np.add.at(polls, u, 1)
             self.records = rec = ShotRecords(CONTROLLER_SHOT_FIELDS, capacity=self._keep)
             # the tick each shot's frame was due: its group's last shot's emission
             last_of_group = np.minimum((group[:n] + 1) * k, N) - 1
             frame_due = emit[:n] + (last_of_group - shots[:n]) * self._period_cycles * cyc
             rec.extend(n, shot=shots[:n], last_request_id=rid_last, emit_last_ns=emit[:n], frame_due_ns=frame_due,
-                       sent_last_ns=np.array(self._g_sent, np.int64)[group[:n]], get_sent_ns=self._get_sent[:n],
-                       response_ns=resp, applied_ns=np.where(ok[:n], applied[:n], 0), polls=self._polls[:n],
+                       sent_last_ns=np.array(self._g_sent, np.int64)[group[:n]], get_sent_ns=get_sent[:n],
+                       response_ns=resp, applied_ns=np.where(ok[:n], applied[:n], 0), polls=polls[:n],
                        status=status[:n], correct=correct[:n])
             records = rec.array().copy()
         statuses = {f"enqueue.{_status_name(st)}": c for st, c in self._st_enq.items()}
+        n_ok_answers = int((a_status == _OK).sum())
+        if n_ok_answers:
+            statuses["get_corrections.OK"] = n_ok_answers
         statuses.update({f"get_corrections.{_status_name(st)}": c for st, c in self._st_get.items()})
         return ControllerResult(
             num_shots=N, num_rounds=R, frames_per_shot=self.frames_per_shot, cycle_ns=cyc, shots_ok=n_ok,
@@ -720,16 +730,12 @@ class Controller:
             m = min(k, self._asked - u)
             rid = _GET_BIT | self._get_rid
             self._get_rid = (self._get_rid + 1) & 0x7FFFFFFF
-            _GET_RETURN.pack_into(self._get, _GET_RETURN_OFFSET, m * self.stream.num_observables)
+            _GET_RETURN.pack_into(self._get, _GET_RETURN_OFFSET, m * self._no)
             _HDR_IDS.pack_into(self._get, _HDR_IDS_OFFSET, rid, ptp_now_ns())
             self._gets[rid] = (m, t)
             self._claimed += m
             self._send(self._get, self._deadline)
-            if u + m > self._first_get_upto:
-                lo = max(u, self._first_get_upto)
-                self._get_sent[lo:u + m] = t
-                self._first_get_upto = u + m
-            self._polls[u] += 1
+            self._asks.append((u, m, t))
 
     def _poll_once(self) -> None:
         """Handle at most one answer; send a due re-poll; give up on a get that got no answer."""
@@ -761,8 +767,8 @@ class Controller:
         if not rid & _GET_BIT:
             self._st_enq[status] = self._st_enq.get(status, 0) + 1
             return
-        st_get = self._st_get
-        st_get[status] = st_get.get(status, 0) + 1
+        if status:
+            self._st_get[status] = self._st_get.get(status, 0) + 1
         entry = self._gets.pop(rid, None)
         if entry is not None:
             m, t_get = entry
@@ -793,15 +799,12 @@ class Controller:
                 f"the decoder service refused get_corrections with {_status_name(status)} (request {rid}): "
                 "check that decoder_id and return_size match the service's configuration")
         r = self._resolved
-        i = self._n_answers
-        self._a_first[i] = r
-        self._a_num[i] = m
-        self._a_resp[i] = t_resp
         ok = status == _OK
+        t_applied = j = 0
         if ok or (status == _DROPPED and m > 1):
             # apply: XOR the flips into the Pauli frame (a window with dropped shots carries
             # the flips of all m, zeros for the dropped, then their mask)
-            no = self.stream.num_observables
+            no = self._no
             k = (m * no + 7) >> 3
             if not ok:
                 if result_len < k + ((m + 7) >> 3):
@@ -821,17 +824,15 @@ class Controller:
             t_applied = now_ns()
             j = self._a_bytes_n
             self._a_bytes[j:j + result_len] = self._rx_mv[_RESP_NBYTES:_RESP_NBYTES + result_len]
-            self._a_boff[i] = j
             self._a_bytes_n = j + result_len
-            self._a_applied[i] = t_applied
             self._last_applied = t_applied
             self._rec_apply(t_applied - t_resp)  # one sample per answer
             self._rec_rtt(t_resp - t_get)
             if not ok:  # was the window's last shot dropped?
                 mask_bits = int.from_bytes(self._rx_mv[_RESP_NBYTES + k:_RESP_NBYTES + k + ((m + 7) >> 3)], "little")
                 ok = not (mask_bits >> (m - 1)) & 1
-        self._a_status[i] = status
-        self._n_answers = i + 1
+        self._answers.append((r, m, status, t_resp, t_applied, j))
         self._last_ok = ok
         self._resolved = r + m
-        self._top_up(now_ns())
+        if self._claimed < self._asked - self._resolved:
+            self._top_up(now_ns())

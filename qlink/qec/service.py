@@ -252,6 +252,7 @@ class DecoderService:
         self.faults: Counter = Counter()
         self.statuses: Counter = Counter()
         self._batch_log2 = [0] * 65  # log2 buckets of shots per decoder call
+        self._serve_wall_s = self._serve_cpu_s = 0.0
 
     @property
     def counts(self) -> Counter:
@@ -880,6 +881,7 @@ class DecoderService:
         # What exists now lives as long as the service: keep the cyclic collector off it
         # (a full collection over every imported module is a pause of milliseconds).
         gc.freeze()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             while True:
                 n_batch = 0
@@ -928,6 +930,10 @@ class DecoderService:
             self._sendto = None
             self._peer = None
             self.stages.settle()
+            # CPU time beside wall time: a busy-polling service that got much less CPU than
+            # wall time was descheduled (a loaded machine), and its figures say so
+            self._serve_wall_s += time.perf_counter() - wall0
+            self._serve_cpu_s += time.thread_time() - cpu0
         return self.report()
 
     # ------------------------------------------------------------------ results
@@ -940,6 +946,8 @@ class DecoderService:
             "stages": self.stages.to_dict(),
             "decode_batch_log2_histogram": self.batch_sizes.tolist(),
             "ack_enqueue": self.ack_enqueue,
+            "serve_wall_s": self._serve_wall_s,
+            "serve_cpu_s": self._serve_cpu_s,
             "decoders": {
                 str(d.id): {"num_detectors": d.num_det, "num_observables": d.num_obs, "capacity_shots": d.capacity,
                             "frames_per_shot": d.frames_per_shot, "backlog_shots": d.cmp - d.ret}
