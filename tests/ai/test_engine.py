@@ -108,6 +108,39 @@ def test_scattered_layers_are_one_notification_each_where_the_endpoint_gathers(l
     assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
 
 
+@pytest.mark.parametrize("defer", [True, False])
+def test_over_shm_the_receiver_copies_the_blocks_unless_the_sender_copies_them(defer):
+    why = transport_unavailable("shm")
+    if why:
+        pytest.skip(why)
+    with transports.listen(url_for("shm")) as lis:
+        a = transports.connect(lis.url, timeout_s=5)
+        b = lis.accept(timeout_s=5)
+        with a, b:
+            rx_cache, tx_cache = KVCache.allocate(_spec(RX_BLOCKS)), KVCache.allocate(_spec(TX_BLOCKS))
+            tx_cache.fill_random(seed=SEED)
+            rx, tx = KVReceiver(b, rx_cache), KVSender(a, tx_cache, defer=defer)
+            src, dst = np.array([3, 9, 10, 11, 40]), np.array([0, 7, 6, 5, 30])
+            before = rx_cache.block_checksums(dst)
+            sub = tx.send_request(1, src, dst, timeout_s=5)  # this thread: the receiver has not progressed
+            moved = not (rx_cache.block_checksums(dst) == before).all()
+            assert moved != defer  # deferred: nothing has moved until the receiver looks
+            rec = rx.wait_request(1, timeout_s=5)
+            assert (rx_cache.block_checksums(dst) == tx_cache.block_checksums(src)).all()
+            tx.flush(timeout_s=5)
+            nl = tx_cache.spec.num_layers
+            assert a.statistics().extra["deferred_puts"] == (nl if defer else 0)
+            assert b.statistics().extra["pulled_bytes"] == (rec.nbytes if defer else 0)
+            assert sub.num_descs == rec.num_descs
+            exposed = [r.descriptor() for r in tx._src_regions]
+            assert len(exposed) == (nl if defer else 0)
+            tx.close()
+            rx.close()
+            for d in exposed[:1]:  # close() withdrew the sender's cache
+                with pytest.raises(RegistrationError, match="not registered"):
+                    b.put(b"x", d)
+
+
 def test_tracker_takes_each_layers_own_number_of_parts():
     from qlink.ai._tracker import RequestTracker
 

@@ -695,6 +695,138 @@ def test_put_records_that_name_no_region_here_are_counted_not_delivered(shm_dir)
         assert b.statistics().extra["bad_records"] == 2 and b.statistics().notifications == 0
 
 
+def _pieces_of(n: int, piece: int, seed: int):
+    """n scattered pieces of ``piece`` bytes: sources and destinations both shuffled."""
+    rng = np.random.default_rng(seed)
+    return (rng.permutation(n).astype(np.int64) * piece, rng.permutation(n).astype(np.int64) * piece,
+            np.full(n, piece, dtype=np.int64))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["alloc", "numpy"])
+def test_deferred_put_many_is_pulled_by_the_target(shm_dir, impl, kind):
+    lis, a, b = _pair(f"pull-{kind}", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(1 << 16, dtype=np.uint8) if kind == "alloc" else np.zeros(1 << 16, dtype=np.uint8)
+        region = b.register(target)
+        source = alloc(1 << 16, dtype=np.uint8)
+        source[:] = np.frombuffer(_payload(1 << 16, 4), dtype=np.uint8)
+        a.register(source)
+        so, do, ln = _pieces_of(64, 1024, 1)
+        for rep in range(3):  # the first goes through Python (maps the source), later ones through C
+            target[:] = 0
+            assert a.put_many(source[1024:], region.descriptor(), so[:63], do[:63], ln[:63], notify_id=rep,
+                              tag=b"L", defer=True) == 1
+            assert not target.any()  # nothing moved yet: the target copies when it progresses
+            with pytest.raises(QlinkTimeoutError):
+                a.flush(timeout_s=0.01)
+            note = b.wait_notification(timeout_s=5)
+            assert (note.region_id, note.notify_id, note.tag) == (region.region_id, rep, b"L")
+            assert (note.offset, note.nbytes) == (int(do[:63].min()), int((do[:63] + 1024).max() - do[:63].min()))
+            expected = np.zeros_like(target)
+            for s_, d_ in zip(so[:63], do[:63]):
+                expected[d_:d_ + 1024] = source[1024 + s_:1024 + s_ + 1024]
+            assert np.array_equal(target, expected)
+            a.flush(timeout_s=5)  # the target has pulled it: the source may change now
+        st, bt = a.statistics(), b.statistics()
+        assert (st.extra["deferred_puts"], st.puts, st.put_bytes) == (3, 3 * 63, 3 * 63 * 1024)
+        assert bt.extra["pulled_bytes"] == 3 * 63 * 1024 and bt.notifications == 3
+        # a source this side did not register cannot be pulled: the copy is made at once
+        plain = np.frombuffer(_payload(4096, 5), dtype=np.uint8).copy()
+        target[:] = 0
+        a.put_many(plain, region.descriptor(), [0], [100], [4096], defer=True)
+        if kind == "alloc":
+            assert target[100:4196].tobytes() == plain.tobytes()  # landed before the target looked
+        b.wait_notification(timeout_s=5)
+        assert target[100:4196].tobytes() == plain.tobytes()
+        assert a.statistics().extra["deferred_puts"] == 3
+        a.flush(timeout_s=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_deferred_put_larger_than_a_record_is_one_notification(shm_dir, impl):
+    lis, a, b = _pair("pull-big", ring_impl=impl, ring_nbytes=1 << 12)  # ~40 pieces per record
+    with lis, a, b:
+        target = np.zeros(1 << 18, dtype=np.uint8)
+        region = b.register(target)
+        source = alloc(1 << 18, dtype=np.uint8)
+        source[:] = np.frombuffer(_payload(1 << 18, 6), dtype=np.uint8)
+        a.register(source)
+        so, do, ln = _pieces_of(1024, 256, 2)
+        t = threading.Thread(target=a.put_many, args=(source, region.descriptor(), so, do, ln),
+                             kwargs={"notify_id": 9, "defer": True, "timeout_s": 10})
+        t.start()  # the ring holds a few records at a time: the target makes room as it pulls
+        note = b.wait_notification(timeout_s=10)
+        t.join(10)
+        a.flush(timeout_s=5)
+        assert (note.offset, note.nbytes, note.notify_id) == (0, 1 << 18, 9)
+        expected = np.empty_like(target)
+        for s_, d_ in zip(so, do):
+            expected[d_:d_ + 256] = source[s_:s_ + 256]
+        assert np.array_equal(target, expected)
+        with pytest.raises(WouldBlock):
+            b.poll_notification_nowait()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("gone", ["target region", "source region"])
+def test_a_deferred_put_whose_region_went_away_is_dropped_and_flush_returns(shm_dir, impl, gone):
+    lis, a, b = _pair(f"pull-gone-{gone[0]}", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(4096, dtype=np.uint8)
+        region = b.register(target)
+        source = alloc(4096, dtype=np.uint8)
+        source[:] = 7
+        home = a.register(source)
+        a.put_many(source, region.descriptor(), [0], [0], [64], notify_id=1, defer=True)  # maps both ends
+        b.wait_notification(timeout_s=5)
+        target[:] = 0
+        a.put_many(source, region.descriptor(), [0], [0], [64], notify_id=2, defer=True)
+        if gone == "target region":
+            b.deregister(region)
+        else:
+            a.deregister(home)
+        with pytest.raises(WouldBlock):
+            b.poll_notification_nowait()  # the record is consumed and counted, nothing is written
+        assert not target.any() and b.statistics().extra["bad_records"] == 1
+        a.flush(timeout_s=5)  # the target is done with it either way
+
+
+_DEFER_THEN_DIE = """
+url = sys.argv[1]
+ep = shm.connect(url, timeout_s=10)
+remote = RemoteRegion.from_bytes(ep.recv(timeout_s=10))
+source = alloc(1 << 20, dtype=np.uint8)
+source[:] = np.arange(1 << 20) % 241
+ep.register(source)
+ep.put_many(source, remote, np.array([4096, 0]), np.array([0, 100000]), np.array([50000, 4096]), notify_id=3,
+            tag=b"last words", defer=True)
+os.kill(os.getpid(), signal.SIGKILL)  # gone before the target has even mapped the source
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_deferred_put_outlives_its_sigkilled_initiator(shm_dir):
+    with shm.listen(_url("pull-die")) as lis:
+        p = _spawn(_DEFER_THEN_DIE, lis.url)
+        try:
+            ep = lis.accept(timeout_s=20)
+            with ep:
+                target = alloc(1 << 18, dtype=np.uint8)
+                ep.send(ep.register(target).descriptor().to_bytes())
+                p.wait(20)  # dead before anything was pulled
+                note = ep.wait_notification(timeout_s=10)
+                assert (note.notify_id, note.tag, note.offset, note.nbytes) == (3, b"last words", 0, 104096)
+                pattern = (np.arange(1 << 20) % 241).astype(np.uint8)
+                assert np.array_equal(target[:50000], pattern[4096:54096])
+                assert np.array_equal(target[100000:104096], pattern[:4096])
+                assert ep.statistics().extra["pulled_bytes"] == 54096  # this side copied them, after the death
+                with pytest.raises(BrokenLinkError):
+                    ep.wait_notification(timeout_s=10)
+        finally:
+            _kill(p)
+
+
 @pytest.mark.timeout(60)
 def test_endpoints_dropped_without_close_are_collected(shm_dir):
     """The C path holds buffers of the connection's tables and of mapped regions: an endpoint left to
