@@ -404,7 +404,7 @@ class DecoderService:
                 self._counts["shots_refused_busy"] += whole
                 self._drop_busy(d, whole, counter, frames_left=0)
                 return self._refuse("queue_full", Status.BUSY, rid, ptp, t_in, _FN_ENQ)
-            raw = self._rx_np[_ENQ_BITS_OFFSET:] if bits is None else np.frombuffer(bits, np.uint8)
+            raw = None if bits is None else np.frombuffer(bits, np.uint8)
             self._enqueue_whole_shots(d, raw, whole, rid, ptp, t_in)
             d.next_counter = counter + 1
             if self._ack_all:
@@ -450,21 +450,30 @@ class DecoderService:
         d.next_counter = counter + 1
         self._counts["shots_dropped"] += shots
 
-    def _enqueue_whole_shots(self, d: _Decoder, raw: np.ndarray, whole: int, rid: int, ptp: int,
+    def _enqueue_whole_shots(self, d: _Decoder, raw: np.ndarray | None, whole: int, rid: int, ptp: int,
                              t_in: int) -> None:
-        """A frame carrying ``whole`` complete shots (``raw``: its packed bits onwards): into the ring in one go."""
+        """A frame carrying ``whole`` complete shots (``raw``: its packed bits onwards, else
+        they are in the receive buffer): into the ring in one go."""
         nd, nbd, cap = d.num_det, d.nbd, d.capacity
-        if nd & 7 == 0:
-            rows = raw[:whole * nbd].reshape(whole, nbd)
-        else:
-            bits = np.unpackbits(raw[:(whole * nd + 7) >> 3], count=whole * nd, bitorder="little")
-            rows = np.packbits(bits.reshape(whole, nd), axis=1, bitorder="little")
         a = d.cmp % cap
         c = min(whole, cap - a)
-        d.syn[a:a + c] = rows[:c]
+        if nd & 7 == 0 and raw is None:  # whole bytes per shot: the frame's bytes are the ring's rows
+            d.syn_mv[a * nbd:(a + c) * nbd] = self._rx_mv[_ENQ_BITS_OFFSET:_ENQ_BITS_OFFSET + c * nbd]
+            if c < whole:  # the ring wraps
+                d.syn_mv[:(whole - c) * nbd] = self._rx_mv[_ENQ_BITS_OFFSET + c * nbd:_ENQ_BITS_OFFSET + whole * nbd]
+        else:
+            if raw is None:
+                raw = self._rx_np[_ENQ_BITS_OFFSET:]
+            if nd & 7 == 0:
+                rows = raw[:whole * nbd].reshape(whole, nbd)
+            else:
+                bits = np.unpackbits(raw[:(whole * nd + 7) >> 3], count=whole * nd, bitorder="little")
+                rows = np.packbits(bits.reshape(whole, nd), axis=1, bitorder="little")
+            d.syn[a:a + c] = rows[:c]
+            if c < whole:
+                d.syn[:whole - c] = rows[c:]
         d.drops_before[a:a + c] = [0] * c
-        if c < whole:  # the ring wraps
-            d.syn[:whole - c] = rows[c:]
+        if c < whole:
             d.drops_before[:whole - c] = [0] * (whole - c)
         d.drops_before[a] = d.pending_drops
         d.pending_drops = 0
@@ -782,7 +791,7 @@ class DecoderService:
                 self._rec_respond(t_out - d.u_dec1[d.unit_of[(slot + m - 1) % cap] % cap])
                 self._rec_shot_service(t_out - d.u_in[d.unit_of[slot] % cap])
                 if self._keep:
-                    self._record_shots(d, slot, m, t_out)
+                    self._record_shots(d, seq, m, t_out)
         if n_ok:
             statuses["OK"] += n_ok
         self._n_staged = 0
@@ -813,20 +822,24 @@ class DecoderService:
         self._tx_np[_HDR:_HDR + k] = packed[:k]
         return 0
 
-    def _record_shots(self, d: _Decoder, slot: int, m: int, t_out: int) -> None:
-        """Keep the raw timestamps of an answer's ``m`` shots (while ``keep_samples`` has room):
-        one row when they are one unit (they share every timestamp), else one per shot."""
+    def _record_shots(self, d: _Decoder, seq: int, m: int, t_out: int) -> None:
+        """Keep the raw timestamps of an answer's ``m`` shots from shot ``seq`` on (while
+        ``keep_samples`` has room): one row per unit they belong to (its shots share every
+        timestamp), so a frame of many shots is one row."""
         shots = self.shots
         cap = d.capacity
-        first, last = d.unit_of[slot], d.unit_of[(slot + m - 1) % cap]
-        units = [first] if first == last else [d.unit_of[(slot + i) % cap] for i in range(m)]
-        for k, u in enumerate(units):
-            if len(shots) >= shots.capacity:
-                shots.dropped += m if len(units) == 1 else len(units) - k
-                return
+        u_first, u_last = d.unit_of[seq % cap], d.unit_of[(seq + m - 1) % cap]
+        end = seq + m
+        lo = seq
+        for u in range(u_first, u_last + 1):  # units are numbered in shot order
             j = u % cap
+            hi = min(d.u_end[j], end)
+            if len(shots) >= shots.capacity:
+                shots.dropped += end - lo
+                return
             shots.append(d.u_rid[j], d.u_ptp[j], d.u_in[j], d.u_done[j], d.u_dec0[j], d.u_dec1[j], t_out,
-                         d.u_batch[j], 0, m if len(units) == 1 else 1)
+                         d.u_batch[j], 0, hi - lo)
+            lo = hi
 
     def _oversized(self, ep, needed: int, t_in: int) -> None:
         """A message larger than any valid frame: read it, count it, answer if its header allows."""

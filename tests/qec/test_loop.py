@@ -102,6 +102,8 @@ def test_answers_cover_many_shots_only_while_the_decoder_is_behind():
     counts = res.service["counts"]
     assert counts["enqueue"] == 600 and counts["get_corrections"] < 600
     assert res.controller.shot_records["polls"].sum() == counts["get_corrections"]
+    # an answer spanning several frames keeps one service row per frame: every shot still joins
+    assert res.stage_breakdown["n"] == 600 and len(res.service["shots"]["shots"]) == 600
     # when every answer is back before the next shot (lock-step), every shot gets its own ask
     slow = run_loop(transport="shm", source=spec, stream=stream, num_shots=50, rounds_per_frame=0,
                     feed_forward_deadline_ns=10**10, warmup_shots=0, timeout_s=120,
