@@ -149,8 +149,8 @@ class Backoff:
 
 
 def deadline_of(timeout_s: float | None) -> float | None:
-    """Absolute ``time.monotonic()`` deadline for a relative timeout (None: no deadline)."""
-    if timeout_s is None:
+    """Absolute ``time.monotonic()`` deadline for a relative timeout (None or inf: no deadline)."""
+    if timeout_s is None or timeout_s == float("inf"):
         return None
     if timeout_s != timeout_s or timeout_s < 0:  # NaN or negative
         raise ValueError(f"timeout_s must be a non-negative number or None, got {timeout_s!r}")

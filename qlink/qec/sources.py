@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 
+# A circuit's detector error model is built whole; beyond this many detectors (16.7 M) it
+# would take minutes and gigabytes. Long experiments stream through SlidingWindowDecoder.
+MAX_DETECTORS = 1 << 24
+
 class CircuitError(QlinkError, ValueError):
     """A circuit (or its ``.stim`` file) is malformed or has non-deterministic detectors."""
 
@@ -197,13 +201,18 @@ class StimSource(SyndromeSource):
     ``detector_rounds=`` overrides both.
     """
 
-    def __init__(self, circuit, *, detector_rounds=None, name: str | None = None):
+    def __init__(self, circuit, *, detector_rounds=None, name: str | None = None,
+                 max_detectors: int = MAX_DETECTORS):
         import stim
 
         if not isinstance(circuit, stim.Circuit):
             raise TypeError(f"expected a stim.Circuit, got {type(circuit).__name__}; use StimSource.from_file for a path")
         self.circuit = circuit
         self.name = name or "stim circuit"
+        if circuit.num_detectors > max_detectors:  # stim counts REPEAT blocks arithmetically: cheap
+            raise CircuitError(f"{self.name}: {circuit.num_detectors} detectors is more than max_detectors="
+                               f"{max_detectors}; split the experiment (SlidingWindowDecoder streams long ones) "
+                               "or raise max_detectors")
         self.num_detectors = circuit.num_detectors
         self.num_observables = circuit.num_observables
         try:
@@ -257,8 +266,11 @@ class StimSource(SyndromeSource):
         import stim
 
         path = os.fspath(path)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise CircuitError(f"{path}: not a UTF-8 text stim circuit ({exc.reason} at byte {exc.start})") from exc
         try:
             circuit = stim.Circuit(text)
         except ValueError as exc:
