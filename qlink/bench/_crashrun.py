@@ -55,6 +55,22 @@ def _kill(proc) -> int:
     return t
 
 
+def _wait_ready(q, proc, what: str, timeout_s: float = 120.0):
+    """The first item a child puts on ``q``; fail fast (with its exit code) if it died first."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the {what} process exited with code {proc.exitcode} before it was ready; "
+                                   "its stderr says why") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {what} process was not ready within {timeout_s} s") from None
+
+
 def _reap(proc, timeout_s: float = 10.0) -> None:
     if proc is None:
         return
@@ -214,11 +230,11 @@ def qec_controller_kill_run(*, transport: str = "tcp", reset_first: bool = True,
     out: dict[str, Any] = {"scenario": "qec_controller_killed", "transport": transport, "reset_first": reset_first}
     try:
         service.start()
-        url = ready.get(timeout=120)
+        url = _wait_ready(ready, service, "decoder service")
         controller = ctx.Process(target=_controller_child, args=(url, distance, 10**6, cycle_ns, seed + 1, cready),
                                  daemon=True, name="qlink-crash-controller")
         controller.start()
-        cready.get(timeout=120)
+        _wait_ready(cready, controller, "controller")
         time.sleep(kill_after_s)
         t_kill = _kill(controller)
         kind, t_closed, counts = events.get(timeout=30)
@@ -293,7 +309,7 @@ def kv_receiver_kill_run(*, transport: str = "tcp", num_blocks: int = 32, kill_a
             proc.start()
             ep = lis.accept(timeout_s=120)
             try:
-                ready.get(timeout=120)
+                _wait_ready(ready, proc, "KV receiver")
                 tx = KVSender(ep, cache)
                 tx.handshake(timeout_s=30)
                 ids = list(range(num_blocks))
@@ -384,7 +400,7 @@ def kv_sender_kill_run(*, transport: str = "tcp", num_blocks: int = 8, seed: int
             ep = lis.accept(timeout_s=120)
             try:
                 rx = KVReceiver(ep, cache)
-                ready.get(timeout=120)
+                _wait_ready(ready, proc, "KV sender")
                 rx.wait_layer(7, kill_at_layer - 1, timeout_s=timeout_s)
                 t_kill = _kill(proc)
                 err = None
