@@ -796,7 +796,7 @@ static PyObject *fp_recv_into_nowait(FastPathObject *f, PyObject *const *args, s
 #define KIND_PUT_DONE 5
 #define DONE_NBYTES 32 /* u32 region_id, u32 tag_len, u64 offset, u64 nbytes, u64 notify_id (then the tag) */
 #define MAX_TAG_NBYTES 256
-#define REMOTE_CACHE 64
+#define REMOTE_CACHE 256 /* regions whose mapping is cached here, by slot (region_id & 255) */
 #define KIND_PUT_PULL 6
 /* u32 dst region, u32 src region, u32 pieces, u32 tag_len, u64 notify_id, u64 seq, u64 span offset,
  * u64 span nbytes, u32 flags, u32 reserved; then the tag; then pieces x (u64 src_off, u64 dst_off, u64 nbytes) */
@@ -832,6 +832,7 @@ struct one_sided {
     unsigned long long puts, put_bytes, zero_copy_puts, gathered_puts, notifications, pulled_bytes, deferred_puts;
     uint64_t pull_seq;            /* deferred puts posted from this side (C and Python alike) */
     uint32_t homes[REMOTE_CACHE]; /* local shared regions deferred puts have come from (0: none) */
+    int last_home;
     remote_entry cache[REMOTE_CACHE];
     source_entry sources[REMOTE_CACHE];
 };
@@ -960,8 +961,17 @@ static PyObject *fp_disable_one_sided(FastPathObject *f, PyObject *Py_UNUSED(ign
     Py_RETURN_NONE;
 }
 
-static inline remote_entry *cache_slot(struct one_sided *o, PyObject *remote) {
-    return &o->cache[((uintptr_t)remote >> 4) % REMOTE_CACHE];
+/* The cache entry for a RemoteRegion object: by its region id's slot bits (a peer's region ids
+ * differ there for its first REMOTE_CACHE registrations). NULL with an exception on error. */
+static remote_entry *cache_slot(struct one_sided *o, PyObject *remote) {
+    PyObject *v = PyObject_GetAttr(remote, str_region_id);
+    if (v == NULL)
+        return NULL;
+    unsigned long rid = PyLong_Check(v) ? PyLong_AsUnsignedLongMask(v) : 0;
+    Py_DECREF(v);
+    if (rid == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    return &o->cache[rid % REMOTE_CACHE];
 }
 
 /* cache_remote(remote, region_id, state, nbytes, view): the Python put validated `remote` against
@@ -977,6 +987,8 @@ static PyObject *fp_cache_remote(FastPathObject *f, PyObject *args) {
     if (o == NULL || o->peer_gone || o->released)
         Py_RETURN_NONE;
     remote_entry *e = cache_slot(o, remote);
+    if (e == NULL)
+        return NULL;
     entry_clear(e);
     if (view != Py_None) {
         if (PyObject_GetBuffer(view, &e->vbuf, PyBUF_WRITABLE) < 0)
@@ -1138,6 +1150,10 @@ static int put_prelude(FastPathObject *f, PyObject *remote, PyObject *nid, PyObj
     if (o == NULL || o->peer_gone || o->released || !f->tx->has_buf || !timeout_plain(timeout))
         return 0;
     remote_entry *e = cache_slot(o, remote);
+    if (e == NULL) {
+        PyErr_Clear(); /* not a RemoteRegion: Python says what is wrong */
+        return 0;
+    }
     if (e->remote != remote)
         return 0;
     const uint8_t *slot = (const uint8_t *)o->peer_tbl.buf + (size_t)(e->rid & (TABLE_SLOTS - 1)) * SLOT_WORDS * 8;
@@ -1185,7 +1201,8 @@ static int ring_room(RingObject *tx, uint64_t payload) {
 
 /* The local region (registered here, shared) holding [p, p + n): its id and the offset of p in it. */
 static int find_home(struct one_sided *o, const uint8_t *p, uint64_t n, uint32_t *rid, uint64_t *off) {
-    for (int i = 0; i < REMOTE_CACHE; i++) {
+    for (int j = 0; j < REMOTE_CACHE; j++) {
+        int i = (o->last_home + j) % REMOTE_CACHE; /* layers go in order: start after the last hit */
         uint32_t r = o->homes[i];
         if (r == 0)
             continue;
@@ -1197,6 +1214,7 @@ static int find_home(struct one_sided *o, const uint8_t *p, uint64_t n, uint32_t
             continue;
         }
         if (p >= base && n <= nb && (uint64_t)(p - base) <= nb - n) {
+            o->last_home = i + 1;
             *rid = r;
             *off = (uint64_t)(p - base);
             return 1;
