@@ -13,6 +13,7 @@
   own process) sees the link break (time measured), keeps listening, and serves the next
   controller: with ``reset_first`` that controller sends ``reset_decoder`` before its
   shots.
+* :func:`sender_kill_run` -- a peer dies while this side sends it a message now and then.
 * :func:`kv_receiver_kill_run` / :func:`kv_sender_kill_run` -- one side of a KV transfer
   dies mid-transfer. The sender gets BrokenLinkError; the receiver gets a typed error and
   never reports a layer that did not land whole (checked bit for bit).
@@ -20,7 +21,7 @@
 Times are ``time.monotonic_ns`` on one host (shared by its processes).
 
 >>> sorted(KILL_RUNS)
-['kv_receiver', 'kv_sender', 'qec_controller', 'qec_service']
+['kv_receiver', 'kv_sender', 'qec_controller', 'qec_service', 'slow_sender']
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["qec_service_kill_run", "qec_controller_kill_run", "kv_receiver_kill_run", "kv_sender_kill_run",
-           "KILL_RUNS", "serve_forever"]
+           "sender_kill_run", "KILL_RUNS", "serve_forever"]
 
 _names = iter(range(1 << 62))
 
@@ -423,5 +424,59 @@ def kv_sender_kill_run(*, transport: str = "tcp", num_blocks: int = 8, seed: int
     return out
 
 
+def _idle_peer(url: str, ready) -> None:
+    """Connect, say hello, then idle (target of a spawned process; killed)."""
+    import transports
+
+    ep = transports.connect(url, timeout_s=30)
+    ep.send(b"hello")
+    ready.put(os.getpid())
+    time.sleep(600)
+
+
+def sender_kill_run(*, transport: str = "tcp", interval_s: float = 0.001, give_up_s: float = 3.0,
+                    message_nbytes: int = 100) -> dict:
+    """A peer is SIGKILLed while this side sends it a message every ``interval_s`` (a slow,
+    steady sender, such as a controller at a long cycle); returns how long until a send
+    raised BrokenLinkError (None if none did within ``give_up_s``)."""
+    import transports
+    from qlink.errors import BrokenLinkError, QlinkError
+
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    out: dict[str, Any] = {"scenario": "peer_killed_under_slow_sends", "transport": transport,
+                           "interval_s": interval_s}
+    proc = None
+    with transports.listen(_url(transport)) as lis:
+        try:
+            proc = ctx.Process(target=_idle_peer, args=(lis.url, ready), daemon=True, name="qlink-crash-idle-peer")
+            proc.start()
+            ep = lis.accept(timeout_s=120)
+            try:
+                ep.recv(timeout_s=60)
+                _wait_ready(ready, proc, "idle peer")
+                t_kill = _kill(proc)
+                proc.join(5)
+                msg = bytes(message_nbytes)
+                sent, err = 0, None
+                try:
+                    while time.monotonic_ns() - t_kill < give_up_s * 1e9:
+                        ep.send(msg, timeout_s=give_up_s)
+                        sent += 1
+                        time.sleep(interval_s)
+                except QlinkError as e:
+                    err = e
+                t = time.monotonic_ns()
+                out.update(sent_after_kill=sent, error=type(err).__name__ if err else None,
+                           broken_link=isinstance(err, BrokenLinkError),
+                           detection_s=(t - t_kill) / 1e9 if err else None)
+            finally:
+                ep.close()
+        finally:
+            _reap(proc)
+    return out
+
+
 KILL_RUNS = {"qec_service": qec_service_kill_run, "qec_controller": qec_controller_kill_run,
-             "kv_receiver": kv_receiver_kill_run, "kv_sender": kv_sender_kill_run}
+             "kv_receiver": kv_receiver_kill_run, "kv_sender": kv_sender_kill_run,
+             "slow_sender": sender_kill_run}
