@@ -768,10 +768,33 @@ def test_a_deferred_put_larger_than_a_record_is_one_notification(shm_dir, impl):
             b.poll_notification_nowait()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_a_large_deferred_put_with_odd_sizes_and_offsets_lands_exactly(shm_dir, impl):
+def _stream_kinds():
+    if shm._ringc is None:
+        return ["python"]
+    kinds = []
+    for kind in ("avx512", "avx2", "sse2", "memcpy"):
+        try:
+            shm._ringc.set_stream_copy(kind)
+            kinds.append(kind)
+        except ValueError:  # this CPU does not have it
+            pass
+    shm._ringc.set_stream_copy(None)
+    return kinds + ["python"]
+
+
+@pytest.fixture(params=_stream_kinds())
+def stream_kind(request):
+    if request.param == "python":
+        yield "python"
+        return
+    before = shm._ringc.set_stream_copy(request.param)
+    yield "c"
+    shm._ringc.set_stream_copy(before)
+
+
+def test_a_large_deferred_put_with_odd_sizes_and_offsets_lands_exactly(shm_dir, stream_kind):
     """Past 1 MiB the target copies with streaming stores: unaligned starts and ragged tails too."""
-    lis, a, b = _pair("pull-odd", ring_impl=impl)
+    lis, a, b = _pair("pull-odd", ring_impl=stream_kind)
     with lis, a, b:
         nbytes = 4 << 20
         target = alloc(nbytes, dtype=np.uint8)
