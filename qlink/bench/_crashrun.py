@@ -93,9 +93,11 @@ def _qec_setup(distance: int, num_shots: int, seed: int):
 
 
 def qec_service_kill_run(*, transport: str = "tcp", num_shots: int = 4000, chunk_shots: int = 200,
-                         cycle_ns: int = 20_000, kill_after_s: float = 0.3, distance: int = 3, seed: int = 1,
-                         timeout_s: float = 60.0) -> dict:
-    """See the module docstring. Returns the accounting and the measured detection time."""
+                         cycle_ns: int = 20_000, kill_after_s: float = 0.002, kill_at_chunk: int | None = None,
+                         distance: int = 3, seed: int = 1, timeout_s: float = 60.0) -> dict:
+    """See the module docstring. The service is killed ``kill_after_s`` into chunk
+    ``kill_at_chunk`` (default: the middle one). Returns the accounting and the measured
+    detection time."""
     import transports
     from qlink.errors import BrokenLinkError
     from qlink.qec.controller import Controller
@@ -108,17 +110,21 @@ def qec_service_kill_run(*, transport: str = "tcp", num_shots: int = 4000, chunk
     ep = transports.connect(svc.url, timeout_s=30)
     status = np.full(num_shots, -1, np.int8)  # 1 decoded, 2 answered dropped/failed, 0 lost in flight
     kill_at: list[int] = []
-    timer = threading.Timer(kill_after_s, lambda: kill_at.append(_kill(svc.process)))
+    victim = svc.process
+    timer = threading.Timer(kill_after_s, lambda: kill_at.append(_kill(victim)))
+    num_chunks = -(-num_shots // chunk_shots)
+    kill_chunk = num_chunks // 2 if kill_at_chunk is None else kill_at_chunk
     detect_ns = None
     n_dropped = n_failed = 0
     lost_ids: list[int] = []
     counter = 0
     t_start = time.monotonic()
     try:
-        timer.start()
         lo = 0
         while lo < num_shots:
             hi = min(lo + chunk_shots, num_shots)
+            if lo // chunk_shots == kill_chunk:
+                timer.start()  # the kill lands in this chunk (or, on a slow machine, a later one)
             ctl = Controller(ep, _rows(stream, lo, hi),
                              cycle_ns=cycle_ns, rounds_per_frame=0, counter_start=counter,
                              start_delay_ns=20_000)
