@@ -23,13 +23,22 @@ qlink's intra-node fast path (and its stand-in for NVLink / CUDA IPC on a CPU ho
   ending. An orderly ``close()`` also sets a flag in each ring's header; the peer
   still receives everything sent before the close, then gets ``BrokenLinkError``.
 * **One-sided put.** ``register(array)`` publishes the region in this side's region
-  table inside the shared memfd. If the array lives in :func:`qlink.memory.alloc`
-  memory, the initiator maps the same memfd (``/proc/<pid>/fd/<n>``, checked against
-  the inode the owner published) and a ``put`` is a single memcpy into the target's
-  array followed by a ``PUT_DONE`` record (published with release ordering, so the
-  notification is never seen before the bytes). Any other host array is served by
-  ``PUT_INLINE`` records the target applies while it progresses (in ``recv_into`` /
-  ``wait_notification``); ``statistics().extra`` counts both kinds.
+  table inside the shared memfd and, for :func:`qlink.memory.alloc` memory, hands its
+  memfd to the peer over the socket. The initiator maps that memfd (else
+  ``/proc/<pid>/fd/<n>``; either is checked against the inode the owner published) and a
+  ``put`` is a single memcpy into the target's array followed by a ``PUT_DONE`` record
+  (published with release ordering, so the notification is never seen before the bytes).
+  Once a region is mapped, ``put`` / ``put_many`` run entirely in C (bounds check, memcpy,
+  record) and so do ``wait_notification`` / ``poll_notification_nowait``. Any other host
+  array is served by ``PUT_INLINE`` records the target applies while it progresses (in
+  ``recv_into`` / ``wait_notification``); ``statistics().extra`` counts both kinds.
+* **Vectored and deferred puts.** ``put_many`` writes many pieces of one buffer under ONE
+  notification (``put_many_gathers``). With ``defer=True`` and a source in alloc() memory
+  registered on the initiator, only the list of pieces goes through the ring (a
+  ``PUT_PULL`` record): the target copies the pieces out of the initiator's memory while it
+  progresses (streaming stores past 1 MiB), then publishes the put's sequence number in
+  the ring header, which :meth:`ShmEndpoint.flush` waits for. Submitting costs the same
+  however many bytes move; the bytes move on the target's CPU, which is waiting anyway.
 * Messages and notifications share the ring; whichever one a call is not looking
   for is moved to a small queue on the receiving side, so nothing is lost.
 * One thread may send/put while another receives; two threads must not send (or

@@ -7,7 +7,11 @@ in one run:
 * **qlink** — a :class:`~qlink.ai.KVReceiver` here, a :class:`~qlink.ai.KVSender` in a
   spawned process, over each transport asked for (one-sided put where the transport has
   it); time from the sender's submit to the receiver's last layer ready
-  (``TransferRecord.submit_to_last_us``, one host's monotonic clock);
+  (``TransferRecord.submit_to_last_us``, one host's monotonic clock). Over ``shm`` a layer
+  is one ``put_many`` and, by default, deferred: the sender posts the descriptors and the
+  receiver copies the blocks out of the sender's cache while it waits for them
+  (``moved_by`` says which side copied: the receiver's ``pulled_bytes`` grew by the
+  request's bytes, or not);
 * **NIXL** — the same blocks moved by NIXL's UCX backend between two processes
   (:mod:`qlink.ai.nixl_backend`, its own process pair after the others);
 * **floor** — a NumPy copy of the same bytes here, layer by layer between distinct
@@ -19,8 +23,10 @@ in one run:
 Block lists are ``contiguous`` (one descriptor per layer) and/or ``scattered`` (a random
 permutation: one descriptor per block and plane), so the per-block cost of descriptor
 preparation and submission shows (``prep_us_per_block``, ``submit_us_per_block``:
-amortized over layers x planes x blocks). Every measured row also carries its ratio to
-the memcpy floor of the same size.
+amortized over layers x planes x blocks; submission is what the sender's thread spends
+issuing the layers: with a copy at submission it includes the copy, with deferred puts
+and NIXL it does not). Every measured row also carries its ratio to the memcpy floor of
+the same size.
 
 Memory: each of the two processes holds one cache sized for the largest N that fits
 ``memory_budget_nbytes`` (both caches together); a larger N is reported as skipped.
@@ -104,13 +110,15 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
             nblocks = spec.blocks_for(num_tokens=n_tokens)
             for pattern in patterns:
                 src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
-                times_us, subs = [], []
+                times_us, subs, pulled = [], [], []
                 for rep in range(repeats + 1):  # the first is a warm-up
                     rid += 1
+                    before = _pulled_bytes(rx)
                     sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=600)
                     if rep:
                         times_us.append(rec.submit_to_last_us)
                         subs.append(sub)
+                        pulled.append(_pulled_bytes(rx) - before >= rec.nbytes)
                 nbytes = rec.nbytes
                 t_us = float(np.median(times_us))
                 gbps = nbytes / (t_us * 1e3)
@@ -121,12 +129,19 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                     "p50_ms": float(f"{t_us / 1e3:.4g}"), "GBps": float(f"{gbps:.4g}"),
                     "x_memcpy": ratio(gbps, memcpy_GBps.get(n_tokens)),
                     "num_descs": rec.num_descs, "transport": rec.transport,
+                    "moved_by": "NIXL" if backend == "nixl" else "receiver" if all(pulled) else "sender",
                     "prep_us_per_block": round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
                     "submit_us_per_block": round(float(np.median([s.submit_us for s in subs])) / blocks, 4),
                     "repeats": repeats,
                 })
                 say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s  {rec.num_descs} descriptors")
     return rows
+
+
+def _pulled_bytes(rx) -> int:
+    """Bytes the receiver's endpoint has copied out of the sender's memory (deferred puts)."""
+    ep = getattr(rx, "endpoint", None)
+    return int(ep.statistics().extra.get("pulled_bytes", 0)) if ep is not None else 0
 
 
 def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: Iterable[int] = (512, 4096, 32768),
@@ -137,7 +152,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
 
     Rows carry ``case``, ``basis`` (measured / modeled / skipped / error), ``tokens``,
     ``nbytes``, ``pattern``, ``p50_ms``, ``GBps``, ``x_memcpy`` and, when measured,
-    ``num_descs``, ``transport``, ``prep_us_per_block``, ``submit_us_per_block``.
+    ``num_descs``, ``transport``, ``moved_by``, ``prep_us_per_block``, ``submit_us_per_block``.
     """
     from qlink.ai import preset as _preset
     from qlink.ai._peer import transport_unavailable
@@ -210,8 +225,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     out = Path(getattr(args, "out", "results/bench"))
     write_results(rows, out_dir=out, name="kv", meta={"tokens": list(tokens), "repeats": repeats,
                                                       "preset": "llama-3-8b"})
-    cols = ["case", "basis", "tokens", "pattern", "GBps", "x_memcpy", "p50_ms", "num_descs", "prep_us_per_block",
-            "submit_us_per_block", "note"]
+    cols = ["case", "basis", "tokens", "pattern", "GBps", "x_memcpy", "p50_ms", "num_descs", "moved_by",
+            "prep_us_per_block", "submit_us_per_block", "note"]
     print("\nKV-cache transfer, Llama-3-8B layout, two processes (modeled rows are link models, not measurements)")
     print(format_table(rows, columns=cols))
     print(f"\nwritten: {out}/kv.{{json,csv}}")

@@ -24,6 +24,7 @@ def test_kv_bench_rows_on_a_tiny_layout():
         assert r["case"].startswith(f"qlink {scheme}") and r["transport"] == scheme
         assert r["nbytes"] == r["tokens"] * 512 and r["GBps"] > 0 and r["num_descs"] >= 4
         assert r["x_memcpy"] > 0 and r["prep_us_per_block"] >= 0 and r["submit_us_per_block"] > 0
+        assert r["moved_by"] == ("receiver" if scheme == "shm" else "sender")  # shm defers the copy to the receiver
     assert {r["tokens"] for r in by_basis["floor"]} == {16, 64}
     assert len(by_basis["modeled"]) == 6
     skipped = {r["case"]: r for r in by_basis["skipped"]}
