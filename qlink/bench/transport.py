@@ -6,7 +6,11 @@ Measured side by side in one run, between two processes:
   ``ucx``), beside the *floor* (two processes spinning on a word in shared memory),
   plain Python TCP sockets, and UCXX's own asyncio API used directly.
 * one-sided put bandwidth, 4 KiB … 64 MiB, into memory the target registered
-  (``qlink.alloc``), beside a NumPy memcpy of the same size in the same run.
+  (``qlink.alloc``), beside a NumPy memcpy of the same size in the same run, on equal
+  terms: each reuses one source and one destination buffer (the put writes at offset 0
+  of the target region every time), every page is faulted in before timing (the memcpy's
+  by a warm-up copy, the put's by the initiator's populated mapping and a discarded
+  warm-up batch), each timing moves at least 64 MiB, and both report the median timing.
 
 Each transport figure is also given as a ratio to its floor or peer, which is what
 is comparable across machines. Both processes busy-poll, each pinned to its own CPU
@@ -27,6 +31,7 @@ from ._stats import ratio, summarize_ns
 __all__ = ["run_transport_bench", "round_trip_ns", "put_bandwidth", "DEFAULT_PUT_SIZES"]
 
 DEFAULT_PUT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+_MIN_BATCH_NBYTES = 64 << 20  # each timed batch of puts moves at least this much, as each memcpy timing does
 _ACK = b"k"
 
 
@@ -113,8 +118,9 @@ def _put_target_child(url: str, q, nbytes: int, num_puts: int) -> None:
 def put_bandwidth(scheme: str, *, sizes: Iterable[int] = DEFAULT_PUT_SIZES, budget_bytes: int = 1 << 30,
                   repeats: int = 5) -> list[dict]:
     """Put bandwidth into a registered remote region: for each size, ``repeats`` batches of
-    puts, each batch timed from the first put until the target acknowledges the last
-    notification. Returns one row per size with the median batch bandwidth (bytes/s)."""
+    puts (at least 64 MiB each, within ``budget_bytes``), each batch timed from the first put
+    until the target acknowledges the last notification, after one untimed warm-up batch.
+    Returns one row per size with the median batch bandwidth (bytes/s)."""
     import transports
     from qlink.memory import RemoteRegion
 
@@ -130,7 +136,7 @@ def put_bandwidth(scheme: str, *, sizes: Iterable[int] = DEFAULT_PUT_SIZES, budg
             remote = RemoteRegion.from_bytes(ep.recv(timeout_s=30))
             src = np.random.default_rng(1).integers(0, 256, max(sizes), dtype=np.uint8)
             for nbytes in sizes:
-                count = int(max(1, min(1000, budget_bytes // (nbytes * repeats))))
+                count = int(max(1, min(max(1000, _MIN_BATCH_NBYTES // nbytes), budget_bytes // (nbytes * repeats))))
                 view = src[:nbytes]
                 rates = []
                 for _ in range(repeats + 1):
@@ -191,7 +197,7 @@ def run_transport_bench(*, schemes=("shm", "tcp", "ucx"), nbytes: int = 64, num_
     bw_rows: list[dict] = []
     for nb in put_sizes:
         progress(f"memcpy floor: {nb} B")
-        rate = _try("memcpy", lambda nb=nb: floor.memcpy_bandwidth(nb, repeats=7), errors)
+        rate = _try("memcpy", lambda nb=nb: floor.memcpy_bandwidth(nb, repeats=7, reduce="median"), errors)
         bw_rows.append({"nbytes": nb, "case": "numpy memcpy", "GBps": None if rate is None else round(rate / 1e9, 3)})
     for s in put_schemes:
         progress(f"{s}: one-sided put bandwidth {min(put_sizes)}..{max(put_sizes)} B")
