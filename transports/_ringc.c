@@ -1625,6 +1625,8 @@ static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
 static void memcpy_fn(void *d, const void *s, size_t n) { memcpy(d, s, n); }
 
 /* A PUT_PULL record at the head of rx: copy its pieces out of the peer's mapped region into ours.
+ * The GIL stays held for the copy: the destination is this process's own registered memory,
+ * which another thread could otherwise deregister and free under it.
  * 2: the last record of its put, consumed, *note set; 1: an earlier record, consumed; 0: Python must
  * handle it (source not mapped here yet, or something to count as bad); -1: error. */
 static int take_pull(FastPathObject *f, const rec_hdr *h, uint64_t pos, PyObject **note) {

@@ -771,11 +771,12 @@ class ShmEndpoint(Endpoint):
                     and source is not None):
                 dview, (state, sview) = entry[1], source
                 at = off + _PULL.size + tag_len
-                q = np.frombuffer(data, dtype="<u8", count=3 * k, offset=at).reshape(k, 3).astype(np.int64)
+                raw = np.frombuffer(data, dtype="<u8", count=3 * k, offset=at).reshape(k, 3)
+                q = raw.astype(np.int64)
                 s_, d_, l_ = q[:, 0], q[:, 1], q[:, 2]
                 lim = len(dview)
-                if ((l_ <= len(sview)).all() and (s_ <= len(sview) - l_).all() and (l_ <= lim).all()
-                        and (d_ <= lim - l_).all() and (not last or span_off + span_n <= lim)):
+                if ((raw < 1 << 62).all() and (l_ <= len(sview)).all() and (s_ <= len(sview) - l_).all()
+                        and (l_ <= lim).all() and (d_ <= lim - l_).all() and (not last or span_off + span_n <= lim)):
                     for a, b, c in q.tolist():
                         dview[b:b + c] = sview[a:a + c]
                     self._x["pulled_bytes"] += int(l_.sum())
@@ -927,7 +928,7 @@ class ShmEndpoint(Endpoint):
         rid = remote.region_id
         if self._fast is not None:
             self._fast.cache_remote(remote, rid, state, region_nbytes, dst)  # later put_many into it run in C
-        if defer and len(src):
+        if defer and len(src) and self._tx.max_payload - _PULL.size - len(tag) >= _PIECE_NBYTES:
             home = self._local.containing(np.frombuffer(src, dtype=np.uint8).ctypes.data, len(src))
             if home is not None:
                 self._post_pull(home, rid, so, do, ln, lo, hi, notify_id, tag, timeout_s)

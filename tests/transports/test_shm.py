@@ -844,6 +844,43 @@ def test_a_deferred_put_whose_region_went_away_is_dropped_and_flush_returns(shm_
         a.flush(timeout_s=5)  # the target is done with it either way
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_forged_pull_records_are_counted_and_write_nothing(shm_dir, impl):
+    """A peer's PUT_PULL records are checked against both regions before a byte is copied."""
+    pull = struct.Struct("<IIIIQQQQII")
+    lis, a, b = _pair("pull-forged", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(4096, dtype=np.uint8)
+        region = b.register(target)
+        source = alloc(4096, dtype=np.uint8)
+        source[:] = 9
+        home = a.register(source)
+        a.put_many(source, region.descriptor(), [0], [0], [16], notify_id=1, defer=True)
+        b.wait_notification(timeout_s=5)  # b has mapped the source: later records may take the C path
+        target[:] = 0
+        rid, sid = region.region_id, home.region_id
+
+        def forge(pieces, *, dst=rid, src=sid, k=None, span=(0, 16), extra=b""):
+            body = np.asarray(pieces, dtype="<u8").tobytes() + extra
+            head = pull.pack(dst, src, len(pieces) if k is None else k, 0, 7, 99, span[0], span[1], 1, 0)
+            assert a._tx.try_send(_ring.KIND_PUT_PULL, 0, head, body) == _ring.SEND_OK
+
+        forge([[(1 << 64) - 8, 0, 16]])  # source offset wraps
+        forge([[0, (1 << 63) + 5, 16]])  # destination far out
+        forge([[0, 4090, 16]])  # destination past the end
+        forge([[4090, 0, 16]])  # source past the end
+        forge([[0, 0, 16]], k=2)  # piece count disagrees with the record length
+        forge([[0, 0, 16]], extra=b"x")  # trailing garbage
+        forge([[0, 0, 16]], dst=rid + 4096)  # no such target region
+        forge([[0, 0, 16]], src=sid + 4096)  # no such source region
+        forge([[0, 0, 16]], span=(4000, 200))  # the notification would name bytes outside the region
+        with pytest.raises(WouldBlock):
+            b.poll_notification_nowait()
+        assert b.statistics().extra["bad_records"] == 9 and not target.any()
+        a.put_many(source, region.descriptor(), [0], [8], [8], notify_id=2, defer=True)  # still works
+        assert b.wait_notification(timeout_s=5).notify_id == 2 and target[8:16].tolist() == [9] * 8
+
+
 _DEFER_THEN_DIE = """
 url = sys.argv[1]
 ep = shm.connect(url, timeout_s=10)
