@@ -1,0 +1,33 @@
+"""The QEC bench runs end to end on a tiny code and returns well-formed rows (no speed asserted)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qlink.bench.qec import BENCH_COLUMNS, run_qec_bench
+
+
+@pytest.mark.timeout(180)
+def test_qec_bench_rows_on_a_tiny_code():
+    rows = run_qec_bench(transports=("shm",), distances=(3,), cycle_rounds=1200,
+                         flat_rounds=6000, flat_shots_per_frame=16, ff_shots=50, floor_round_trips=50,
+                         keep_rows=500, progress=lambda _: None)
+    by_t = {r["transport"]: r for r in rows}
+    r = by_t["shm"]
+    assert "note" not in r or not r["note"].startswith("error"), r.get("note")
+    assert set(r) - {"transport_used", "backlog_slope_rounds_per_s", "note"} <= set(BENCH_COLUMNS)
+    assert r["d"] == 3 and r["rounds"] == 4 and r["cycle_rounds"] >= 1200 and r["transport_used"] == "shm"
+    # flat out over the wire and offline decode the same shots: a ratio of two positive rates
+    assert r["flat_shots"] % 16 == 0 and r["flat_shots"] * 4 >= 6000
+    assert r["wire_rounds_per_s"] > 0 and r["wire_vs_offline"] == pytest.approx(
+        r["wire_rounds_per_s"] / r["offline_rounds_per_s"])
+    for suffix in ("", "_1", "_ff"):
+        assert 0 < r[f"reaction_p50_us{suffix}"] <= r[f"reaction_p99_us{suffix}"]
+    shares = [r[f"share_{k}"] for k in ("batch", "transport", "queue", "decode", "other")]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-6)
+    assert r["shots_per_frame"] >= 2 and r["share_batch"] > 0  # several shots per frame: some wait for the last
+    assert r["shots_ff"] == 50 and 0 <= r["deadline_misses_ff"] <= 50
+    assert 0 < r["cpu_service"] and 0 < r["cpu_controller"] and not math.isnan(r["load_1m"])
+    assert isinstance(r["keeps_up"], bool) and isinstance(r["keeps_up_1"], bool)
