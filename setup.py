@@ -11,6 +11,7 @@ setup(
         Extension(
             "transports._ringc",
             sources=["transports/_ringc.c"],
+            depends=["transports/_ringc_put.h"],  # included by _ringc.c
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         )

@@ -111,6 +111,9 @@ try:
     from . import _ringc
 except ImportError:  # the optional C accelerator was not built
     _ringc = None
+if _ringc is not None and not all(hasattr(x, a) for x, a in ((_ringc, "set_stream_copy"), (_ringc, "make_note"),
+                                                               (getattr(_ringc, "Ring", None), "set_pulled"))):
+    _ringc = None  # built from an older source: the pure-Python ring until it is rebuilt
 
 __all__ = [
     "CAPABILITIES",
@@ -174,7 +177,8 @@ def _ring_class(ring_impl: str | None):
     if ring_impl == "c":
         if _ringc is None:
             raise MissingDependencyError(
-                "ring_impl='c' needs the C accelerator transports._ringc, which is not built here; build it with "
+                "ring_impl='c' needs the C accelerator transports._ringc, which is not built here (or was built from "
+                "an older source); build it with "
                 "`python setup.py build_ext --inplace` (needs a C compiler) or pass ring_impl='python'"
             )
         return _ringc.Ring

@@ -425,6 +425,32 @@ def test_ring_implementation_choice(shm_dir, monkeypatch):
         assert b.recv(timeout_s=1) == b"still works"
 
 
+def test_a_stale_c_accelerator_is_not_used(shm_dir):
+    """A _ringc built from an older source (no one-sided fast path) is set aside for the Python ring."""
+    code = textwrap.dedent("""
+        import sys, types
+        stale = types.ModuleType("transports._ringc")
+        stale.Ring = type("Ring", (), {})  # what an old build had: a ring without set_pulled, no make_note
+        sys.modules["transports._ringc"] = stale
+        import numpy as np
+        from transports import shm
+        from qlink.memory import alloc
+        assert shm.ring_impls() == ["python"], shm.ring_impls()
+        lis = shm.listen(sys.argv[1])
+        a = shm.connect(lis.url, timeout_s=5)
+        b = lis.accept(timeout_s=5)
+        region = b.register(alloc(64, dtype=np.uint8))
+        a.put_many(b"abcd", region.descriptor(), [0], [8], [4], notify_id=1)
+        assert b.wait_notification(timeout_s=5).notify_id == 1
+        print(a.statistics().extra["ring_impl"])
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code, _url("stale")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "python"
+
+
 def test_url_and_option_errors(shm_dir):
     with pytest.raises(ValueError, match="name"):
         shm.listen("shm://bad/name")
