@@ -105,6 +105,7 @@ class _Decoder:
         self.u_rid = [0] * cap  # request_id of the frame that completed it
         self.u_ptp = [0] * cap  # that frame's ptp_timestamp
         self.u_in = [0] * cap  # that frame received
+        self.u_ready = [0] * cap  # the service back at receiving (its earlier work done) before that frame
         self.u_done = [0] * cap  # complete, queued for decoding
         self.u_dec0 = [0] * cap  # the decoder call that finished it: start, end, shots in it
         self.u_dec1 = [0] * cap
@@ -113,7 +114,7 @@ class _Decoder:
         self.units_decoded = 0
         self.reset()
 
-    def complete(self, num_shots: int, rid: int, ptp: int, t_in: int, t_done: int) -> None:
+    def complete(self, num_shots: int, rid: int, ptp: int, t_in: int, t_ready: int, t_done: int) -> None:
         """``num_shots`` shots from ``cmp`` on are complete (one unit): stamp it, queue them."""
         cap = self.capacity
         u = self.units
@@ -131,6 +132,7 @@ class _Decoder:
         self.u_rid[j] = rid
         self.u_ptp[j] = ptp
         self.u_in[j] = t_in
+        self.u_ready[j] = t_ready
         self.u_done[j] = t_done
         self.units = u + 1
 

@@ -253,6 +253,7 @@ class DecoderService:
         self.statuses: Counter = Counter()
         self._batch_log2 = [0] * 65  # log2 buckets of shots per decoder call
         self._serve_wall_s = self._serve_cpu_s = 0.0
+        self._t_ready = 0  # when the service last came back to receiving (its earlier work done)
 
     @property
     def counts(self) -> Counter:
@@ -316,7 +317,8 @@ class DecoderService:
                             if ptp:  # the sender's wall-clock (PTP) send stamp
                                 self._rec_wire_in(ptp_now_ns() - ptp)
                             self._enqueue(did, counter, mapping, nbits, rid, ptp, t_in)
-                            self._rec_parse(now_ns() - t_in)
+                            self._t_ready = t = now_ns()
+                            self._rec_parse(t - t_in)
                             return
                 elif fid == _GET_ID:
                     if arg_len == _GET_ARG:
@@ -325,7 +327,8 @@ class DecoderService:
                             if ptp:
                                 self._rec_wire_in(ptp_now_ns() - ptp)
                             self._get(did, rs, reset == 1, rid, ptp, t_in)
-                            self._rec_parse(now_ns() - t_in)
+                            self._t_ready = t = now_ns()
+                            self._rec_parse(t - t_in)
                             return
         self._handle_checked(self._rx_mv[:n], t_in)
 
@@ -357,7 +360,8 @@ class DecoderService:
             self.faults["function_not_served"] += 1
             self._stage(_PLAIN, int(Status.BAD_REQUEST), req.request_id, ptp, t_in, _FN_BAD)
             return
-        self._rec_parse(now_ns() - t_in)
+        self._t_ready = t = now_ns()
+        self._rec_parse(t - t_in)
 
     def _enqueue(self, decoder_id: int, counter: int, mapping_id: int, n: int, rid: int, ptp: int, t_in: int,
                  bits: memoryview | None = None) -> None:
@@ -426,7 +430,7 @@ class DecoderService:
                 d.syn_mv[base:base + nbd] = src
                 if nd & 7:  # pad bits of the last byte are not syndrome bits
                     d.syn_mv[base + nbd - 1] &= (1 << (nd & 7)) - 1
-                d.complete(1, rid, ptp, t_in, now_ns())
+                d.complete(1, rid, ptp, t_in, self._t_ready, now_ns())
                 if d.frames_per_shot is None:
                     d.frames_per_shot = 1
                 self._n_completed += 1
@@ -477,7 +481,7 @@ class DecoderService:
             d.drops_before[:whole - c] = [0] * (whole - c)
         d.drops_before[a] = d.pending_drops
         d.pending_drops = 0
-        d.complete(whole, rid, ptp, t_in, now_ns())
+        d.complete(whole, rid, ptp, t_in, self._t_ready, now_ns())
         d.shots_per_frame = whole
         if d.frames_per_shot is None:
             d.frames_per_shot = 1
@@ -514,7 +518,7 @@ class DecoderService:
         d.frames_in_shot += 1
         if d.filled < d.num_det:
             return
-        d.complete(1, rid, ptp, t_in, now_ns())
+        d.complete(1, rid, ptp, t_in, self._t_ready, now_ns())
         d.filling = False
         if d.frames_per_shot is None:
             d.frames_per_shot = d.frames_in_shot
@@ -798,6 +802,7 @@ class DecoderService:
         for d in self._active:
             d.free = d.ret
         self.stages.settle_some()
+        self._t_ready = now_ns()  # back at receiving: what arrives from now on waits for nothing
 
     def _many_corrections(self, d: _Decoder, slot: int, m: int, bits: int) -> int:
         """Write the corrections of ``m`` shots from ``slot`` on into the answer; return its status."""
@@ -838,7 +843,7 @@ class DecoderService:
                 shots.dropped += end - lo
                 return
             shots.append(d.u_rid[j], d.u_ptp[j], d.u_in[j], d.u_done[j], d.u_dec0[j], d.u_dec1[j], t_out,
-                         d.u_batch[j], 0, hi - lo)
+                         d.u_batch[j], 0, hi - lo, d.u_ready[j])
             lo = hi
 
     def _oversized(self, ep, needed: int, t_in: int) -> None:

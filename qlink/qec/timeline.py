@@ -12,9 +12,9 @@ Two kinds of record, both constant-memory on the hot path:
   add up exactly (both processes read the same monotonic clock).
 
 >>> rec = ShotRecords(SERVICE_SHOT_FIELDS, capacity=2)
->>> rec.append(7, 100, 150, 150, 160, 170, 190, 1, 0, 1)
->>> rec.append(8, 200, 250, 250, 260, 270, 290, 1, 0, 1)
->>> rec.append(9, 0, 0, 0, 0, 0, 0, 0, 0, 1)       # past capacity: counted, not stored
+>>> rec.append(7, 100, 150, 150, 160, 170, 190, 1, 0, 1, 140)
+>>> rec.append(8, 200, 250, 250, 260, 270, 290, 1, 0, 1, 240)
+>>> rec.append(9, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0)    # past capacity: counted, not stored
 >>> len(rec), rec.dropped
 (2, 1)
 >>> rec.array()["in_last_ns"].tolist()
@@ -34,6 +34,7 @@ __all__ = [
     "SERVICE_SHOT_FIELDS",
     "CONTROLLER_SHOT_FIELDS",
     "REACTION_STAGES",
+    "REACTION_PARTS",
     "join_shots",
     "stage_summary",
     "histogram_summary",
@@ -53,6 +54,7 @@ SERVICE_SHOT_FIELDS = (
     ("batch_shots", np.int64),  # shots decoded in the same decoder call
     ("status", np.int64),  # wire.Status answered
     ("shots", np.int64),  # shots the row stands for
+    ("ready_ns", np.int64),  # the service back at receiving, its earlier work done, before that frame
 )
 
 # Controller side, one row per shot.
@@ -71,7 +73,10 @@ CONTROLLER_SHOT_FIELDS = (
 )
 
 # The stages a shot's reaction time splits into, in order (they add up exactly).
-REACTION_STAGES = ("batch", "send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")
+REACTION_STAGES = ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")
+# Parts of two of them, reported beside them: the wait for a frame's later shots (part of
+# send) and the wait for a service busy with earlier work (part of wire_in).
+REACTION_PARTS = {"batch": "send", "ring_wait": "wire_in"}
 
 
 # Below this many values, recording one by one beats a vectorised pass (numpy's fixed
@@ -288,30 +293,37 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
     """Per-shot stage durations (ns) of the shots both sides recorded.
 
     Shots are matched on ``last_request_id`` (a service row may stand for all the shots
-    of its frame); only answered shots (service status OK with a correction applied) are kept. The stages of :data:`REACTION_STAGES` add
-    up to ``reaction`` (= applied − emitted) exactly:
+    of its frame); only answered shots (service status OK with a correction applied) are
+    kept. The stages of :data:`REACTION_STAGES` add up to ``reaction`` (= applied −
+    emitted) exactly:
 
-    batch (emitted → the tick its frame was due: waiting for the frame's later shots;
-    0 with one shot per frame) · send (that tick → handed to the transport) ·
-    wire_in (sent → service received the last frame; includes
-    time in the transport's receive buffer while the service was busy) ·
+    send (emitted → sent) · wire_in (sent → service received the last frame) ·
     queue (received → decode start) · decode · respond (decode end → corrections
     sent; includes waiting for the get_corrections request) · wire_out (sent →
     controller received) · apply (received → applied to the Pauli frame).
 
+    Two of them have a part reported beside them (:data:`REACTION_PARTS`): ``batch``,
+    the part of send spent waiting for the frame's later shots (emitted → the tick the
+    frame was due; 0 with one shot per frame), and ``ring_wait``, the part of wire_in
+    during which the service was still busy with earlier work (sent → the service back
+    at receiving, when that came later): a frame waiting in the transport's buffer for
+    a busy service is queueing, not transport.
+
     >>> c = np.zeros(1, dtype=list(CONTROLLER_SHOT_FIELDS))
     >>> s = np.zeros(1, dtype=list(SERVICE_SHOT_FIELDS))
     >>> c[0] = (0, 5, 1000, 1040, 1100, 1150, 1900, 1950, 1, 0, 1)
-    >>> s[0] = (5, 1100, 1300, 1300, 1400, 1600, 1700, 1, 0, 1)
+    >>> s[0] = (5, 1100, 1300, 1300, 1400, 1600, 1700, 1, 0, 1, 1230)
     >>> st = join_shots(c, s)
     >>> [int(st[k][0]) for k in REACTION_STAGES], int(st["reaction"][0])
-    ([40, 60, 200, 100, 200, 100, 200, 50], 950)
+    ([100, 200, 100, 200, 100, 200, 50], 950)
+    >>> int(st["batch"][0]), int(st["ring_wait"][0])
+    (40, 130)
     """
     c = controller[(controller["status"] == 0) & (controller["applied_ns"] > 0)]
     s = service[service["status"] == 0]
     if len(c) == 0 or len(s) == 0:
         empty = np.zeros(0, dtype=np.int64)
-        return {k: empty for k in (*REACTION_STAGES, "reaction", "shot")}
+        return {k: empty for k in (*REACTION_STAGES, *REACTION_PARTS, "reaction", "shot")}
     order = np.argsort(s["last_request_id"], kind="stable")
     s_sorted = s[order]
     pos = np.searchsorted(s_sorted["last_request_id"], c["last_request_id"])
@@ -319,9 +331,11 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
     hit = s_sorted["last_request_id"][pos] == c["last_request_id"]
     c, m = c[hit], s_sorted[pos[hit]]
     out = {
+        "send": c["sent_last_ns"] - c["emit_last_ns"],
         "batch": c["frame_due_ns"] - c["emit_last_ns"],
-        "send": c["sent_last_ns"] - c["frame_due_ns"],
         "wire_in": m["in_last_ns"] - c["sent_last_ns"],
+        # the service busy with earlier work when the frame was sent: that wait is queueing
+        "ring_wait": np.clip(m["ready_ns"] - c["sent_last_ns"], 0, m["in_last_ns"] - c["sent_last_ns"]),
         "queue": m["decode_start_ns"] - m["in_last_ns"],
         "decode": m["decode_end_ns"] - m["decode_start_ns"],
         "respond": m["out_ns"] - m["decode_end_ns"],
@@ -334,11 +348,13 @@ def join_shots(controller: np.ndarray, service: np.ndarray) -> dict[str, np.ndar
 
 
 def stage_summary(stages: dict[str, np.ndarray]) -> dict:
-    """Per stage: p50 (µs) and share of the mean reaction time; shares sum to 1.
+    """Per stage (and part): p50 (µs) and share of the mean reaction time; shares sum to 1.
 
-    The headline shares: ``transport`` (send + wire_in + wire_out), ``queue`` and
-    ``decode``; ``batch`` is the wait for a frame's later shots (0 with one shot per
-    frame); ``other`` is the service's and controller's own work (respond, apply).
+    The headline shares: ``transport`` (send + wire_in + wire_out, less their parts
+    batch and ring_wait), ``queue`` (ring_wait + queue: waiting for the busy service,
+    then for the decoder) and ``decode``; ``batch`` is the wait for a frame's later
+    shots (0 with one shot per frame); ``other`` is the service's and controller's own
+    work (respond, apply).
     """
     n = len(stages.get("reaction", ()))
     nan = float("nan")
@@ -347,14 +363,15 @@ def stage_summary(stages: dict[str, np.ndarray]) -> dict:
                 "shares": {"batch": nan, "transport": nan, "queue": nan, "decode": nan, "other": nan}}
     total = float(np.mean(stages["reaction"]))
     per = {}
-    for k in REACTION_STAGES:
+    for k in (*REACTION_STAGES, *REACTION_PARTS):
         a = stages[k]
         per[k] = {"p50_us": float(np.percentile(a, 50)) / 1e3, "mean_us": float(np.mean(a)) / 1e3,
                   "share": float(np.mean(a)) / total if total > 0 else nan}
     shares = {
         "batch": per["batch"]["share"],
-        "transport": sum(per[k]["share"] for k in ("send", "wire_in", "wire_out")),
-        "queue": per["queue"]["share"],
+        "transport": sum(per[k]["share"] for k in ("send", "wire_in", "wire_out")) - per["batch"]["share"]
+        - per["ring_wait"]["share"],
+        "queue": per["ring_wait"]["share"] + per["queue"]["share"],
         "decode": per["decode"]["share"],
         "other": per["respond"]["share"] + per["apply"]["share"],
     }
