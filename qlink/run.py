@@ -45,7 +45,7 @@ def main_job(*, out_dir: Path, quick: bool = False, say: Callable[[str], None] =
     say(f"step 1/3: QEC loop and KV transfer on {', '.join(transports)} (results in {out_dir})")
     res = run_cross_domain(transports=transports, distances=(5,) if quick else (5, 11),
                            presets=("llama-3-8b",) if quick else ("llama-3-8b", "llama-3-70b"),
-                           num_shots=500 if quick else 2000, say=say)
+                           num_shots=300 if quick else 1000, say=say)
     rows = res.rows()
     say("step 2/3: cross-domain budget table")
     write_results(rows, out_dir=out_dir, name="cross_domain", meta={"notes": res.notes})
