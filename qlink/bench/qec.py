@@ -112,7 +112,7 @@ def _ratio(a, b) -> float:
     return a / b if a is not None and b else math.nan
 
 
-def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), distances: Iterable[int] = (5, 7, 11, 17),
+def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), distances: Iterable[int] = (5, 7, 11, 17),
                   num_rounds: int | None = None, cycle_rounds: int = 1_000_000, flat_rounds: int = 1_000_000,
                   p: float = 0.001, cycle_ns: int = 1100, decoder: str = "pymatching",
                   flat_shots_per_frame: int = 256, cycle_shots_per_frame: int | None = None,

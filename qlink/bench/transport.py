@@ -36,7 +36,7 @@ _ACK = b"k"
 
 
 def _url_for(scheme: str, tag: str) -> str:
-    if scheme in ("tcp", "ucx"):
+    if scheme in ("tcp", "ucx", "udp"):
         return f"{scheme}://127.0.0.1:0"
     import os
 

@@ -16,6 +16,9 @@ from qlink.errors import QlinkTimeoutError
 __all__ = ["run_service_process", "ServiceProcess", "start_service_process"]
 
 
+_DATAGRAM_IDLE_S = 1.0
+
+
 def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, ready_queue=None,
                         result_queue=None, accept_timeout_s: float = 30.0, timeout_s: float | None = None,
                         service_options: Mapping[str, Any] | None = None, pin_cpu: int | None = None) -> dict:
@@ -52,7 +55,9 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
             ready_queue.put(listener.url)
         ep = listener.accept(timeout_s=accept_timeout_s)
         try:
-            report = service.serve(ep, timeout_s=timeout_s)
+            # A datagram peer cannot say it has left (UDP has no close): end after a quiet second.
+            idle_s = None if ep.capabilities.reliable else _DATAGRAM_IDLE_S
+            report = service.serve(ep, timeout_s=timeout_s, idle_timeout_s=idle_s)
             report["transport"] = ep.capabilities.name
             report["transport_statistics"] = {k: v for k, v in vars(ep.statistics()).items() if k != "extra"}
         finally:

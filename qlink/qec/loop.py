@@ -141,11 +141,11 @@ def resolve_url(transport: str) -> str:
     """
     if "://" in transport:
         return transport
-    if transport in ("tcp", "ucx"):
+    if transport in ("tcp", "ucx", "udp"):
         return f"{transport}://127.0.0.1:0"
     if transport in ("shm", "inproc"):
         return f"{transport}://qlink-loop-{os.getpid()}-{next(_url_counter)}"
-    raise ValueError(f"unknown transport {transport!r}; give a URL or one of tcp, shm, ucx, inproc")
+    raise ValueError(f"unknown transport {transport!r}; give a URL or one of tcp, shm, ucx, udp, inproc")
 
 
 @dataclass(frozen=True)
