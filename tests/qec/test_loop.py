@@ -258,3 +258,17 @@ def test_realtime_loop_scenario_reports_both_modes_and_plots(tmp_path):
     assert saved["config"]["distance"] == 3 and len(saved["ler_deadline"]["t_us"]) > 10
     for png in ("backlog.png", "ler_deadline.png", "reaction_cdf.png"):
         assert (tmp_path / png).stat().st_size > 0
+
+
+def test_the_loop_runs_over_raw_udp_datagrams():
+    """UDP (one CUDA-Q frame per datagram, nothing added): lock-step shots on loopback come back
+    bit-identical to direct decoding, and the service ends the run after the datagram peer goes quiet."""
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    stream = sample_stream(build_source(spec), num_shots=200, seed=5)
+    res = run_loop(transport="udp", source=spec, stream=stream, num_shots=200, warmup_shots=20,
+                   feed_forward_deadline_ns=10_000_000, timeout_s=120)
+    assert res.transport == "udp"
+    assert res.shots_ok + res.shots_dropped == 200
+    assert res.shots_ok >= 190, "loopback lock-step should lose (almost) nothing"
+    if res.shots_dropped == 0:
+        assert np.array_equal(res.controller.corrections, _direct(spec, stream))
