@@ -80,6 +80,13 @@ class _Decoder:
     its unit, so a frame of many shots costs one slice write, not one per field.
     """
 
+    __slots__ = ("id", "compiled", "_decode_bit_packed", "num_det", "num_obs", "nbd", "nbo", "capacity",
+                 "frames_cfg", "syn", "syn_mv", "corr", "corr_mv", "drops_before", "slot_status", "any_failed",
+                 "unit_of", "u_end", "u_rid", "u_ptp", "u_in", "u_ready", "u_done", "u_dec0", "u_dec1", "u_batch",
+                 "units", "units_decoded", "free", "ret", "dec", "cmp", "filling", "filled", "frames_in_shot",
+                 "pending_drops", "discard_frames", "drops_total", "shots_per_frame", "next_counter",
+                 "jump_candidate", "frames_per_shot")
+
     def __init__(self, decoder_id: int, cfg: DecoderConfig) -> None:
         self.id = decoder_id
         self.compiled = compile_decoder(cfg.decoder, cfg.dem)
@@ -141,7 +148,7 @@ class _Decoder:
         return np.asarray(self._decode_bit_packed(bit_packed_detection_event_data=packed), dtype=np.uint8)
 
     def reset(self) -> None:
-        self.free = self.ret = self.dec = self.cmp = getattr(self, "cmp", 0)
+        self.free = self.ret = self.dec = self.cmp = getattr(self, "cmp", 0)  # (unset on the first reset)
         self.units_decoded = self.units
         self.filling = False
         self.filled = 0

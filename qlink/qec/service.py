@@ -202,6 +202,12 @@ class DecoderService:
     call, and stage samples are parked and counted in bulk.
     """
 
+    __slots__ = ("_decoders", "_active", "ack_enqueue", "_ack_all", "_ack_errors", "max_batch_requests",
+                 "max_decode_batch", "_rx", "_rx_mv", "_rx_np", "_tx", "_tx_mv", "_tx_np", "_staged", "_st_plan",
+                 "_peer", "_n_staged", "_ep", "_sendto", "stages", "shots", "_keep", "_counts", "faults", "statuses",
+                 "_batch_log2", "_serve_wall_s", "_serve_cpu_s", "_t_ready",
+                 *(f"_rec_{name}" for name in SERVICE_STAGES), *(attr for _, attr in _HOT_COUNTS))
+
     def __init__(self, configs: Mapping[int, DecoderConfig], *, ack_enqueue: str = "all",
                  max_batch_requests: int = 256, max_decode_batch: int = 4096, keep_samples: int = 0) -> None:
         if ack_enqueue not in _ACK_MODES:
