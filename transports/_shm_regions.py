@@ -47,7 +47,7 @@ import numpy as np
 from qlink.errors import CapabilityError, RegistrationError
 from qlink.memory import Region, RemoteRegion, is_device_array, shared_fd_of
 
-__all__ = ["LocalRegions", "PeerRegions", "TABLE_SLOTS", "TABLE_NBYTES", "C_WORDS"]
+__all__ = ["LocalRegions", "PeerRegions", "TABLE_SLOTS", "TABLE_NBYTES", "C_WORDS", "MAX_OFFERED_FDS"]
 
 TABLE_SLOTS = 4096
 _SLOT_BITS = 12
@@ -56,6 +56,7 @@ TABLE_NBYTES = TABLE_SLOTS * _SLOT_WORDS * 8
 _MASK = TABLE_SLOTS - 1
 _ACTIVE, _SHARED = 1, 2
 C_WORDS = 4  # words per slot of LocalRegions.c_table: state, nbytes, address, spare
+MAX_OFFERED_FDS = 256  # memfds of the peer's regions held before they are mapped (each is an open fd)
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -158,13 +159,19 @@ class PeerRegions:
         self.before_map = None  # called before mapping a region (the endpoint collects offered memfds)
 
     def offer_fd(self, rid: int, fd: int) -> None:
-        """Take ownership of the memfd the peer sent for its region ``rid``."""
+        """Take ownership of the memfd the peer sent for its region ``rid`` (at most
+        ``MAX_OFFERED_FDS`` are kept unmapped; past that, regions are mapped through /proc)."""
         old = self._offered.pop(rid, None)
         if old is not None:
             os.close(old)
-        if len(self._offered) >= TABLE_SLOTS:  # a peer flooding us: keep the newest
-            os.close(self._offered.pop(next(iter(self._offered))))
+        if len(self._offered) >= MAX_OFFERED_FDS:  # first those the peer deregistered, then the oldest
+            for r in [r for r in self._offered if not self._active(r)] or [next(iter(self._offered))]:
+                os.close(self._offered.pop(r))
         self._offered[rid] = fd
+
+    def _active(self, rid: int) -> bool:
+        state = self._q[(rid & _MASK) * _SLOT_WORDS]
+        return state >> 32 == rid and bool(state & _ACTIVE)
 
     @property
     def words(self) -> memoryview:

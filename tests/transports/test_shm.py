@@ -942,6 +942,23 @@ def test_a_deferred_put_outlives_its_sigkilled_initiator(shm_dir):
             _kill(p)
 
 
+def test_memfds_handed_over_are_bounded_and_puts_still_land(shm_dir):
+    """Each alloc() region registered hands its memfd to the peer; the peer keeps a bounded number
+    unmapped (then maps through /proc), so a peer registering many regions cannot exhaust our fds."""
+    from transports._shm_regions import MAX_OFFERED_FDS
+
+    lis, a, b = _pair("many-fds")
+    with lis, a, b:
+        targets = [alloc(64, dtype=np.uint8) for _ in range(MAX_OFFERED_FDS + 20)]
+        regions = [b.register(t) for t in targets]
+        for i in (0, len(regions) // 2, len(regions) - 1):
+            a.put(bytes([i % 251 + 1]) * 8, regions[i].descriptor(), offset=8, notify_id=i)
+            assert b.wait_notification(timeout_s=5).notify_id == i
+            assert targets[i][8:16].tolist() == [i % 251 + 1] * 8
+        assert len(a._peer._offered) <= MAX_OFFERED_FDS
+        assert a.statistics().extra["zero_copy_puts"] == 3 and a.statistics().extra["zero_copy_unavailable"] == 0
+
+
 @pytest.mark.timeout(60)
 def test_endpoints_dropped_without_close_are_collected(shm_dir):
     """The C path holds buffers of the connection's tables and of mapped regions: an endpoint left to
