@@ -261,8 +261,10 @@ class Endpoint(abc.ABC):
         return len(pieces)
 
     def flush(self, *, timeout_s: float | None = None) -> None:
-        """Wait until every put this side made has moved its bytes (deferred ones included);
-        their sources may be reused from then on. Here every put completes before it returns."""
+        """Wait until the sources of every put this side made may be reused (deferred puts
+        included). This default returns at once: without deferred puts, ``put`` and
+        ``put_many`` return only once their source is free again (the bytes may still be on
+        their way; the target's Notification says when they have landed)."""
         self._check_open()
 
     def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
