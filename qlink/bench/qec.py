@@ -26,7 +26,10 @@ For each transport and code distance:
   machine's 1-minute load average when the row started (``load_1m``) and, for the
   throughput run, the CPU time each busy-polling side got over its wall time
   (``cpu_service``, ``cpu_controller``: well below 1, it was descheduled — these
-  figures are only as good as the two cores were free).
+  figures are only as good as the two cores were free), the share of its wall time
+  the service was busy rather than polling (``service_busy``) and an estimate of the
+  CPU time that took per round decoded (``service_cpu_ns_per_round``: what it needs
+  of its core per round, beside the ``cycle_ns`` the cycle gives it).
 
 A service batches every shot that is complete when it has drained the transport into
 one decoder call: that is what lets it keep up when shots arrive faster than one
@@ -59,7 +62,9 @@ BENCH_COLUMNS = [
     "backlog_max_rounds", "backlog_growth_rounds", "late_frames", "emit_lag_p99_us",
     "reaction_p50_us", "reaction_p99_us", "reaction_p999_us",
     "share_batch", "share_transport", "share_queue", "share_decode", "share_other",
-    "mean_decode_batch", "decode_per_shot_p50_us", "cpu_service", "cpu_controller", "ler",
+    "mean_decode_batch", "decode_per_shot_p50_us", "cpu_service", "cpu_controller", "service_busy",
+    "service_cpu_ns_per_round",
+    "ler",
     # at the cycle, one shot per frame (the latency configuration)
     "keeps_up_1", "cycle_rounds_per_s_1", "backlog_max_rounds_1", "late_frames_1",
     "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1",
@@ -105,6 +110,15 @@ def _cycle_figures(res, suffix: str) -> dict:
         # CPU time each busy-polling side got over its wall time: well below 1, it was descheduled
         f"cpu_service{suffix}": _ratio(res.service.get("serve_cpu_s"), res.service.get("serve_wall_s")),
         f"cpu_controller{suffix}": _ratio(res.controller.cpu_ns, res.controller.duration_ns),
+        # the share of its wall time the service was busy (not polling an empty transport),
+        # and the CPU that busy time took per round decoded, estimated as busy time x its CPU
+        # share (warm-up on both sides of the ratio): below cycle_ns it could keep up given
+        # its core, whatever the load did
+        f"service_busy{suffix}": _ratio(res.service.get("serve_busy_s"), res.service.get("serve_wall_s")),
+        f"service_cpu_ns_per_round{suffix}": _ratio(
+            1e9 * (res.service.get("serve_busy_s") or 0)
+            * _ratio(res.service.get("serve_cpu_s"), res.service.get("serve_wall_s")),
+            res.service.get("counts", {}).get("shots_decoded", 0) * res.num_rounds),
     }
 
 

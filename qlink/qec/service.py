@@ -205,7 +205,7 @@ class DecoderService:
     __slots__ = ("_decoders", "_active", "ack_enqueue", "_ack_all", "_ack_errors", "max_batch_requests",
                  "max_decode_batch", "_rx", "_rx_mv", "_rx_np", "_tx", "_tx_mv", "_tx_np", "_staged", "_st_plan",
                  "_peer", "_n_staged", "_ep", "_sendto", "stages", "shots", "_keep", "_counts", "faults", "statuses",
-                 "_batch_log2", "_serve_wall_s", "_serve_cpu_s", "_t_ready",
+                 "_batch_log2", "_serve_wall_s", "_serve_cpu_s", "_t_ready", "_busy_ns",
                  *(f"_rec_{name}" for name in SERVICE_STAGES), *(attr for _, attr in _HOT_COUNTS))
 
     def __init__(self, configs: Mapping[int, DecoderConfig], *, ack_enqueue: str = "all",
@@ -260,6 +260,7 @@ class DecoderService:
         self._batch_log2 = [0] * 65  # log2 buckets of shots per decoder call
         self._serve_wall_s = self._serve_cpu_s = 0.0
         self._t_ready = 0  # when the service last came back to receiving (its earlier work done)
+        self._busy_ns = 0  # wall time from each batch's first frame in to its answers out
 
     @property
     def counts(self) -> Counter:
@@ -918,15 +919,20 @@ class DecoderService:
                     except WouldBlock:
                         break
                     except BufferTooSmallError as e:
-                        self._oversized(endpoint, e.needed_nbytes, now_ns())
+                        t = now_ns()
+                        self._oversized(endpoint, e.needed_nbytes, t)
                     else:
-                        handle(n, now_ns())
+                        t = now_ns()
+                        handle(n, t)
+                    if not n_batch:
+                        t_busy = t  # the first frame of this batch is in: busy from here to the flush's end
                     n_batch += 1
                     if max_requests is not None and handled + n_batch >= max_requests:
                         break
                 if n_batch:
                     handled += n_batch
                     self._flush()
+                    self._busy_ns += self._t_ready - t_busy
                     backoff.reset()
                     idle_since = None
                     if max_requests is not None and handled >= max_requests:
@@ -972,6 +978,7 @@ class DecoderService:
             "ack_enqueue": self.ack_enqueue,
             "serve_wall_s": self._serve_wall_s,
             "serve_cpu_s": self._serve_cpu_s,
+            "serve_busy_s": self._busy_ns / 1e9,  # of the wall time: handling, decoding, answering
             "decoders": {
                 str(d.id): {"num_detectors": d.num_det, "num_observables": d.num_obs, "capacity_shots": d.capacity,
                             "frames_per_shot": d.frames_per_shot, "backlog_shots": d.cmp - d.ret}
