@@ -18,7 +18,8 @@ For each transport and code distance:
   stay flat (``keeps_up``, see :class:`qlink.qec.loop.LoopResult`), the reaction time
   (the tick of a shot's last round → its correction applied) p50/p99/p99.9 (goal at
   d=5: p50 ≤ 63 µs, Willow's average), and its shares: ``batch`` (waiting for the
-  frame's later shots), ``transport`` (send + wire both ways), ``queue``, ``decode``;
+  frame's later shots), ``transport`` (the controller's send and the wire both ways),
+  ``queue`` (waiting for a busy service, then for the decoder), ``decode``;
 * **lock-step** — the controller waits for each shot's correction before the next
   (a feed-forward with a 63 µs deadline): the reaction time without any backlog,
   and how many shots miss the deadline;
