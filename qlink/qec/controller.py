@@ -349,6 +349,10 @@ class Controller:
         self.max_gets_in_flight = max_gets_in_flight
         self.get_window_shots = int(window)
         self.spin_guard_ns = 3_000  # stop polling for answers this close to a tick
+        # Behind schedule every frame is already due, so the loop would never reach its
+        # polls: read answers anyway, at most once per this long (a real controller reads
+        # them on hardware of its own; an answer must not wait for the emission to end).
+        self.late_poll_ns = 20_000
         self.reveal_gap_after_ns = int(reveal_gap_after_ns)  # NOT_READY this long after the last frame
         self.get_timeout_ns = int(get_timeout_ns)  # a get_corrections unanswered this long is presumed lost
         self._backlog_cap = max(1, int(backlog_samples))
@@ -519,6 +523,8 @@ class Controller:
         self._get_rid = 0
         late = 0
         spin_guard = self.spin_guard_ns
+        late_poll = self.late_poll_ns
+        last_poll = 0
         throttled = 0
         inflight_cap = self.max_in_flight_shots
         max_lag = 0
@@ -547,6 +553,10 @@ class Controller:
                     f"controller run exceeded timeout_s={timeout_s}: {self._resolved}/{N} shots answered, "
                     f"{a}/{N} shots emitted")
             if g < G and due - now < spin_guard:
+                if now - last_poll > late_poll and now > due and self._gets:
+                    poll()  # behind schedule with answers to come
+                    last_poll = now
+                    continue
                 # the next tick is close: stop polling and watch the clock alone
                 while now < due:
                     now = now_ns()
@@ -610,6 +620,7 @@ class Controller:
                     due = group_base + due_c * cyc
                 continue
             poll()
+            last_poll = now
         t_end = now_ns()
         self._counter = self._counter_first + G * F + self._extra_frames
         self._rid = (self._rid_first + G * F + self._extra_frames) & 0x7FFFFFFF
