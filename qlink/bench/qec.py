@@ -185,6 +185,13 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
                 rows.append(row)
                 continue
             try:
+                # whole shots per frame: no more than one message of this transport holds
+                import transports as _transports
+
+                max_msg = _transports.capabilities(t).max_message_bytes
+                fit = max(1, (max_msg - wire.enqueue_syndromes_nbytes(0)) * 8 // nd)
+                kf, kc = min(k_flat, fit), min(k_cyc, fit)
+                row.update(flat_shots_per_frame=kf, shots_per_frame=kc)
                 if t not in floors:
                     from .transport import round_trip_ns
 
@@ -193,13 +200,13 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
                 row["floor_rt_p50_us"] = floors[t] / 1e3
                 common = dict(transport=t, source=spec, decoder=decoder, rounds_per_frame=0, timeout_s=600,
                               pin_cpus=True)
-                flat = run_loop(cycle_ns=1, shots_per_frame=k_flat, warmup_shots=2 * k_flat, stream=flat_stream,
-                                num_shots=flat_stream.num_shots, max_in_flight_shots=max_in_flight_frames * k_flat,
-                                keep_samples=0, capacity_shots=max(1024, 2 * max_in_flight_frames * k_flat),
+                flat = run_loop(cycle_ns=1, shots_per_frame=kf, warmup_shots=2 * kf, stream=flat_stream,
+                                num_shots=flat_stream.num_shots, max_in_flight_shots=max_in_flight_frames * kf,
+                                keep_samples=0, capacity_shots=max(1024, 2 * max_in_flight_frames * kf),
                                 **common)
                 row["wire_rounds_per_s"] = flat.decoded_rounds_per_s
                 row["wire_vs_offline"] = flat.decoded_rounds_per_s / offline
-                cyc = run_loop(cycle_ns=cycle_ns, shots_per_frame=k_cyc, warmup_shots=max(200, 2 * k_cyc),
+                cyc = run_loop(cycle_ns=cycle_ns, shots_per_frame=kc, warmup_shots=max(200, 2 * kc),
                                stream=stream, num_shots=shots, keep_samples=keep, capacity_shots=max(1024, shots),
                                **common)
                 row.update(_cycle_figures(cyc, ""))
@@ -227,8 +234,8 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
                             "deadline_misses_ff": ff.deadline_misses, "shots_ff": n_ff})
                 say(f"  {t} (load {row['load_1m']:.1f}; CPU share service {row['cpu_service']:.2f} "
                     f"controller {row['cpu_controller']:.2f}): flat out {row['wire_rounds_per_s'] / 1e6:.2f} M rounds/s "
-                    f"({100 * row['wire_vs_offline']:.0f} % of offline, {k_flat} shots/frame); at the cycle: "
-                    f"{k_cyc} shots/frame keeps up {cyc.keeps_up} ({cyc.decoded_rounds_per_s / 1e3:.0f} k rounds/s), "
+                    f"({100 * row['wire_vs_offline']:.0f} % of offline, {kf} shots/frame); at the cycle: "
+                    f"{kc} shots/frame keeps up {cyc.keeps_up} ({cyc.decoded_rounds_per_s / 1e3:.0f} k rounds/s), "
                     f"reaction p50 {row['reaction_p50_us']:.1f} us p99 {row['reaction_p99_us']:.1f} us; "
                     f"1 shot/frame keeps up {lat.keeps_up}, reaction p50 {row['reaction_p50_us_1']:.1f} us "
                     f"p99 {row['reaction_p99_us_1']:.1f} us; lock-step p50 {row['reaction_p50_us_ff']:.1f} us "

@@ -717,9 +717,12 @@ class Controller:
         k = self._num_groups * (len(self._frames) if self.shots_per_frame == 1 else 1) + self._extra_frames
         _COUNTER.pack_into(t, _COUNTER_OFFSET, self._counter_first + k)
         _HDR_IDS.pack_into(t, _HDR_IDS_OFFSET, (self._rid_first + k) & 0x7FFFFFFF, ptp_now_ns())
+        try:
+            self.ep.send_nowait(t)  # (called from a poll: never wait; the stall repeats it)
+        except WouldBlock:
+            return
         self._extra_frames += 1
         self._gap_revealed = True
-        self._send(t, self._deadline)
 
     def _sample_backlog(self, t: int, rounds_emitted: int) -> None:
         i = self._bl_n
@@ -729,7 +732,10 @@ class Controller:
             self._bl_n = i + 1
 
     def _top_up(self, t: int) -> None:
-        """Keep every shot whose syndromes are out covered by a get_corrections in flight."""
+        """Keep every shot whose syndromes are out covered by a get_corrections in flight.
+
+        Never waits: with the transport full, the ask waits for the next poll (waiting here
+        would mean polling here, and a poll tops up)."""
         if t < self._repoll_due:
             return
         k = self.get_window_shots
@@ -740,12 +746,15 @@ class Controller:
             u = self._resolved + self._claimed
             m = min(k, self._asked - u)
             rid = _GET_BIT | self._get_rid
-            self._get_rid = (self._get_rid + 1) & 0x7FFFFFFF
             _GET_RETURN.pack_into(self._get, _GET_RETURN_OFFSET, m * self._no)
             _HDR_IDS.pack_into(self._get, _HDR_IDS_OFFSET, rid, ptp_now_ns())
+            try:
+                self.ep.send_nowait(self._get)
+            except WouldBlock:
+                return
+            self._get_rid = (self._get_rid + 1) & 0x7FFFFFFF
             self._gets[rid] = (m, t)
             self._claimed += m
-            self._send(self._get, self._deadline)
             self._asks.append((u, m, t))
 
     def _poll_once(self) -> None:
