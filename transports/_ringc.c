@@ -793,6 +793,8 @@ static PyMethodDef fp_methods[] = {
     {"forget_remote", (PyCFunction)fp_forget_remote, METH_O, "forget_remote(region_id)"},
     {"cache_source", (PyCFunction)fp_cache_source, METH_VARARGS, "cache_source(region_id, state, view)"},
     {"cache_home", (PyCFunction)fp_cache_home, METH_O, "cache_home(region_id)"},
+    {"pull_head", (PyCFunction)fp_pull_head, METH_NOARGS,
+     "pull_head() -> Notification / True / None: carry out the PUT_PULL record at the head of the ring"},
     {"counters", (PyCFunction)fp_counters, METH_NOARGS,
      "counters() -> (puts, put_bytes, zero_copy_puts, gathered_puts, notifications, pulled_bytes, deferred_puts) "
      "done in C"},

@@ -985,6 +985,30 @@ slow:
     return forward(f, f->os == NULL ? NULL : nowait ? f->os->slow_poll : f->os->slow_wait, args, nargsf, kwnames);
 }
 
+/* pull_head() -> the Notification when the PUT_PULL record at the head of rx was a put's last
+ * and has been carried out here, True for an earlier record carried out, None when Python must
+ * handle it (anything C does not: see take_pull). For the endpoint's Python receive path, which
+ * meets these records while it looks for a message. */
+static PyObject *fp_pull_head(FastPathObject *f, PyObject *Py_UNUSED(ignored)) {
+    struct one_sided *o = f->os;
+    RingObject *rx = f->rx;
+    if (o == NULL || o->released || !rx->has_buf)
+        Py_RETURN_NONE;
+    rec_hdr h;
+    uint64_t pos;
+    if (head_record(rx, &h, &pos) != 1 || h.kind != KIND_PUT_PULL)
+        Py_RETURN_NONE;
+    PyObject *note = NULL;
+    int r = take_pull(f, &h, pos, &note);
+    if (r < 0)
+        return NULL;
+    if (r == 2)
+        return note;
+    if (r == 1)
+        Py_RETURN_TRUE;
+    Py_RETURN_NONE;
+}
+
 static PyObject *fp_wait_notification(FastPathObject *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     return note_impl(f, args, nargsf, kwnames, 0);
 }

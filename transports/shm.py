@@ -818,7 +818,8 @@ class ShmEndpoint(Endpoint):
                 self._counters.errors += 1
             rx.consume()
         elif kind == KIND_PUT_PULL:
-            note = self._apply_pull(n, off)
+            done = self._fast.pull_head() if self._fast is not None and _C_NOTES else None
+            note = self._apply_pull(n, off) if done is None else None if done is True else done
             if note is not None:
                 self._notes.append(note)
         elif kind == KIND_CORRUPT:

@@ -770,6 +770,30 @@ def test_deferred_put_many_is_pulled_by_the_target(shm_dir, impl, kind):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_receive_that_meets_deferred_puts_carries_them_out(shm_dir, impl):
+    """recv() looking for a message past PUT_PULL records copies them (in C once mapped) and
+    keeps their notifications for wait_notification."""
+    lis, a, b = _pair("pull-recv", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(1 << 16, dtype=np.uint8)
+        region = b.register(target)
+        source = alloc(1 << 16, dtype=np.uint8)
+        source[:] = np.frombuffer(_payload(1 << 16, 9), dtype=np.uint8)
+        a.register(source)
+        for rep in range(3):
+            for k in range(4):
+                a.put_many(source, region.descriptor(), [k * 4096], [k * 4096 + 8], [4096], notify_id=k, defer=True)
+            a.send(b"after the puts")
+            assert b.recv(timeout_s=5) == b"after the puts"
+            assert target[8:8 + 4 * 4096].tobytes() == source[:4 * 4096].tobytes()
+            assert [b.poll_notification_nowait().notify_id for _ in range(4)] == [0, 1, 2, 3]
+            a.flush(timeout_s=5)
+        python_pulled = b._x["pulled_bytes"]  # what the Python path copied (the C path counts apart)
+        assert python_pulled == (3 * 4 * 4096 if impl == "python" else 4096)  # C: all but the first, which maps
+        assert b.statistics().extra["pulled_bytes"] == 3 * 4 * 4096
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_deferred_put_larger_than_a_record_is_one_notification(shm_dir, impl):
     lis, a, b = _pair("pull-big", ring_impl=impl, ring_nbytes=1 << 12)  # ~40 pieces per record
     with lis, a, b:
