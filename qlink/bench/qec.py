@@ -15,7 +15,8 @@ For each transport and code distance:
   configuration; answers carry several shots only while the decoder is behind) and
   once with ``shots_per_frame`` shots per frame (enough to span ``frame_period_ns``:
   the throughput configuration). Does the backlog (rounds emitted − rounds answered)
-  stay flat (``keeps_up``, see :class:`qlink.qec.loop.LoopResult`), the reaction time
+  stay flat (``backlog_flat``: the decoder side) with the controller on its clock too
+  (``keeps_up``; see :class:`qlink.qec.loop.LoopResult`), the reaction time
   (the tick of a shot's last round → its correction applied) p50/p99/p99.9 (goal at
   d=5: p50 ≤ 63 µs, Willow's average), and its shares: ``batch`` (waiting for the
   frame's later shots), ``transport`` (the controller's send and the wire both ways),
@@ -59,7 +60,7 @@ BENCH_COLUMNS = [
     # flat out vs offline, on the same shots
     "flat_shots", "flat_shots_per_frame", "offline_rounds_per_s", "wire_rounds_per_s", "wire_vs_offline",
     # at the cycle, several shots per frame (the throughput configuration)
-    "cycle_rounds", "required_rounds_per_s", "shots_per_frame", "keeps_up", "cycle_rounds_per_s",
+    "cycle_rounds", "required_rounds_per_s", "shots_per_frame", "keeps_up", "backlog_flat", "cycle_rounds_per_s",
     "backlog_max_rounds", "backlog_growth_rounds", "late_frames", "emit_lag_p99_us",
     "reaction_p50_us", "reaction_p99_us", "reaction_p999_us",
     "share_batch", "share_transport", "share_queue", "share_decode", "share_other",
@@ -67,7 +68,7 @@ BENCH_COLUMNS = [
     "service_cpu_ns_per_round",
     "ler",
     # at the cycle, one shot per frame (the latency configuration)
-    "keeps_up_1", "cycle_rounds_per_s_1", "backlog_max_rounds_1", "late_frames_1",
+    "keeps_up_1", "backlog_flat_1", "cycle_rounds_per_s_1", "backlog_max_rounds_1", "late_frames_1",
     "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1",
     "share_transport_1", "share_queue_1", "share_decode_1",
     # lock-step: the controller waits for each shot's correction (feed-forward), no backlog
@@ -100,7 +101,8 @@ def _mean_batch(service_report: dict) -> float:
 
 def _cycle_figures(res, suffix: str) -> dict:
     return {
-        f"keeps_up{suffix}": res.keeps_up, f"backlog_max_rounds{suffix}": res.backlog_max_rounds,
+        f"keeps_up{suffix}": res.keeps_up, f"backlog_flat{suffix}": res.backlog_flat,
+        f"backlog_max_rounds{suffix}": res.backlog_max_rounds,
         f"cycle_rounds_per_s{suffix}": res.decoded_rounds_per_s,
         f"late_frames{suffix}": res.late_frames, f"reaction_p50_us{suffix}": res.reaction_p50_ns / 1e3,
         f"reaction_p99_us{suffix}": res.reaction_p99_ns / 1e3, f"reaction_p999_us{suffix}": res.reaction_p999_ns / 1e3,

@@ -184,10 +184,11 @@ class LoopResult:
     backlog_slope_rounds_per_s: float  # fitted over the second half of the emission
     backlog_growth_rounds: float  # that slope times that half's duration
     emit_lag_p99_ns: float  # how late the controller sent its frames (p99)
-    keeps_up: bool
+    keeps_up: bool  # the decoder kept up (backlog_flat) and the controller kept its clock
     controller: ControllerResult = field(repr=False)
     service: dict = field(repr=False)
     modeled_controller_ns: dict = field(default_factory=dict)
+    backlog_flat: bool = False  # the decoder side alone: nothing dropped, the backlog did not grow
 
     @property
     def backlog_trace(self) -> tuple[np.ndarray, np.ndarray]:
@@ -219,7 +220,7 @@ class LoopResult:
             "required_rounds_per_s": self.required_rounds_per_s, "backlog_max_rounds": self.backlog_max_rounds,
             "backlog_slope_rounds_per_s": self.backlog_slope_rounds_per_s,
             "backlog_growth_rounds": self.backlog_growth_rounds, "emit_lag_p99_us": self.emit_lag_p99_ns / 1e3,
-            "keeps_up": self.keeps_up,
+            "keeps_up": self.keeps_up, "backlog_flat": self.backlog_flat,
             "deadline_misses": self.deadline_misses,
         }
 
@@ -420,8 +421,8 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
     # Keeping up: nothing dropped; the controller itself on its clock (p99 lag within one
     # frame interval); and a backlog that grew, over the second half of the emission, by
     # no more than 4 frames' worth of rounds plus 5 % of the rounds emitted meanwhile.
-    keeps_up = bool(cres.shots_dropped == 0 and lag_p99 <= frame_interval_ns
-                    and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s)
+    backlog_flat = bool(cres.shots_dropped == 0 and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s)
+    keeps_up = backlog_flat and lag_p99 <= frame_interval_ns
     return LoopResult(
         transport=transport_name, basis="modeled" if transport_name.startswith("emulated") else "measured",
         url=url, decoder=decoder, source=dict(spec), num_shots=cres.num_shots,
@@ -434,6 +435,6 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
         decoded_rounds_per_s=cres.decoded_rounds_per_s, required_rounds_per_s=required,
         backlog_final_rounds=int(bl_v[-1]) if len(bl_v) else 0, backlog_max_rounds=int(bl_v.max()) if len(bl_v) else 0,
         backlog_slope_rounds_per_s=slope, backlog_growth_rounds=growth, emit_lag_p99_ns=lag_p99,
-        keeps_up=keeps_up, controller=cres, service=srep,
+        keeps_up=keeps_up, backlog_flat=backlog_flat, controller=cres, service=srep,
         modeled_controller_ns=dict(cres.modeled_controller_ns),
     )

@@ -161,6 +161,7 @@ def test_loop_result_reports_stages_backlog_and_ler_under_a_deadline():
     assert res.required_rounds_per_s == pytest.approx(1e9 / 1100)
     summary = res.summary()
     assert summary["transport"] == "tcp" and summary["shots"] == 400
+    assert res.keeps_up <= res.backlog_flat  # keeping up needs a flat backlog (and the controller on time)
     svc = res.service_stage_summary()
     assert {"decode", "queue", "residence"} <= set(svc)
 
