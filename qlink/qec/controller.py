@@ -733,10 +733,21 @@ class Controller:
         self._gap_revealed = True
 
     def _sample_backlog(self, t: int, rounds_emitted: int) -> None:
+        """Rounds the QPU has produced by ``t`` and no correction has answered yet.
+
+        On the plain schedule (no throttle, no feed-forward) that counts every round whose
+        tick has passed, sent or not: a controller held back by a full transport, or late,
+        does not make the backlog look smaller than the QPU's."""
         i = self._bl_n
         if i < self._backlog_cap:
+            R = self.stream.num_rounds
+            produced = rounds_emitted
+            if self.ff_deadline_ns is None and self.max_in_flight_shots is None:
+                cyc = self.cycle_ns
+                ticked = (t - self._t0 - R * cyc) // (self._period_cycles * cyc) + 1  # shots whose last round is out
+                produced = max(produced, min(max(ticked, 0), self.stream.num_shots) * R)
             self._bl_t[i] = t
-            self._bl_v[i] = rounds_emitted - self._resolved * self.stream.num_rounds
+            self._bl_v[i] = produced - self._resolved * R
             self._bl_n = i + 1
 
     def _top_up(self, t: int) -> None:

@@ -37,7 +37,7 @@ def test_a_transport_that_stays_full_makes_the_controller_wait_not_recurse():
         th.start()
         ep = transports.connect(url, ring_nbytes=4096)  # a few dozen frames fill it
         try:
-            runs = [Controller(ep, stream.take(150), cycle_ns=1, rounds_per_frame=0)]
+            runs = [Controller(ep, stream.take(150), cycle_ns=1100, rounds_per_frame=0)]
             first = runs[0].run(timeout_s=60)
             # a second controller on the same connection continues the counters
             runs.append(Controller(ep, stream, cycle_ns=1, rounds_per_frame=0, counter_start=runs[0].counter,
@@ -49,5 +49,8 @@ def test_a_transport_that_stays_full_makes_the_controller_wait_not_recurse():
     expected = np.asarray(compile_decoder("pymatching", src.dem).decode_shots_bit_packed(
         np.packbits(stream.detectors, axis=1, bitorder="little")))
     assert first.shots_ok == 150 and np.array_equal(first.corrections, expected[:150])
+    # the shots whose ticks passed while the transport was full count in the backlog, sent or
+    # not (every tick had passed when the service woke: 150 shots of 4 rounds, a few answered)
+    assert first.backlog_rounds.max() >= 130 * 4 and first.late_frames > 100
     assert second.shots_ok == 300 and np.array_equal(second.corrections, expected)
     assert out["report"]["counts"]["shots_decoded"] == 450 and not out["report"]["faults"]
