@@ -861,7 +861,6 @@ static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
         return NULL;
     rx->tail += REC_HDR + align16(h->nbytes);
     st_rel(rx->hdr + OFF_TAIL, rx->tail);
-    o->notifications++;
     return note;
 }
 
@@ -933,7 +932,6 @@ static int take_pull(FastPathObject *f, const rec_hdr *h, uint64_t pos, PyObject
         if (total >= FENCE_COPY_NBYTES)
             store_fence();
         st_rel(rx->hdr + OFF_PULLED, seq); /* the initiator may reuse its source from here on */
-        o->notifications++;
         return 2;
     }
     return 1;
@@ -966,6 +964,8 @@ static PyObject *note_impl(FastPathObject *f, PyObject *const *args, size_t narg
             break;
         if (h.kind == KIND_PUT_DONE) {
             PyObject *note = take_note(f, &h, pos);
+            if (note != NULL)
+                o->notifications++; /* delivered here; pull_head's go through Python's queue and count there */
             if (note != NULL || PyErr_Occurred())
                 return note;
             break;
@@ -976,8 +976,10 @@ static PyObject *note_impl(FastPathObject *f, PyObject *const *args, size_t narg
         int r = take_pull(f, &h, pos, &note);
         if (r < 0)
             return NULL;
-        if (r == 2)
+        if (r == 2) {
+            o->notifications++;
             return note;
+        }
         if (r == 0)
             break;
     }

@@ -487,13 +487,17 @@ def backpressure_run(*, transport: str = "tcp", capacity_shots: int = 32, num_sh
     finally:
         sys.setswitchinterval(old)
         rep = st.close()
-    bl = res.backlog_rounds
+    bl, bt = res.backlog_rounds, res.backlog_t_ns
+    # the slope while the QPU is still emitting rounds: after the last tick the backlog can
+    # only drain, and a controller held back by a full transport makes that tail long
+    emitting = bt <= num_shots * stream.num_rounds * cycle_ns
+    bl_e, bt_e = (bl[emitting], bt[emitting]) if emitting.sum() > 3 else (bl, bt)
     return {"shots": num_shots, "capacity_shots": capacity_shots, "decoded": res.shots_ok,
             "reported_lost": res.shots_dropped, "failed": res.shots_failed,
             "busy_answers": res.statuses.get("enqueue.BUSY", 0), "max_decode_batch": max(seen) if seen else 0,
             "decode_calls": len(seen), "backlog_max_rounds": int(bl.max()) if bl.size else 0,
             "backlog_first_rounds": int(bl[0]) if bl.size else 0,
-            "backlog_slope_rounds_per_s": float(np.polyfit(res.backlog_t_ns / 1e9, bl, 1)[0]) if bl.size > 3 else 0.0,
+            "backlog_slope_rounds_per_s": float(np.polyfit(bt_e / 1e9, bl_e, 1)[0]) if bl_e.size > 3 else 0.0,
             "accounted_pct": 100.0 * (res.shots_ok + res.shots_dropped + res.shots_failed) / num_shots,
             "service_refused_busy": rep.get("counts", {}).get("shots_refused_busy", 0),
             "service_queue_full": rep.get("faults", {}).get("queue_full", 0),

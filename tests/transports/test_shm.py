@@ -791,6 +791,7 @@ def test_a_receive_that_meets_deferred_puts_carries_them_out(shm_dir, impl):
         python_pulled = b._x["pulled_bytes"]  # what the Python path copied (the C path counts apart)
         assert python_pulled == (3 * 4 * 4096 if impl == "python" else 4096)  # C: all but the first, which maps
         assert b.statistics().extra["pulled_bytes"] == 3 * 4 * 4096
+        assert b.statistics().notifications == 3 * 4  # each counted once, wherever it was carried out
 
 
 @pytest.mark.parametrize("impl", IMPLS)
