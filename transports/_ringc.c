@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <sched.h>
 #include <string.h>
+#include <time.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the qlink ring layout is little-endian; this build target is not"
@@ -573,6 +574,11 @@ typedef struct {
     PyObject *slow_recv;
     long spin_iters;
     int rx_clean;
+    /* a send or put that finds this deadline passed goes through the Python path, which
+     * looks at the peer's socket first: a sender into a dead peer learns of it within
+     * peer_check_ns even when its messages still fit the ring */
+    uint64_t next_peer_check_ns;
+    uint64_t peer_check_ns;
     /* one-sided put / notifications (enable_one_sided); see the section below */
     struct one_sided *os;
 } FastPathObject;
@@ -633,7 +639,24 @@ static int fp_init(FastPathObject *f, PyObject *args, PyObject *kwds) {
     f->slow_recv = sr;
     f->spin_iters = spin < 0 ? 0 : spin;
     f->rx_clean = 1;
+    f->peer_check_ns = 5000000ULL; /* 5 ms */
+    f->next_peer_check_ns = 0;
     return 0;
+}
+
+static inline uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* True at most once per peer_check_ns: time to let the Python path look at the peer. */
+static inline int peer_check_due(FastPathObject *f) {
+    uint64_t now = mono_ns();
+    if (now < f->next_peer_check_ns)
+        return 0;
+    f->next_peer_check_ns = now + f->peer_check_ns;
+    return 1;
 }
 
 /* Parse (obj, *, timeout_s=None). *fast is cleared when timeout_s is not a plain
@@ -701,7 +724,7 @@ static PyObject *fp_send_impl(FastPathObject *f, const char *name, PyObject *con
     if (fp_args(name, args, nargs, kwnames, !nowait, &timeout, &fast) < 0)
         return NULL;
     RingObject *r = f->tx;
-    if (fast && r->has_buf) {
+    if (fast && r->has_buf && !peer_check_due(f)) {
         Py_buffer b;
         if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) == 0) {
             int rc = send_parts(r, KIND_MSG, (uint64_t)b.len, b.buf, (uint64_t)b.len, NULL, 0);

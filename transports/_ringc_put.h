@@ -652,7 +652,7 @@ static PyObject *fp_put(FastPathObject *f, PyObject *const *args, size_t nargsf,
     PyObject *names[4] = {*names_p[0], *names_p[1], *names_p[2], *names_p[3]};
     PyObject *kw[4];
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (f->os == NULL)
+    if (f->os == NULL || peer_check_due(f))
         goto slow;
     if (parse_kw("put", nargs, 2, args, kwnames, names, kw, 4) < 0)
         return NULL;
@@ -718,7 +718,7 @@ static PyObject *fp_put_many(FastPathObject *f, PyObject *const *args, size_t na
     PyObject *names[4] = {*names_p[0], *names_p[1], *names_p[2], *names_p[3]};
     PyObject *kw[4];
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (f->os == NULL)
+    if (f->os == NULL || peer_check_due(f))
         goto slow;
     if (parse_kw("put_many", nargs, 5, args, kwnames, names, kw, 4) < 0)
         return NULL;

@@ -150,6 +150,7 @@ _YIELD_AFTER_S = 100e-6
 _MIN_SLEEP_S = 5e-6
 _MAX_SLEEP_S = 1e-3
 _NOWAIT_SOCKET_CHECK_S = 1e-3
+_PEER_CHECK_NS = 5_000_000  # a send or put that fits the ring still looks at the peer this often
 _HANDSHAKE_TIMEOUT_S = 1.0
 
 _DONE = struct.Struct("<IIQQQ")  # region_id, tag_len, offset, nbytes, notify_id (then the tag)
@@ -367,6 +368,7 @@ class ShmEndpoint(Endpoint):
         self._sock_eof = False
         self._peer_cause: BaseException | None = None
         self._last_socket_check = 0.0
+        self._next_peer_check_ns = 0
         # the hot paths call these bound methods directly
         self._send_msg = self._tx.try_send_msg
         self._try_recv = self._rx.try_recv
@@ -427,6 +429,13 @@ class ShmEndpoint(Endpoint):
             self._peer_gone = "the peer closed its endpoint"
         return self._peer_gone
 
+    def _look_at_peer(self) -> None:
+        """Poll the peer's socket if it was not looked at in the last millisecond: a send or
+        put that fits the ring still learns of a dead peer (the C path routes a call here at
+        most every 5 ms; the Python path does the same through ``_next_peer_check``)."""
+        if self._peer_gone is None and time.monotonic() - self._last_socket_check > _NOWAIT_SOCKET_CHECK_S:
+            self._poll_socket()
+
     def _poll_socket(self) -> None:
         """Non-blocking look at the connection socket: EOF or a reset means the peer is gone."""
         self._last_socket_check = time.monotonic()
@@ -486,13 +495,21 @@ class ShmEndpoint(Endpoint):
         larger than one record stream through the ring while the peer drains it."""
         if timeout_s is not None and not timeout_s >= 0:
             deadline_of(timeout_s)  # raises ValueError
-        if self._send_msg(data) != SEND_OK:
+        if self._peer_check_due() or self._send_msg(data) != SEND_OK:
             self._send_slow(data, timeout_s, False)
 
     def send_nowait(self, data) -> None:
         """Send one message now or raise RingFullError having sent nothing."""
-        if self._send_msg(data) != SEND_OK:
+        if self._peer_check_due() or self._send_msg(data) != SEND_OK:
             self._send_slow(data, None, True)
+
+    def _peer_check_due(self) -> bool:
+        """(Python ring path; the C path keeps its own clock.) True at most every 5 ms."""
+        now = time.monotonic_ns()
+        if now < self._next_peer_check_ns:
+            return False
+        self._next_peer_check_ns = now + _PEER_CHECK_NS
+        return True
 
     def _send_slow(self, data, timeout_s: float | None, nowait: bool) -> None:
         self._check_open()
@@ -500,6 +517,7 @@ class ShmEndpoint(Endpoint):
         n = len(mv)
         if n > CAPABILITIES.max_message_bytes:
             raise ValueError(f"message of {n} bytes exceeds max_message_bytes={CAPABILITIES.max_message_bytes}")
+        self._look_at_peer()
         if self._peer_flags() is not None:
             raise self._broken("send")
         tx = self._tx
@@ -877,6 +895,7 @@ class ShmEndpoint(Endpoint):
             src = as_byte_view(data)  # casts, or says what is wrong with the buffer
         n = len(src)
         state, _, dst = self._peer.entry(remote, offset=offset, nbytes=n)  # raises before anything is written
+        self._look_at_peer()
         if self._peer_gone is not None or self._tx.consumer_closed:
             self._peer_flags()
             raise self._broken("put")  # never write into memory the peer may have moved on from
@@ -927,6 +946,7 @@ class ShmEndpoint(Endpoint):
         so, do, ln = _pieces(src_offsets, dst_offsets, nbytes, len(src), remote.nbytes)
         lo, hi = int(do.min()), int((do + ln).max())
         state, region_nbytes, dst = self._peer.entry(remote, offset=lo, nbytes=hi - lo)
+        self._look_at_peer()
         if self._peer_gone is not None or self._tx.consumer_closed:
             self._peer_flags()
             raise self._broken("put_many")

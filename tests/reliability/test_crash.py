@@ -97,15 +97,6 @@ def test_a_slow_tcp_sender_learns_of_a_killed_peer_within_the_bound():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "transports.shm: send() of a message that fits the ring never looks at the peer: the record is written "
-    "and send returns, and the peer socket is polled only while a call has to wait (ring full). A sender of "
-    "one 100-byte message per millisecond into a SIGKILLed peer goes on for ~65 s (until the 8 MiB ring "
-    "fills) before BrokenLinkError, against the 1 s bound of the transport contract; a fast sender is told "
-    "in ~30 ms only because it fills the ring sooner. Fix: in ShmEndpoint.send/send_nowait (and put), poll "
-    "the peer socket when more than a few ms have passed since the last look "
-    "(if now >= self._next_peer_check: self._poll_socket(); self._next_peer_check = now + 0.005) and raise "
-    "BrokenLinkError once it shows EOF."))
 def test_a_slow_shm_sender_learns_of_a_killed_peer_within_the_bound():
     r = sender_kill_run(transport="shm", interval_s=0.001, give_up_s=2.0)
     assert r["broken_link"] and r["detection_s"] < KILL_BOUND_S, r
