@@ -49,6 +49,9 @@ __all__ = [
     "unpack_abort",
     "pack_hello",
     "unpack_hello",
+    "hello_flags",
+    "part_crc32",
+    "HELLO_PARTS_CRC32",
     "function_of",
 ]
 
@@ -72,6 +75,8 @@ _ABORT_FULL = struct.Struct("<IIIIQ" + "iII")
 # role, mode, num_regions, spec_len (spec and descriptors follow: each u32 length + bytes)
 _HELLO_FULL = struct.Struct("<IIIIQ" + "BBHI")
 _U32 = struct.Struct("<I")
+_CRC_OFFSET = HEADER.size + 20  # the sixth u32 of the kv_write / kv_data arguments
+HELLO_PARTS_CRC32 = 1
 
 WRITE_NBYTES = _WRITE_FULL.size
 WRITE_ARG_NBYTES = _WRITE.size
@@ -118,9 +123,10 @@ def unpack_write(frame) -> tuple:
 
 
 def pack_data(request_id: int, submit_ns: int, *, layer: int, layer_lo: int, layer_hi: int, num_parts: int,
-              num_descs: int, layer_nbytes: int, part_nbytes: int, dst_offset: int) -> bytes:
+              num_descs: int, layer_nbytes: int, part_nbytes: int, dst_offset: int, crc32: int = 0) -> bytes:
     return _DATA_FULL.pack(MAGIC_REQUEST, FN_DATA, _DATA_FULL.size - HEADER.size, request_id, submit_ns,
-                           layer, layer_lo, layer_hi, num_parts, num_descs, 0, layer_nbytes, part_nbytes, dst_offset)
+                           layer, layer_lo, layer_hi, num_parts, num_descs, crc32, layer_nbytes, part_nbytes,
+                           dst_offset)
 
 
 def unpack_data(frame) -> tuple:
@@ -149,13 +155,26 @@ def unpack_abort(frame) -> tuple[int, int, int, str]:
     return rid, status, layer, bytes(frame[_ABORT_FULL.size:]).decode("utf-8", "replace")
 
 
-def pack_hello(*, role: int, mode: int, spec: bytes, regions: list[bytes]) -> bytes:
+def pack_hello(*, role: int, mode: int, spec: bytes, regions: list[bytes], flags: int = 0) -> bytes:
+    """``flags``: :data:`HELLO_PARTS_CRC32` when the sender puts a CRC-32 of every part in
+    its kv_write / kv_data frame (the u32 otherwise reserved)."""
     body = [_U32.pack(len(spec)), spec]
     for r in regions:
         body += [_U32.pack(len(r)), r]
     payload = b"".join(body)
     return _HELLO_FULL.pack(MAGIC_REQUEST, FN_HELLO, _HELLO_FULL.size - HEADER.size + len(payload), 0, 0,
-                            role, mode, len(regions), 0) + payload
+                            role, mode, len(regions), flags) + payload
+
+
+def hello_flags(frame) -> int:
+    """The flags word of a kv_hello frame (validate it with :func:`unpack_hello` first)."""
+    return _HELLO_FULL.unpack_from(frame, 0)[-1]
+
+
+def part_crc32(frame) -> int:
+    """The CRC-32 a kv_write tag or kv_data frame carries for its part (0 when the sender
+    does not checksum; the hello says whether it does)."""
+    return _U32.unpack_from(frame, _CRC_OFFSET)[0]
 
 
 def unpack_hello(frame) -> tuple[int, int, bytes, list[bytes]]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import operator
 import time
+import zlib
 
 from qlink.errors import (
     BrokenLinkError,
@@ -54,6 +55,7 @@ from qlink.errors import (
     ClosedError,
     QlinkError,
     QlinkTimeoutError,
+    RegistrationError,
     WireError,
     WouldBlock,
 )
@@ -82,6 +84,7 @@ _ROLE_NAMES = {1: "a KVSender", 2: "a KVReceiver", 3: "a NixlKVSender", 4: "a Ni
 _MODE_CODES = {"auto": 0, "put": 1, "send": 2, "nixl": 3}
 _MODE_NAMES = {v: k for k, v in _MODE_CODES.items()}
 _ABORT_SUBMIT_FAILED = 3  # INTERNAL_ERROR in the CUDA-Q status table
+_ABORT_CORRUPT = 2  # a part whose CRC-32 does not match (the receiver's own verdict)
 _MAX_REQUEST_ID = (1 << 32) - 1
 _EVENTS_PER_PROGRESS = 4096
 _MAX_HELLO_NBYTES = 1 << 20
@@ -120,10 +123,10 @@ def _check_request_id(request_id) -> int:
 class _Peer:
     """What the handshake learned about the other side."""
 
-    __slots__ = ("spec", "mode", "regions")
+    __slots__ = ("spec", "mode", "regions", "crc32")
 
-    def __init__(self, spec: KVCacheSpec, mode: str, regions: list[RemoteRegion]):
-        self.spec, self.mode, self.regions = spec, mode, regions
+    def __init__(self, spec: KVCacheSpec, mode: str, regions: list[RemoteRegion], crc32: bool = False):
+        self.spec, self.mode, self.regions, self.crc32 = spec, mode, regions, crc32
 
 
 def _parse_hello(frame, *, expect_role: int, local: KVCacheSpec, side: str) -> _Peer:
@@ -138,7 +141,7 @@ def _parse_hello(frame, *, expect_role: int, local: KVCacheSpec, side: str) -> _
     local.check_compatible(spec, side=side)
     regions = regions_b if expect_role in (_ROLE_NIXL_SENDER, _ROLE_NIXL_RECEIVER) else \
         [RemoteRegion.from_bytes(r) for r in regions_b]
-    return _Peer(spec, _MODE_NAMES[mode_code], regions)
+    return _Peer(spec, _MODE_NAMES[mode_code], regions, bool(fr.hello_flags(frame) & fr.HELLO_PARTS_CRC32))
 
 
 class KVSendRequest:
@@ -236,12 +239,15 @@ class KVSender:
     until the receiver has them or :meth:`flush` returns.
     """
 
-    def __init__(self, endpoint, cache: KVCache, *, mode: str = "auto", defer: bool = True):
+    def __init__(self, endpoint, cache: KVCache, *, mode: str = "auto", defer: bool = True,
+                 checksum: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
         _check_device(cache, endpoint)
+        if checksum and cache.device != "cpu":
+            raise ValueError("checksum=True needs a host (NumPy) cache: the CRC-32 of each part is taken on the host")
         if mode == "put" and not endpoint.capabilities.one_sided:
             raise CapabilityError(f"mode='put' needs one-sided put; transport {endpoint.capabilities.name!r} has none "
                                   "(use mode='auto' or 'send')")
@@ -254,7 +260,9 @@ class KVSender:
         self._peer: _Peer | None = None
         self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
         self._pack = fr._WRITE_FULL.pack
-        self._gathers = bool(getattr(endpoint, "put_many_gathers", False))
+        self.checksum = bool(checksum)
+        # a CRC-32 per part needs one notification per descriptor: no gathered put_many then
+        self._gathers = bool(getattr(endpoint, "put_many_gathers", False)) and not self.checksum
         self._src_regions = []
         if defer and self._gathers and cache.device == "cpu" and mode != "send":
             try:
@@ -264,7 +272,8 @@ class KVSender:
                 self._release_sources()
         self._defer = bool(self._src_regions)
         self._max_desc_nbytes = endpoint.capabilities.max_message_bytes
-        endpoint.send(fr.pack_hello(role=_ROLE_SENDER, mode=_MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[]))
+        endpoint.send(fr.pack_hello(role=_ROLE_SENDER, mode=_MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[],
+                                    flags=fr.HELLO_PARTS_CRC32 if self.checksum else 0))
 
     def handshake(self, *, timeout_s: float | None = 10.0) -> str:
         """Read the receiver's hello, check the layouts, and return the mode (``"put"``/``"send"``)."""
@@ -342,9 +351,12 @@ class KVSender:
                                    tag=tag, timeout_s=timeout_s, defer=self._defer)
             return
         put = self.endpoint.put
+        crc = zlib.crc32 if self.checksum else None
         for so, do, nb in zip(*req._descs()):
-            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n, 0, lnb, nb)
-            put(src[so:so + nb], remote, offset=do, notify_id=rid, tag=tag, timeout_s=timeout_s)
+            part = src[so:so + nb]
+            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n,
+                       crc(part) if crc else 0, lnb, nb)
+            put(part, remote, offset=do, notify_id=rid, tag=tag, timeout_s=timeout_s)
 
     def _send_layer_two_sided(self, req: KVSendRequest, layer: int, timeout_s) -> None:
         send = self.endpoint.send
@@ -352,10 +364,13 @@ class KVSender:
         plan = req.plan
         rid, ts = req.request_id, req.submit_ns
         lo, hi, n, lnb = req.layers.start, req.layers.stop, plan.num_descs, plan.layer_nbytes
+        crc = zlib.crc32 if self.checksum else None
         for so, do, nb in zip(*req._descs()):
+            part = src[so:so + nb]
             send(fr.pack_data(rid, ts, layer=layer, layer_lo=lo, layer_hi=hi, num_parts=n, num_descs=n,
-                              layer_nbytes=lnb, part_nbytes=nb, dst_offset=do), timeout_s=timeout_s)
-            send(src[so:so + nb], timeout_s=timeout_s)
+                              layer_nbytes=lnb, part_nbytes=nb, dst_offset=do, crc32=crc(part) if crc else 0),
+                 timeout_s=timeout_s)
+            send(part, timeout_s=timeout_s)
 
     def _abort(self, req: KVSendRequest, layer: int, exc: BaseException) -> None:
         try:
@@ -417,6 +432,9 @@ class _ReceiverBase:
     _tracker: RequestTracker
     _peer_error: BaseException | None = None
     _peer = None
+    _crc32 = False  # the sender checksums every part (its hello said so)
+    crc_mismatches = 0  # parts whose bytes did not match the sender's CRC-32
+    _peer = None
 
     endpoint = None
     _closed = False
@@ -439,14 +457,21 @@ class _ReceiverBase:
             raise BrokenLinkError("the KV sender's link is broken") from tr.broken
         n = 0
         broken = None
-        try:
-            n = self._poll_sources(_EVENTS_PER_PROGRESS)
-        except BrokenLinkError as e:  # every completion before the break was handled first
-            broken = e
-        try:
-            n += self._poll_frames(_EVENTS_PER_PROGRESS - n)
-        except BrokenLinkError as e:
-            broken = broken or e
+        if self._peer is None:  # the sender's hello first: it says how to check the parts (CRC-32 or not)
+            try:
+                n = self._poll_frames(_EVENTS_PER_PROGRESS)
+            except BrokenLinkError as e:
+                broken = e
+        if self._peer is not None:
+            try:
+                n += self._poll_sources(_EVENTS_PER_PROGRESS - n)
+            except BrokenLinkError as e:  # every completion before the break was handled first
+                broken = broken or e
+        if broken is None:
+            try:
+                n += self._poll_frames(_EVENTS_PER_PROGRESS - n)
+            except BrokenLinkError as e:
+                broken = e
         if broken is not None and n == 0:
             tr.fail_all(broken)
             return 1  # the state changed: callers look again
@@ -488,10 +513,13 @@ class _ReceiverBase:
             elif fn == fr.FN_ABORT:
                 tr.on_abort(*fr.unpack_abort(frame))
             elif fn == fr.FN_HELLO:
+                if self._peer is not None:  # the handshake is done: a second hello is noise, never fatal
+                    tr.bad_frames += 1
+                    return
                 self._on_hello(frame)
             else:
                 tr.bad_frames += 1
-        except (WireError, LayoutMismatchError) as e:
+        except (WireError, LayoutMismatchError, RegistrationError) as e:
             tr.bad_frames += 1
             if fn == fr.FN_HELLO:
                 self._peer_error = e
@@ -633,11 +661,25 @@ class KVReceiver(_ReceiverBase):
                 or (pnb != note.nbytes if parts == descs else pnb > note.nbytes)):
             tr.bad_frames += 1
             return
+        if self._crc32 and not self._crc_ok(rid, layer, note.tag, self._views[layer][note.offset:note.offset + pnb]):
+            return
         tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=time.monotonic_ns())
+
+    def _crc_ok(self, rid: int, layer: int, frame, landed) -> bool:
+        """Compare the part's bytes as they landed with the sender's CRC-32; a mismatch
+        fails the request (never reported complete) and is counted."""
+        want, got = fr.part_crc32(frame), zlib.crc32(landed)
+        if want == got:
+            return True
+        self.crc_mismatches += 1
+        self._tracker.on_abort(rid, _ABORT_CORRUPT, layer, f"a part of {len(landed)} B arrived with CRC-32 "
+                               f"0x{got:08x} where the sender computed 0x{want:08x} (corrupted on the way)")
+        return False
 
     def _on_hello(self, frame) -> None:
         peer = _parse_hello(frame, expect_role=_ROLE_SENDER, local=self.spec, side="sender")
         self._peer = peer
+        self._crc32 = peer.crc32
         mode = "send" if (peer.mode == "send" or not self._regions) else "put"
         self._tracker.mode = mode
 
@@ -653,6 +695,8 @@ class KVReceiver(_ReceiverBase):
         if n != pnb:
             tr.bad_frames += 1
             tr.on_abort(rid, 2, layer, f"payload of {n} B where the kv_data frame announced {pnb} B")
+            return
+        if self._crc32 and not self._crc_ok(rid, layer, frame, self._views[layer][off:off + pnb]):
             return
         tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=time.monotonic_ns())
 

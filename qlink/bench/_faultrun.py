@@ -253,11 +253,12 @@ def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots:
 
 def kv_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_requests: int = 60, seed: int = 1,
                  delay_ns: int = 2_000_000, num_blocks: int = 16, blocks_per_request: int = 4,
-                 link: str = "ib-ndr", timeout_s: float = 30.0) -> dict:
+                 link: str = "ib-ndr", timeout_s: float = 30.0, checksum: bool = True) -> dict:
     """KV requests (``tiny`` preset, one-sided put) from a sender thread whose puts suffer
     ``fault``; the receiver here waits for a clean marker request, then classifies every
-    request: complete and bit-exact, complete but corrupt (no end-to-end check), failed
-    with a typed error, or incomplete (its missing layers never reported)."""
+    request: complete and bit-exact, complete but corrupt (would need ``checksum=False``:
+    no end-to-end check), failed with a typed error, or incomplete (its missing layers
+    never reported)."""
     import transports
     from qlink.ai import KVCache, KVReceiver, KVSender, preset
     from qlink.ai import TransferAbortedError
@@ -283,7 +284,7 @@ def kv_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_request
     a = transports.connect(lis.url.split("?", 1)[0] + f"?link={link}", faults=fspec, timeout_s=10)
     b = lis.accept(timeout_s=10)
     rx = KVReceiver(b, rx_cache)
-    tx = KVSender(a, tx_cache, mode="put")
+    tx = KVSender(a, tx_cache, mode="put", checksum=checksum)
     ids = list(range(1, num_requests + 1))
 
     def send_all():
@@ -318,7 +319,7 @@ def kv_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_request
                 continue
             # layers reported ready before the failure must be whole and exact
             for layer in range(ready):
-                if fault == "corrupt":
+                if fault == "corrupt" and not checksum:
                     continue  # a flipped bit inside a whole layer is the 'no end-to-end check' case
                 if not (rx_cache.block_checksums(dst, layers=[layer]) ==
                         tx_cache.block_checksums(src, layers=[layer])).all():
@@ -338,6 +339,7 @@ def kv_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_request
         "puts": stats.get("fault_eligible_puts", 0), "injected": injected, **outcome,
         "accounted_pct": 100.0 * accounted / num_requests, "partial_layers_reported": partial_layer_reported,
         "bad_frames": rstats.bad_frames, "requests_failed": rstats.requests_failed,
+        "checksum": checksum, "crc_mismatches": rx.crc_mismatches,
         "elapsed_s": time.monotonic() - t0,
     }
     if sender_err:
@@ -347,8 +349,12 @@ def kv_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_request
     elif fault == "dup":
         row.update(detected=outcome["failed_typed"], bound="on arrival (more parts than declared)")
     elif fault == "corrupt":
-        row.update(detected=0, undetectable=outcome["complete_corrupt"],
-                   bound="not detected by the engine (no end-to-end checksum)")
+        if checksum:
+            row.update(detected=outcome["failed_typed"], undetectable=outcome["complete_corrupt"],
+                       bound="on arrival (the part's CRC-32 does not match)")
+        else:
+            row.update(detected=0, undetectable=outcome["complete_corrupt"],
+                       bound="not detected (checksum=False: no end-to-end check)")
     elif fault == "reorder":
         row.update(detected=0, bound="harmless: parts complete a layer in any order")
     else:

@@ -407,3 +407,46 @@ def test_cross_process_peer_really_is_another_process():
         pytest.skip("no cross-process transport (shm, tcp) available")
     with open_link(scheme, _spec(RX_BLOCKS)) as (rx, cache, peer):
         assert peer.proc is not None and peer.proc.pid != os.getpid()
+
+
+@pytest.mark.parametrize("mode", ["put", "send"])
+@pytest.mark.parametrize("scheme", ["inproc", "shm"])
+def test_checksummed_parts_arrive_and_a_bad_crc_fails_only_its_request(mode, scheme):
+    """KVSender(checksum=True) puts a CRC-32 of every part in its frame; the receiver
+    compares the bytes as they landed. A part whose CRC does not match (forged here by
+    hand on the same link) fails its request, counted, and the next request completes."""
+    from qlink.ai import _frames as fr
+
+    why = transport_unavailable(scheme)
+    if why:
+        pytest.skip(why)
+    spec = _spec(RX_BLOCKS)
+    with transports.listen(url_for(scheme)) as lis:
+        a = transports.connect(lis.url, timeout_s=5)
+        b = lis.accept(timeout_s=5)
+        tx_cache, rx_cache = KVCache.allocate(_spec(TX_BLOCKS)), KVCache.allocate(spec)
+        tx_cache.fill_random(seed=SEED)
+        rx = KVReceiver(b, rx_cache)
+        tx = KVSender(a, tx_cache, mode=mode, checksum=True)
+        tx.send_request(1, [5, 6, 40], [0, 1, 7], timeout_s=5)
+        rx.wait_request(1, timeout_s=5)
+        assert (rx_cache.block_checksums([0, 1, 7]) == tx_cache.block_checksums([5, 6, 40])).all()
+        assert rx.crc_mismatches == 0
+        # a forged part of request 2 whose CRC does not match its bytes
+        part = np.full(spec.block_nbytes, 7, np.uint8)
+        if mode == "send":
+            a.send(fr.pack_data(2, 0, layer=0, layer_lo=0, layer_hi=spec.num_layers, num_parts=1, num_descs=1,
+                                layer_nbytes=spec.layer_nbytes, part_nbytes=part.nbytes, dst_offset=0, crc32=1))
+            a.send(part)
+        else:
+            tag = fr._WRITE_FULL.pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, 2, 0, 0, 0, spec.num_layers,
+                                      1, 1, 1, spec.layer_nbytes, part.nbytes)
+            a.put(part, tx._peer.regions[0], offset=0, notify_id=2, tag=tag)
+        with pytest.raises(TransferAbortedError, match="CRC-32"):
+            rx.wait_request(2, timeout_s=5)
+        assert rx.crc_mismatches == 1
+        tx.send_request(3, [9], [9], timeout_s=5)
+        rx.wait_request(3, timeout_s=5)
+        assert (rx_cache.block_checksums([9]) == tx_cache.block_checksums([9])).all()
+        rx.close(), a.close(), b.close()
+

@@ -470,17 +470,23 @@ def test_one_corrupt_counter_costs_only_its_own_shot():
     assert statuses.count(Status.OK) >= 8, statuses
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "qlink.ai: the KV engine has no end-to-end integrity check; a put whose bytes were corrupted on the "
-    "way completes its layer (part count and byte count match) and the request is reported complete with "
-    "wrong data. Fix: the sender writes a CRC-32 of each part into the reserved u32 of the kv_write tag "
-    "(qlink/ai/_frames.py _WRITE), the receiver checks it in _on_note/_on_data and fails the request "
-    "(TransferAbortedError) on a mismatch (zlib.crc32 runs at several GB/s; make it optional)."))
-@pytest.mark.parametrize("transport", ["inproc"])
+@pytest.mark.parametrize("transport", INNER)
 def test_kv_corrupted_put_is_never_reported_complete(transport):
+    """Each part carries a CRC-32 (KVSender(checksum=True)): a part corrupted on the way
+    fails its request with TransferAbortedError instead of completing with wrong bytes."""
     r = kv_fault_run("corrupt", rate=KV_RATE["corrupt"], transport=transport, num_requests=60, seed=1)
     assert r["injected"] >= 3 and r["accounted_pct"] == 100.0
     assert r["complete_corrupt"] == 0
+    assert r["failed_typed"] >= 1 and r["crc_mismatches"] >= r["failed_typed"]
+    assert r["partial_layers_reported"] == 0  # layers reported before the failure are exact
+    assert r["complete_exact"] + r["failed_typed"] + r["incomplete"] == r["requests"]
+
+
+def test_without_checksums_a_corrupted_put_completes_corrupt():
+    """The control: the same faults with checksum=False complete requests with wrong bytes."""
+    r = kv_fault_run("corrupt", rate=KV_RATE["corrupt"], transport="inproc", num_requests=60, seed=1,
+                     checksum=False)
+    assert r["injected"] >= 3 and r["complete_corrupt"] >= 1 and r["crc_mismatches"] == 0
 
 
 @pytest.mark.parametrize("fault", ["drop", "reorder"])
