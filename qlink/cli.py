@@ -104,9 +104,17 @@ def _cmd_budget(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from .config import RunConfig, load_run_config
+    from .errors import ConfigError
     from .run import main_job
 
-    return main_job(out_dir=Path(args.out), quick=args.quick, say=_say)
+    base = RunConfig.quick() if args.quick else RunConfig()
+    try:
+        config = load_run_config(args.config, base=base) if args.config else base
+    except ConfigError as e:
+        print(f"qlink run: {e}", file=sys.stderr)
+        return 2
+    return main_job(out_dir=Path(args.out), config=config, say=_say)
 
 
 def _cmd_paper(args) -> int:
@@ -127,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="the default end-to-end scenario (QEC loop + KV transfer + budget table)")
     r.add_argument("--out", default="results/run", help="output directory (default: results/run)")
     r.add_argument("--quick", action="store_true", help="smaller settings (about a minute)")
+    r.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file over the defaults "
+                   "(or over --quick's): [qec] transports, distances, num_shots; [kv] presets, tokens; "
+                   "[run] seed, scenarios")
     r.set_defaults(func=_cmd_run)
     b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV")
     b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "all"])

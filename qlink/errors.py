@@ -22,6 +22,7 @@ __all__ = [
     "RegistrationError",
     "RingFullError",
     "MissingDependencyError",
+    "ConfigError",
 ]
 
 
@@ -63,6 +64,10 @@ class RegistrationError(QlinkError, ValueError):
 
 class RingFullError(WouldBlock):
     """A bounded ring or queue is full; the message was not enqueued."""
+
+
+class ConfigError(QlinkError, ValueError):
+    """A configuration file or value is malformed; the message names the key and the file."""
 
 
 class MissingDependencyError(QlinkError, ImportError):

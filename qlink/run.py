@@ -35,17 +35,21 @@ def _scenario(name: str):
         return None
 
 
-def main_job(*, out_dir: Path, quick: bool = False, say: Callable[[str], None] = print) -> int:
+def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[str], None] = print) -> int:
+    """Run the main job with ``config`` (a :class:`qlink.config.RunConfig`; default: the
+    full settings, or the quick ones with ``quick=True``)."""
+    from .config import RunConfig
     from .crossdomain import plot_cross_domain, run_cross_domain
 
     t0 = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    transports = ("shm", "tcp") if quick else ("shm", "tcp", "ucx")
-    say(f"step 1/3: QEC loop and KV transfer on {', '.join(transports)} (results in {out_dir})")
-    res = run_cross_domain(transports=transports, distances=(5,) if quick else (5, 11),
-                           presets=("llama-3-8b",) if quick else ("llama-3-8b", "llama-3-70b"),
-                           num_shots=300 if quick else 1000, say=say)
+    cfg = config if config is not None else (RunConfig.quick() if quick else RunConfig())
+    transports = cfg.qec_transports
+    say(f"step 1/3: QEC loop and KV transfer on {', '.join(transports)} (results in {out_dir}; "
+        f"settings from {cfg.source})")
+    res = run_cross_domain(transports=transports, distances=cfg.distances, presets=cfg.presets,
+                           kv_tokens=cfg.kv_tokens, num_shots=cfg.num_shots, seed=cfg.seed, say=say)
     rows = res.rows()
     say("step 2/3: cross-domain budget table")
     write_results(rows, out_dir=out_dir, name="cross_domain", meta={"notes": res.notes})
@@ -56,9 +60,11 @@ def main_job(*, out_dir: Path, quick: bool = False, say: Callable[[str], None] =
     print(format_table(rows, columns=_TABLE_COLUMNS))
     for n in res.notes:
         print(f"  note: {n}")
-    say("step 3/3: scenarios (quick): real-time QEC loop, disaggregated KV serving")
-    for name, args in (("realtime_loop", ["--quick", "--transport", "shm", "--out", str(out_dir / "realtime_loop")]),
-                       ("kv_disagg", ["--quick", "--transport", "shm", "--out", str(out_dir / "kv_disagg")])):
+    say("step 3/3: scenarios (quick): real-time QEC loop, disaggregated KV serving"
+        if cfg.scenarios else "step 3/3: scenarios skipped ([run] scenarios = false)")
+    steps = (("realtime_loop", ["--quick", "--transport", "shm", "--out", str(out_dir / "realtime_loop")]),
+             ("kv_disagg", ["--quick", "--transport", "shm", "--out", str(out_dir / "kv_disagg")]))
+    for name, args in steps if cfg.scenarios else ():
         mod = _scenario(name)
         if mod is None:
             say(f"  {name}: scenarios/ not found next to the package; skipped")

@@ -440,12 +440,12 @@ def test_a_stim_file_with_a_huge_repeat_is_refused_not_a_hang(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_no_toml_config_reader_exists_to_fuzz():
-    """The scenarios take their settings as keyword arguments and plain-data specs (tested above);
-    should a TOML reader appear, it belongs in this file."""
+def test_toml_run_configs_are_fuzzed_in_their_own_file():
+    """The one TOML reader (qlink.config) has its hostile-input tests in tests/test_config.py."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    readers = [p for d in ("qlink", "transports", "scenarios") for p in (root / d).rglob("*.py")
-               if "tomllib" in p.read_text(encoding="utf-8") or "import toml" in p.read_text(encoding="utf-8")]
-    assert readers == [], f"TOML readers to add hostile-input tests for: {readers}"
+    readers = sorted(str(p.relative_to(root)) for d in ("qlink", "transports", "scenarios") for p in (root / d).rglob("*.py")
+                     if "tomllib" in p.read_text(encoding="utf-8") or "import toml" in p.read_text(encoding="utf-8"))
+    assert readers == ["qlink/config.py"], f"TOML readers to add hostile-input tests for: {readers}"
+    assert "nan" in (root / "tests" / "test_config.py").read_text(encoding="utf-8")
