@@ -39,17 +39,18 @@ def _sender(endpoint, cache, backend: str, mode: str):
 
 
 def serve(conn, target, spec_bytes: bytes, *, seed: int, mode: str = "auto", backend: str = "transport",
-          fill: str = "random", connect_timeout_s: float = 30.0) -> None:
+          fill: str = "random", connect_timeout_s: float = 30.0, device: str = "cpu") -> None:
     """Connect to ``target`` (a URL, or an Endpoint for in-process use), fill a cache of
     ``spec_bytes`` (``fill="random"`` from ``seed``; ``"touch"``: one byte value per layer,
-    fast, for benchmarks), and obey commands from ``conn`` until ``("bye",)``."""
+    fast, for benchmarks) in ``device`` memory (``"cpu"`` or ``"gpu"``), and obey commands
+    from ``conn`` until ``("bye",)``."""
     import transports
     from qlink.errors import QlinkError
 
     from .kv import KVCache, KVCacheSpec
 
     spec = KVCacheSpec.from_bytes(spec_bytes)
-    cache = KVCache.allocate(spec)
+    cache = KVCache.allocate(spec, device=device)
     if fill == "random":
         cache.fill_random(seed=seed)
     else:
@@ -189,14 +190,14 @@ class PeerHandle:
 
 
 def start_peer(target, spec, *, seed: int, mode: str = "auto", backend: str = "transport",
-               fill: str = "random") -> PeerHandle:
+               fill: str = "random", device: str = "cpu") -> PeerHandle:
     """Start :func:`serve`: in a spawned process for a URL, in a thread for an Endpoint."""
     import multiprocessing as mp
     import threading
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    kwargs = dict(seed=seed, mode=mode, backend=backend, fill=fill)
+    kwargs = dict(seed=seed, mode=mode, backend=backend, fill=fill, device=device)
     if isinstance(target, str):
         p = ctx.Process(target=serve, args=(child, target, spec.to_bytes()), kwargs=kwargs, daemon=True)
         p.start()
@@ -235,24 +236,25 @@ def url_for(scheme: str) -> str:
 
 @contextlib.contextmanager
 def open_link(scheme: str, rx_spec, tx_spec=None, *, seed: int = 1, mode: str = "auto", backend: str = "transport",
-              rx_cache=None, fill: str = "random"):
+              rx_cache=None, fill: str = "random", device: str = "cpu"):
     """Yield ``(receiver, receiver_cache, peer)``: a receiver here, a :func:`serve` sender
-    filled from ``seed`` in a spawned process (a thread for ``inproc``)."""
+    filled from ``seed`` in a spawned process (a thread for ``inproc``); both caches in
+    ``device`` memory (``"gpu"``: CuPy arrays, for a device-capable transport)."""
     import transports
 
     from .engine import KVReceiver
     from .kv import KVCache
 
     tx_spec = rx_spec if tx_spec is None else tx_spec
-    cache = KVCache.allocate(rx_spec) if rx_cache is None else rx_cache
+    cache = KVCache.allocate(rx_spec, device=device) if rx_cache is None else rx_cache
     with contextlib.ExitStack() as stack:
         lis = stack.enter_context(transports.listen(url_for(scheme)))
         if scheme == "inproc":
             client = transports.connect(lis.url, timeout_s=5)
             stack.callback(client.close)
-            peer = start_peer(client, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill)
+            peer = start_peer(client, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill, device=device)
         else:
-            peer = start_peer(lis.url, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill)
+            peer = start_peer(lis.url, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill, device=device)
         stack.callback(peer.close)
         ep = lis.accept(timeout_s=60)
         stack.callback(ep.close)
