@@ -2,7 +2,7 @@
 
 >>> import transports
 >>> sorted(transports.schemes())[:3]
-['inproc', 'shm', 'tcp']
+['cuda_ipc', 'inproc', 'shm']
 >>> with transports.listen("inproc://doc") as lis:
 ...     client = transports.connect("inproc://doc")
 ...     server = lis.accept(timeout_s=1)
@@ -45,6 +45,7 @@ __all__ = [
 # scheme -> module path; modules are imported lazily so a missing optional stack
 # (ucxx, nixl) only matters when its scheme is used.
 _REGISTRY: dict[str, str] = {
+    "cuda_ipc": "transports.cuda_ipc",
     "inproc": "transports.inproc",
     "shm": "transports.shm",
     "tcp": "transports.tcp",
@@ -65,8 +66,18 @@ def schemes() -> list[str]:
     return list(_REGISTRY)
 
 
-def _module_for(url: str):
+def _scheme_of(url: str) -> str:
+    """The URL's scheme, also one with an underscore (``cuda_ipc://``), which urlsplit does not take."""
     scheme = urlsplit(url).scheme
+    if not scheme and "://" in url:
+        head = url.split("://", 1)[0].lower()
+        if head.replace("+", "_").isidentifier():
+            scheme = head
+    return scheme
+
+
+def _module_for(url: str):
+    scheme = _scheme_of(url)
     if scheme.startswith("emulated+"):
         return importlib.import_module("transports.emulated")
     if not scheme:
@@ -81,7 +92,7 @@ def _module_for(url: str):
 def capabilities(url_or_scheme: str) -> Capabilities:
     """Declared capabilities of the transport for ``url_or_scheme``."""
     url = url_or_scheme if "://" in url_or_scheme else url_or_scheme + "://x"
-    if urlsplit(url).scheme.startswith("emulated+"):
+    if _scheme_of(url).startswith("emulated+"):
         from .emulated import capabilities_of
 
         return capabilities_of(url)
@@ -89,8 +100,8 @@ def capabilities(url_or_scheme: str) -> Capabilities:
 
 
 def listen(url: str, **options) -> Listener:
-    """Listen on ``url`` (``inproc://name``, ``shm://name``, ``tcp://127.0.0.1:0``, ``ucx://127.0.0.1:0``,
-    or any of them over a modeled link: ``emulated+tcp://127.0.0.1:0?link=ib-ndr``)."""
+    """Listen on ``url`` (``inproc://name``, ``shm://name``, ``cuda_ipc://name``, ``tcp://127.0.0.1:0``,
+    ``ucx://127.0.0.1:0``, or any of them over a modeled link: ``emulated+tcp://127.0.0.1:0?link=ib-ndr``)."""
     return _module_for(url).listen(url, **options)
 
 

@@ -305,7 +305,7 @@ def start(url: str, *, in_thread: bool, preload: tuple[str, ...] = ()):
     """Start a peer that connects to ``url`` (a thread, or a process taken from the warm pool)."""
     if in_thread:
         return ThreadPeer(url)
-    key = (urlsplit(url).scheme, tuple(preload))
+    key = (urlsplit(url).scheme or url.split("://", 1)[0], tuple(preload))  # urlsplit drops 'cuda_ipc'
     peer = _warm.pop(key, None)
     if peer is None or peer.proc.poll() is not None:
         if peer is not None:

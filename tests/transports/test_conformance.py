@@ -42,7 +42,7 @@ payload, crc = peer_mod.payload, peer_mod.crc
 
 pytestmark = pytest.mark.timeout(60)
 
-SCHEMES = ["inproc", "shm", "tcp", "ucx"]
+SCHEMES = ["inproc", "shm", "cuda_ipc", "tcp", "ucx"]  # cuda_ipc: host regions here (its device path: test_cuda_ipc)
 _OPTIONAL_STACKS = {"ucx": "ucxx"}  # scheme -> the package without which it cannot run
 SIZES = [0, 1, 64, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
 

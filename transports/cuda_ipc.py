@@ -1,0 +1,379 @@
+"""``cuda_ipc://name``: two processes on one host; puts move GPU memory device to device.
+
+The control path *is* an ``shm://`` connection (:mod:`transports.shm`): rendezvous on a
+private Unix socket (named ``cuda_ipc.<name>`` in the shm socket directory), messages,
+notifications and dead-peer detection all ride its rings, unchanged. What this transport
+adds is the data path of device memory:
+
+* **register.** ``register(array)`` takes a CuPy array (anything with
+  ``__cuda_array_interface__``): the allocation holding it is exported with
+  ``cudaIpcGetMemHandle`` and its descriptor's key (:class:`~transports._cuda_key.DeviceKey`,
+  struct-packed: IPC handle, offset in the allocation, size, device ordinal and PCI bus id)
+  goes to the peer as ``region.descriptor().to_bytes()``, like any region's. A NumPy array
+  is registered on the shm path as it is, so the same code runs on a CPU host.
+* **put.** Into a device region, the initiator opens the peer's allocation once
+  (``cudaIpcOpenMemHandle``, on the device with that PCI bus id), copies with
+  ``cudaMemcpyAsync`` (device to device; host to device from a NumPy source;
+  ``cudaMemcpyPeerAsync`` across GPUs) on the current CuPy stream, synchronises it, and only
+  then sends the completion, so the target never sees a notification before the bytes.
+  Into a host region, put is the shm put (a device source is first copied to host).
+* **notifications.** For each device region the target also registers a *host stand-in* of
+  the same size on the shm path: address space only (an anonymous ``MAP_NORESERVE``
+  mapping nobody writes). A device put's completion is a gathered shm ``put_many`` of
+  zero-byte pieces at the put's first and last byte into that stand-in: no byte moves, and
+  the shm target reports ``Notification(region_id, offset, nbytes, notify_id, tag)`` exactly
+  as for a host put, in order with every other message and notification. The stand-in's
+  id is the device region's id, so deregistering it makes later puts fail at the initiator
+  (``RegistrationError``) before any byte is copied.
+
+Typed errors: a device array where CUDA cannot run is a
+:class:`~qlink.errors.CapabilityError` (without CuPy installed,
+:class:`~qlink.errors.MissingDependencyError`); a descriptor naming a GPU this process cannot
+see, :class:`DeviceMismatchError`; a put past the region's end, or into a region the peer
+deregistered or did not issue on this connection, :class:`~qlink.errors.RegistrationError`;
+a dead peer, :class:`~qlink.errors.BrokenLinkError` (from the shm control path, within about a
+millisecond of its waits backing off).
+
+Opened IPC handles stay open until this endpoint closes. The copy waits for the work queued
+on the current CuPy stream of the destination's device (where CuPy runs its kernels); data
+written on another stream must be finished by the caller first.
+
+>>> import os, numpy as np, transports
+>>> from qlink.memory import alloc
+>>> url = f"cuda_ipc://doc-{os.getpid()}"
+>>> with transports.listen(url) as lis:
+...     a = transports.connect(url, timeout_s=5)
+...     b = lis.accept(timeout_s=5)
+...     target = alloc(8, dtype=np.uint8)          # host memory: the shm path
+...     region = b.register(target)
+...     a.put(b"\\x01\\x02", region.descriptor(), offset=3, notify_id=9)
+...     note = b.wait_notification(timeout_s=5)
+...     (note.offset, note.nbytes, note.notify_id), target.tolist(), a.capabilities.device_memory
+((3, 2, 9), [0, 0, 0, 1, 2, 0, 0, 0], True)
+>>> a.close(); b.close()
+"""
+
+from __future__ import annotations
+
+import mmap
+import operator
+import re
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, RegistrationError
+from qlink.memory import Region, RemoteRegion, as_byte_view
+
+from . import _cuda
+from . import shm as _shm
+from ._base import MAX_TAG_BYTES, Capabilities, Endpoint, Listener, deadline_of
+from ._cuda import DeviceMismatchError
+from ._cuda_key import DeviceKey
+
+__all__ = ["CAPABILITIES", "listen", "connect", "CudaIpcEndpoint", "CudaIpcListener", "DeviceMismatchError",
+           "cuda_unavailable"]
+
+CAPABILITIES = Capabilities(
+    name="cuda_ipc",
+    one_sided=True,
+    zero_copy_put=True,  # the initiator writes the target's memory; the target copies nothing
+    device_memory=True,
+    cross_process=True,
+    cross_host=False,
+)
+
+cuda_unavailable = _cuda.cuda_unavailable
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,90}")
+_SHM_PREFIX = "cuda_ipc."
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux value; Python's mmap does not export it
+
+
+def _name_of(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    name = rest.strip("/")
+    if scheme.lower() != "cuda_ipc" or not sep or not _NAME_RE.fullmatch(name):
+        raise ValueError(f"cuda_ipc transport needs a URL like 'cuda_ipc://decoder-0' (a name of 1-91 letters, "
+                         f"digits, '.', '_' or '-', starting with a letter or digit), got {url!r}")
+    return name
+
+
+def _stand_in(nbytes: int) -> np.ndarray:
+    """Host address space of ``nbytes`` that is never written (no page is ever backed)."""
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def _check_tag(tag) -> bytes:
+    tag = bytes(tag) if tag else b""
+    if len(tag) > MAX_TAG_BYTES:
+        raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+    return tag
+
+
+def _check_notify_id(notify_id) -> int:
+    notify_id = operator.index(notify_id)
+    if not 0 <= notify_id < 1 << 64:
+        raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+    return notify_id
+
+
+def _source_nbytes(data) -> int:
+    if _cuda.is_device(data):
+        return _cuda.device_span(data)[1]
+    return len(as_byte_view(data))
+
+
+class CudaIpcEndpoint(Endpoint):
+    """One side of a ``cuda_ipc://`` connection: an shm endpoint plus the device data path."""
+
+    capabilities = CAPABILITIES
+    put_many_gathers = True  # one Notification per put_many, host and device regions alike
+
+    def __init__(self, shm_endpoint: _shm.ShmEndpoint, *, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self._shm = ep = shm_endpoint
+        ep.url = url  # its errors then name the URL the caller used
+        self._device_regions: dict[int, tuple[Region, Region]] = {}  # region id -> (device region, stand-in)
+        self._mappings = _cuda.IpcMappings()
+        self._x = dict(device_puts=0, device_put_bytes=0, device_notifications=0, notify_pieces=0,
+                       staged_to_host_puts=0)
+        # the control path is the shm endpoint's own (its C fast paths included)
+        self.send, self.send_nowait = ep.send, ep.send_nowait
+        self.recv_into, self.recv_into_nowait, self.recv = ep.recv_into, ep.recv_into_nowait, ep.recv
+        self.wait_notification, self.poll_notification_nowait = ep.wait_notification, ep.poll_notification_nowait
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcEndpoint {self.url} {'closed' if self._closed else 'open'}>"
+
+    # ----- two-sided and notifications: the shm endpoint's (bound in __init__) ------------------
+    def send(self, data, *, timeout_s: float | None = None) -> None:
+        """Send one message (host bytes) over the shm control path."""
+        self._shm.send(data, timeout_s=timeout_s)
+
+    def send_nowait(self, data) -> None:
+        """Send one message now or raise RingFullError having sent nothing."""
+        self._shm.send_nowait(data)
+
+    def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
+        """Receive the next message into ``buf`` (host memory); return its size."""
+        return self._shm.recv_into(buf, timeout_s=timeout_s)
+
+    def recv_into_nowait(self, buf) -> int:
+        """Receive the next message if one is ready, else raise WouldBlock."""
+        return self._shm.recv_into_nowait(buf)
+
+    def wait_notification(self, *, timeout_s: float | None = None):
+        """Wait for the next put completion (host or device region) targeted at this side."""
+        return self._shm.wait_notification(timeout_s=timeout_s)
+
+    def poll_notification_nowait(self):
+        """The next put completion if one has arrived, else raise WouldBlock."""
+        return self._shm.poll_notification_nowait()
+
+    def flush(self, *, timeout_s: float | None = None) -> None:
+        """Wait until deferred host puts have been copied by the peer (device puts never defer)."""
+        self._check_open()
+        self._shm.flush(timeout_s=timeout_s)
+
+    # ----- registration ---------------------------------------------------------------------
+    def register(self, array) -> Region:
+        """Register ``array`` as a put target: a CuPy (device) array for device-to-device puts,
+        or host memory (NumPy, :func:`qlink.memory.alloc`) on the shm path."""
+        self._check_open()
+        if not _cuda.is_device(array):
+            return self._shm.register(array)
+        cp = _cuda.require("registering a device array with cuda_ipc")
+        _, nbytes = _cuda.device_span(array, writable=True)
+        stand_in = self._shm.register(_stand_in(nbytes))
+        try:
+            key = _cuda.export_region(cp, array, notify_key=stand_in.key)
+        except BaseException:
+            self._shm.deregister(stand_in)
+            raise
+        region = Region(stand_in.region_id, array, nbytes, "device", key.address, key.pack())
+        self._device_regions[region.region_id] = (region, stand_in)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Forget a region; later puts into it raise RegistrationError at the initiator."""
+        entry = self._device_regions.get(region.region_id) if region.kind == "device" else None
+        if entry is None or (entry[0] is not region and entry[0].array is not region.array):
+            if region.kind == "device":
+                raise RegistrationError(f"device region {region.region_id} is not registered on this endpoint")
+            self._shm.deregister(region)
+            return
+        del self._device_regions[region.region_id]
+        self._shm.deregister(entry[1])
+
+    # ----- one-sided ------------------------------------------------------------------------
+    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
+            timeout_s: float | None = None) -> None:
+        """Write ``data`` (a CuPy array or host buffer) into the peer's region at ``offset``;
+        the peer then gets a Notification. Device regions: copied by CUDA, synchronised
+        before the notification is sent. Validation failures raise before anything is written."""
+        if self._closed:
+            raise ClosedError(f"cuda_ipc endpoint {self.url} was closed by this side")
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        if remote.kind == "host":
+            if _cuda.is_device(data):
+                data = self._staged(data)
+            self._shm.put(data, remote, offset=offset, notify_id=notify_id, tag=tag, timeout_s=timeout_s)
+            return
+        offset = operator.index(offset)
+        n = _source_nbytes(data)
+        self._device_put(data, remote, [(0, offset, n)], offset, n, notify_id, tag, timeout_s)
+
+    def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
+                 tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
+        """Write pieces of ``data`` into the peer's region and publish ONE Notification for all
+        (see :meth:`transports.Endpoint.put_many`). Device regions: one copy per piece on one
+        stream, synchronised, then the notification; ``defer`` applies to host regions only.
+        Returns 1."""
+        if self._closed:
+            raise ClosedError(f"cuda_ipc endpoint {self.url} was closed by this side")
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        if remote.kind == "host":
+            if _cuda.is_device(data):
+                data, defer = self._staged(data), False
+            return self._shm.put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
+                                      timeout_s=timeout_s, defer=defer)
+        so, do, ln = _shm._pieces(src_offsets, dst_offsets, nbytes, _source_nbytes(data), remote.nbytes)
+        lo, hi = int(do.min()), int((do + ln).max())
+        self._device_put(data, remote, list(zip(so.tolist(), do.tolist(), ln.tolist())), lo, hi - lo, notify_id,
+                         tag, timeout_s)
+        return 1
+
+    def _staged(self, data) -> np.ndarray:
+        cp = _cuda.require("a put from device memory")
+        self._x["staged_to_host_puts"] += 1
+        return _cuda.to_host(cp, data)
+
+    def _device_put(self, data, remote: RemoteRegion, pieces, lo: int, span: int, notify_id, tag,
+                    timeout_s: float | None) -> None:
+        """Check everything, copy every piece with CUDA, then publish one notification over [lo, lo + span)."""
+        deadline_of(timeout_s)
+        tag, notify_id = _check_tag(tag), _check_notify_id(notify_id)
+        key = DeviceKey.unpack(remote.key)
+        if key.nbytes != remote.nbytes:
+            raise RegistrationError(f"descriptor says device region {remote.region_id} has {remote.nbytes} bytes, "
+                                    f"its key says {key.nbytes}")
+        if lo < 0 or lo + span > remote.nbytes:
+            raise RegistrationError(f"put of {span} bytes at offset {lo} falls outside device region "
+                                    f"{remote.region_id} of {remote.nbytes} bytes; need 0 <= offset and "
+                                    f"offset + nbytes <= {remote.nbytes}")
+        stand_in = RemoteRegion(region_id=remote.region_id, nbytes=remote.nbytes, kind="host", key=key.notify_key)
+        self._check_target(stand_in, lo, span)  # before any byte moves: issued here, still registered, peer alive
+        cp = _cuda.require("a put into a device region")
+        dev, address = self._mappings.target(cp, key)
+        moved = _cuda.copy_pieces(cp, dst_address=address, dst_device=dev, src=data, pieces=pieces)
+        self._notify(stand_in, lo, span, notify_id, tag, timeout_s)
+        self._x["device_puts"] += len(pieces)
+        self._x["device_put_bytes"] += moved
+
+    def _check_target(self, stand_in: RemoteRegion, offset: int, nbytes: int) -> None:
+        """RegistrationError unless the peer's shm table holds this stand-in (this connection's,
+        still registered, big enough); BrokenLinkError if the peer is gone."""
+        shm = self._shm
+        shm._poll_socket()
+        if shm._peer_flags() is not None:
+            raise shm._broken("put")
+        shm._peer.entry(stand_in, offset=offset, nbytes=nbytes)
+
+    def _notify(self, stand_in: RemoteRegion, lo: int, span: int, notify_id: int, tag: bytes,
+                timeout_s: float | None) -> None:
+        """One shm notification covering [lo, lo + span) of the stand-in, moving no byte: a
+        gathered put_many of zero-byte pieces at both ends of the span."""
+        offsets = [lo, lo + span] if span else [lo]
+        zeros = [0] * len(offsets)
+        self._shm.put_many(b"", stand_in, zeros, offsets, zeros, notify_id=notify_id, tag=tag, timeout_s=timeout_s)
+        self._x["notify_pieces"] += len(offsets)
+        self._x["device_notifications"] += 1
+
+    # ----- lifecycle ------------------------------------------------------------------------
+    def statistics(self):
+        """The shm control path's counters, with device puts counted as puts (and in ``extra``)."""
+        s = self._shm.statistics()
+        x = self._x
+        extra = dict(s.extra)
+        for name, ours in (("inline_puts", x["notify_pieces"]), ("gathered_puts", x["device_notifications"])):
+            if name in extra:  # the zero-byte puts that carried device completions are not host puts
+                extra[name] = max(0, extra[name] - ours)
+        extra.update(x, opened_ipc_handles=len(self._mappings), device_regions=len(self._device_regions))
+        return replace(s, transport=CAPABILITIES.name, puts=s.puts - x["notify_pieces"] + x["device_puts"],
+                       put_bytes=s.put_bytes + x["device_put_bytes"], extra=extra)
+
+    def close(self) -> None:
+        """Close this side (the peer sees BrokenLinkError) and close the peer's IPC handles. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shm.close()
+        if len(self._mappings):
+            self._mappings.close(_cuda.require("closing CUDA IPC handles"))
+        self._device_regions.clear()
+
+
+class CudaIpcListener(Listener):
+    """Accepts ``cuda_ipc://name`` connections from processes of the same user on this host."""
+
+    def __init__(self, *, name: str, shm_listener: _shm.ShmListener) -> None:
+        self.name = name
+        self.url = f"cuda_ipc://{name}"
+        self._shm = shm_listener
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcListener {self.url}>"
+
+    @property
+    def rejected(self) -> int:
+        """Connections dropped during the handshake."""
+        return self._shm.rejected
+
+    def accept(self, *, timeout_s: float | None = None) -> CudaIpcEndpoint:
+        """Wait for the next peer and return its connected endpoint."""
+        try:
+            ep = self._shm.accept(timeout_s=timeout_s)
+        except ClosedError:
+            raise ClosedError(f"cuda_ipc listener {self.url} was closed by this side") from None
+        except QlinkTimeoutError:
+            raise QlinkTimeoutError(f"cuda_ipc: no connection to {self.url} within timeout_s={timeout_s}") from None
+        return CudaIpcEndpoint(ep, url=self.url)
+
+    def close(self) -> None:
+        """Stop listening and remove the socket file. Idempotent."""
+        self._shm.close()
+
+
+def listen(url: str, *, ring_impl: str | None = None, spin_s: float = _shm.DEFAULT_SPIN_S,
+           backlog: int = 64) -> CudaIpcListener:
+    """Listen on ``cuda_ipc://name``; options as :func:`transports.shm.listen`."""
+    name = _name_of(url)
+    try:
+        lis = _shm.listen(f"shm://{_SHM_PREFIX}{name}", ring_impl=ring_impl, spin_s=spin_s, backlog=backlog)
+    except OSError as e:
+        raise OSError(e.errno, f"{url} is already listening" if "already listening" in str(e) else str(e)) from e
+    return CudaIpcListener(name=name, shm_listener=lis)
+
+
+def connect(url: str, *, timeout_s: float | None = 10.0, ring_nbytes: int = _shm.DEFAULT_RING_NBYTES,
+            ring_impl: str | None = None, spin_s: float = _shm.DEFAULT_SPIN_S) -> CudaIpcEndpoint:
+    """Connect to ``cuda_ipc://name``; BrokenLinkError if nobody listens there. Options as
+    :func:`transports.shm.connect` (the rings carry messages and notifications, not device bytes)."""
+    name = _name_of(url)
+    t0 = time.monotonic()
+    try:
+        ep = _shm.connect(f"shm://{_SHM_PREFIX}{name}", timeout_s=timeout_s, ring_nbytes=ring_nbytes,
+                          ring_impl=ring_impl, spin_s=spin_s)
+    except BrokenLinkError as e:
+        raise BrokenLinkError(f"nobody listens on {url} ({e})") from e
+    except QlinkTimeoutError:
+        raise QlinkTimeoutError(f"cuda_ipc: connecting to {url} did not complete within timeout_s={timeout_s} "
+                                f"(waited {time.monotonic() - t0:.3f} s)") from None
+    return CudaIpcEndpoint(ep, url=f"cuda_ipc://{name}")
