@@ -210,8 +210,11 @@ def ep_lanes(ep_handle: int) -> list[str] | None:
     return lanes
 
 
-def _address_of(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
+def _address_of(arr) -> int:
+    ai = getattr(arr, "__array_interface__", None)
+    if ai is None:  # device memory (a CuPy view): UCX finds its memory type itself
+        ai = arr.__cuda_array_interface__
+    return ai["data"][0]
 
 
 class UcpOps:

@@ -15,10 +15,12 @@ import weakref
 import numpy as np
 
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, WouldBlock
-from qlink.memory import as_byte_view, is_device_array
+from qlink.memory import as_byte_view
 
+from . import _cuda
 from . import _ucx_boot as boot
 from . import _ucx_core as core
+from . import _ucx_device as dev
 from . import _ucx_wire as wire
 from ._base import BufferTooSmallError, Backoff, Capabilities, Endpoint, Statistics, deadline_of
 from ._ucx_put import PutSide
@@ -29,7 +31,7 @@ CAPABILITIES = Capabilities(
     name="ucx",
     one_sided=True,
     zero_copy_put=False,  # software put: the target receives the bytes during its progress
-    device_memory=False,  # host buffers only (UCX could carry CuPy arrays; not wired up here)
+    device_memory=True,  # CuPy buffers go to UCX as they are; needs UCX_TLS with cuda_copy (see _ucx_device)
     cross_process=True,
     cross_host=True,
 )
@@ -341,7 +343,7 @@ class UcxEndpoint(PutSide, Endpoint):
             backoff.pause()
 
     def _zero_copy(self, src, n: int, tag: int, deadline, what: str, timeout_s) -> None:
-        base = _flat_u8(memoryview(src))
+        base = src if _cuda.is_device(src) else _flat_u8(memoryview(src))
         try:
             req = self._ops.send(base, n, tag, cache=False)
         except core.UcxStatus as e:
@@ -366,12 +368,17 @@ class UcxEndpoint(PutSide, Endpoint):
         deadline = None if timeout_s is None else deadline_of(timeout_s)
         if self._closed or self._broken is not None or self._peer_closed:
             self._check_sendable("the message")
-        src = data if type(data) is bytes else as_byte_view(data)
+        device = type(data) is not bytes and _cuda.is_device(data)
+        if device:  # sent from device memory by UCX (blocking), or staged in host memory (nowait)
+            src = dev.device_view(self._box.tls, data)
+            src = dev.host_copy(src) if nowait else src
+        else:
+            src = data if type(data) is bytes else as_byte_view(data)
         n = len(src)
         if n > CAPABILITIES.max_message_bytes:
             raise ValueError(f"message of {n} bytes exceeds max_message_bytes={CAPABILITIES.max_message_bytes}")
         with self._tx_lock:
-            if self._zero_copy_min is not None and n >= self._zero_copy_min and not nowait:
+            if (device and not nowait) or (self._zero_copy_min is not None and n >= self._zero_copy_min and not nowait):
                 self._room(0, deadline, False, "the message", timeout_s)
                 self._zero_copy(src, n, self._tx_msg, deadline, "zero-copy send", timeout_s)
             else:
@@ -438,8 +445,9 @@ class UcxEndpoint(PutSide, Endpoint):
         cache = self._rx_cache
         if cache[0] is buf:
             return cache[1]
-        if is_device_array(buf) and not hasattr(buf, "__array_interface__"):
-            raise TypeError("the ucx transport receives into host memory only; pass a NumPy array or bytearray")
+        if _cuda.is_device(buf):  # UCX receives straight into device memory
+            flat = dev.device_view(self._box.tls, buf, writable=True)
+            return len(flat), flat, None
         view = as_byte_view(buf)
         if view.readonly:
             raise TypeError("recv_into needs a writable buffer (bytearray, NumPy array...), got a read-only one")
@@ -462,7 +470,7 @@ class UcxEndpoint(PutSide, Endpoint):
         self._held = None
         try:
             if base is not None:
-                return self._ops.recv_msg(m, base, n)
+                return self._ops.recv_msg(m, base, n, cache=type(base) is np.ndarray)
             if n <= wire.SMALL:
                 return self._ops.recv_msg(m, self._rx_small, n)
             return self._ops.recv_msg(m, _flat_u8(view), n, cache=False)

@@ -16,8 +16,10 @@ import time
 import numpy as np
 
 from qlink.errors import RegistrationError, WouldBlock
-from qlink.memory import Region, RemoteRegion, as_byte_view, is_device_array
+from qlink.memory import Region, RemoteRegion, as_byte_view
 
+from . import _cuda
+from . import _ucx_device as dev
 from . import _ucx_wire as wire
 from ._base import MAX_TAG_BYTES, Backoff, Notification, deadline_of
 
@@ -47,10 +49,16 @@ class PutSide:
         if op == wire.OP_PUT_INLINE:
             if nbytes:
                 start = wire.CTRL.size + tag_len
-                region.view[offset:offset + nbytes] = self._ctrl_buf.data[start:start + nbytes]
+                if region.kind == "device":
+                    dev.copy_into_region(region, offset, self._ctrl_buf[start:start + nbytes])
+                else:
+                    region.view[offset:offset + nbytes] = self._ctrl_buf.data[start:start + nbytes]
             self._put_pending.append((None, note, None))
         else:
-            target = np.frombuffer(region.view, dtype=np.uint8)[offset:offset + nbytes]
+            if region.kind == "device":  # UCX receives the bytes straight into device memory
+                target = dev.device_view(self._box.tls, region.array)[offset:offset + nbytes]
+            else:
+                target = np.frombuffer(region.view, dtype=np.uint8)[offset:offset + nbytes]
             self._put_pending.append((self._ops.recv_tag(target, nbytes, self._rx_data | seq), note, target))
         self._reap_puts()
 
@@ -73,10 +81,11 @@ class PutSide:
 
     # ----- one-sided -------------------------------------------------------------------------
     def register(self, array) -> Region:
-        """Register ``array`` (writable, C-contiguous host memory) as a put target."""
+        """Register ``array`` (writable, C-contiguous; host memory, or a CuPy array when
+        ``UCX_TLS`` loads a CUDA transport) as a put target."""
         self._check_open()
-        if is_device_array(array) and not hasattr(array, "__array_interface__"):
-            raise TypeError("the ucx transport registers host memory only (device_memory=False)")
+        if _cuda.is_device(array):
+            dev.device_view(self._box.tls, array, writable=True)  # CapabilityError unless UCX can move it
         with self._rx_lock:
             rid = next(self._next_region)
             region = Region.of(array, region_id=rid, key=self._token)
@@ -103,7 +112,13 @@ class PutSide:
             raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
         if not 0 <= notify_id < 1 << 64:
             raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
-        src = data if type(data) is bytes else as_byte_view(data)
+        device = type(data) is not bytes and _cuda.is_device(data)
+        if device:  # small puts ride inline (copied to host); larger ones leave from device memory
+            src = dev.device_view(self._box.tls, data)
+            if len(src) <= wire.INLINE_PUT_MAX:
+                src, device = dev.host_copy(src), False
+        else:
+            src = data if type(data) is bytes else as_byte_view(data)
         n = len(src)
         if offset < 0 or offset + n > remote.nbytes:
             raise RegistrationError(
@@ -128,7 +143,7 @@ class PutSide:
                 self._send_ctrl(wire.OP_PUT_INLINE, rid=remote.region_id, offset=offset, nbytes=n,
                                 notify_id=notify_id, tag=tag, inline=src)
             else:
-                zero_copy = self._zero_copy_min is not None and n >= self._zero_copy_min
+                zero_copy = device or (self._zero_copy_min is not None and n >= self._zero_copy_min)
                 self._room(0 if zero_copy else n, deadline, False, "the put", timeout_s)
                 self._put_seq = (self._put_seq + 1) & 0xFFFFFFFF
                 seq = self._put_seq

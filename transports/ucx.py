@@ -34,6 +34,16 @@ Wire (:mod:`transports._ucx_wire`)
     message stays held for the next call. Control frames (put, region revoked, close,
     wireup) ride their own tag.
 
+Device memory (:mod:`transports._ucx_device`)
+    CuPy arrays (anything with ``__cuda_array_interface__``) pass to UCX as they are: ``send``
+    sends from device memory (waiting, like a zero-copy send, until the receiver has taken it;
+    ``send_nowait`` stages a host copy), ``recv_into`` receives into device memory, a device
+    array can be registered as a put target, and a put from device memory leaves from it
+    (puts up to 4 KiB are copied to host and ride inline). UCX moves GPU memory only with its
+    CUDA transports loaded: set ``UCX_TLS=tcp,sm,self,cuda_copy,cuda_ipc``
+    (:data:`CUDA_UCX_TLS`) in both processes; with qlink's default ``tcp,sm,self`` a device
+    buffer raises :class:`~qlink.errors.CapabilityError`. Host buffers are untouched by this.
+
 One-sided put (:mod:`transports._ucx_put`)
     UCXX 0.52's Python API has no memory registration or remote keys, so put is done in
     software: puts up to 4 KiB travel inline in a control frame and are copied into the
@@ -75,9 +85,11 @@ from . import _ucx_core as core
 from . import _ucx_wire as wire
 from ._accept import AcceptQueue
 from ._base import Listener, deadline_of
+from ._ucx_device import CUDA_UCX_TLS
 from ._ucx_endpoint import CAPABILITIES, UcxEndpoint
 
-__all__ = ["CAPABILITIES", "DEFAULT_UCX_TLS", "HOT_PATHS", "listen", "connect", "UcxEndpoint", "UcxListener"]
+__all__ = ["CAPABILITIES", "DEFAULT_UCX_TLS", "CUDA_UCX_TLS", "HOT_PATHS", "listen", "connect", "UcxEndpoint",
+           "UcxListener"]
 
 DEFAULT_UCX_TLS = core.DEFAULT_UCX_TLS
 HOT_PATHS = tuple(core.HOT_PATHS)
