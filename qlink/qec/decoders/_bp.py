@@ -170,6 +170,36 @@ class CompiledBeliefPropagationDecoder(CompiledDecoder):
         return out
 
 
+    def decode_device(self, detection_events):
+        """Decode shots that already sit in this decoder's array memory, leaving them there:
+        ``(num_shots, num_detectors)`` 0/1 (uint8 or bool) -> ``(num_shots, num_observables)``
+        uint8, both on the GPU for a CuPy decoder (syndromes a put wrote into device memory
+        never cross to the host) and NumPy arrays on the CPU. Every shot runs BP (a shot
+        with no detection event converges in the first iteration); the predictions equal
+        :meth:`decode_batch`'s. Only a per-iteration "all converged?" flag and the count of
+        shots not converged are read back to the host.
+
+        >>> import stim
+        >>> c = stim.Circuit.generated("repetition_code:memory", distance=3, rounds=2,
+        ...                            before_round_data_depolarization=0.01)
+        >>> bp = BeliefPropagationDecoder().compile_for_dem(c.detector_error_model(), device="cpu")
+        >>> bp.decode_device(np.array([[0, 1, 0, 0, 0, 0], [0] * 6], dtype=np.uint8)).tolist()
+        [[1], [0]]
+        """
+        xp = self.xp
+        dets = xp.asarray(detection_events)  # no copy when it is already in this decoder's memory
+        if dets.ndim != 2 or dets.shape[1] != self.num_detectors:
+            raise ValueError(f"decode_device takes a (num_shots, {self.num_detectors}) array of detection events, "
+                             f"got shape {tuple(dets.shape)}")
+        out = xp.zeros((dets.shape[0], self.num_observables), dtype=xp.uint8)
+        for start in range(0, dets.shape[0], self.chunk_shots):
+            syn = dets[start:start + self.chunk_shots].astype(xp.int32)
+            e_hat, conv = self._bp_chunk(syn)
+            self.num_not_converged += int((~conv).sum())
+            out[start:start + len(syn)] = ((e_hat.astype(xp.float32) @ self._obs_t).astype(xp.int32) & 1)
+        return out
+
+
 class BeliefPropagationDecoder(Decoder):
     """Options: ``device="auto"|"cpu"|"gpu"``, ``max_iter=30``, ``scaling_factor=0.9``,
     ``offset=0.0``, ``dtype="float32"``, ``chunk_shots=2048``, ``split_components=True``
