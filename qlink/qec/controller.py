@@ -100,6 +100,27 @@ def _status_name(status) -> str:
     return _STATUS_NAMES.get(status, str(status))
 
 
+def _knob(name: str, value, minimum: float, *, above: bool = False, or_none: bool = False):
+    """``value`` checked as a loop parameter: a finite number ``>= minimum`` (``> minimum``
+    with ``above``), or None where ``or_none``. NaN and infinities are refused by name first
+    (a comparison lets NaN through, and ``int()`` of it fails with no name).
+
+    >>> _knob("cycle_ns", float("nan"), 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: cycle_ns must be a finite number >= 1, got nan
+    """
+    if value is None and or_none:
+        return None
+    what = f"a finite number {'>' if above else '>='} {minimum}{' or None' if or_none else ''}"
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if not (isinstance(value, (int, np.integer)) or math.isfinite(value)) or value < minimum or (
+            above and value == minimum):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class FrameLayout:
     """One ``enqueue_syndromes`` frame position of a shot: which bits, up to which round."""
@@ -307,18 +328,22 @@ class Controller:
                  trigger_ns: int = MODELED_TRIGGER_NS, analog_in_out_ns: int = MODELED_ANALOG_IN_OUT_NS) -> None:
         if not 0 <= decoder_id < wire.MAX_DECODERS:
             raise ValueError(f"decoder_id must be in [0, {wire.MAX_DECODERS}), got {decoder_id}")
-        if cycle_ns < 1:
-            raise ValueError(f"cycle_ns must be >= 1, got {cycle_ns}")
-        if gap_cycles < 0 or poll_interval_ns < 0 or start_delay_ns < 0:
-            raise ValueError("gap_cycles, poll_interval_ns and start_delay_ns must be >= 0")
-        if feed_forward_deadline_ns is not None and feed_forward_deadline_ns <= 0:
-            raise ValueError(f"feed_forward_deadline_ns must be > 0 or None, got {feed_forward_deadline_ns}")
-        if max_in_flight_shots is not None and max_in_flight_shots < 1:
-            raise ValueError(f"max_in_flight_shots must be >= 1 or None, got {max_in_flight_shots}")
+        # every number is checked finite before it is compared or made an int, and named
+        for name, value, minimum in (("cycle_ns", cycle_ns, 1), ("rounds_per_frame", rounds_per_frame, 0),
+                                     ("shots_per_frame", shots_per_frame, 1), ("gap_cycles", gap_cycles, 0),
+                                     ("poll_interval_ns", poll_interval_ns, 0), ("keep_samples", keep_samples, 0),
+                                     ("start_delay_ns", start_delay_ns, 0), ("backlog_samples", backlog_samples, 0),
+                                     ("counter_start", counter_start, 0), ("request_id_start", request_id_start, 0),
+                                     ("get_timeout_ns", get_timeout_ns, 1),
+                                     ("reveal_gap_after_ns", reveal_gap_after_ns, 0), ("trigger_ns", trigger_ns, 0),
+                                     ("analog_in_out_ns", analog_in_out_ns, 0)):
+            _knob(name, value, minimum)
+        _knob("feed_forward_deadline_ns", feed_forward_deadline_ns, 0, above=True, or_none=True)
+        _knob("max_in_flight_shots", max_in_flight_shots, 1, or_none=True)
+        _knob("max_gets_in_flight", max_gets_in_flight, 1, or_none=True)
+        _knob("get_window_shots", get_window_shots, 1, or_none=True)
         if stream.num_shots < 1 or stream.num_detectors < 1:
             raise ValueError("the syndrome stream needs at least one shot and one detector")
-        if shots_per_frame < 1:
-            raise ValueError(f"shots_per_frame must be >= 1, got {shots_per_frame}")
         if shots_per_frame > 1 and rounds_per_frame not in (0, stream.num_rounds):
             raise ValueError("shots_per_frame > 1 sends whole shots: use rounds_per_frame=0")
         if shots_per_frame * stream.num_detectors > wire.MAX_SYNDROME_BITS:
@@ -326,8 +351,6 @@ class Controller:
                              f"wire's {wire.MAX_SYNDROME_BITS} bits per frame")
         if shots_per_frame * stream.num_observables > wire.MAX_CORRECTION_BITS:
             raise ValueError("shots_per_frame x observables exceeds the wire's correction bits per answer")
-        if max_gets_in_flight is not None and max_gets_in_flight < 1:
-            raise ValueError(f"max_gets_in_flight must be >= 1 or None, got {max_gets_in_flight}")
         window = shots_per_frame if get_window_shots is None else get_window_shots
         if window < 1 or window * stream.num_observables > wire.MAX_CORRECTION_BITS:
             raise ValueError(f"get_window_shots must be >= 1 and at most {wire.MAX_CORRECTION_BITS} correction bits "
@@ -459,6 +482,7 @@ class Controller:
 
     def run(self, *, timeout_s: float = 60.0) -> ControllerResult:
         """Play every shot of the stream and wait for every answer (at most ``timeout_s``)."""
+        _knob("timeout_s", timeout_s, 0, above=True)
         if not self._prepared:  # a second run continues the counters: build its frames anew
             self._prepare()
         self._prepared = False

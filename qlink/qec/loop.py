@@ -24,6 +24,7 @@ rebuild the same DEM without anything but numbers crossing the process boundary:
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import threading
@@ -39,6 +40,7 @@ from .controller import (
     Controller,
     ControllerResult,
     SyndromeStream,
+    _knob,
 )
 from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, histogram_summary, join_shots, stage_summary
 
@@ -62,10 +64,11 @@ def source_spec(*, distance: int, rounds: int | None = None, p: float = 0.001,
     >>> source_spec(distance=5)["rounds"]
     5
     """
-    if distance < 2:
-        raise ValueError(f"distance must be >= 2, got {distance}")
-    if not 0 <= p < 0.5:
-        raise ValueError(f"p must lie in [0, 0.5), got {p}")
+    _knob("distance", distance, 2)
+    if rounds is not None:
+        _knob("rounds", rounds, 1)
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 0.5:  # (NaN fails the comparison)
+        raise ValueError(f"p must lie in [0, 0.5), got {p!r}")
     return {"kind": kind, "code": code, "distance": int(distance), "rounds": int(rounds or distance),
             "p": float(p), "noise": noise}
 
@@ -79,6 +82,8 @@ def _check_spec(spec: Mapping[str, Any]) -> dict:
     for k, v in spec.items():
         if not isinstance(v, (str, int, float)) or isinstance(v, bool):
             raise TypeError(f"source spec values must be str/int/float, got {k}={v!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"source spec values must be finite numbers, got {k}={v!r}")
     return dict(spec)
 
 
@@ -315,6 +320,9 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
 
     from .service import start_service_process
 
+    # checked before a service starts (the Controller checks the rest, and these again)
+    _knob("timeout_s", timeout_s, 0, above=True)
+    _knob("cycle_ns", cycle_ns, 1)
     url = resolve_url(transport)
     spec = _check_spec(source)
     src = build_source(spec)

@@ -353,12 +353,6 @@ def test_decoder_configs_refuse_nonsense_with_the_reason():
         DecoderService({32: DecoderConfig(num_detectors=6, num_observables=1, decoder="pymatching")})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "qlink.qec.controller.Controller checks cycle_ns, poll_interval_ns, get_timeout_ns and run(timeout_s) "
-    "with comparisons NaN slips through, then calls int() on them: NaN gives 'cannot convert float NaN to "
-    "integer', inf an OverflowError, and feed_forward_deadline_ns=nan is accepted silently. Fix: check "
-    "math.isfinite(v) first and raise ValueError('cycle_ns must be a finite number >= 1, got nan') (the "
-    "same in run() for timeout_s, and in source_spec for distance/rounds)."))
 @pytest.mark.parametrize("knob", ["cycle_ns", "poll_interval_ns", "feed_forward_deadline_ns", "run_timeout_s"])
 def test_loop_parameters_refuse_nan_and_inf_by_name(knob):
     from qlink.qec.controller import Controller, SyndromeStream
@@ -376,6 +370,39 @@ def test_loop_parameters_refuse_nan_and_inf_by_name(knob):
                 else:
                     Controller(a, s, **{knob: v})
         a.close(), b.close()
+
+
+@pytest.mark.parametrize("knob, minimum", [("get_timeout_ns", 1), ("gap_cycles", 0), ("start_delay_ns", 0),
+                                            ("reveal_gap_after_ns", 0), ("max_in_flight_shots", 1),
+                                            ("max_gets_in_flight", 1), ("get_window_shots", 1)])
+def test_other_controller_numbers_refuse_nan_inf_and_too_small_by_name(knob, minimum):
+    from qlink.qec.controller import Controller, SyndromeStream
+
+    s = SyndromeStream(detectors=np.zeros((2, 6), np.uint8), observables=np.zeros((2, 1), np.uint8),
+                       round_of_detector=np.array([0, 0, 1, 1, 2, 2]))
+    with transports.listen("inproc://qlrel-ctl2") as lis:
+        a = transports.connect("inproc://qlrel-ctl2")
+        b = lis.accept(timeout_s=1)
+        for v in (math.nan, math.inf, -math.inf, minimum - 1):
+            with pytest.raises(ValueError, match=f"{knob} must be a finite number >= {minimum}"):
+                Controller(a, s, **{knob: v})
+        with pytest.raises(TypeError, match=knob):
+            Controller(a, s, **{knob: "10"})
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("v", NONFINITE)
+def test_source_specs_refuse_nan_and_inf_distance_and_rounds_by_name(v):
+    from qlink.qec.loop import build_source, source_spec
+
+    with pytest.raises(ValueError, match="distance must be a finite number >= 2"):
+        source_spec(distance=v)
+    with pytest.raises(ValueError, match="rounds must be a finite number >= 1"):
+        source_spec(distance=3, rounds=v)
+    with pytest.raises(ValueError, match="p must"):
+        source_spec(distance=3, p=v)
+    with pytest.raises(ValueError, match="finite numbers, got distance="):
+        build_source({"distance": v, "p": 0.001})
 
 
 def test_fault_and_link_urls_refuse_nonsense():
