@@ -21,7 +21,9 @@ bits one shot carries (the DEM's detector count):
   LSB first (``return_size`` bits, at most the decoder's observable count);
   ``NOT_READY`` while no shot is complete; ``SYNDROMES_DROPPED`` for a dropped shot.
   ``reset=1`` consumes the shot, ``reset=0`` only peeks at it.
-* ``reset_decoder`` forgets the decoder's partial shot, queue and counter.
+* ``reset_decoder`` forgets the decoder's partial shot, queue and counter; a new peer
+  (:meth:`DecoderService.serve` handed an endpoint other than the last) starts with
+  every decoder reset, whatever the controller before it left behind.
 * The queue is bounded (``capacity_shots``): a shot that finds it full is refused
   with ``BUSY`` and dropped (its counter is used up, its later frames discarded,
   ``get_corrections`` answers ``SYNDROMES_DROPPED`` for it); memory never grows
@@ -205,7 +207,7 @@ class DecoderService:
     __slots__ = ("_decoders", "_active", "ack_enqueue", "_ack_all", "_ack_errors", "max_batch_requests",
                  "max_decode_batch", "_rx", "_rx_mv", "_rx_np", "_tx", "_tx_mv", "_tx_np", "_staged", "_st_plan",
                  "_peer", "_n_staged", "_ep", "_sendto", "stages", "shots", "_keep", "_counts", "faults", "statuses",
-                 "_batch_log2", "_serve_wall_s", "_serve_cpu_s", "_t_ready", "_busy_ns",
+                 "_batch_log2", "_serve_wall_s", "_serve_cpu_s", "_t_ready", "_busy_ns", "_served",
                  *(f"_rec_{name}" for name in SERVICE_STAGES), *(attr for _, attr in _HOT_COUNTS))
 
     def __init__(self, configs: Mapping[int, DecoderConfig], *, ack_enqueue: str = "all",
@@ -261,6 +263,7 @@ class DecoderService:
         self._serve_wall_s = self._serve_cpu_s = 0.0
         self._t_ready = 0  # when the service last came back to receiving (its earlier work done)
         self._busy_ns = 0  # wall time from each batch's first frame in to its answers out
+        self._served = None  # the endpoint served last (a new one means a new peer: see serve)
 
     @property
     def counts(self) -> Counter:
@@ -703,6 +706,13 @@ class DecoderService:
         d.reset()
         self._stage(_PLAIN, int(Status.OK), rid, ptp, t_in, _FN_RESET)
 
+    def _reset_all(self) -> None:
+        """A new peer: what the last one left in every decoder means nothing to it."""
+        for d in self._active:
+            if d.next_counter is not None or d.cmp != d.free or d.filling or d.drops_total:
+                self._counts["decoders_reset_for_new_peer"] += 1
+            d.reset()
+
     # ------------------------------------------------------------------ decode + answer
     def _decode_pending(self, d: _Decoder) -> None:
         """Every complete shot not yet decoded, in one decoder call (more only where the ring
@@ -880,6 +890,11 @@ class DecoderService:
         """Serve requests from ``endpoint`` (busy-poll) until the peer leaves, ``stop_event``
         is set, ``max_requests`` have been handled, or ``timeout_s`` has passed.
 
+        An endpoint other than the one served last is a new peer: every decoder is reset
+        first (counter, partial shot, queued answers), as ``reset_decoder`` would, so a
+        controller that follows one that died needs no reset of its own. Serving the same
+        endpoint again continues where the last call stopped.
+
         ``spin``: empty polls before the loop starts to sleep between polls (up to
         0.2 ms), so an idle service does not burn a core forever. Returns
         :meth:`report`. A peer that closes ends the loop normally; any other
@@ -888,6 +903,10 @@ class DecoderService:
         if max_requests is not None and max_requests < 1:
             raise ValueError(f"max_requests must be >= 1 or None, got {max_requests}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if endpoint is not self._served:
+            if self._served is not None:
+                self._reset_all()
+            self._served = endpoint  # (held, not its id: a closed endpoint's id may come back)
         self._ep = endpoint
         rx = self._rx
         recv = endpoint.recv_into_nowait

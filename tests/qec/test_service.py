@@ -519,3 +519,31 @@ def test_a_corrupt_counter_costs_only_its_own_shot_and_a_confirmed_jump_is_a_los
         assert answers[gets[1]][1] == bytes([expected[7][0]])
     finally:
         p.close()
+
+
+def test_a_new_peer_starts_with_reset_decoders_and_the_same_endpoint_continues(code):
+    dem, dets, expected = code
+    service = DecoderService({0: DecoderConfig(decoder="pymatching", dem=dem, frames_per_shot=1)},
+                             ack_enqueue="errors")
+    first = Pair(service)
+    try:
+        first.enqueue(dets[0], counter=0)
+        assert first.run() == []  # served: one shot queued, nobody asked for it yet
+        first.enqueue(dets[1], counter=1)  # the same endpoint again: the counter goes on from 1
+        first.enqueue(dets[2][:5], counter=2)  # ... and a shot is left half filled
+        assert first.run() == []
+        assert service.backlog_shots(0) == 2
+    finally:
+        first.close()  # this controller goes away without a reset_decoder
+    second = Pair(service)
+    try:
+        second.enqueue(dets[7], counter=0)  # its counter starts at 0: not 'backwards'
+        got = second.get()
+        answers = _answers_by_rid(second.run())
+        # its own shot's correction, not the ones the first controller left queued
+        assert answers == {got: (Status.OK, bytes([expected[7][0]]))}
+        assert service.backlog_shots(0) == 0
+        counts = service.report()["counts"]
+        assert counts["decoders_reset_for_new_peer"] == 1 and "counter_backwards" not in service.faults
+    finally:
+        second.close()
