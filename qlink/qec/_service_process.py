@@ -1,4 +1,5 @@
-"""Running a decoder service in a spawned child process (re-exported by :mod:`qlink.qec.service`).
+"""Running a decoder service in a spawned child process (re-exported by :mod:`qlink.qec.service`):
+an accept loop that serves controllers one after another.
 
 Only plain data crosses into the child: the URL and a spec per decoder (source
 parameters, decoder name) from which the child rebuilds its DEM and compiles its
@@ -17,19 +18,28 @@ __all__ = ["run_service_process", "ServiceProcess", "start_service_process"]
 
 
 _DATAGRAM_IDLE_S = 1.0
+_STOP_POLL_S = 0.5
 
 
 def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, ready_queue=None,
                         result_queue=None, accept_timeout_s: float = 30.0, timeout_s: float | None = None,
-                        service_options: Mapping[str, Any] | None = None, pin_cpu: int | None = None) -> dict:
-    """Run a decoder service in this process: listen on ``url``, serve one peer, report.
+                        service_options: Mapping[str, Any] | None = None, pin_cpu: int | None = None,
+                        max_peers: int | None = 1, stop_event=None) -> dict:
+    """Run a decoder service in this process: listen on ``url``, serve controllers one after
+    another, report each.
 
     ``configs_spec`` is plain data, ``{decoder_id: {"source": {...}, "decoder": name, ...}}``;
     every DEM is rebuilt here from its source spec. ``ready_queue`` gets the bound URL
-    (or ``"error: ..."``) once listening; ``result_queue`` gets the report as a JSON
-    string; ``pin_cpu`` pins this process to that CPU slot (busy-polling benchmarks
-    keep the service and the controller on different cores). This is the target of
-    :func:`start_service_process` (spawn).
+    (or ``"error: ..."``) once listening; ``result_queue`` gets a report as a JSON string
+    each time a controller's session ends (the service's counts since it started,
+    ``peers_served``, ``"error"`` if the session failed, and ``"final"``: whether the
+    service ends after it), and one with ``"error"`` if listening or accepting fails. ``max_peers``
+    controllers are served, one at a time, each starting with reset decoders (see
+    :meth:`~qlink.qec.service.DecoderService.serve`); ``None``: until ``stop_event`` is
+    set or the process is stopped. ``accept_timeout_s`` bounds the wait for the first
+    controller; ``timeout_s`` each session. ``pin_cpu`` pins this process to that CPU slot
+    (busy-polling benchmarks keep the service and the controller on different cores).
+    Returns the last report. This is the target of :func:`start_service_process` (spawn).
     """
     import transports
 
@@ -37,6 +47,7 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
 
     from .service import DecoderConfig, DecoderService
 
+    _check_max_peers(max_peers)
     die_with_parent()  # a service never outlives the process that started it
     if pin_cpu is not None:
         pin_to_cpu(pin_cpu)
@@ -50,51 +61,96 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
             ready_queue.put(f"error: {type(exc).__name__}: {exc}")
         raise
     report: dict = {}
+    peers = 0
     try:
         if ready_queue is not None:
             ready_queue.put(listener.url)
-        ep = listener.accept(timeout_s=accept_timeout_s)
-        try:
-            # A datagram peer cannot say it has left (UDP has no close): end after a quiet second.
-            idle_s = None if ep.capabilities.reliable else _DATAGRAM_IDLE_S
-            report = service.serve(ep, timeout_s=timeout_s, idle_timeout_s=idle_s)
-            report["transport"] = ep.capabilities.name
-            report["transport_statistics"] = {k: v for k, v in vars(ep.statistics()).items() if k != "extra"}
-        finally:
-            ep.close()
-    except Exception as exc:
+        while max_peers is None or peers < max_peers:
+            ep = _accept(listener, timeout_s=accept_timeout_s if peers == 0 else None, stop_event=stop_event)
+            if ep is None:  # stopped
+                break
+            peers += 1
+            try:
+                # A datagram peer cannot say it has left (UDP has no close): end after a quiet second.
+                idle_s = None if ep.capabilities.reliable else _DATAGRAM_IDLE_S
+                report = service.serve(ep, timeout_s=timeout_s, idle_timeout_s=idle_s, stop_event=stop_event)
+                report["transport"] = ep.capabilities.name
+                report["transport_statistics"] = {k: v for k, v in vars(ep.statistics()).items() if k != "extra"}
+            except Exception as exc:  # this session failed; the next controller is still served
+                report = service.report()
+                report["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                ep.close()
+            report["peers_served"] = peers
+            report["final"] = max_peers is not None and peers >= max_peers
+            if result_queue is not None:
+                result_queue.put(json.dumps(report))
+    except Exception as exc:  # listening or accepting failed: the service ends
         report = service.report()
         report["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        listener.close()
+        report["peers_served"] = peers
+        report["final"] = True
         if result_queue is not None:
             result_queue.put(json.dumps(report))
+    finally:
+        listener.close()
     return report
+
+
+def _check_max_peers(max_peers) -> None:
+    if max_peers is not None and (isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers < 1):
+        raise ValueError(f"max_peers must be an int >= 1, or None (until stopped), got {max_peers!r}")
+
+
+def _accept(listener, *, timeout_s: float | None, stop_event):
+    """The next peer's endpoint, or None once ``stop_event`` is set; waits at most ``timeout_s``
+    (None: until stopped), looking at ``stop_event`` every half second."""
+    if stop_event is None:
+        return listener.accept(timeout_s=timeout_s)
+    give_up = None if timeout_s is None else time.monotonic() + timeout_s
+    while not stop_event.is_set():
+        step = _STOP_POLL_S if give_up is None else min(_STOP_POLL_S, max(0.0, give_up - time.monotonic()))
+        try:
+            return listener.accept(timeout_s=step)
+        except QlinkTimeoutError:
+            if give_up is not None and time.monotonic() >= give_up:
+                raise
+    return None
 
 
 class ServiceProcess:
     """A decoder service running in a spawned child process (see :func:`start_service_process`)."""
 
-    def __init__(self, process, url: str, result_queue) -> None:
+    def __init__(self, process, url: str, result_queue, *, max_peers: int | None = None) -> None:
         self.process = process
         self.url = url
+        self.max_peers = max_peers  # controllers the child serves before it exits (None: until closed)
         self._results = result_queue
         self._report: dict | None = None
 
     def report(self, *, timeout_s: float = 30.0) -> dict:
-        """Wait for the child's report (sent when its peer disconnects) and reap it."""
-        if self._report is None:
-            import queue as _queue
+        """The report of the next controller session to end (one per controller served, in
+        order; counts are the service's since it started). Once the child has exited with
+        nothing more to say, the last report again. The child is reaped after its last
+        session (``max_peers`` reached) or a failure."""
+        import queue as _queue
 
-            try:
-                self._report = json.loads(self._results.get(timeout=timeout_s))
-            except _queue.Empty:
-                raise QlinkTimeoutError(
-                    f"the decoder service process sent no report within timeout_s={timeout_s} "
-                    f"(alive: {self.process.is_alive()}, exit code: {self.process.exitcode})"
-                ) from None
+        try:
+            msg = self._results.get(timeout=0 if self._done() else timeout_s)
+        except _queue.Empty:
+            if self._report is not None and self._done():
+                return self._report
+            raise QlinkTimeoutError(
+                f"the decoder service process sent no report within timeout_s={timeout_s} "
+                f"(alive: {self.process.is_alive()}, exit code: {self.process.exitcode})"
+            ) from None
+        self._report = json.loads(msg)
+        if self._report.get("final"):  # the child ends after this one
             self.process.join(timeout=timeout_s)
         return self._report
+
+    def _done(self) -> bool:
+        return self._report is not None and not self.process.is_alive()
 
     def close(self) -> None:
         """Stop the child if it still runs. Idempotent."""
@@ -113,19 +169,24 @@ class ServiceProcess:
 
 
 def start_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, start_timeout_s: float = 60.0,
-                          **options) -> ServiceProcess:
+                          max_peers: int | None = None, **options) -> ServiceProcess:
     """Spawn :func:`run_service_process` and wait until it listens; returns its handle.
+
+    The child serves controllers one after another until it is closed (``max_peers``
+    None), or that many and then exits; a controller that goes away, cleanly or not,
+    leaves the way open for the next, which starts with reset decoders.
 
     >>> # see qlink.qec.loop.run_loop for the full closed loop
     """
     import multiprocessing as mp
     import queue as _queue
 
+    _check_max_peers(max_peers)
     ctx = mp.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
     spec = {int(k): dict(v) for k, v in configs_spec.items()}
     proc = ctx.Process(target=run_service_process, args=(url, spec),
-                       kwargs=dict(ready_queue=ready, result_queue=results, **options),
+                       kwargs=dict(ready_queue=ready, result_queue=results, max_peers=max_peers, **options),
                        name="qlink-decoder-service", daemon=True)
     proc.start()
     give_up = time.monotonic() + start_timeout_s
@@ -146,4 +207,4 @@ def start_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]
     if msg.startswith("error:"):
         proc.join(5)
         raise RuntimeError(f"the decoder service failed to start: {msg[7:]}")
-    return ServiceProcess(proc, msg, results)
+    return ServiceProcess(proc, msg, results, max_peers=max_peers)

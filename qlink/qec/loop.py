@@ -340,7 +340,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     proc = thread = None
     thread_out: dict = {}
     if caps.cross_process:
-        proc = start_service_process(url, configs_spec, service_options=service_options,
+        proc = start_service_process(url, configs_spec, service_options=service_options, max_peers=1,
                                      timeout_s=timeout_s + 60, pin_cpu=1 if pin_cpus else None)
         bound = proc.url
     else:

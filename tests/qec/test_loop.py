@@ -218,6 +218,55 @@ def test_a_bad_service_spec_fails_fast_with_the_reason():
         build_source({"distance": 3, "p": 0.001, "pickle": "no"})
 
 
+def test_a_service_process_serves_controllers_one_after_another_each_from_reset_decoders():
+    from qlink.qec.controller import Controller
+
+    spec = source_spec(distance=3, rounds=3, p=0.01)
+    src = build_source(spec)
+    stream = sample_stream(src, num_shots=40, seed=5)
+    expected = _direct(spec, stream)
+    configs = {0: {"source": spec, "decoder": "pymatching"}}
+    with start_service_process("tcp://127.0.0.1:0", configs, service_options={"ack_enqueue": "errors"}) as svc:
+        for peer in (1, 2, 3):
+            ep = transports.connect(svc.url, timeout_s=10)
+            try:
+                # a fresh controller each time, counters from 0; the second leaves the first frame
+                # of one more shot behind, and no reset_decoder
+                ctl = Controller(ep, stream, cycle_ns=20_000, rounds_per_frame=1)
+                res = ctl.run(timeout_s=30)
+                if peer == 2:
+                    ep.send(_first_frame_of_a_shot(stream, counter=ctl.counter))
+            finally:
+                ep.close()
+            assert res.shots_ok == 40 and np.array_equal(res.corrections, expected)
+            rep = svc.report(timeout_s=30)
+            assert rep["peers_served"] == peer and not rep["final"] and "error" not in rep
+            assert rep["counts"]["shots_decoded"] == 40 * peer and not rep["faults"]
+        assert svc.process.is_alive()  # still listening for the next one
+    assert not svc.process.is_alive()
+    # max_peers=1: one controller, one report, and the child is gone
+    with start_service_process("tcp://127.0.0.1:0", configs, max_peers=1) as svc:
+        ep = transports.connect(svc.url, timeout_s=10)
+        Controller(ep, stream.take(5), cycle_ns=20_000).run(timeout_s=30)
+        ep.close()
+        rep = svc.report(timeout_s=30)
+        assert rep["final"] and rep["peers_served"] == 1
+        assert svc.process.exitcode == 0 and svc.report(timeout_s=1) is rep
+    with pytest.raises(ValueError, match="max_peers"):
+        start_service_process("tcp://127.0.0.1:0", configs, max_peers=0)
+
+
+def _first_frame_of_a_shot(stream, *, counter):
+    from qlink import wire
+
+    half = stream.frames(rounds_per_frame=1)[0]
+    bits = stream.detectors[0, half.first_bit:half.first_bit + half.num_bits]
+    buf = bytearray(wire.enqueue_syndromes_nbytes(half.num_bits))
+    wire.encode_enqueue_syndromes_into(buf, request_id=1, decoder_id=0, counter=counter, syndrome_mapping_id=0,
+                                       syndromes=bits.tolist())
+    return buf
+
+
 def _scenario(name):
     import importlib.util
     import pathlib

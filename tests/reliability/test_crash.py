@@ -50,25 +50,12 @@ def test_controller_killed_mid_run_the_service_knows_and_serves_the_next_one(tra
     assert r["second_closed"] == "closed"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "qlink.qec.service: DecoderService keeps each decoder's counter, partial shot and queue of answered-but-"
-    "unsent shots across connections. After a controller dies, the next controller (counter from 0) is "
-    "refused counter_backwards frame after frame, and its first get_corrections are answered with the dead "
-    "controller's queued shots (misattributed) until it times out; it must send reset_decoder first. "
-    "Fix: serve() resets every decoder when handed an endpoint other than the last one it served "
-    "(for d in self._active: d.reset()), or reset on peer_closed."))
 @pytest.mark.slow
 def test_the_next_controller_needs_no_reset_after_a_crash():
     r = qec_controller_kill_run(transport="tcp", reset_first=False, kill_after_s=0.3, timeout_s=10)
     assert r["next_ok"] == r["next_shots"], r.get("next_error")
 
 
-@pytest.mark.xfail(strict=True, raises=BrokenLinkError, reason=(
-    "qlink.qec.service.run_service_process (the target of start_service_process, used by run_loop) "
-    "accepts one controller, serves it and closes its listener: after that controller goes away no other "
-    "can connect ('nobody listens'). A long-lived decoder service needs an accept loop: run_service_process("
-    "..., max_peers=None) looping accept -> reset decoders -> serve until stopped (qlink.bench._crashrun."
-    "serve_forever is such a loop at the harness level)."))
 def test_run_service_process_accepts_a_next_controller():
     from qlink.qec.loop import source_spec
     from qlink.qec.service import start_service_process
