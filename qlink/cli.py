@@ -1,7 +1,7 @@
 """The ``qlink`` command line.
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
-``qlink bench transport|qec|kv|soak|crosshost|all`` measures figures beside their floors and peers;
+``qlink bench transport|qec|kv|soak|crosshost|gpu|all`` measures figures beside their floors and peers;
 ``qlink info`` says which optional stacks are installed; ``qlink sweep qec|kv|speedup``
 runs parameter sweeps on Dask into a resumable sinter CSV.
 
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "[run] seed, scenarios")
     r.set_defaults(func=_cmd_run)
     b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV")
-    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "all"])
+    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "gpu", "all"])
     b.add_argument("--out", default="results/bench", help="output directory (default: results/bench)")
     b.add_argument("--quick", action="store_true", help="fewer samples (for a smoke run)")
     b.set_defaults(func=_cmd_bench)
