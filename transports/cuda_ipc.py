@@ -103,7 +103,12 @@ def _stand_in(nbytes: int) -> np.ndarray:
     """Host address space of ``nbytes`` that is never written (no page is ever backed)."""
     if nbytes == 0:
         return np.zeros(0, dtype=np.uint8)
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+    try:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+    except OSError as e:
+        raise RegistrationError(f"cannot reserve {nbytes} bytes of address space for the host stand-in of a device "
+                                f"region ({e}); under vm.overcommit_memory=2 the kernel counts it as memory: "
+                                "register smaller regions, or allow overcommit") from None
     return np.frombuffer(mm, dtype=np.uint8)
 
 
@@ -270,9 +275,11 @@ class CudaIpcEndpoint(Endpoint):
                                     f"offset + nbytes <= {remote.nbytes}")
         stand_in = RemoteRegion(region_id=remote.region_id, nbytes=remote.nbytes, kind="host", key=key.notify_key)
         self._check_target(stand_in, lo, span)  # before any byte moves: issued here, still registered, peer alive
-        cp = _cuda.require("a put into a device region")
-        dev, address = self._mappings.target(cp, key)
-        moved = _cuda.copy_pieces(cp, dst_address=address, dst_device=dev, src=data, pieces=pieces)
+        moved = 0
+        if any(n for _, _, n in pieces):  # a put of no bytes only notifies
+            cp = _cuda.require("a put into a device region")
+            dev, address = self._mappings.target(cp, key)
+            moved = _cuda.copy_pieces(cp, dst_address=address, dst_device=dev, src=data, pieces=pieces)
         self._notify(stand_in, lo, span, notify_id, tag, timeout_s)
         self._x["device_puts"] += len(pieces)
         self._x["device_put_bytes"] += moved

@@ -219,6 +219,21 @@ def test_device_put_checks_come_before_any_copy(pair):
         a.put(b"x", desc)
 
 
+def test_device_put_of_no_bytes_only_notifies(pair):
+    """Everything of a device put but the copy: checks, then one notification with the span."""
+    a, b = pair
+    host = b.register(alloc(64, dtype=np.uint8))
+    desc = _device_descriptor(host, nbytes=64)
+    a.put(b"", desc, offset=10, notify_id=5, tag=b"empty")
+    a.put_many(b"", desc, [0, 0], [8, 40], [0, 0], notify_id=6)
+    first, second = b.wait_notification(timeout_s=5), b.wait_notification(timeout_s=5)
+    assert (first.region_id, first.offset, first.nbytes, first.notify_id, first.tag) == \
+        (host.region_id, 10, 0, 5, b"empty")
+    assert (second.offset, second.nbytes, second.notify_id) == (8, 32, 6)
+    s = a.statistics()
+    assert s.extra["device_notifications"] == 2 and s.put_bytes == 0 and s.extra["opened_ipc_handles"] == 0
+
+
 @pytest.mark.skipif(cuda_ipc.cuda_unavailable() is None, reason="CUDA runs here; checks the error raised without it")
 def test_device_put_without_cuda_is_a_typed_error_after_the_checks(pair):
     a, b = pair
