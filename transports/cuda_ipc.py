@@ -286,7 +286,11 @@ class CudaIpcEndpoint(Endpoint):
 
     def _check_target(self, stand_in: RemoteRegion, offset: int, nbytes: int) -> None:
         """RegistrationError unless the peer's shm table holds this stand-in (this connection's,
-        still registered, big enough); BrokenLinkError if the peer is gone."""
+        still registered, big enough); BrokenLinkError if the peer is gone.
+
+        The shm endpoint has no public "may I write there?" call, so this reads its peer
+        table and peer state (``_peer``, ``_peer_flags``, ``_poll_socket``, ``_broken``), as
+        its own ``put`` does before writing; a change there shows in tests/transports/test_cuda_ipc.py."""
         shm = self._shm
         shm._poll_socket()
         if shm._peer_flags() is not None:
