@@ -284,35 +284,18 @@ def test_device_completion_rides_the_control_path_as_one_notification(pair):
 
 
 @pytest.mark.gpu
-def test_device_put_between_processes_is_bit_exact(url):
+@pytest.mark.parametrize("source", ["device", "host"])
+def test_put_into_a_device_region_between_processes_is_bit_exact(url, source):
+    """The initiator's source in device memory (device to device) or in host memory."""
     import cupy
 
     with transports.listen(url) as lis:
-        proc = _start_initiator(lis.url, "device")
+        proc = _start_initiator(lis.url, source)
         try:
             ep = lis.accept(timeout_s=30)
             target = cupy.zeros(_N, dtype=cupy.uint8)
             region = ep.register(target)
             assert region.kind == "device" and region.nbytes == _N
-            ep.send(region.descriptor().to_bytes())
-            notes = _receive_puts(ep, target, _N, proc)
-            _check_notes(notes, region.region_id, _N)
-            assert zlib.crc32(cupy.asnumpy(target)) == zlib.crc32(_expected(_N))
-            ep.close()
-        finally:
-            _reap(proc)
-
-
-@pytest.mark.gpu
-def test_host_source_into_device_region_between_processes(url):
-    import cupy
-
-    with transports.listen(url) as lis:
-        proc = _start_initiator(lis.url, "host")
-        try:
-            ep = lis.accept(timeout_s=30)
-            target = cupy.zeros(_N, dtype=cupy.uint8)
-            region = ep.register(target)
             ep.send(region.descriptor().to_bytes())
             _check_notes(_receive_puts(ep, target, _N, proc), region.region_id, _N)
             assert zlib.crc32(cupy.asnumpy(target)) == zlib.crc32(_expected(_N))
