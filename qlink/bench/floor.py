@@ -6,6 +6,11 @@
   this per round trip, so its round trip is reported as a multiple of it.
 * :func:`memcpy_bandwidth`: a NumPy copy between two preallocated arrays of the same
   size; a one-sided put of that size cannot beat it.
+* :func:`cpu_availability`: two processes, each pinned to its own core, doing nothing
+  but read the clock: the share of wall time each really ran, and how often it was
+  held off longer than a given interval. Two busy-polling sides of a loop (controller
+  and decoder service) cannot run more than this; on a virtual machine whose vCPUs
+  are shared it can be well below 1, and every cycle-keeping figure is bounded by it.
 
 The spin floor uses both cores of a 2-core machine for as long as it runs.
 
@@ -29,7 +34,7 @@ import numpy as np
 
 from ._procs import die_with_parent, pin_to_cpu, pinned
 
-__all__ = ["spin_round_trip_ns", "memcpy_bandwidth"]
+__all__ = ["spin_round_trip_ns", "memcpy_bandwidth", "cpu_availability"]
 
 _PING, _PONG = 0, 8  # u64 word indices: 64 bytes apart, one cache line each
 _STOP = np.iinfo(np.int64).min
@@ -129,3 +134,70 @@ def memcpy_bandwidth(nbytes: int, *, repeats: int = 7, reduce: str = "max") -> f
             np.copyto(dst, src)
         rates[r] = nbytes * inner / max(clock() - t0, 1) * 1e9
     return float(rates.max() if reduce == "max" else np.median(rates))
+
+
+def _clock_spin(duration_ns: int, gap_ns: int) -> dict:
+    """Read the clock for ``duration_ns``: time lost in gaps > 2 µs, and gaps > ``gap_ns``."""
+    clock = time.perf_counter_ns
+    t0 = last = clock()
+    end = t0 + duration_ns
+    lost = held = longest = 0
+    while last < end:
+        now = clock()
+        g = now - last
+        if g > 2000:
+            lost += g
+            if g > gap_ns:
+                held += 1
+            if g > longest:
+                longest = g
+        last = now
+    wall = last - t0
+    return {"ran_share": 1.0 - lost / wall, "held_off": held, "held_off_per_s": held * 1e9 / wall,
+            "longest_gap_us": longest / 1e3}
+
+
+def _spin_child(slot: int, duration_ns: int, gap_ns: int, conn) -> None:
+    die_with_parent()
+    pin_to_cpu(slot)
+    conn.recv()  # start together
+    conn.send(_clock_spin(duration_ns, gap_ns))
+
+
+def cpu_availability(*, duration_s: float = 1.0, gap_ns: int = 40_000, sides: int = 2) -> dict:
+    """What ``sides`` busy processes (one per core, as the loop's two sides) actually get.
+
+    Returns ``{"ran_share": min over sides, "held_off_per_s": max over sides,
+    "longest_gap_us": max, "sides": [...]}`` where ``ran_share`` is the share of wall
+    time a side ran (1.0 on idle dedicated cores) and ``held_off_per_s`` how many times
+    per second it was held off for longer than ``gap_ns``.
+
+    >>> a = cpu_availability(duration_s=0.05, sides=1)
+    >>> 0.0 < a["ran_share"] <= 1.0 and a["held_off_per_s"] >= 0
+    True
+    """
+    if not duration_s > 0 or not 1 <= sides <= 2:
+        raise ValueError(f"need duration_s > 0 and sides in 1..2, got {duration_s} and {sides}")
+    duration_ns, ctx = int(duration_s * 1e9), mp.get_context("spawn")
+    procs, conns = [], []
+    try:
+        for slot in range(sides):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_spin_child, args=(slot, duration_ns, gap_ns, b), daemon=True)
+            p.start()
+            procs.append(p)
+            conns.append(a)
+        for c in conns:
+            c.send("go")
+        res = []
+        for c in conns:
+            if not c.poll(duration_s + 60):
+                raise RuntimeError("a cpu_availability spinner did not report")
+            res.append(c.recv())
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return {"ran_share": min(r["ran_share"] for r in res), "held_off_per_s": max(r["held_off_per_s"] for r in res),
+            "longest_gap_us": max(r["longest_gap_us"] for r in res), "gap_us": gap_ns / 1e3, "sides": res}
