@@ -85,7 +85,8 @@ class _Decoder:
                  "unit_of", "u_end", "u_rid", "u_ptp", "u_in", "u_ready", "u_done", "u_dec0", "u_dec1", "u_batch",
                  "units", "units_decoded", "free", "ret", "dec", "cmp", "filling", "filled", "frames_in_shot",
                  "pending_drops", "discard_frames", "drops_total", "shots_per_frame", "next_counter",
-                 "jump_candidate", "frames_per_shot")
+                 "jump_candidate", "frames_per_shot", "replay", "replay_rid", "replay_ptp", "replay_answer",
+                 "replay_next")
 
     def __init__(self, decoder_id: int, cfg: DecoderConfig) -> None:
         self.id = decoder_id
@@ -119,6 +120,14 @@ class _Decoder:
         self.u_batch = [0] * cap
         self.units = 0  # units completed so far
         self.units_decoded = 0
+        # The answers of the last `capacity` consuming get_corrections, for a retransmission: a
+        # ring of (request_id, its ptp_timestamp, answer bytes) and a dict naming each
+        # request_id's place in it.
+        self.replay: dict[int, int] = {}
+        self.replay_rid: list = [None] * cap
+        self.replay_ptp: list = [0] * cap
+        self.replay_answer: list = [None] * cap
+        self.replay_next = 0
         self.reset()
 
     def complete(self, num_shots: int, rid: int, ptp: int, t_in: int, t_ready: int, t_done: int) -> None:
@@ -147,7 +156,34 @@ class _Decoder:
         """One decoder call over bit-packed shots (rows); bit-packed observable flips back."""
         return np.asarray(self._decode_bit_packed(bit_packed_detection_event_data=packed), dtype=np.uint8)
 
+    def keep(self, rid: int, ptp: int) -> int:
+        """A place for the answer of a get_corrections that consumes shots (filled by
+        :meth:`store` once written); the oldest kept answer makes room."""
+        i = self.replay_next
+        replay = self.replay
+        old = self.replay_rid[i]
+        if old is not None and replay.get(old) == i:
+            del replay[old]
+        self.replay_rid[i] = rid
+        self.replay_ptp[i] = ptp
+        self.replay_answer[i] = None
+        replay[rid] = i
+        self.replay_next = i + 1 if i + 1 < self.capacity else 0
+        return i
+
+    def store(self, slot: int, rid: int, answer: bytes) -> None:
+        if self.replay_rid[slot] == rid:
+            self.replay_answer[slot] = answer
+
+    def kept_answer(self, slot: int, rid: int) -> bytes | None:
+        """The answer kept at ``slot`` for ``rid`` (None once its place went to another)."""
+        return self.replay_answer[slot] if self.replay_rid[slot] == rid else None
+
+    def forget(self, rid: int) -> None:
+        self.replay.pop(rid, None)
+
     def reset(self) -> None:
+        self.replay.clear()  # (their answers concern shots that are gone)
         self.free = self.ret = self.dec = self.cmp = getattr(self, "cmp", 0)  # (unset on the first reset)
         self.units_decoded = self.units
         self.filling = False

@@ -21,6 +21,15 @@ bits one shot carries (the DEM's detector count):
   LSB first (``return_size`` bits, at most the decoder's observable count);
   ``NOT_READY`` while no shot is complete; ``SYNDROMES_DROPPED`` for a dropped shot.
   ``reset=1`` consumes the shot, ``reset=0`` only peeks at it.
+* Retransmission (a qlink extension, so a lost answer costs no shot): the answers of
+  the decoder's last ``capacity_shots`` consuming ``get_corrections`` are kept by
+  ``request_id``. A peek (``reset=0``) repeating one of those request ids, or the very
+  same request again (same request_id and the same non-zero ``ptp_timestamp``: a
+  duplicate on the way), is answered with the kept answer byte for byte, its first
+  ``ptp_timestamp`` echoed (so a sender tells a replay from a fresh peek), and
+  consumes nothing. A request_id answered ``NOT_READY`` or refused keeps no answer; a
+  sender that numbers nothing (request_id repeated, ptp_timestamp 0) sees no
+  difference unless it peeks.
 * ``reset_decoder`` forgets the decoder's partial shot, queue and counter; a new peer
   (:meth:`DecoderService.serve` handed an endpoint other than the last) starts with
   every decoder reset, whatever the controller before it left behind.
@@ -136,8 +145,9 @@ _HOT_COUNTS = (("requests", "_n_requests"), ("enqueue", "_n_enqueue"), ("get_cor
 _STATUS_NAMES = {int(st): st.name for st in Status}
 
 # staged-response kinds
-_PLAIN, _CORRECTIONS = 0, 1
-_FN_ENQ, _FN_GET, _FN_RESET, _FN_BAD = 0, 1, 2, 3
+_PLAIN, _CORRECTIONS, _REPLAY = 0, 1, 2  # (_REPLAY: a kept answer, sent again as it was)
+# what a staged answer answers (_FN_TAKE: a get_corrections that consumed, whose answer is kept)
+_FN_ENQ, _FN_GET, _FN_RESET, _FN_BAD, _FN_TAKE = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -242,7 +252,7 @@ class DecoderService:
         # staged answers of the current batch (preallocated)
         m = self.max_batch_requests + 1
         # one tuple per answer: (kind, status, request_id, ptp, t_in, function, decoder, shot seq,
-        # bits, peer — the sender, for any-peer (datagram) endpoints)
+        # bits, peer — the sender, for any-peer (datagram) endpoints, place among the kept answers)
         self._staged: list = [None] * m
         self._st_plan: list = [None] * m  # a window's shots when it holds dropped ones
         self._peer = None
@@ -301,7 +311,10 @@ class DecoderService:
     def _stage(self, kind: int, status: int, rid: int, ptp: int, t_in: int, fn: int,
                dec: int = 0, seq: int = 0, bits: int = 0) -> None:
         i = self._n_staged
-        self._staged[i] = (kind, status, rid, ptp, t_in, fn, dec, seq, bits, self._peer)
+        # a consuming get's answer gets a place among the kept ones now (filled at the flush), so a
+        # repeat of it in this very batch finds it
+        keep = self._decoders[dec].keep(rid, ptp) if fn == _FN_TAKE else -1
+        self._staged[i] = (kind, status, rid, ptp, t_in, fn, dec, seq, bits, self._peer, keep)
         self._n_staged = i + 1
 
     def _refuse(self, fault: str, status: int, rid: int, ptp: int, t_in: int, fn: int) -> None:
@@ -589,21 +602,30 @@ class DecoderService:
         d = self._decoders[decoder_id]
         if d is None:
             return self._refuse("decoder_not_configured", Status.INVALID_DECODER, rid, ptp, t_in, _FN_GET)
+        if d.replay:
+            slot = d.replay.get(rid)
+            if slot is not None and (not consume or (ptp and d.replay_ptp[slot] == ptp)):
+                # a retransmission (a peek repeating the request_id, or the very same request
+                # again): the answer kept for it, nothing consumed
+                self._counts["get_corrections_replayed"] += 1
+                return self._stage(_REPLAY, 0, rid, ptp, t_in, _FN_GET, d.id, slot)
+        # a consuming get's answer is kept for a retransmission (at the flush, once written)
+        fn = _FN_TAKE if consume else _FN_GET
         no = d.num_obs
         if rs <= no:
             m = 1
         elif no and rs % no == 0 and rs // no <= d.capacity:
             m = rs // no  # the corrections of the m oldest shots, one after the other
         else:
+            d.forget(rid)
             return self._refuse("return_size", Status.BAD_REQUEST, rid, ptp, t_in, _FN_GET)
         cap = d.capacity
         if m > 1:
             if d.drops_total:
                 return self._get_window_with_drops(d, m, rs, consume, rid, ptp, t_in)
             if d.cmp - d.ret < m:
-                self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
-                return
-            self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, rs)
+                return self._not_ready(d, rid, ptp, t_in)
+            self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, fn, d.id, d.ret, rs)
             if consume:
                 d.ret += m
             return
@@ -613,9 +635,9 @@ class DecoderService:
                 if consume:
                     d.drops_before[slot] -= 1
                     d.drops_total -= 1
-                self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
+                self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, fn, d.id)
                 return
-            self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, rs)
+            self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, fn, d.id, d.ret, rs)
             if consume:
                 d.ret += 1
             return
@@ -623,14 +645,20 @@ class DecoderService:
             if consume:
                 d.drops_before[d.cmp % cap] -= 1
                 d.drops_total -= 1
-            self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
+            self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, fn, d.id)
         elif not d.filling and d.pending_drops > 0:
             if consume:
                 d.pending_drops -= 1
                 d.drops_total -= 1
-            self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, _FN_GET)
+            self._stage(_PLAIN, int(Status.SYNDROMES_DROPPED), rid, ptp, t_in, fn, d.id)
         else:
-            self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
+            self._not_ready(d, rid, ptp, t_in)
+
+    def _not_ready(self, d: _Decoder, rid: int, ptp: int, t_in: int) -> None:
+        # a retransmission of this request_id must not find an older request's answer
+        if d.replay:
+            d.forget(rid)
+        self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
 
     def _get_window_with_drops(self, d: _Decoder, m: int, rs: int, consume: bool, rid: int, ptp: int,
                                t_in: int) -> None:
@@ -658,10 +686,9 @@ class DecoderService:
                 tail_take = min(avail, m - len(plan))
                 plan += [-1] * tail_take
                 if len(plan) < m:
-                    self._stage(_PLAIN, int(Status.NOT_READY), rid, ptp, t_in, _FN_GET)
-                    return
+                    return self._not_ready(d, rid, ptp, t_in)
         i = self._n_staged
-        self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_GET, d.id, d.ret, rs)
+        self._stage(_CORRECTIONS, int(Status.OK), rid, ptp, t_in, _FN_TAKE if consume else _FN_GET, d.id, d.ret, rs)
         self._st_plan[i] = plan
         if consume:
             for slot, take in taken:
@@ -766,7 +793,10 @@ class DecoderService:
         statuses = self.statuses
         n_ok = 0
         for i in range(self._n_staged):
-            kind, status, rid, ptp, t_in, fn, dec, seq, bits, peer = staged[i]
+            kind, status, rid, ptp, t_in, fn, dec, seq, bits, peer, keep = staged[i]
+            if kind == _REPLAY:
+                self._send_replay(self._decoders[dec], seq, rid, peer, t_in)
+                continue
             nbytes = hdr
             d = None
             m = 1
@@ -804,7 +834,10 @@ class DecoderService:
                 n_ok += 1
             else:
                 statuses[_STATUS_NAMES.get(status, str(status))] += 1
-            if fn == _FN_GET:
+            if fn == _FN_TAKE:
+                self._decoders[dec].store(keep, rid, bytes(mv[:nbytes]))
+                self._rec_residence(t_out - t_in)
+            elif fn == _FN_GET:
                 self._rec_residence(t_out - t_in)
             if d is not None and status == 0:
                 # one sample per answer: its shots share a frame, a decoder call and this send
@@ -820,6 +853,20 @@ class DecoderService:
             d.free = d.ret
         self.stages.settle_some()
         self._t_ready = now_ns()  # back at receiving: what arrives from now on waits for nothing
+
+    def _send_replay(self, d: _Decoder, slot: int, rid: int, peer, t_in: int) -> None:
+        """The kept answer to ``rid``, sent again byte for byte (its echoed ptp_timestamp is the
+        first request's: a sender tells a replay from a fresh answer by it)."""
+        answer = d.kept_answer(slot, rid)
+        if answer is None:  # (its place was taken before this flush: more answers kept than it holds)
+            self.faults["replay_lost"] += 1
+            return
+        if self._sendto is not None:
+            self._sendto(answer, peer)
+        elif self._ep is not None:
+            self._ep.send(answer)
+        self.statuses["replayed"] += 1
+        self._rec_residence(now_ns() - t_in)
 
     def _many_corrections(self, d: _Decoder, slot: int, m: int, bits: int) -> int:
         """Write the corrections of ``m`` shots from ``slot`` on into the answer; return its status."""

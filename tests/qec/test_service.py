@@ -547,3 +547,71 @@ def test_a_new_peer_starts_with_reset_decoders_and_the_same_endpoint_continues(c
         assert counts["decoders_reset_for_new_peer"] == 1 and "counter_backwards" not in service.faults
     finally:
         second.close()
+
+
+@pytest.fixture
+def quiet(code):
+    """A pair whose service answers enqueues only when it refuses them."""
+    p = Pair(DecoderService({0: DecoderConfig(decoder="pymatching", dem=code[0])}, ack_enqueue="errors"))
+    yield p
+    p.close()
+
+
+def test_a_retransmitted_get_is_answered_again_and_consumes_nothing(quiet, code):
+    dem, dets, expected = code
+    for shot in range(3):
+        quiet.enqueue(dets[shot], counter=shot)
+    first = quiet.get(ptp=111)
+    again = quiet.rid  # a peek repeating first's request_id (its answer was lost, say)
+    n = wire.encode_get_corrections_into(quiet.buf, request_id=first, decoder_id=0, return_size=1, reset=False,
+                                         ptp_timestamp=222)
+    quiet.raw(quiet.buf[:n])
+    # the very same request again (a duplicate on the way), in the same batch
+    n = wire.encode_get_corrections_into(quiet.buf, request_id=first, decoder_id=0, return_size=1, reset=True,
+                                         ptp_timestamp=111)
+    quiet.raw(quiet.buf[:n])
+    second = quiet.get(ptp=333)
+    answers = quiet.run()
+    assert again == first
+    one = (Status.OK, first, 111, bytes([expected[0][0]]))  # the first ptp_timestamp, echoed every time
+    assert answers == [one, one, one, (Status.OK, second, 333, bytes([expected[1][0]]))]
+    assert quiet.service.report()["counts"]["get_corrections_replayed"] == 2
+    # in a later batch too
+    n = wire.encode_get_corrections_into(quiet.buf, request_id=second, decoder_id=0, return_size=1, reset=False,
+                                         ptp_timestamp=444)
+    quiet.raw(quiet.buf[:n])
+    third = quiet.get()
+    assert quiet.run() == [(Status.OK, second, 333, bytes([expected[1][0]])),
+                          (Status.OK, third, 0, bytes([expected[2][0]]))]
+
+
+def test_a_repeated_request_id_that_is_not_a_retransmission_is_served_afresh(quiet, code):
+    dem, dets, expected = code
+    for shot in range(3):
+        quiet.enqueue(dets[shot], counter=shot)
+    raw = bytearray(64)
+
+    def get(rid, *, reset=True, ptp=0):
+        n = wire.encode_get_corrections_into(raw, request_id=rid, decoder_id=0, return_size=1, reset=reset,
+                                             ptp_timestamp=ptp)
+        quiet.raw(raw[:n])
+
+    # a sender that numbers nothing (request_id 7, no ptp stamp): every get consumes
+    get(7)
+    get(7)
+    # the same request_id with another stamp is another request
+    get(7, ptp=5)
+    get(7, ptp=6)  # nothing left: NOT_READY, and request_id 7 keeps no answer any more
+    get(7, reset=False, ptp=9)  # so a peek of it is a plain peek
+    answers = quiet.run()
+    assert [(st, res) for st, _, _, res in answers] == [
+        (Status.OK, bytes([expected[0][0]])), (Status.OK, bytes([expected[1][0]])),
+        (Status.OK, bytes([expected[2][0]])), (Status.NOT_READY, b""), (Status.NOT_READY, b"")]
+    assert "get_corrections_replayed" not in quiet.service.report()["counts"]
+    # a reset forgets the kept answers with the shots
+    quiet.enqueue(dets[3], counter=3)
+    get(8, ptp=1)
+    quiet.reset()
+    get(8, reset=False, ptp=2)
+    answers = quiet.run()
+    assert [(st, rid) for st, rid, _, _ in answers][-1] == (Status.NOT_READY, 8)
