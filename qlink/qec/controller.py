@@ -36,6 +36,7 @@ import gc
 import math
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ import numpy as np
 from qlink import wire
 from qlink.clock import now_ns, ptp_now_ns
 from qlink.errors import QlinkError, QlinkTimeoutError, WouldBlock
-from qlink.wire import Status
+from qlink.wire import FrameError, Status
 
 from .timeline import CONTROLLER_SHOT_FIELDS, ShotRecords, StageRecorder, record_values
 
@@ -267,6 +268,9 @@ class ControllerResult:
         "trigger_ns": MODELED_TRIGGER_NS, "analog_in_out_ns": MODELED_ANALOG_IN_OUT_NS})
     pauli_frame: int = 0  # XOR of every applied correction (observable bits)
     cpu_ns: int = 0  # CPU time the run got (busy-polling, it should be close to duration_ns: else descheduled)
+    # answers ignored (bad_frame.<fault>, unknown_request_id, echo_mismatch, status_length_mismatch),
+    # held for an older get's answer, and gets asked again (reasked, reask_found_nothing_kept, ...)
+    answer_faults: dict = field(default_factory=dict)
 
     @property
     def logical_error_rate(self) -> float:
@@ -312,17 +316,29 @@ class Controller:
     the decoder keeps up each group still gets its own; when it falls behind, one
     answer carries many shots, sparing the service a request and an answer per shot.
 
-    On a lossy link: a ``get_corrections`` unanswered for ``get_timeout_ns`` is
-    presumed lost and asked again, and when every frame is out but the service keeps
+    On a lossy link every correction stays with its shot. Answers are matched to their
+    ``get_corrections`` by request_id and taken in the order the gets were sent (the
+    order the service consumed shots for them); an answer that overtakes an older get's
+    waits for it. A get whose answer is missing (a later get's answer came first, or
+    none came for ``get_timeout_ns``) is asked again with the same request_id as a peek:
+    the service answers a repeated request_id with the answer it kept, consuming nothing
+    more, and the echoed ``ptp_timestamp`` tells that replay from a fresh peek (no answer
+    kept: the first ask consumed nothing, and its shots are asked for anew). Duplicates,
+    answers to no get in flight, frames that fail :func:`qlink.wire.decode_response`
+    and answers whose echo or length do not fit are counted in
+    ``ControllerResult.answer_faults`` and ignored; a refusal is believed once a peek of
+    the same request is refused too. When every frame is out but the service keeps
     answering ``NOT_READY`` for ``reveal_gap_after_ns`` (the last frame was lost, and
-    only a later frame shows the gap), the controller sends one more frame.
+    only a later frame shows the gap), the controller sends one more frame. Request ids
+    go on across runs (``request_id_start``, ``get_request_id_start``, and
+    :attr:`next_request_id` / :attr:`next_get_request_id` for a later controller).
     """
 
     def __init__(self, endpoint, stream: SyndromeStream, *, decoder_id: int = 0, cycle_ns: int = DEFAULT_CYCLE_NS,
                  rounds_per_frame: int = 1, shots_per_frame: int = 1, gap_cycles: int = 0,
                  poll_interval_ns: int = 2_000, feed_forward_deadline_ns: int | None = None, keep_samples: int = 0,
                  start_delay_ns: int = 200_000, backlog_samples: int = 4096, counter_start: int = 0,
-                 request_id_start: int = 0, max_in_flight_shots: int | None = None,
+                 request_id_start: int = 0, get_request_id_start: int = 0, max_in_flight_shots: int | None = None,
                  max_gets_in_flight: int | None = None, get_window_shots: int | None = None,
                  get_timeout_ns: int = 500_000_000, reveal_gap_after_ns: int = 2_000_000,
                  trigger_ns: int = MODELED_TRIGGER_NS, analog_in_out_ns: int = MODELED_ANALOG_IN_OUT_NS) -> None:
@@ -334,6 +350,7 @@ class Controller:
                                      ("poll_interval_ns", poll_interval_ns, 0), ("keep_samples", keep_samples, 0),
                                      ("start_delay_ns", start_delay_ns, 0), ("backlog_samples", backlog_samples, 0),
                                      ("counter_start", counter_start, 0), ("request_id_start", request_id_start, 0),
+                                     ("get_request_id_start", get_request_id_start, 0),
                                      ("get_timeout_ns", get_timeout_ns, 1),
                                      ("reveal_gap_after_ns", reveal_gap_after_ns, 0), ("trigger_ns", trigger_ns, 0),
                                      ("analog_in_out_ns", analog_in_out_ns, 0)):
@@ -377,10 +394,14 @@ class Controller:
         # them on hardware of its own; an answer must not wait for the emission to end).
         self.late_poll_ns = 20_000
         self.reveal_gap_after_ns = int(reveal_gap_after_ns)  # NOT_READY this long after the last frame
-        self.get_timeout_ns = int(get_timeout_ns)  # a get_corrections unanswered this long is presumed lost
+        self.get_timeout_ns = int(get_timeout_ns)  # a get_corrections unanswered this long is asked again
         self._backlog_cap = max(1, int(backlog_samples))
         self._counter = int(counter_start)  # enqueue counter: continues across runs on one connection
         self._rid = int(request_id_start) & 0x7FFFFFFF
+        # get_corrections request ids (with the top bit set) go on across runs: an answer kept
+        # by the service, or late on the way, is never taken for a later request's
+        self._get_rid = int(get_request_id_start) & 0x7FFFFFFF
+        self.gets_presumed_lost = 0  # (per run) gets whose answer did not come and were asked again
         self._prepare()
 
     @property
@@ -390,7 +411,13 @@ class Controller:
 
     @property
     def next_request_id(self) -> int:
+        """The next enqueue request id (pass it as ``request_id_start`` to a later controller)."""
         return self._rid
+
+    @property
+    def next_get_request_id(self) -> int:
+        """The next get_corrections request id, less its top bit (``get_request_id_start``)."""
+        return self._get_rid
 
     @property
     def frames_per_shot(self) -> int:
@@ -461,6 +488,9 @@ class Controller:
         self._get = bytearray(wire.HEADER_NBYTES + wire.GET_CORRECTIONS_PAYLOAD_NBYTES)
         wire.encode_get_corrections_into(self._get, request_id=0, decoder_id=self.decoder_id,
                                          return_size=s.num_observables, reset=True)
+        self._reget = bytearray(self._get)  # the same ask as a peek (reset=0): a re-ask consumes nothing
+        wire.encode_get_corrections_into(self._reget, request_id=0, decoder_id=self.decoder_id,
+                                         return_size=s.num_observables, reset=False)
         self._truth_packed = np.ascontiguousarray(np.packbits(s.observables, axis=1, bitorder="little"))
         self._no = s.num_observables
         self._period_cycles = period
@@ -535,19 +565,23 @@ class Controller:
         self._resolved = 0  # shots answered (OK / dropped / failed), in order
         self._asked = 0  # shots whose syndromes have all been sent
         self._claimed = 0  # shots covered by get_corrections in flight
-        self._gets: dict[int, tuple[int, int]] = {}  # request_id -> (shots covered, sent at)
+        # get_corrections in flight, in the order they were sent (the order the service answers
+        # them in): request_id -> (shots covered, sent at, its ptp stamp, last asked at)
+        self._gets: dict[int, tuple[int, int, int, int]] = {}
+        self._order: deque = deque()  # their request ids, oldest first (a dict's first key costs a scan)
+        self._reasked: dict[int, int] = {}  # request_id -> ptp stamp of its latest re-ask (kept to the run's end)
+        self._early: dict[int, tuple] = {}  # answers waiting for an older get's answer
+        self._faults: dict[str, int] = {}  # answers ignored or held back, and re-asks, by why
+        self.gets_presumed_lost = 0
         self._repoll_due = 0
         self._stall_since = 0
         self._gap_revealed = False
-        self._lost_gets: dict[int, int] = {}
-        self.gets_presumed_lost = 0
         self._frame = 0
         self._last_ok = False  # was the last shot resolved answered with a correction?
         self._last_applied = 0
         w = max(k, self.get_window_shots)
         self._rx = bytearray(wire.HEADER_NBYTES + ((w * s.num_observables + 7) >> 3) + ((w + 7) >> 3) + 64)
         self._rx_mv = memoryview(self._rx)
-        self._get_rid = 0
         late = 0
         spin_guard = self.spin_guard_ns
         late_poll = self.late_poll_ns
@@ -740,7 +774,7 @@ class Controller:
             correct=correct, reaction_ns=reaction,
             backlog_t_ns=self._bl_t[:self._bl_n] - self._t0, backlog_rounds=self._bl_v[:self._bl_n].copy(),
             corrections=corrections, shot_records=records,
-            modeled_controller_ns=dict(self.modeled), pauli_frame=self._frame,
+            modeled_controller_ns=dict(self.modeled), pauli_frame=self._frame, answer_faults=dict(self._faults),
         )
 
     def _reveal_gap(self) -> None:
@@ -789,65 +823,84 @@ class Controller:
             u = self._resolved + self._claimed
             m = min(k, self._asked - u)
             rid = _GET_BIT | self._get_rid
+            ptp = ptp_now_ns()
             _GET_RETURN.pack_into(self._get, _GET_RETURN_OFFSET, m * self._no)
-            _HDR_IDS.pack_into(self._get, _HDR_IDS_OFFSET, rid, ptp_now_ns())
+            _HDR_IDS.pack_into(self._get, _HDR_IDS_OFFSET, rid, ptp)
             try:
                 self.ep.send_nowait(self._get)
             except WouldBlock:
                 return
             self._get_rid = (self._get_rid + 1) & 0x7FFFFFFF
-            self._gets[rid] = (m, t)
+            self._gets[rid] = (m, t, ptp, t)
+            self._order.append(rid)
             self._claimed += m
             i = self._n_asks
-            if i == len(self._asks):  # re-asks beyond one per shot (NOT_READY, lost): rare
+            if i == len(self._asks):  # asks beyond one per shot (after NOT_READY): rare
                 self._asks.extend([None] * len(self._asks))
             self._asks[i] = (u, m, t)
             self._n_asks = i + 1
 
     def _poll_once(self) -> None:
-        """Handle at most one answer; send a due re-poll; give up on a get that got no answer."""
+        """Handle at most one answer; send a due re-poll; ask again for an answer that is late.
+
+        Answers are taken in the order their gets were sent, which is the order the service
+        consumed shots for them: an answer that overtakes an older get's is held until that
+        one is taken. Each is matched to its get by request_id and checked against it (the
+        echoed ptp_timestamp, a result length that fits the status); a frame that fails, or
+        an answer to no get in flight (a duplicate, a replay after the answer came), is
+        counted and ignored."""
         if self._claimed < self._asked - self._resolved:
             self._top_up(now_ns())
-        try:
-            n = self.ep.recv_into_nowait(self._rx)
-        except WouldBlock:
-            if self._gets:
-                rid0 = next(iter(self._gets))
-                m, t_get = self._gets[rid0]
-                if now_ns() - t_get > self.get_timeout_ns:
-                    # No answer: presume the request was lost (a lossy link) and ask again. Should
-                    # the answer still come, it is used all the same: answers always concern the
-                    # oldest shots, so an extra ask only ever asks early.
-                    del self._gets[rid0]
-                    self._lost_gets[rid0] = m
-                    self._claimed -= m
-                    self.gets_presumed_lost += 1
-                    self._st_get["presumed_lost"] = self._st_get.get("presumed_lost", 0) + 1
-            return
-        t_resp = now_ns()
         rx = self._rx
+        if self._early and self._order and self._order[0] in self._early:  # a held answer whose turn has come
+            t_resp, held = self._early.pop(self._order[0])
+            n = len(held)
+            rx[:n] = held
+        else:
+            try:
+                n = self.ep.recv_into_nowait(rx)
+            except WouldBlock:
+                if self._order:
+                    rid0 = self._order[0]
+                    t = now_ns()
+                    if t - self._gets[rid0][3] > self.get_timeout_ns:
+                        # No answer: the ask or its answer was lost (or is very late). Ask again.
+                        if self._reask(rid0, t):
+                            self.gets_presumed_lost += 1
+                return
+            t_resp = now_ns()
         if n >= _RESP_NBYTES:
-            magic, status, result_len, rid, _ = _RESP.unpack_from(rx)
-        if n < _RESP_NBYTES or magic != _RESPONSE_MAGIC or result_len > n - _RESP_NBYTES:
-            wire.decode_response(self._rx_mv[:n])  # raises the FrameError that names the fault
-            raise QlinkError("unreachable: a response frame failed the fast check but not qlink.wire's")
+            magic, status, result_len, rid, ptp = _RESP.unpack_from(rx)
+        if n < _RESP_NBYTES or magic != _RESPONSE_MAGIC or result_len != n - _RESP_NBYTES:
+            return self._bad_frame(n)
         if not rid & _GET_BIT:
             self._st_enq[status] = self._st_enq.get(status, 0) + 1
             return
+        entry = self._gets.pop(rid, None)
+        if entry is None:  # answered already (a duplicate, a replay of an answer that came), or never asked
+            return self._fault("unknown_request_id")
+        m, t_get, ptp0, t_ask = entry
+        no = self._no
+        k = (m * no + 7) >> 3  # flip bytes of m shots
+        if status or ptp != ptp0 or rid != self._order[0] or result_len != k:
+            # anything but an OK answer to the oldest get: a result length that fits the status?
+            if status == _OK:
+                fits = result_len == k
+            elif status == _DROPPED and m > 1:  # the window's flips, then its dropped mask
+                fits = result_len == k + ((m + 7) >> 3)
+            else:
+                fits = result_len == 0
+            if ptp != ptp0 or not fits or rid != self._order[0] or (
+                    status != _OK and status != _NOT_READY and status != _DROPPED and status != _FAILED):
+                self._gets[rid] = entry  # (the order is kept in self._order)
+                if not self._odd_answer(rid, entry, status, ptp, fits, n, t_resp):
+                    return
+                self._gets.pop(rid)
+                status = _NOT_READY  # a fresh peek: the first ask consumed nothing
+        self._order.popleft()
+        self._claimed -= m
         if status:
             self._st_get[status] = self._st_get.get(status, 0) + 1
-        entry = self._gets.pop(rid, None)
-        if entry is not None:
-            m, t_get = entry
-            self._claimed -= m
-        else:
-            m = self._lost_gets.pop(rid, 0)
-            if not m:
-                raise QlinkError(f"an answer to get_corrections request {rid} that was never sent "
-                                 "(or answered twice)")
-            t_get = t_resp
-            if status == _NOT_READY:
-                return
         if status == _NOT_READY:
             self._repoll_due = t_resp + self.poll_interval_ns
             if self._asked == self.stream.num_shots:
@@ -861,28 +914,17 @@ class Controller:
                     self._stall_since = t_resp
             return
         self._stall_since = 0
-        if status != _OK and status != _DROPPED and status != _FAILED:
-            raise QlinkError(
-                f"the decoder service refused get_corrections with {_status_name(status)} (request {rid}): "
-                "check that decoder_id and return_size match the service's configuration")
         r = self._resolved
         ok = status == _OK
         t_applied = j = 0
         if ok or (status == _DROPPED and m > 1):
             # apply: XOR the flips into the Pauli frame (a window with dropped shots carries
             # the flips of all m, zeros for the dropped, then their mask)
-            no = self._no
-            k = (m * no + 7) >> 3
             if not ok:
-                if result_len < k + ((m + 7) >> 3):
-                    raise QlinkError(f"a SYNDROMES_DROPPED answer for {m} shots carries {result_len} result "
-                                     f"bytes; expected the flips ({k} bytes) and a dropped mask ({(m + 7) >> 3} bytes)")
                 status = _WINDOW_DROPPED
-            elif result_len < k:
-                raise QlinkError(f"an answer for {m} shots carries {result_len} result bytes; expected {k}")
             flips = int.from_bytes(self._rx_mv[_RESP_NBYTES:_RESP_NBYTES + k], "little")
             if no == 1:
-                self._frame ^= flips.bit_count() & 1
+                self._frame ^= (flips & ((1 << m) - 1)).bit_count() & 1  # (pad bits are not flips)
             else:
                 mask = (1 << no) - 1
                 for _ in range(m):
@@ -890,7 +932,7 @@ class Controller:
                     flips >>= no
             t_applied = now_ns()
             j = self._a_bytes_n
-            self._a_bytes[j:j + result_len] = self._rx_mv[_RESP_NBYTES:_RESP_NBYTES + result_len]
+            self._a_bytes[j:j + result_len] = self._rx_mv[_RESP_NBYTES:n]
             self._a_bytes_n = j + result_len
             self._last_applied = t_applied
             if not ok:  # was the window's last shot dropped?
@@ -903,3 +945,85 @@ class Controller:
         self._resolved = r + m
         if self._claimed < self._asked - self._resolved:
             self._top_up(now_ns())
+
+    def _odd_answer(self, rid: int, entry: tuple, status: int, ptp: int, fits: bool, n: int, t_resp: int) -> bool:
+        """An answer off the plain path: ignored (False), held for its turn (False), or the
+        answer to a re-ask that found nothing kept, to be taken now as 'nothing consumed' (True)."""
+        m, t_get, ptp0, t_ask = entry
+        fresh = ptp != ptp0
+        if fresh and self._reasked.get(rid) != ptp:
+            # neither the ask's echo nor its re-ask's: a flipped bit, or an older request's answer
+            self._fault("echo_mismatch")
+            return False
+        if not fits:
+            self._fault("status_length_mismatch")
+            return False
+        if status and status != _NOT_READY and status != _DROPPED and status != _FAILED:
+            if fresh:  # refused twice: the request itself is wrong
+                raise QlinkError(
+                    f"the decoder service refused get_corrections with {_status_name(status)} (request {rid}): "
+                    "check that decoder_id and return_size match the service's configuration")
+            # refused once: believed when a peek of the same request is refused too (a flipped
+            # status bit can look like a refusal)
+            self._fault("refused_once")
+            self._reask(rid, t_resp)
+            return False
+        if rid != self._order[0]:
+            # an older get's answer is missing: this one waits for it, and each older get asked
+            # before this one was is asked again (its answer was lost, or the ask was)
+            self._early[rid] = (t_resp, bytes(self._rx_mv[:n]))
+            self._fault("held_for_an_older_answer")
+            self._reask_older(rid, t_ask if fresh else t_get, t_resp)
+            return False
+        # The re-ask's own answer, its turn come: the service kept no answer of the first ask,
+        # so that consumed nothing (an ask that consumes has its answer kept): it was not
+        # ready, or never arrived. Its shots are asked for again.
+        self._fault("reask_found_nothing_kept")
+        return True
+
+    def _fault(self, what: str) -> None:
+        self._faults[what] = self._faults.get(what, 0) + 1
+
+    def _bad_frame(self, n: int) -> None:
+        """A frame that is not a whole response: counted by what qlink.wire finds wrong with it."""
+        try:
+            wire.decode_response(self._rx_mv[:n])
+        except FrameError as e:
+            self._fault(f"bad_frame.{e.fault.value}")
+        else:  # (a valid header whose result_len is shorter than the frame)
+            self._fault("bad_frame.length_mismatch")
+
+    def _reask(self, rid: int, now: int) -> bool:
+        """Ask again for the answer to get ``rid``: the same request_id, as a peek. The service
+        answers a repeated request_id from the answers it keeps, byte for byte (the first
+        ask's ptp_timestamp echoed); without one kept, the peek consumes nothing and its
+        answer, echoing the re-ask's own stamp, says the first ask consumed nothing either."""
+        m, t_get, ptp0, _ = self._gets[rid]
+        ptp = ptp_now_ns()
+        if ptp == ptp0:
+            ptp += 1
+        _GET_RETURN.pack_into(self._reget, _GET_RETURN_OFFSET, m * self._no)
+        _HDR_IDS.pack_into(self._reget, _HDR_IDS_OFFSET, rid, ptp)
+        try:
+            self.ep.send_nowait(self._reget)  # (called from a poll: never wait; the next poll asks)
+        except WouldBlock:
+            return False
+        self._gets[rid] = (m, t_get, ptp0, now)
+        self._reasked[rid] = ptp
+        self._fault("reasked")
+        return True
+
+    def _reask_older(self, rid: int, t_asked: int, now: int) -> None:
+        """Answers come back in the order of the asks: every get in flight before ``rid`` whose
+        latest ask went out before the one just answered (at ``t_asked``) lost its answer."""
+        late = []
+        gets = self._gets
+        for r in self._order:
+            if r == rid:
+                break
+            if gets[r][3] < t_asked and r not in self._early:
+                late.append(r)
+        for r in late:
+            if self._reask(r, now):
+                self.gets_presumed_lost += 1
+

@@ -373,15 +373,15 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
                           shots_per_frame=shots_per_frame,
                           gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
                           max_in_flight_shots=max_in_flight_shots, **dict(controller_options or {}))
-            counter, rid = 0, 0
+            counter, rid, get_rid = 0, 0, 0
             if warmup_shots > 0:
                 warm_stream = sample_stream(src, num_shots=warmup_shots,
                                             seed=None if seed is None else seed + 7919)
                 warm = Controller(ep, warm_stream, **ctl_kw)
                 warm.run(timeout_s=timeout_s)
-                counter, rid = warm.counter, warm.next_request_id
+                counter, rid, get_rid = warm.counter, warm.next_request_id, warm.next_get_request_id
             ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
-                             request_id_start=rid, **ctl_kw)
+                             request_id_start=rid, get_request_id_start=get_rid, **ctl_kw)
             try:
                 cres = ctl.run(timeout_s=timeout_s)
             except BrokenLinkError as exc:

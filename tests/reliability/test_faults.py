@@ -334,7 +334,7 @@ def test_qec_loop_accounts_for_every_shot_under_faults(fault, transport):
         assert r["service_decoded"] == r["decoded"]
         # each answered shot carries its own correction (the offline decode of that very shot)
         assert r["not_its_own_correction"] == 0
-    else:  # a corrupt counter can strand a decoded shot behind phantom drops (see the xfail below)
+    else:  # a corrupt counter can strand a decoded shot behind phantom drops: decoded, never asked for
         assert r["service_decoded"] >= r["decoded"]
     if fault == "drop":  # one frame = one shot: each lost frame is one shot reported lost, seen by the counter
         assert r["frames_lost"] == r["injected"] == r["reported_lost"] == r["service_dropped"]
@@ -515,21 +515,52 @@ def test_delayed_answers_cost_time_not_shots(fault):
     assert r["injected"] >= 2 and r["accounted_pct"] == 100.0 and r["not_its_own_correction"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "qlink.qec.controller: answers from the service are not matched to the shots their get_corrections "
-    "asked for. A lost answer to get_corrections(reset=1) consumed its shot at the service; the re-ask after "
-    "get_timeout_ns then receives the *next* shot's correction and applies it to the older shot, shifting "
-    "every later correction by one (silently: the run reports 100 % decoded). A duplicated answer raises "
-    "QlinkError('answered twice') and a corrupt one FrameError/QlinkError out of run(), losing the whole "
-    "run. Fix: re-ask with the *same* request_id and let the service answer a repeated request_id from a "
-    "one-entry cache per decoder without consuming again (idempotent retransmission); in _poll_once, count "
-    "and ignore answers with an unknown request_id and frames that fail decode_response."))
 @pytest.mark.parametrize("fault", ["drop", "dup", "corrupt"])
 def test_answers_lost_duplicated_or_corrupted_on_the_way_back_keep_every_correction_with_its_shot(fault):
     r = qec_fault_run(fault, rate=0.03, transport="inproc", num_shots=400, direction="to_controller", p=0.01,
                       timeout_s=30)
     assert r["injected"] >= 3
     assert r["accounted_pct"] == 100.0 and r["not_its_own_correction"] == 0
+
+
+@pytest.mark.parametrize("fault", ["drop", "dup"])
+def test_gets_lost_or_duplicated_on_the_way_to_the_service_keep_every_correction_with_its_shot(fault):
+    """A get_corrections that never arrives consumed nothing: its re-ask finds no answer kept
+    (a fresh peek, told by its echo) and its shots are asked for anew. A duplicated one is
+    answered twice from what the service kept, consuming once."""
+    import sys
+
+    from qlink.bench._faultrun import _ServiceThread
+    from qlink.qec.controller import Controller
+    from qlink.qec.decoders import compile_decoder
+    from qlink.qec.loop import build_source, sample_stream, source_spec
+    from qlink.qec.service import DecoderConfig, DecoderService
+
+    src = build_source(source_spec(distance=3, rounds=3, p=0.01))
+    stream = sample_stream(src, num_shots=300, seed=2)
+    svc = DecoderService({0: DecoderConfig(dem=src.dem, frames_per_shot=1)}, ack_enqueue="errors")
+    st = _ServiceThread(svc, f"emulated+inproc://qlrel-gets-{next(_names)}?link=ib-ndr")
+    gets_only = FaultSpec(seed=3, min_nbytes=41, max_nbytes=41, **{fault: 0.05})  # get_corrections is 41 B
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2e-5)
+    try:
+        ep = transports.connect(st.url.split("?", 1)[0] + "?link=ib-ndr", faults=gets_only, timeout_s=10)
+        res = Controller(ep, stream, cycle_ns=20_000, rounds_per_frame=0, get_timeout_ns=50_000_000).run(timeout_s=30)
+        injected = ep.statistics().extra["faults"][fault]
+        ep.close()
+    finally:
+        sys.setswitchinterval(old)
+        st.close()
+    expected = np.asarray(compile_decoder("pymatching", src.dem).decode_shots_bit_packed(
+        np.packbits(stream.detectors, axis=1, bitorder="little")))
+    assert injected >= 5
+    assert res.shots_ok == 300 and np.array_equal(res.corrections, expected)
+    if fault == "drop":
+        assert res.answer_faults["reask_found_nothing_kept"] >= 1
+    else:
+        # (a re-ask of a late answer is a replay too, and its answer one more to no get in flight)
+        assert svc.report()["counts"]["get_corrections_replayed"] >= injected
+        assert res.answer_faults["unknown_request_id"] >= injected
 
 
 def test_field_offsets_name_the_enqueue_frame_layout():
