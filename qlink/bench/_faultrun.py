@@ -220,6 +220,7 @@ def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots:
         "counter_gap": faults.get("counter_gap", 0), "counter_backwards": faults.get("counter_backwards", 0),
         "service_faults": dict(faults), "controller_statuses": dict(res.statuses), "elapsed_s": elapsed,
         "gets_presumed_lost": getattr(ctl, "gets_presumed_lost", None),
+        "answer_faults": dict(res.answer_faults),  # answers counted and ignored (duplicate, unknown, undecodable)
         "lost_shot_ids": [int(i) for i in np.flatnonzero(res.correct < 0)],
         "fault_indices": [e.index for e in log if e.kind == fault],
     }

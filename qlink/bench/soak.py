@@ -531,8 +531,11 @@ def _fault_rows(transports_: tuple, *, quick: bool, say) -> tuple[list[dict], li
                     note.append(f"{r['undetectable']} in syndrome bits (no checksum on this wire), "
                                 f"{r['benign']} in request_id/ptp")
                 rows.append({"what": "fault", "case": case, "transport": t, "injected": r["injected"],
-                             "detected": r.get("detected") if direction == "to_service" else r.get("gets_presumed_lost"),
-                             "bound": r.get("bound", "") if direction == "to_service" else "get re-asked after 50 ms",
+                             "detected": r.get("detected") if direction == "to_service" else
+                             (r.get("gets_presumed_lost") or 0) + sum(r.get("answer_faults", {}).values()),
+                             "bound": r.get("bound", "") if direction == "to_service" else
+                             "re-asked (same id) when a later answer arrives, or after 50 ms; duplicates and "
+                             "undecodable answers counted and ignored",
                              "measured": f"{r['decoded']} decoded, {r['reported_lost']} reported lost",
                              "accounted_pct": r["accounted_pct"], "note": "; ".join(note)})
         for fault in FAULTS:
