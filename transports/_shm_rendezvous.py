@@ -150,6 +150,23 @@ def reclaim_stale(path: str, url: str) -> None:
     raise OSError(errno.EADDRINUSE, f"{url} is already listening (socket {path}); close it or pick another name")
 
 
+def reclaim_after_exit(url: str) -> bool:
+    """After the process listening on ``url`` has exited (killed, it could not unlink its
+    socket): remove the file it left. True when one was removed; a live listener, another
+    scheme, or no file leaves everything as it is."""
+    try:
+        path = socket_path(name_of(url), create=False)
+    except (ValueError, OSError):
+        return False
+    if not os.path.lexists(path):
+        return False
+    try:
+        reclaim_stale(path, url)
+    except OSError:
+        return False  # somebody listens there (or it is not a socket): not ours to remove
+    return not os.path.lexists(path)
+
+
 def ring_stride(ring_nbytes: int) -> int:
     return -(-(_ring.HEADER_NBYTES + ring_nbytes) // PAGE) * PAGE
 

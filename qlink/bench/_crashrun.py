@@ -234,10 +234,12 @@ def qec_controller_kill_run(*, transport: str = "tcp", reset_first: bool = True,
                           kwargs=dict(service_options={"ack_enqueue": "errors"}), daemon=True,
                           name="qlink-crash-service")
     controller = None
+    url_holder: list[str] = []
     out: dict[str, Any] = {"scenario": "qec_controller_killed", "transport": transport, "reset_first": reset_first}
     try:
         service.start()
         url = _wait_ready(ready, service, "decoder service")
+        url_holder.append(url)
         controller = ctx.Process(target=_controller_child, args=(url, distance, 10**6, cycle_ns, seed + 1, cready),
                                  daemon=True, name="qlink-crash-controller")
         controller.start()
@@ -268,6 +270,10 @@ def qec_controller_kill_run(*, transport: str = "tcp", reset_first: bool = True,
     finally:
         _reap(controller)
         _reap(service)
+        if url_holder:
+            from transports._shm_rendezvous import reclaim_after_exit
+
+            reclaim_after_exit(url_holder[0])  # the killed service's listener socket
     out["next_shots"] = num_shots
     return out
 

@@ -527,12 +527,16 @@ def _fault_rows(transports_: tuple, *, quick: bool, say) -> tuple[list[dict], li
                 note = []
                 if r.get("not_its_own_correction"):
                     note.append(f"{r['not_its_own_correction']} corrections applied to the wrong shot")
+                if direction == "to_controller":
+                    af = dict(r.get("answer_faults", {}))
+                    note.append(f"re-asked {af.pop('reasked', 0)}, held behind an older answer "
+                                f"{af.pop('held_for_an_older_answer', 0)}, ignored {sum(af.values())}")
                 if fault == "corrupt" and direction == "to_service":
                     note.append(f"{r['undetectable']} in syndrome bits (no checksum on this wire), "
                                 f"{r['benign']} in request_id/ptp")
                 rows.append({"what": "fault", "case": case, "transport": t, "injected": r["injected"],
                              "detected": r.get("detected") if direction == "to_service" else
-                             (r.get("gets_presumed_lost") or 0) + sum(r.get("answer_faults", {}).values()),
+                             sum(v for k, v in r.get("answer_faults", {}).items() if k != "held_for_an_older_answer"),
                              "bound": r.get("bound", "") if direction == "to_service" else
                              "re-asked (same id) when a later answer arrives, or after 50 ms; duplicates and "
                              "undecodable answers counted and ignored",
@@ -580,7 +584,7 @@ def _crash_rows(transports_: tuple, *, say) -> tuple[list[dict], list[dict]]:
                 note = f"{r.get('ready_layers')} whole layers before the kill, partial reported: " \
                        f"{r.get('partial_layers_reported')}"
             elif det is None:
-                note = "sender not told within the run (shm: only once its ring fills)"
+                note = "sender not told within the run"
             rows.append({"what": "crash", "case": f"{name} SIGKILL", "transport": t, "injected": 1,
                          "detected": int(det is not None), "bound": "< 1 s",
                          "measured": "" if det is None else f"{det * 1e3:.1f} ms",
