@@ -100,9 +100,11 @@ def _odd_distance(where: str, v):
 
 
 def _presets():
-    from .ai.kv import PRESETS
+    """The models the cross-domain table can set against a prefill budget (it needs their
+    parameter count, qlink.crossdomain.MODEL_PARAMS)."""
+    from .crossdomain import MODEL_PARAMS
 
-    return tuple(PRESETS)
+    return tuple(MODEL_PARAMS)
 
 
 _SCHEMA = {

@@ -43,6 +43,7 @@ def test_an_empty_file_is_the_base():
     ("[qec]\ntransports = ['rdma']", "qec.transports[0]"),
     ("[qec]\ntransports = [1]", "qec.transports[0]"),
     ("[kv]\npresets = ['gpt-5']", "kv.presets[0]"),
+    ("[kv]\npresets = ['tiny']", "kv.presets[0]"),  # a layout without a model size: no prefill budget
     ("[kv]\ntokens = inf", "kv.tokens"),
     ("[run]\nseed = -1", "run.seed"),
     ("[run]\nscenarios = 1", "run.scenarios"),
@@ -98,3 +99,27 @@ def test_the_cli_says_what_is_wrong_and_exits_2(tmp_path):
     assert r.returncode == 2 and "qec.num_shots" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()  # nothing ran
     assert issubclass(ConfigError, QlinkError) and issubclass(ConfigError, ValueError)
+
+
+def test_the_main_job_runs_end_to_end_on_a_small_config(tmp_path):
+    """`qlink run --config` with a small config: the budget table, its CSV/JSON and plot."""
+    import csv
+    import json
+
+    p = tmp_path / "small.toml"
+    p.write_text('[qec]\ntransports = ["shm"]\ndistances = [3]\nnum_shots = 60\n'
+                 '[kv]\npresets = ["llama-3-8b"]\ntokens = 256\n[run]\nscenarios = false\n')
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "qlink.cli", "run", "--config", str(p), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Cross-domain latency budgets" in r.stdout
+    for name in ("cross_domain.csv", "cross_domain.json", "cross_domain.png", "qec_loop.csv", "kv_transfer.csv",
+                 "run_summary.json"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    rows = list(csv.DictReader((out / "cross_domain.csv").open()))
+    domains = {row["domain"] for row in rows}
+    assert {"qec", "ai"} <= domains, domains
+    assert all(row["basis"] in ("measured", "modeled") for row in rows)
+    assert any(row["basis"] == "measured" and row["transport"] == "shm" for row in rows)
+    assert json.loads((out / "run_summary.json").read_text())["seconds"] > 0
