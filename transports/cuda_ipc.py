@@ -221,13 +221,8 @@ class CudaIpcEndpoint(Endpoint):
         """Write ``data`` (a CuPy array or host buffer) into the peer's region at ``offset``;
         the peer then gets a Notification. Device regions: copied by CUDA, synchronised
         before the notification is sent. Validation failures raise before anything is written."""
-        if self._closed:
-            raise ClosedError(f"cuda_ipc endpoint {self.url} was closed by this side")
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
+        remote, data = self._prelude(remote, data)
         if remote.kind == "host":
-            if _cuda.is_device(data):
-                data = self._staged(data)
             self._shm.put(data, remote, offset=offset, notify_id=notify_id, tag=tag, timeout_s=timeout_s)
             return
         offset = operator.index(offset)
@@ -240,20 +235,27 @@ class CudaIpcEndpoint(Endpoint):
         (see :meth:`transports.Endpoint.put_many`). Device regions: one copy per piece on one
         stream, synchronised, then the notification; ``defer`` applies to host regions only.
         Returns 1."""
-        if self._closed:
-            raise ClosedError(f"cuda_ipc endpoint {self.url} was closed by this side")
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
+        remote, source = self._prelude(remote, data)
         if remote.kind == "host":
-            if _cuda.is_device(data):
-                data, defer = self._staged(data), False
-            return self._shm.put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
+            defer = defer and source is data  # a staged copy is not registered memory: no deferral
+            return self._shm.put_many(source, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
                                       timeout_s=timeout_s, defer=defer)
         so, do, ln = _shm._pieces(src_offsets, dst_offsets, nbytes, _source_nbytes(data), remote.nbytes)
         lo, hi = int(do.min()), int((do + ln).max())
         self._device_put(data, remote, list(zip(so.tolist(), do.tolist(), ln.tolist())), lo, hi - lo, notify_id,
                          tag, timeout_s)
         return 1
+
+    def _prelude(self, remote, data):
+        """Checks shared by put and put_many: open, a RemoteRegion; into a host region a
+        device source is first copied to the host. Returns ``(remote, data)``."""
+        if self._closed:
+            raise ClosedError(f"cuda_ipc endpoint {self.url} was closed by this side")
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        if remote.kind == "host" and _cuda.is_device(data):
+            data = self._staged(data)
+        return remote, data
 
     def _staged(self, data) -> np.ndarray:
         cp = _cuda.require("a put from device memory")
