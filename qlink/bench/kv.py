@@ -17,6 +17,8 @@ in one run:
 * **floor** — a NumPy copy of the same bytes here, layer by layer between distinct
   memfd-backed buffers (one layer's K+V per copy, as the engine moves them), measured
   before the process pairs start so it never shares the memory budget with them;
+* **overhead** — ``zlib.crc32`` over the same per-layer buffers: what end-to-end
+  checksums (``KVSender(checksum=True)``) add on each side, beside the memcpy floor;
 * **modeled** — the same bytes over NVLink 4, PCIe 5 x16 and a 400 Gb/s NIC from
   :mod:`qlink.links` (``basis="modeled"``, never measured).
 
@@ -45,7 +47,7 @@ import numpy as np
 
 from ._stats import ratio
 
-__all__ = ["run_kv_bench", "memcpy_layers_s", "modeled_rows", "main_from_cli", "LINK_NAMES"]
+__all__ = ["run_kv_bench", "memcpy_layers_s", "crc32_layers_s", "modeled_rows", "main_from_cli", "LINK_NAMES"]
 
 # Modeled links, from the cited catalog in qlink.links: NVLink 4 (900 GB/s bidirectional,
 # 450 GB/s per direction), PCIe 5.0 x16 (~64 GB/s per direction), a 400 Gb/s NIC (50 GB/s).
@@ -68,6 +70,29 @@ def memcpy_layers_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3) -> 
         t0 = time.perf_counter_ns()
         for s, d in zip(src, dst):
             np.copyto(d, s)
+        times.append((time.perf_counter_ns() - t0) / 1e9)
+    return float(np.median(times))
+
+
+def crc32_layers_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3) -> float:
+    """Median seconds for ``zlib.crc32`` over ``num_layers`` distinct ``layer_nbytes`` buffers:
+    what ``KVSender(checksum=True)`` adds on each side of a request of that size.
+
+    >>> crc32_layers_s(layer_nbytes=1 << 16, num_layers=2, repeats=1) > 0
+    True
+    """
+    import zlib
+
+    from qlink.memory import alloc
+
+    bufs = [alloc(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
+    for b in bufs:
+        b.fill(1)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for b in bufs:
+            zlib.crc32(b)
         times.append((time.perf_counter_ns() - t0) / 1e9)
     return float(np.median(times))
 
@@ -150,7 +175,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                  progress: Callable[[str], None] = print) -> list[dict]:
     """Measure KV transfers of ``tokens``-token requests (see the module docstring); one dict per row.
 
-    Rows carry ``case``, ``basis`` (measured / modeled / skipped / error), ``tokens``,
+    Rows carry ``case``, ``basis`` (measured / floor / overhead / modeled / skipped / error), ``tokens``,
     ``nbytes``, ``pattern``, ``p50_ms``, ``GBps``, ``x_memcpy`` and, when measured,
     ``num_descs``, ``transport``, ``moved_by``, ``prep_us_per_block``, ``submit_us_per_block``.
     """
@@ -183,6 +208,10 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
         memcpy_GBps[t] = nb / s / 1e9
         rows.append({"case": "numpy memcpy", "basis": "floor", "tokens": t, "nbytes": nb, "pattern": "per layer",
                      "p50_ms": round(s * 1e3, 3), "GBps": round(memcpy_GBps[t], 3), "x_memcpy": 1.0})
+        c = crc32_layers_s(layer_nbytes=nb // spec.num_layers, num_layers=spec.num_layers, repeats=max(repeats, 3))
+        rows.append({"case": "CRC-32 (checksum=True, each side)", "basis": "overhead", "tokens": t, "nbytes": nb,
+                     "pattern": "per layer", "p50_ms": round(c * 1e3, 3), "GBps": round(nb / c / 1e9, 3),
+                     "x_memcpy": ratio(nb / c / 1e9, memcpy_GBps[t])})
         rows.extend(modeled_rows(nb, tokens=t, memcpy_GBps=memcpy_GBps[t]))
 
     backends = [(s, "transport") for s in transports]

@@ -26,6 +26,8 @@ def test_kv_bench_rows_on_a_tiny_layout():
         assert r["x_memcpy"] > 0 and r["prep_us_per_block"] >= 0 and r["submit_us_per_block"] > 0
         assert r["moved_by"] == ("receiver" if scheme == "shm" else "sender")  # shm defers the copy to the receiver
     assert {r["tokens"] for r in by_basis["floor"]} == {16, 64}
+    crc = by_basis["overhead"]  # what checksum=True adds per side, beside the memcpy floor
+    assert {r["tokens"] for r in crc} == {16, 64} and all(r["GBps"] > 0 and r["x_memcpy"] > 0 for r in crc)
     assert len(by_basis["modeled"]) == 6
     skipped = {r["case"]: r for r in by_basis["skipped"]}
     assert skipped["all"]["tokens"] == 1 << 20  # too big for the memory budget
