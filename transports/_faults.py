@@ -11,7 +11,8 @@ NumPy generator seeded by ``seed``, so a run is reproducible message for message
 * **dup** -- it leaves twice, back to back.
 * **reorder** -- it is held and leaves right after the next eligible message (an
   adjacent swap); if none follows within ``hold_ns`` it leaves on its own at the next
-  call on the endpoint, and at ``close()`` at the latest.
+  call on the endpoint, and at ``close()`` at the latest. The next eligible message
+  passes unfaulted either way, so the faults drawn never depend on timing.
 * **corrupt** -- one bit of the payload, chosen uniformly, is flipped (a copy: the
   caller's buffer is never touched). Nothing marks the message as corrupt: this models
   an error that slipped past the link's own checks and reaches the application.
@@ -124,7 +125,7 @@ class FaultSpec:
     stop: int | None = None  # one past the last (None: no end)
     puts: bool = True  # one-sided puts are subject to faults too
     messages: bool = True  # two-sided messages are subject to faults
-    hold_ns: int = 1_000_000  # a reordered message with nothing after it leaves after this long
+    hold_ns: int = 20_000_000  # a reordered message with nothing after it leaves after this long
     log_capacity: int = 4096
 
     def __post_init__(self):
@@ -246,6 +247,8 @@ class FaultInjector:
         self.counts = {"message": dict.fromkeys(FAULT_KINDS, 0), "put": dict.fromkeys(FAULT_KINDS, 0)}
         self.eligible = 0  # eligible messages seen
         self.eligible_puts = 0
+        # reordered messages / puts that left on their own after hold_ns (nothing overtook them)
+        self.reorders_expired = {"message": 0, "put": 0}
         self.log: deque[FaultEvent] = deque(maxlen=spec.log_capacity)
         self.enabled = True  # False: nothing is faulted (nor counted as eligible) until set again
 
@@ -294,7 +297,9 @@ class FaultInjector:
     def statistics(self) -> dict:
         """Injected counts by kind, for messages and for puts, and how many were eligible."""
         return {"faults": dict(self.counts["message"]), "put_faults": dict(self.counts["put"]),
-                "fault_eligible_messages": self.eligible, "fault_eligible_puts": self.eligible_puts}
+                "fault_eligible_messages": self.eligible, "fault_eligible_puts": self.eligible_puts,
+                "reorders_expired": self.reorders_expired["message"],
+                "put_reorders_expired": self.reorders_expired["put"]}
 
 
 def flip_bit(data, bit: int) -> bytearray:

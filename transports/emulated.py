@@ -118,6 +118,10 @@ class EmulatedEndpoint(Endpoint):
         self._outbox: deque = deque()  # stamped messages due out before anything new (dup copies, released holds)
         self._held = None  # (stamped message, held since ns): a reordered message waiting for the next one
         self._held_put = None  # (put args, held since ns)
+        # The message (put) after a reordered one passes unfaulted whether or not the held one
+        # already left on its own (hold_ns): the faults drawn do not depend on timing.
+        self._follower_due = False
+        self._follower_due_put = False
         self._fault_lock = threading.RLock()  # a sending and a receiving thread may share one faulty endpoint
         self.capabilities = caps
 
@@ -204,9 +208,11 @@ class EmulatedEndpoint(Endpoint):
         if self._held is not None and (force or now - self._held[1] >= hold):
             self._outbox.append(self._held[0])
             self._held = None
+            self._faults.reorders_expired["message"] += 1  # it was not overtaken: no reorder happened
         if self._held_put is not None and (force or now - self._held_put[1] >= hold):
             args, _ = self._held_put
             self._held_put = None
+            self._faults.reorders_expired["put"] += 1
             self._inner.put(*args[0], **args[1])
         if self._outbox:
             try:
@@ -227,13 +233,14 @@ class EmulatedEndpoint(Endpoint):
         if self._outbox and not self._flush_outbox(timeout_s=timeout_s, nowait=nowait):
             raise WouldBlock("emulated: earlier messages are still waiting to leave")
         nbytes = memoryview(data).nbytes
-        if self._held is not None and self._faults.eligible_size(nbytes):
+        if self._follower_due and self._faults.eligible_size(nbytes):
             # the message after a reordered one: it overtakes the held one, then the held one leaves
             kind, delay, bit = "none", 0, -1
             if self._faults.applies_to("message"):
                 self._faults.eligible += 1
-            follow = self._held[0]
+            follow = self._held[0] if self._held is not None else None  # (None: it left after hold_ns)
             self._held = None
+            self._follower_due = False
         else:
             kind, delay, bit = self._faults.decide(nbytes)
             follow = None
@@ -242,6 +249,7 @@ class EmulatedEndpoint(Endpoint):
         msg = self._stamped(data, delay_ns=delay, bit=bit)
         if kind == "reorder":
             self._held = (msg, _now())
+            self._follower_due = True
             return
         if nowait:
             self._outbox.append(msg)
@@ -347,12 +355,13 @@ class EmulatedEndpoint(Endpoint):
         self._release_due()
         nbytes = memoryview(data).nbytes
         follow = None
-        if self._held_put is not None and self._faults.eligible_size(nbytes):
+        if self._follower_due_put and self._faults.eligible_size(nbytes):
             kind, delay, bit = "none", 0, -1
             if self._faults.applies_to("put"):
                 self._faults.eligible_puts += 1
-            follow = self._held_put[0]
+            follow = self._held_put[0] if self._held_put is not None else None
             self._held_put = None
+            self._follower_due_put = False
         else:
             kind, delay, bit = self._faults.decide(nbytes, what="put")
         if kind == "drop":
@@ -364,6 +373,7 @@ class EmulatedEndpoint(Endpoint):
         if kind == "reorder":
             args = ((bytes(memoryview(data).cast("B")), remote), args[1])  # the caller may reuse its buffer
             self._held_put = (args, _now())
+            self._follower_due_put = True
             return
         self._inner.put(*args[0], **args[1])
         if kind == "dup":

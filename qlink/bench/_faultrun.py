@@ -198,7 +198,10 @@ def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots:
             ep.close()
         rep = st.close()
     elapsed = time.monotonic() - t0
-    injected = stats.extra["faults"][fault]
+    # a reordered frame that nothing overtook within hold_ns (a sender held off that long) left
+    # in order: no reorder happened
+    expired = stats.extra.get("reorders_expired", 0) if fault == "reorder" else 0
+    injected = stats.extra["faults"][fault] - expired
     # every shot answered OK must carry *its own* correction: the offline decode of the same shot
     from qlink.qec.decoders import compile_decoder
 
@@ -211,7 +214,7 @@ def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots:
     accounted = res.shots_ok + res.shots_dropped + res.shots_failed
     row = {
         "component": "qec", "direction": direction, "fault": fault, "transport": transport, "rate": rate, "frames_per_shot": frames_per_shot,
-        "shots": num_shots, "frames_sent": stats.messages_sent, "injected": injected,
+        "shots": num_shots, "frames_sent": stats.messages_sent, "injected": injected, "reorders_expired": expired,
         "decoded": res.shots_ok, "reported_lost": res.shots_dropped, "failed": res.shots_failed,
         "accounted_pct": 100.0 * accounted / num_shots, "logical_errors": res.logical_errors,
         "not_its_own_correction": misattributed,
@@ -333,7 +336,7 @@ def kv_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_request
         a.close()
         b.close()
         lis.close()
-    injected = stats["put_faults"][fault]
+    injected = stats["put_faults"][fault] - (stats.get("put_reorders_expired", 0) if fault == "reorder" else 0)
     accounted = sum(outcome.values())
     row = {
         "component": "kv", "fault": fault, "transport": transport, "rate": rate, "requests": num_requests,

@@ -271,8 +271,8 @@ def test_a_tcp_client_with_the_wrong_magic_or_version_is_refused_and_others_carr
                     n = server.recv_into(buf, timeout_s=0.05)
                 except QlinkTimeoutError:
                     continue
+                echoed.append(n)  # before the echo leaves: the main thread checks the count once it has it
                 server.send(buf[:n])
-                echoed.append(n)
 
         t = threading.Thread(target=echo, daemon=True)
         t.start()
