@@ -87,6 +87,8 @@ _ABORT_SUBMIT_FAILED = 3  # INTERNAL_ERROR in the CUDA-Q status table
 _ABORT_CORRUPT = 2  # a part whose CRC-32 does not match (the receiver's own verdict)
 _MAX_REQUEST_ID = (1 << 32) - 1
 _EVENTS_PER_PROGRESS = 4096
+_BREAK_GRACE_S = 0.25  # after the control link breaks, how long completions still in flight may take
+_BREAK_QUIET_POLLS = 20  # ... and how many empty polls (1 ms apart) end that wait sooner
 _MAX_HELLO_NBYTES = 1 << 20
 
 
@@ -473,8 +475,33 @@ class _ReceiverBase:
             except BrokenLinkError as e:
                 broken = e
         if broken is not None and n == 0:
+            n = self._drain_after_break()
+            if n:
+                return n  # completions that were still on their way: handled first
             tr.fail_all(broken)
             return 1  # the state changed: callers look again
+        return n
+
+    def _drain_after_break(self) -> int:
+        """The control link broke: completions of the data path may still be on their way
+        (NIXL delivers its notifications apart from the control link, and may deliver them
+        after the sender's exit shows there). Take what comes within a short grace (until
+        ``_BREAK_QUIET_POLLS`` polls 1 ms apart find nothing, at most ``_BREAK_GRACE_S``)."""
+        if self._peer is None:
+            return 0
+        n = quiet = 0
+        give_up = time.monotonic() + _BREAK_GRACE_S
+        while quiet < _BREAK_QUIET_POLLS and time.monotonic() < give_up:
+            try:
+                k = self._poll_sources(_EVENTS_PER_PROGRESS)
+            except (BrokenLinkError, ClosedError):
+                break
+            if k:
+                n += k
+                quiet = 0
+            else:
+                quiet += 1
+                time.sleep(1e-3)
         return n
 
     def _poll_frames(self, budget: int) -> int:
