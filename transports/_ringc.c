@@ -644,6 +644,15 @@ static int fp_init(FastPathObject *f, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* A setter's value as 0/1; -1 with an exception set (deleting, or truth testing failed). */
+static int setter_bool(PyObject *v, const char *name) {
+    if (v == NULL) {
+        PyErr_Format(PyExc_AttributeError, "%s cannot be deleted", name);
+        return -1;
+    }
+    return PyObject_IsTrue(v);
+}
+
 static inline uint64_t mono_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -826,11 +835,7 @@ static PyMethodDef fp_methods[] = {
 
 static PyObject *fp_get_clean(FastPathObject *f, void *Py_UNUSED(c)) { return PyBool_FromLong(f->rx_clean); }
 static int fp_set_clean(FastPathObject *f, PyObject *v, void *Py_UNUSED(c)) {
-    if (v == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "rx_clean cannot be deleted");
-        return -1;
-    }
-    int t = PyObject_IsTrue(v);
+    int t = setter_bool(v, "rx_clean");
     if (t < 0)
         return -1;
     f->rx_clean = t;

@@ -1047,11 +1047,7 @@ static PyObject *fp_get_peer_gone(FastPathObject *f, void *Py_UNUSED(c)) {
     return PyBool_FromLong(f->os != NULL && f->os->peer_gone);
 }
 static int fp_set_peer_gone(FastPathObject *f, PyObject *v, void *Py_UNUSED(c)) {
-    if (v == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "peer_gone cannot be deleted");
-        return -1;
-    }
-    int t = PyObject_IsTrue(v);
+    int t = setter_bool(v, "peer_gone");
     if (t < 0)
         return -1;
     if (f->os != NULL)
