@@ -871,19 +871,27 @@ def test_a_large_deferred_put_with_odd_sizes_and_offsets_lands_exactly(shm_dir, 
         a.flush(timeout_s=5)
 
 
+def _mapped_pull_regions(a, b, *, fill: int, nbytes: int):
+    """A 4 KiB target registered on ``b`` and a source (all ``fill``) on ``a``, mapped at both
+    ends by one deferred put of ``nbytes`` (later records may take the C path); the target
+    is zeroed again. Returns ``(target, region, source, home)``."""
+    target = alloc(4096, dtype=np.uint8)
+    region = b.register(target)
+    source = alloc(4096, dtype=np.uint8)
+    source[:] = fill
+    home = a.register(source)
+    a.put_many(source, region.descriptor(), [0], [0], [nbytes], notify_id=1, defer=True)
+    b.wait_notification(timeout_s=5)
+    target[:] = 0
+    return target, region, source, home
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("gone", ["target region", "source region"])
 def test_a_deferred_put_whose_region_went_away_is_dropped_and_flush_returns(shm_dir, impl, gone):
     lis, a, b = _pair(f"pull-gone-{gone[0]}", ring_impl=impl)
     with lis, a, b:
-        target = alloc(4096, dtype=np.uint8)
-        region = b.register(target)
-        source = alloc(4096, dtype=np.uint8)
-        source[:] = 7
-        home = a.register(source)
-        a.put_many(source, region.descriptor(), [0], [0], [64], notify_id=1, defer=True)  # maps both ends
-        b.wait_notification(timeout_s=5)
-        target[:] = 0
+        target, region, source, home = _mapped_pull_regions(a, b, fill=7, nbytes=64)
         a.put_many(source, region.descriptor(), [0], [0], [64], notify_id=2, defer=True)
         if gone == "target region":
             b.deregister(region)
@@ -901,14 +909,7 @@ def test_forged_pull_records_are_counted_and_write_nothing(shm_dir, impl):
     pull = struct.Struct("<IIIIQQQQII")
     lis, a, b = _pair("pull-forged", ring_impl=impl)
     with lis, a, b:
-        target = alloc(4096, dtype=np.uint8)
-        region = b.register(target)
-        source = alloc(4096, dtype=np.uint8)
-        source[:] = 9
-        home = a.register(source)
-        a.put_many(source, region.descriptor(), [0], [0], [16], notify_id=1, defer=True)
-        b.wait_notification(timeout_s=5)  # b has mapped the source: later records may take the C path
-        target[:] = 0
+        target, region, source, home = _mapped_pull_regions(a, b, fill=9, nbytes=16)
         rid, sid = region.region_id, home.region_id
 
         def forge(pieces, *, dst=rid, src=sid, k=None, span=(0, 16), extra=b""):
