@@ -738,8 +738,7 @@ class ShmEndpoint(Endpoint):
 
     def _nowait_check(self, what: str) -> None:
         """In a ``*_nowait`` call that found nothing: look at the socket at most every millisecond."""
-        if self._peer_gone is None and time.monotonic() - self._last_socket_check > _NOWAIT_SOCKET_CHECK_S:
-            self._poll_socket()
+        self._look_at_peer()
         if self._peer_flags() is not None and what == "send":
             raise self._broken(what)
 
