@@ -57,13 +57,17 @@ def _bench_transport(args) -> dict:
     out = Path(args.out)
     write_results(res["round_trip"], out_dir=out, name="transport_round_trip", meta={"num_round_trips": n})
     write_results(res["bandwidth"], out_dir=out, name="transport_bandwidth", meta={"sizes": list(sizes)})
+    write_results(res["goals"], out_dir=out, name="transport_goals", meta={"num_round_trips": n})
     print("\n64-byte round trip between two processes (both busy-poll: 2 cores in use)")
     print(format_table(res["round_trip"]))
     print("\nOne-sided put bandwidth into a registered remote region, beside numpy memcpy")
     print(format_table(res["bandwidth"]))
+    print("\nGoals (each figure from this run)")
+    print(format_table(res["goals"]))
     for e in res["errors"]:
         print(f"  not measured: {e}")
-    print(f"\nwritten: {out}/transport_round_trip.{{json,csv}}, {out}/transport_bandwidth.{{json,csv}}")
+    print(f"\nwritten: {out}/transport_round_trip.{{json,csv}}, {out}/transport_bandwidth.{{json,csv}}, "
+          f"{out}/transport_goals.{{json,csv}}")
     return res
 
 

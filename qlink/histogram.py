@@ -44,6 +44,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .errors import QlinkError
+
 __all__ = ["LatencyHistogram", "HistogramSummary", "EmptyHistogramError"]
 
 _FORMAT = "qlink.LatencyHistogram/1"
@@ -51,7 +53,7 @@ _MAX_SUB_BUCKET_BITS = 16
 _CHUNK = 1 << 20  # samples per vectorised pass (bounds the temporaries)
 
 
-class EmptyHistogramError(ValueError):
+class EmptyHistogramError(QlinkError, ValueError):
     """A percentile was asked of a histogram with no samples."""
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from qlink.errors import ClosedError, QlinkError, QlinkTimeoutError, WouldBlock
 from qlink.memory import Region, RemoteRegion
@@ -113,7 +115,11 @@ class Statistics:
     notifications: int = 0
     timeouts: int = 0
     errors: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # read-only, so a snapshot cannot be changed after it was taken
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
 
 
 class Backoff:

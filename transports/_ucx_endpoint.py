@@ -7,6 +7,7 @@ See :mod:`transports.ucx` for the design; the one-sided half lives in
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import threading
 import time
@@ -562,7 +563,8 @@ class UcxEndpoint(PutSide, Endpoint):
     # ----- lifecycle ---------------------------------------------------------------------------
     def statistics(self) -> Statistics:
         s = super().statistics()
-        s.extra.update(
+        extra = dict(s.extra)
+        extra.update(
             ucx_tls=self._box.tls,
             ucx_lanes=None if self._ep_closed else core.ep_lanes(self._ep.handle),
             hot_path=self._ops.name,
@@ -572,7 +574,7 @@ class UcxEndpoint(PutSide, Endpoint):
             ucx_error_reported=self._ucx_error,
             broken=self._broken,
         )
-        return s
+        return dataclasses.replace(s, extra=extra)
 
     def close(self) -> None:
         """Close this side. The peer receives what was sent, then gets BrokenLinkError.

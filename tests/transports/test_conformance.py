@@ -588,10 +588,11 @@ def test_sigkilled_peer_is_a_broken_link_within_1s(link, blocked_in):
         calls = [lambda: link.ep.recv_into(buf, timeout_s=None)] if blocked_in == "recv_into" else \
             [lambda: link.ep.wait_notification(timeout_s=None)]
     try:
-        with pytest.raises(BrokenLinkError):
+        with pytest.raises(BrokenLinkError) as info:
             calls[0]()
         elapsed = time.monotonic() - link.peer.killed_at
         assert elapsed < 1.0, f"SIGKILLed peer reported after {elapsed:.3f} s"
+        assert str(info.value), "a broken link says what broke"
     finally:
         if blocked_in != "idle":
             killer.join()
@@ -613,6 +614,8 @@ def test_statistics_count_and_are_frozen(link):
     assert isinstance(s0, Statistics) and s0.transport == link.scheme
     with pytest.raises(dataclasses.FrozenInstanceError):
         s0.messages_sent = 0
+    with pytest.raises(TypeError):
+        s0.extra["something"] = 1  # the extra counters are read-only too
     link.cmd(b"ECHO", bytes(100))
     assert link.reply() == bytes(100)
     with pytest.raises(QlinkTimeoutError):
