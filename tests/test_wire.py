@@ -147,6 +147,46 @@ def test_golden_responses():
     assert bytes(buf) == expected
 
 
+# The same frames as literal bytes, written out by hand from the published layout (all
+# fields little-endian), so that a field-order mistake shared by the test's struct formats
+# and the encoder cannot pass unseen.
+GOLDEN_HEX = {
+    "enqueue_syndromes": (
+        "52515543" "82bed87e" "22000000" "efbeadde" "efcdab8967452301"  # CUQR, fid, arg_len 34, rid, ptp
+        "0500000000000000" "1100000000000000" "fdffffffffffffff" "0b00000000000000"  # dec 5, ctr 17, map -3, 11 bits
+        "5906"),  # bits 1,0,0,1,1,0,1,0 | 0,1,1 packed LSB first
+    "get_corrections": (
+        "52515543" "a15b2d88" "11000000" "09000000" "3930000000000000"
+        "1f00000000000000" "6400000000000000" "01"),  # decoder 31, return_size 100, reset
+    "reset_decoder": "52515543" "cf597a97" "08000000" "01000000" "0000000000000000" "0200000000000000",
+    "corrections_response": "53515543" "00000000" "02000000" "4d000000" "e703000000000000" "0501",
+    "bad_request_response": "53515543" "02000000" "00000000" "04000000" "0500000000000000",
+}
+
+
+def test_golden_literal_bytes():
+    bits = np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1], dtype=np.uint8)
+    got = {}
+    buf = bytearray(64)
+    n = wire.encode_enqueue_syndromes_into(buf, request_id=0xDEADBEEF, decoder_id=5, counter=17,
+                                           syndrome_mapping_id=-3, syndromes=bits, ptp_timestamp=0x0123456789ABCDEF)
+    got["enqueue_syndromes"] = bytes(buf[:n])
+    n = wire.encode_get_corrections_into(buf, request_id=9, decoder_id=31, return_size=100, reset=True,
+                                         ptp_timestamp=12345)
+    got["get_corrections"] = bytes(buf[:n])
+    n = wire.encode_reset_decoder_into(buf, request_id=1, decoder_id=2)
+    got["reset_decoder"] = bytes(buf[:n])
+    n = wire.encode_corrections_response_into(buf, request_id=77, ptp_timestamp=999,
+                                              corrections=[1, 0, 1, 0, 0, 0, 0, 0, 1])
+    got["corrections_response"] = bytes(buf[:n])
+    n = wire.encode_response_into(buf, status=Status.BAD_REQUEST, request_id=4, ptp_timestamp=5)
+    got["bad_request_response"] = bytes(buf[:n])
+    assert {k: v.hex() for k, v in got.items()} == GOLDEN_HEX
+    # and each decodes back to the fields it was built from
+    req = wire.decode_request(bytes.fromhex(GOLDEN_HEX["enqueue_syndromes"]))
+    assert (req.request_id, req.ptp_timestamp) == (0xDEADBEEF, 0x0123456789ABCDEF)
+
+
 def test_encode_at_offset_touches_only_its_bytes():
     buf = bytearray(b"\xAA" * 80)
     n = wire.encode_reset_decoder_into(buf, request_id=3, decoder_id=1, offset=10)
@@ -483,3 +523,27 @@ def test_bits_helpers_validate():
         wire.pack_bits([1] * 9, out=np.empty(1, np.uint8))
     with pytest.raises(ValueError, match="shape"):
         wire.unpack_bits(b"\0", 3, out=np.empty(4, np.uint8))
+
+
+def test_packed_encode_allocates_no_frame_sized_memory():
+    """The hot path (pre-packed bits into the caller's buffer) copies straight into the
+    frame: encoding a 2^20-bit request 200 times allocates no frame-sized temporary."""
+    import tracemalloc
+
+    nbits = wire.MAX_SYNDROME_BITS
+    packed = np.random.default_rng(3).integers(0, 256, nbits // 8, dtype=np.uint8)
+    buf = bytearray(wire.enqueue_syndromes_nbytes(nbits))
+    wire.encode_enqueue_syndromes_into(buf, request_id=0, decoder_id=0, counter=0, syndrome_mapping_id=0,
+                                       syndromes_bits_packed=packed, num_syndromes=nbits)  # warm caches
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        for i in range(200):
+            wire.encode_enqueue_syndromes_into(buf, request_id=i, decoder_id=0, counter=i, syndrome_mapping_id=0,
+                                               syndromes_bits_packed=packed, num_syndromes=nbits)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - base < 16 << 10, f"encoding allocated {peak - base} B at its peak (the frame is {len(buf)} B)"
+    assert bytes(buf[56:]) == packed.tobytes()
