@@ -30,6 +30,12 @@ UDP is honest about what it cannot do, and so is this module:
   receives time out. ``close()`` tells the peer nothing.
 * **No one-sided put** (``one_sided=False``): ``put`` raises ``CapabilityError``.
 
+A blocking receive busy-polls for ``busy_poll_s`` (50 µs by default, as ``tcp://``)
+before it sleeps in ``poll``: a sleeping reader pays the scheduler's wake-up, which on
+a virtual machine is tens of µs per side of a round trip. Each datagram costs one
+``recvfrom`` (no peek first): a datagram larger than the caller's buffer is kept, whole,
+for the next receive with a buffer large enough.
+
 Three kinds of endpoint:
 
 * ``connect("udp://host:port")`` -> :class:`UdpEndpoint`, a connected socket that
@@ -105,8 +111,9 @@ CAPABILITIES = Capabilities(
     max_message_bytes=MAX_DATAGRAM_BYTES_IPV4,
 )
 
-_PEEK = socket.MSG_PEEK | socket.MSG_TRUNC
 _WAKE_S = 0.1  # longest a blocked reader sleeps before re-checking close()
+_DEFAULT_BUSY_POLL_S = 50e-6  # a blocking receive spins this long before it sleeps in poll
+_SCRATCH_NBYTES = 65536  # holds any datagram (IPv4 and IPv6 payloads are smaller)
 
 
 class DatagramTooLargeError(QlinkError, ValueError):
@@ -187,15 +194,26 @@ def _new_socket(family: int, *, rcvbuf_nbytes: int | None, sndbuf_nbytes: int | 
     return sock
 
 
+def _wake_ms(left_s: float | None) -> int:
+    """How long one sleep in poll lasts (ms): what is left of the timeout, at most _WAKE_S."""
+    wait_s = _WAKE_S if left_s is None else min(left_s, _WAKE_S)
+    return max(0, int(wait_s * 1000 + 0.999))
+
+
 def _wait_fd(fd: int, events: int, left_s: float | None) -> bool:
     """poll ``fd`` for ``events`` up to ``left_s`` (None: _WAKE_S); True when ready or in error."""
     p = select.poll()
     p.register(fd, events)
-    wait_s = _WAKE_S if left_s is None else min(left_s, _WAKE_S)
     try:
-        return bool(p.poll(max(0, int(wait_s * 1000 + 0.999))))
+        return bool(p.poll(_wake_ms(left_s)))
     except InterruptedError:
         return False
+
+
+def _check_busy_poll(busy_poll_s) -> float:
+    if isinstance(busy_poll_s, bool) or not isinstance(busy_poll_s, (int, float)) or not 0 <= busy_poll_s < 1:
+        raise ValueError(f"busy_poll_s must be a number of seconds in [0, 1), got {busy_poll_s!r}")
+    return float(busy_poll_s)
 
 
 # ----- the part every endpoint shares -----------------------------------------------------------
@@ -208,7 +226,6 @@ class _UdpBase(Endpoint):
         self._sock = sock
         self._fd = sock.fileno()
         self._family_max = _family_max(sock.family)
-        self._peek_buf = bytearray(1)  # peek target and sink for zero-length receives
         self._truncated = 0  # receives refused because the datagram exceeded the buffer (datagram kept)
         self._oversize = 0  # sends refused because they exceed max_message_bytes
         self._refused = 0  # ECONNREFUSED seen (ICMP port unreachable from the peer's host)
@@ -304,43 +321,61 @@ class _UdpBase(Endpoint):
 class UdpEndpoint(_UdpBase):
     """A connected UDP socket (made by :func:`connect`): sends to and hears from one peer only."""
 
-    def __init__(self, sock: socket.socket, *, capabilities: Capabilities) -> None:
+    def __init__(self, sock: socket.socket, *, capabilities: Capabilities,
+                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
         super().__init__(sock, capabilities=capabilities)
         self.peer = sock.getpeername()
         self.url = _url_of(self.peer)
+        self._busy_poll_s = busy_poll_s
+        self._scratch = bytearray(_SCRATCH_NBYTES)  # a datagram read for a smaller buffer lands here first
+        self._scratch_mv = memoryview(self._scratch)
+        self._held: bytes | None = None  # a datagram too large for the last buffer, kept for the next receive
 
     def __repr__(self) -> str:
         return f"<UdpEndpoint {self.local_url} -> {self.url} {'closed' if self._closed else 'open'}>"
 
     def _recv_once(self, buf: memoryview) -> int:
         """One non-blocking attempt; -1 when no datagram is waiting."""
-        sock = self._sock
+        cap = buf.nbytes
+        held = self._held
+        if held is not None:
+            if len(held) > cap:
+                raise self._too_small(len(held), cap)
+            self._held = None
+            buf[:len(held)] = held
+            return len(held)
         try:
-            cap = buf.nbytes
             if cap >= self._family_max:
-                return sock.recv_into(buf)  # no datagram can exceed this buffer: skip the peek
-            size = sock.recv_into(self._peek_buf, 1, _PEEK)
-            if size > cap:
-                raise self._too_small(size, cap)
-            return sock.recv_into(buf if cap else self._peek_buf)
+                return self._sock.recv_into(buf)  # no datagram can exceed this buffer
+            n = self._sock.recv_into(self._scratch_mv)  # one syscall, then a copy of n bytes
         except (BlockingIOError, InterruptedError):
             return -1
         except OSError as e:
             raise self._os_error("recv_into", e) from e
+        if n > cap:
+            self._held = bytes(self._scratch_mv[:n])
+            raise self._too_small(n, cap)
+        buf[:n] = self._scratch_mv[:n]
+        return n
 
     def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
         """Receive the next datagram from the peer into ``buf``; return its size in bytes."""
         deadline = deadline_of(timeout_s)
         view = as_byte_view(buf)
+        spin_until = None
         while True:
             self._check_open()
             n = self._recv_once(view)
             if n >= 0:
                 return self._got(n)
-            left = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 raise self._timed_out("recv_into", timeout_s)
-            _wait_fd(self._fd, select.POLLIN, left)
+            if spin_until is None:
+                spin_until = now + self._busy_poll_s
+            if now >= spin_until:  # (before it, try again at once: the busy-poll)
+                _wait_fd(self._fd, select.POLLIN, left)
 
     def recv_into_nowait(self, buf) -> int:
         self._check_open()
@@ -357,6 +392,9 @@ class UdpEndpoint(_UdpBase):
         if self._closed:
             return
         self._closed = True
+        if self._held is not None:  # received, never read: counted
+            self._counters.errors += 1
+            self._held = None
         self._sock.close()
 
 
@@ -369,9 +407,13 @@ class _Hub:
     datagram is dropped and counted, as the kernel would when its buffer fills).
     """
 
-    def __init__(self, sock: socket.socket, *, max_queued_datagrams: int) -> None:
+    def __init__(self, sock: socket.socket, *, max_queued_datagrams: int,
+                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
         self.sock = sock
         self.fd = sock.fileno()
+        self.busy_poll_s = busy_poll_s
+        self.poller = select.poll()  # used by the reading thread only (``reading`` set)
+        self.poller.register(self.fd, select.POLLIN)
         self.family_max = _family_max(sock.family)
         self.cond = threading.Condition(threading.Lock())
         self.reading = False
@@ -383,7 +425,9 @@ class _Hub:
         self.refs = 1  # the listener; each endpoint adds one; the socket closes at zero
         self.dropped = 0  # datagrams dropped because a queue was full or nobody could take them
         self.errors = 0
-        self.scratch = bytearray(1)
+        self.held_any: tuple | None = None  # (datagram, sender) too large for the serve endpoint's last buffer
+        self.scratch = bytearray(_SCRATCH_NBYTES)  # every datagram is read here first, unless it is claimed
+        self.scratch_mv = memoryview(self.scratch)  # by a caller whose buffer holds any datagram
 
     def release(self) -> None:
         with self.cond:
@@ -413,20 +457,15 @@ class _Hub:
         socket is empty. Called with ``cond`` held and ``reading`` set.
         """
         sock = self.sock
+        scratch = self.scratch_mv
+        cap = buf.nbytes if buf is not None else 0
         while True:
             if done is not None and done():
                 return True
             try:
-                cap = buf.nbytes if buf is not None else 0
                 if want is _ANY and cap >= self.family_max:
-                    return sock.recvfrom_into(buf)  # every datagram is ours and fits: no peek needed
-                size, addr = sock.recvfrom_into(self.scratch, 1, _PEEK)
-                if want is not None and (want is _ANY or addr == want):
-                    if size > cap:
-                        raise ep._too_small(size, cap)
-                    n, addr = sock.recvfrom_into(buf if cap else self.scratch)
-                    return n, addr
-                self.route(addr, sock.recv(max(size, 1))[:size])
+                    return sock.recvfrom_into(buf)  # every datagram is ours and fits: straight in
+                n, addr = sock.recvfrom_into(scratch)  # one syscall per datagram, no peek
             except (BlockingIOError, InterruptedError):
                 return None
             except OSError as e:
@@ -435,9 +474,26 @@ class _Hub:
                 self.errors += 1  # e.g. a stray ICMP error; the datagram queue goes on
                 if ep is not None:
                     ep._counters.errors += 1
+                continue
+            if want is not None and (want is _ANY or addr == want):
+                if n > cap:
+                    # kept, whole, for a receive with a larger buffer: first in its sender's queue
+                    # (the any-peer endpoint's: held apart, with its sender)
+                    if want is _ANY:
+                        self.held_any = (bytes(scratch[:n]), addr)
+                    else:
+                        self.queues[addr].appendleft(bytes(scratch[:n]))
+                    raise ep._too_small(n, cap)
+                buf[:n] = scratch[:n]
+                return n, addr
+            self.route(addr, bytes(scratch[:n]))
 
     def wait(self, *, want, buf, ep, done, take, deadline, nowait: bool, timeout_s, what: str, check):
-        """The one blocking loop: ``take()`` from a queue, else read the socket (one reader at a time)."""
+        """The one blocking loop: ``take()`` from a queue, else read the socket (one reader at a time).
+
+        The reader busy-polls the socket for ``busy_poll_s`` (lock released, so other threads
+        take what it routed to them) before it sleeps in poll."""
+        spin_until = None
         with self.cond:
             while True:
                 check()
@@ -457,13 +513,23 @@ class _Hub:
                         return got
                     if nowait:
                         raise WouldBlock(f"udp {what}: nothing has arrived yet")
-                    left = None if deadline is None else deadline - time.monotonic()
+                    now = time.monotonic()
+                    left = None if deadline is None else deadline - now
                     if left is not None and left <= 0:
                         raise _timeout(ep, what, timeout_s)
+                    if spin_until is None:
+                        spin_until = now + self.busy_poll_s
                     self.reading = True
                     self.cond.release()
                     try:
-                        _wait_fd(self.fd, select.POLLIN, left)
+                        poll = self.poller.poll
+                        if now < spin_until:
+                            while not poll(0) and time.monotonic() < spin_until:
+                                pass
+                        else:
+                            poll(_wake_ms(left))
+                    except InterruptedError:
+                        pass
                     finally:
                         self.cond.acquire()
                         self.reading = False
@@ -589,10 +655,30 @@ class UdpServeEndpoint(_HubEndpoint):
     def recvfrom_into_nowait(self, buf) -> tuple[int, tuple]:
         return self._recvfrom(buf, None, True)
 
+    def _take_held(self, view: memoryview):
+        """The datagram an earlier receive's buffer was too small for, if this one holds it."""
+        hub = self._hub
+        if hub.held_any is None:
+            return None
+        data, addr = hub.held_any
+        if len(data) > view.nbytes:
+            raise self._too_small(len(data), view.nbytes)
+        hub.held_any = None
+        view[:len(data)] = data
+        return len(data), addr
+
+    def _forget(self) -> None:
+        hub = self._hub
+        with hub.cond:
+            if hub.held_any is not None:  # received for us, never read: counted
+                hub.held_any = None
+                hub.dropped += 1
+
     def _recvfrom(self, buf, timeout_s, nowait: bool) -> tuple[int, tuple]:
         deadline = deadline_of(timeout_s)
         view = as_byte_view(buf)
-        n, addr = self._hub.wait(want=_ANY, buf=view, ep=self, done=None, take=_nothing, deadline=deadline,
+        take = _nothing if self._hub.held_any is None else (lambda: self._take_held(view))
+        n, addr = self._hub.wait(want=_ANY, buf=view, ep=self, done=None, take=take, deadline=deadline,
                                  nowait=nowait, timeout_s=timeout_s, what="recv_into", check=self._check_open)
         self.last_peer = addr
         if len(self._peers) < 4096:
@@ -625,8 +711,9 @@ def _nothing():
 class UdpListener(Listener):
     """A bound UDP socket; see the module docstring for ``accept`` and ``serve_endpoint``."""
 
-    def __init__(self, sock: socket.socket, *, capabilities: Capabilities, max_queued_datagrams: int) -> None:
-        self._hub = _Hub(sock, max_queued_datagrams=max_queued_datagrams)
+    def __init__(self, sock: socket.socket, *, capabilities: Capabilities, max_queued_datagrams: int,
+                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
+        self._hub = _Hub(sock, max_queued_datagrams=max_queued_datagrams, busy_poll_s=busy_poll_s)
         self._capabilities = capabilities
         self.url = _url_of(sock.getsockname())
         self._closed = False
@@ -700,14 +787,19 @@ class UdpListener(Listener):
 
 # ----- module entry points -----------------------------------------------------------------------
 def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int | None = None,
-           sndbuf_nbytes: int | None = None, max_queued_datagrams: int = 4096) -> UdpListener:
+           sndbuf_nbytes: int | None = None, max_queued_datagrams: int = 4096,
+           busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> UdpListener:
     """Bind ``udp://host:port`` (host defaults to 127.0.0.1; port 0 picks a free port, see ``.url``).
+
+    ``busy_poll_s``: how long a blocking receive on the listener's endpoints spins before it
+    sleeps in poll (0: sleep at once).
 
     ``rcvbuf_nbytes`` asks the kernel for a larger receive buffer (capped by
     ``net.core.rmem_max``; ``statistics().extra["rcvbuf_nbytes"]`` says what was granted).
     ``max_queued_datagrams`` bounds each accepted peer's queue of datagrams read on its behalf.
     """
     host, port = _split(url, for_listen=True)
+    busy_poll_s = _check_busy_poll(busy_poll_s)
     if max_queued_datagrams < 1:
         raise ValueError(f"max_queued_datagrams must be at least 1, got {max_queued_datagrams}")
     family, sockaddr = _resolve(host, port, passive=True)
@@ -718,17 +810,19 @@ def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int
     except OSError:
         sock.close()
         raise
-    return UdpListener(sock, capabilities=caps, max_queued_datagrams=max_queued_datagrams)
+    return UdpListener(sock, capabilities=caps, max_queued_datagrams=max_queued_datagrams, busy_poll_s=busy_poll_s)
 
 
 def connect(url: str, *, timeout_s: float | None = 10.0, max_message_bytes: int | None = None,
             rcvbuf_nbytes: int | None = None, sndbuf_nbytes: int | None = None,
-            bind: str | None = None) -> UdpEndpoint:
+            bind: str | None = None, busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> UdpEndpoint:
     """A UDP socket connected to ``udp://host:port``. Sends nothing, so it succeeds even if nobody listens.
 
-    ``bind="udp://127.0.0.1:0"`` picks the local address (default: the kernel chooses).
+    ``bind="udp://127.0.0.1:0"`` picks the local address (default: the kernel chooses);
+    ``busy_poll_s``: how long a blocking receive spins before it sleeps in poll.
     """
     deadline_of(timeout_s)
+    busy_poll_s = _check_busy_poll(busy_poll_s)
     host, port = _split(url, for_listen=False)
     family, sockaddr = _resolve(host, port, passive=False)
     caps = _capabilities_for(family, max_message_bytes)
@@ -741,4 +835,4 @@ def connect(url: str, *, timeout_s: float | None = 10.0, max_message_bytes: int 
     except OSError as e:
         sock.close()
         raise BrokenLinkError(f"cannot set up a udp socket towards {url!r}: {e}") from e
-    return UdpEndpoint(sock, capabilities=caps)
+    return UdpEndpoint(sock, capabilities=caps, busy_poll_s=busy_poll_s)

@@ -353,3 +353,47 @@ def test_ipv6_loopback_has_the_larger_limit():
         assert len(srv.recv(timeout_s=2)) == 65527
         cli.close()
         srv.close()
+
+
+@pytest.mark.parametrize("busy_poll_s", [0, 0.0002])
+def test_blocking_receives_with_and_without_busy_poll(busy_poll_s):
+    with udp.listen("udp://127.0.0.1:0", busy_poll_s=busy_poll_s) as lis:
+        srv = lis.serve_endpoint()
+        cli = udp.connect(lis.url, busy_poll_s=busy_poll_s)
+        for k in range(20):
+            cli.send(b"ping %d" % k)
+            assert srv.recv(timeout_s=2) == b"ping %d" % k
+            srv.send(b"pong %d" % k)
+            assert cli.recv(timeout_s=2) == b"pong %d" % k
+        t0 = time.monotonic()
+        with pytest.raises(QlinkTimeoutError):
+            srv.recv(timeout_s=0.03)  # the spin ends; the rest of the timeout is slept in poll
+        assert time.monotonic() - t0 >= 0.03
+        cli.close()
+        srv.close()
+    for bad in (-1e-6, 1.0, True, "50us", float("nan")):
+        with pytest.raises(ValueError, match="busy_poll_s"):
+            udp.connect("udp://127.0.0.1:9", busy_poll_s=bad)
+        with pytest.raises(ValueError, match="busy_poll_s"):
+            udp.listen("udp://127.0.0.1:0", busy_poll_s=bad)
+
+
+def test_a_datagram_too_large_for_the_buffer_stays_ahead_of_later_ones(served):
+    _, srv, cli = served
+    cli.send(b"X" * 300)
+    cli.send(b"small")
+    with pytest.raises(BufferTooSmallError) as info:
+        srv.recv_into(bytearray(16), timeout_s=2)  # read off the socket, then kept whole
+    assert info.value.needed_nbytes == 300
+    with pytest.raises(BufferTooSmallError):
+        srv.recv_into_nowait(bytearray(16))  # still the first in line
+    big = bytearray(300)
+    n, addr = srv.recvfrom_into(big, timeout_s=2)
+    assert (n, bytes(big), addr) == (300, b"X" * 300, _addr_of(cli.local_url))
+    assert srv.recv(timeout_s=2) == b"small"
+    srv.send(b"Y" * 200)
+    srv.send(b"tiny")
+    with pytest.raises(BufferTooSmallError):
+        cli.recv_into(bytearray(8), timeout_s=2)
+    assert cli.recv(timeout_s=2) == b"Y" * 200 and cli.recv(timeout_s=2) == b"tiny"
+    assert srv.statistics().extra["truncated"] == 2 and cli.statistics().extra["truncated"] == 1
