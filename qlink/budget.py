@@ -5,7 +5,9 @@ A :class:`Figure` is one latency (a p50, a p99…) of one thing on one transport
 one number: adding a measured and a modeled figure raises ``ValueError``.
 
 :func:`assess` sets a figure against a :class:`Budget` and gives the share spent and
-the headroom left; :func:`stage_shares` does the same per stage of a timeline.
+the headroom left; :func:`stage_lines` does the same per stage of a timeline (and
+:func:`stage_shares` on plain numbers). A throughput sets against a time budget as the
+time per item (:func:`figure_from_rate`).
 
 >>> from qlink.budget import BUDGETS, Figure, assess
 >>> f = Figure("reaction time d=5", 20_000, basis="measured", transport="shm", statistic="p50")
@@ -21,8 +23,8 @@ ValueError: cannot add a measured figure to a modeled one: measured and modeled 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Iterable, Literal, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Iterable, Literal, Mapping, Sequence
 
 __all__ = [
     "Budget",
@@ -31,6 +33,8 @@ __all__ = [
     "BudgetLine",
     "assess",
     "stage_shares",
+    "stage_lines",
+    "figure_from_rate",
     "layer_compute_budget",
     "budget_rows",
 ]
@@ -63,6 +67,10 @@ BUDGETS: dict[str, Budget] = {
                "Google Willow, arXiv:2408.13687: 1.1 us cycle"),
         Budget("qec.reaction", "decoder reaction time (Willow real-time average, d=5)", "qec", 63_000,
                "arXiv:2408.13687: 63 us average decoder latency at d=5"),
+        Budget("qec.backlog_rate", "rounds answered per second to keep the backlog flat: 1 / cycle "
+               "(909,091 rounds/s), set as time per round answered", "qec", 1_100,
+               "arXiv:2408.13687: 1.1 us cycle; a decoder answering fewer rounds per second than the "
+               "cycle produces falls behind without bound (the backlog problem, Terhal, RMP 87, 307 (2015))"),
         Budget("qec.feedforward", "feed-forward round trip (NVQLink FPGA->GPU->FPGA max)", "qec", 3_960,
                "arXiv:2510.25213: 3.96 us maximum round trip"),
         Budget("ai.ttft", "time to first token (DistServe chatbot SLO)", "ai", 250_000_000,
@@ -121,9 +129,25 @@ class Figure:
         return Figure(f"{self.what} + {other.what}", self.value_ns + other.value_ns, self.basis, transport, self.statistic)
 
 
+def figure_from_rate(what: str, *, per_s: float, basis: Basis, transport: str, statistic: str = "mean") -> Figure:
+    """A throughput (items per second) as the time per item, ``1e9 / per_s`` ns, so that it
+    sets against a time budget: a decoder answering 500,000 rounds/s spends 2 µs per round.
+
+    >>> figure_from_rate("rounds answered", per_s=500_000, basis="measured", transport="shm").value_ns
+    2000.0
+    """
+    if not (isinstance(per_s, (int, float)) and math.isfinite(per_s) and per_s > 0):
+        raise ValueError(f"{what}: per_s must be a finite positive rate, got {per_s!r}")
+    return Figure(what, 1e9 / float(per_s), basis, transport, statistic)
+
+
 @dataclass(frozen=True)
 class BudgetLine:
-    """A figure set against a budget: the share of the budget spent and the headroom left."""
+    """A figure set against a budget: the share of the budget spent and the headroom left.
+
+    ``stage`` names the stage of a timeline the line stands for (``"total"`` for its sum,
+    ``""`` for a line that is not a stage); a stage line's headroom is what the budget
+    has left after that stage and every stage before it (see :func:`stage_lines`)."""
 
     domain: str
     what: str
@@ -135,6 +159,7 @@ class BudgetLine:
     limit_ns: float
     share: float
     headroom_ns: float
+    stage: str = ""
 
     @property
     def within(self) -> bool:
@@ -175,6 +200,35 @@ def stage_shares(stage_ns: dict[str, float], budget: Budget, *, order: Sequence[
     return rows
 
 
+def stage_lines(stages: Mapping[str, Figure], budget: Budget, *, total_what: str) -> list[BudgetLine]:
+    """One line per stage of a timeline, in order, then one for their total.
+
+    Each stage's share is its own time over the budget; its headroom is the budget less
+    that stage and every stage before it (what is left for the stages after it); the
+    total line (``stage="total"``, ``what=total_what``) carries the headroom of the whole.
+    The total is the :class:`Figure` sum of the stages, so stages of mixed basis are
+    refused (``ValueError``), as any sum of measured and modeled figures.
+
+    >>> st = {"transport": Figure("transport", 3_000, "measured", "shm", "mean"),
+    ...       "decode": Figure("decode", 6_000, "measured", "shm", "mean")}
+    >>> [(ln.stage, ln.value_ns, ln.headroom_ns) for ln in stage_lines(st, BUDGETS["qec.reaction"],
+    ...                                                                   total_what="reaction")]
+    [('transport', 3000.0, 60000.0), ('decode', 6000.0, 54000.0), ('total', 9000.0, 54000.0)]
+    """
+    if not stages:
+        raise ValueError("stage_lines needs at least one stage")
+    out = []
+    total: Figure | None = None
+    for name, fig in stages.items():
+        if not isinstance(fig, Figure):
+            raise TypeError(f"stage {name!r} must be a Figure, got {type(fig).__name__}")
+        total = fig if total is None else total + fig
+        line = assess(fig, budget)
+        out.append(replace(line, stage=str(name), headroom_ns=float(budget.limit_ns - total.value_ns)))
+    out.append(replace(assess(replace(total, what=total_what), budget), stage="total"))
+    return out
+
+
 def budget_rows(lines: Iterable[BudgetLine]) -> list[dict]:
     """Rows for a table/CSV, in µs, with the basis column kept beside every number."""
     out = []
@@ -184,6 +238,6 @@ def budget_rows(lines: Iterable[BudgetLine]) -> list[dict]:
             "domain": d["domain"], "what": d["what"], "transport": d["transport"], "basis": d["basis"],
             "stat": d["statistic"], "value_us": round(d["value_ns"] / 1e3, 3), "budget": d["budget"],
             "budget_us": round(d["limit_ns"] / 1e3, 3), "share_pct": round(100 * d["share"], 2),
-            "headroom_us": round(d["headroom_ns"] / 1e3, 3), "within": ln.within,
+            "headroom_us": round(d["headroom_ns"] / 1e3, 3), "within": ln.within, "stage": d["stage"],
         })
     return out

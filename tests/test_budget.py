@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from qlink.budget import BUDGETS, Budget, Figure, assess, budget_rows, layer_compute_budget, stage_shares
+from qlink.budget import (BUDGETS, Budget, Figure, assess, budget_rows, figure_from_rate, layer_compute_budget,
+                          stage_lines, stage_shares)
 
 
 def test_assess_share_and_headroom_are_exact():
@@ -67,3 +68,41 @@ def test_budget_rows_keep_the_basis_beside_every_number():
     assert [r["basis"] for r in rows] == ["modeled", "measured"]
     assert rows[1]["share_pct"] == pytest.approx(3.6)
     assert all(math.isfinite(r["value_us"]) for r in rows)
+
+
+def test_stage_lines_share_each_stage_and_count_headroom_down():
+    b = Budget("t.z", "z", "qec", 10_000, "hand-made")
+    stages = {k: Figure(k, v, basis="measured", transport="shm", statistic="mean")
+              for k, v in (("wire", 2_000), ("decode", 5_000), ("apply", 1_000))}
+    lines = stage_lines(stages, b, total_what="reaction")
+    assert [ln.stage for ln in lines] == ["wire", "decode", "apply", "total"]
+    assert [ln.share for ln in lines] == [0.2, 0.5, 0.1, 0.8]
+    assert [ln.headroom_ns for ln in lines] == [8_000, 3_000, 2_000, 2_000]
+    assert lines[-1].what == "reaction" and lines[-1].statistic == "mean"
+    assert [r["stage"] for r in budget_rows(lines)] == ["wire", "decode", "apply", "total"]
+    over = stage_lines({"a": Figure("a", 7_000, "measured", "shm"), "b": Figure("b", 6_000, "measured", "shm")}, b,
+                       total_what="t")
+    assert over[1].headroom_ns == -3_000 and not over[-1].within
+
+
+def test_stage_lines_refuse_mixed_bases_and_no_stages():
+    b = BUDGETS["qec.reaction"]
+    with pytest.raises(ValueError, match="never mix"):
+        stage_lines({"wire": Figure("wire", 2_000, "modeled", "nvqlink"),
+                     "decode": Figure("decode", 5_000, "measured", "shm")}, b, total_what="t")
+    with pytest.raises(ValueError, match="at least one"):
+        stage_lines({}, b, total_what="t")
+    with pytest.raises(TypeError, match="Figure"):
+        stage_lines({"wire": 2_000}, b, total_what="t")
+
+
+def test_backlog_rate_budget_is_one_round_per_cycle():
+    b = BUDGETS["qec.backlog_rate"]
+    assert b.limit_ns == BUDGETS["qec.cycle"].limit_ns and 1e9 / b.limit_ns == pytest.approx(909_091, abs=1)
+    keeping_up = assess(figure_from_rate("rounds answered", per_s=1e6, basis="measured", transport="shm"), b)
+    falling_behind = assess(figure_from_rate("rounds answered", per_s=8e5, basis="measured", transport="shm"), b)
+    assert keeping_up.within and keeping_up.value_ns == pytest.approx(1_000)
+    assert not falling_behind.within and falling_behind.headroom_ns == pytest.approx(-150)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="per_s"):
+            figure_from_rate("r", per_s=bad, basis="measured", transport="shm")
