@@ -4,7 +4,9 @@
    shm, tcp and ucx, and the Llama-3-8B / 70B KV transfers of a 4k-token request over
    the same transports (:mod:`qlink.crossdomain`);
 2. the cross-domain budget table: every figure against its own budget, measured and
-   modeled apart — printed, written as CSV/JSON, and drawn (``cross_domain.png``);
+   modeled apart, then the measured per-stage shares (QEC reaction stages, KV transfer
+   stages) — printed, written as CSV/JSON (one file; the ``stage`` column marks the
+   stage rows), and drawn (``cross_domain.png``, without the stage rows);
 3. the real-time loop and disaggregated-serving scenarios (``scenarios/``) in their
    quick mode, when the scenarios folder is present, with their own plots.
 
@@ -24,6 +26,7 @@ __all__ = ["main_job"]
 
 _TABLE_COLUMNS = ["domain", "what", "transport", "basis", "stat", "value_us", "budget_us", "share_pct",
                   "headroom_us", "within"]
+_STAGE_COLUMNS = ["domain", "what", "transport", "stat", "value_us", "budget_us", "share_pct", "headroom_us"]
 
 
 def _scenario(name: str):
@@ -57,7 +60,11 @@ def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[
     write_results(res.kv, out_dir=out_dir, name="kv_transfer")
     png = plot_cross_domain(rows, out_dir / "cross_domain.png")
     print("\nCross-domain latency budgets — measured here vs modeled from the link catalog")
-    print(format_table(rows, columns=_TABLE_COLUMNS))
+    print(format_table([r for r in rows if not r["stage"]], columns=_TABLE_COLUMNS))
+    print("\nPer stage, measured only — share of the budget; headroom: what the budget has left after this "
+          "stage and those before it\n(QEC: means over shots, which a slow tail weighs on; the p50 rows above are "
+          "the typical shot)")
+    print(format_table([r for r in rows if r["stage"]], columns=_STAGE_COLUMNS))
     for n in res.notes:
         print(f"  note: {n}")
     say("step 3/3: scenarios (quick): real-time QEC loop, disaggregated KV serving"

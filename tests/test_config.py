@@ -122,4 +122,19 @@ def test_the_main_job_runs_end_to_end_on_a_small_config(tmp_path):
     assert {"qec", "ai"} <= domains, domains
     assert all(row["basis"] in ("measured", "modeled") for row in rows)
     assert any(row["basis"] == "measured" and row["transport"] == "shm" for row in rows)
+    measured = [row for row in rows if row["basis"] == "measured"]
+    assert {row["transport"] for row in measured} == {"shm"}
+    reaction = [x for x in measured if x["what"] == "QEC d=3 reaction time" and x["stat"] == "p50"]
+    decision = [x for x in measured if x["what"].startswith("QEC d=3 feed-forward decision") and x["stat"] == "p50"]
+    assert len(reaction) == len(decision) == 1
+    assert float(decision[0]["value_us"]) < float(reaction[0]["value_us"])  # the decoder's work left out
+    assert [x for x in measured if "time per round answered" in x["what"]]
+    assert len([x for x in measured if "one layer's KV transfer" in x["what"]]) == 2  # p50 and p99
+    stages = [x for x in rows if x["stage"]]
+    assert stages and all(x["basis"] == "measured" for x in stages)
+    assert {x["stage"] for x in stages} >= {"decode", "wire_in", "first layer", "total"}
+    for link in ("nvqlink", "nvlink4", "pcie5-x16", "ib-ndr"):
+        assert {x["domain"] for x in rows if x["basis"] == "modeled" and x["transport"] == link} == {"qec", "ai"}, link
+    assert not [x for x in rows if x["basis"] == "modeled" and "measured" in x["what"]]
+    assert "Per stage, measured only" in r.stdout
     assert json.loads((out / "run_summary.json").read_text())["seconds"] > 0
