@@ -6,6 +6,12 @@ control frame and are copied into the region; larger ones send a put-header, the
 bytes with their own tag, which the target receives straight into the region (UCX then
 copies, or reads them with CMA between local processes). A Notification is queued only
 once the bytes are in place, and notifications keep the order of their puts.
+
+``put_many`` checks every piece once (NumPy) and then issues one put per piece in a loop
+here, under one hold of the send lock: the target sees one Notification per piece
+(``put_many_gathers`` is False). A gathered put would need a vectored frame on the wire
+(and a bootstrap version that announces it) or UCX's iov datatype, which UCXX's Python
+API does not expose; the loop keeps the per-piece work inside the transport.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from qlink.errors import RegistrationError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _cuda
+from ._pieces import check_pieces
 from . import _ucx_device as dev
 from . import _ucx_wire as wire
 from ._base import MAX_TAG_BYTES, Backoff, Notification, deadline_of
@@ -100,10 +107,8 @@ class PutSide:
             with self._tx_lock:
                 self._send_ctrl(wire.OP_REVOKE, rid=region.region_id)
 
-    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
-            timeout_s: float | None = None) -> None:
-        """Write ``data`` into the peer's region at ``offset``; the peer gets a Notification."""
-        deadline = deadline_of(timeout_s)
+    def _check_put(self, remote, notify_id: int, tag) -> tuple[RemoteRegion, bytes]:
+        """Checks shared by put and put_many, before anything is sent."""
         self._check_sendable("the put")
         if not isinstance(remote, RemoteRegion):
             remote = RemoteRegion.from_bytes(remote)
@@ -112,18 +117,9 @@ class PutSide:
             raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
         if not 0 <= notify_id < 1 << 64:
             raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
-        device = type(data) is not bytes and _cuda.is_device(data)
-        if device:  # small puts ride inline (copied to host); larger ones leave from device memory
-            src = dev.device_view(self._box.tls, data)
-            if len(src) <= wire.INLINE_PUT_MAX:
-                src, device = dev.host_copy(src), False
-        else:
-            src = data if type(data) is bytes else as_byte_view(data)
-        n = len(src)
-        if offset < 0 or offset + n > remote.nbytes:
-            raise RegistrationError(
-                f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {remote.nbytes} bytes"
-            )
+        return remote, tag
+
+    def _check_target(self, remote: RemoteRegion) -> None:
         if remote.key != self._peer_token:
             raise RegistrationError(
                 f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
@@ -136,25 +132,70 @@ class PutSide:
                 self._rx_lock.release()
         if remote.region_id in self._revoked:
             raise RegistrationError(f"region {remote.region_id} was deregistered by the peer; the put was not done")
+
+    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
+            timeout_s: float | None = None) -> None:
+        """Write ``data`` into the peer's region at ``offset``; the peer gets a Notification."""
+        deadline = deadline_of(timeout_s)
+        remote, tag = self._check_put(remote, notify_id, tag)
+        device = type(data) is not bytes and _cuda.is_device(data)
+        if device:  # small puts ride inline (copied to host); larger ones leave from device memory
+            src = dev.device_view(self._box.tls, data)
+            if len(src) <= wire.INLINE_PUT_MAX:
+                src, device = dev.host_copy(src), False
+        else:
+            src = data if type(data) is bytes else as_byte_view(data)
+        n = len(src)
+        if offset < 0 or offset + n > remote.nbytes:
+            raise RegistrationError(
+                f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {remote.nbytes} bytes"
+            )
+        self._check_target(remote)
         with self._tx_lock:
-            if n <= wire.INLINE_PUT_MAX:
-                if self._tx_pending:
-                    self._room(n, deadline, False, "the put", timeout_s)
-                self._send_ctrl(wire.OP_PUT_INLINE, rid=remote.region_id, offset=offset, nbytes=n,
-                                notify_id=notify_id, tag=tag, inline=src)
-            else:
-                zero_copy = device or (self._zero_copy_min is not None and n >= self._zero_copy_min)
-                self._room(0 if zero_copy else n, deadline, False, "the put", timeout_s)
-                self._put_seq = (self._put_seq + 1) & 0xFFFFFFFF
-                seq = self._put_seq
-                self._send_ctrl(wire.OP_PUT_HEADER, rid=remote.region_id, offset=offset, nbytes=n,
-                                notify_id=notify_id, seq=seq, tag=tag)
-                if zero_copy:
-                    self._zero_copy(src, n, self._tx_data | seq, deadline, "zero-copy put", timeout_s)
-                else:
-                    self._post(src, n, self._tx_data | seq)
+            self._issue_put(src, n, remote.region_id, offset, notify_id, tag, device, deadline, timeout_s)
         self._counters.puts += 1
         self._counters.put_bytes += n
+
+    def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
+                 tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
+        """Write pieces of ``data`` into the peer's region, one put per piece (see the module
+        docstring); return the number of Notifications the target will see (one per piece).
+        Every piece is checked before any is sent. ``defer`` changes nothing here."""
+        if type(data) is not bytes and _cuda.is_device(data):  # device sources: the generic per-piece puts
+            return super().put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
+                                    timeout_s=timeout_s, defer=defer)
+        deadline = deadline_of(timeout_s)
+        remote, tag = self._check_put(remote, notify_id, tag)
+        src = as_byte_view(data)
+        so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=len(src), region_nbytes=remote.nbytes,
+                                  region_id=remote.region_id)
+        self._check_target(remote)
+        rid = remote.region_id
+        with self._tx_lock:
+            for s, d, k in zip(so.tolist(), do.tolist(), ln.tolist()):
+                self._issue_put(src[s:s + k], k, rid, d, notify_id, tag, False, deadline, timeout_s)
+        self._counters.puts += int(ln.size)
+        self._counters.put_bytes += int(ln.sum())
+        return int(ln.size)
+
+    def _issue_put(self, src, n: int, rid: int, offset: int, notify_id: int, tag: bytes, device: bool,
+                   deadline, timeout_s) -> None:
+        """Send one put's control frame (and its bytes); the caller holds _tx_lock."""
+        if n <= wire.INLINE_PUT_MAX:
+            if self._tx_pending:
+                self._room(n, deadline, False, "the put", timeout_s)
+            self._send_ctrl(wire.OP_PUT_INLINE, rid=rid, offset=offset, nbytes=n, notify_id=notify_id, tag=tag,
+                            inline=src)
+            return
+        zero_copy = device or (self._zero_copy_min is not None and n >= self._zero_copy_min)
+        self._room(0 if zero_copy else n, deadline, False, "the put", timeout_s)
+        self._put_seq = (self._put_seq + 1) & 0xFFFFFFFF
+        seq = self._put_seq
+        self._send_ctrl(wire.OP_PUT_HEADER, rid=rid, offset=offset, nbytes=n, notify_id=notify_id, seq=seq, tag=tag)
+        if zero_copy:
+            self._zero_copy(src, n, self._tx_data | seq, deadline, "zero-copy put", timeout_s)
+        else:
+            self._post(src, n, self._tx_data | seq)
 
     def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
         """Wait for the next put completion targeted at this side (progressing puts meanwhile)."""

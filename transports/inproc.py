@@ -9,7 +9,9 @@ the controller and the decoder in one process (one thread each).
   ``recv_into`` copies the message into the receiver's buffer once.
 * ``put`` copies straight into the target's registered array (one memcpy, done by
   the initiator, no work on the target side) and then queues the notification, so
-  a notification is never seen before its bytes.
+  a notification is never seen before its bytes. ``put_many`` copies every piece the
+  same way (NumPy, one call for all pieces where it can: see :mod:`transports._pieces`)
+  and queues ONE notification after the last (``put_many_gathers``).
 * A sender thread and a receiver thread may use one endpoint at the same time.
 
 >>> import numpy as np
@@ -36,10 +38,13 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from qlink.errors import BrokenLinkError, RegistrationError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from ._accept import AcceptQueue
+from ._pieces import check_pieces, copy_pieces, span
 from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, deadline_of
 
 __all__ = ["CAPABILITIES", "listen", "connect", "InprocEndpoint", "InprocListener"]
@@ -201,11 +206,9 @@ class InprocEndpoint(Endpoint):
         with self._regions_lock:
             self._regions.pop(region.region_id, None)
 
-    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
-            timeout_s: float | None = None) -> None:
-        """Copy ``data`` into the peer's registered region, then queue its Notification."""
+    def _check_put(self, remote, notify_id: int, tag) -> tuple[RemoteRegion, bytes]:
+        """Checks shared by put and put_many (nothing written yet)."""
         self._check_open()
-        deadline_of(timeout_s)
         if not isinstance(remote, RemoteRegion):
             remote = RemoteRegion.from_bytes(remote)
         tag = bytes(tag)
@@ -213,12 +216,11 @@ class InprocEndpoint(Endpoint):
             raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
         if not 0 <= notify_id < 1 << 64:
             raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
-        src = as_byte_view(data)
-        n = len(src)
-        if offset < 0 or offset + n > remote.nbytes:
-            raise RegistrationError(
-                f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {remote.nbytes} bytes"
-            )
+        return remote, tag
+
+    def _write_peer(self, remote: RemoteRegion, lo: int, hi: int, write) -> None:
+        """Call ``write(region view)`` under the peer's region lock once ``[lo, hi)`` of the
+        peer's region is known to be valid."""
         peer = self._peer
         if peer is None or peer._closed:
             self._counters.errors += 1
@@ -232,18 +234,67 @@ class InprocEndpoint(Endpoint):
             region = peer._regions.get(remote.region_id)
             if region is None:
                 raise RegistrationError(f"region {remote.region_id} is not registered at the peer (deregistered?)")
-            if offset + n > region.nbytes:
+            if hi > region.nbytes:
                 raise RegistrationError(
-                    f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {region.nbytes} bytes"
-                )
-            if n:
-                region.view[offset:offset + n] = src
+                    f"put of {hi - lo} bytes at offset {lo} falls outside region {remote.region_id} of "
+                    f"{region.nbytes} bytes")
+            write(region.view)
+
+    def _notify(self, remote: RemoteRegion, offset: int, nbytes: int, notify_id: int, tag: bytes) -> None:
         d = self._out
         with d.cond:
-            d.notes.append(Notification(region_id=remote.region_id, offset=offset, nbytes=n, notify_id=notify_id, tag=tag))
+            d.notes.append(Notification(region_id=remote.region_id, offset=offset, nbytes=nbytes, notify_id=notify_id,
+                                        tag=tag))
             d.cond.notify_all()
+
+    def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
+            timeout_s: float | None = None) -> None:
+        """Copy ``data`` into the peer's registered region, then queue its Notification."""
+        deadline_of(timeout_s)
+        remote, tag = self._check_put(remote, notify_id, tag)
+        src = as_byte_view(data)
+        n = len(src)
+        if offset < 0 or offset + n > remote.nbytes:
+            raise RegistrationError(
+                f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {remote.nbytes} bytes"
+            )
+
+        def write(view) -> None:
+            if n:
+                view[offset:offset + n] = src
+
+        self._write_peer(remote, offset, offset + n, write)
+        self._notify(remote, offset, n, notify_id, tag)
         self._counters.puts += 1
         self._counters.put_bytes += n
+
+    put_many_gathers = True  # one Notification per put_many, after every piece
+
+    def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
+                 tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
+        """Copy pieces of ``data`` into the peer's region, then queue ONE Notification whose
+        ``offset``/``nbytes`` span every piece; return 1 (see :meth:`transports.Endpoint.put_many`).
+
+        Every piece is checked before any is written; the copies are NumPy calls (one for
+        all pieces where they share a row size, see :mod:`transports._pieces`). ``defer``
+        changes nothing here: the copy is done when the call returns.
+        """
+        deadline_of(timeout_s)
+        remote, tag = self._check_put(remote, notify_id, tag)
+        src = as_byte_view(data)
+        so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=len(src), region_nbytes=remote.nbytes,
+                                  region_id=remote.region_id)
+        lo, hi = span(do, ln)
+        src_u8 = np.frombuffer(src, dtype=np.uint8)
+
+        def write(view) -> None:
+            copy_pieces(np.frombuffer(view, dtype=np.uint8), src_u8, so, do, ln)
+
+        self._write_peer(remote, lo, hi, write)
+        self._notify(remote, lo, hi - lo, notify_id, tag)
+        self._counters.puts += int(ln.size)
+        self._counters.put_bytes += int(ln.sum())
+        return 1
 
     def _pop_note(self, q) -> Notification:
         note = q.popleft()

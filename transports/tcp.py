@@ -23,10 +23,27 @@ Messages and notifications that arrive interleaved each go to their own queue.
   the socket, after the messages it sent before have been received.
 * One thread may send (``send``/``put``) while another receives
   (``recv_into``/``wait_notification``) on the same endpoint.
+* ``put_many`` (vectored put) sends ONE frame for all its pieces: a PUTV frame (kind 5;
+  the header's ``offset`` field holds the number of pieces) whose payload is a table of
+  ``u64 dst_offset, u64 nbytes`` per piece followed by the pieces themselves, handed to
+  ``socket.sendmsg`` as a list of views of the caller's buffer (scatter-gather, no
+  copy). The target reads the payload into one staging buffer and scatters it into
+  the region with NumPy (one call where the pieces share a row size, e.g. KV blocks;
+  see :mod:`transports._pieces`), then queues ONE Notification spanning every piece
+  (``put_many_gathers``). A put_many beyond the 1 GiB frame limit goes as several PUTV
+  frames in a row, all but the last flagged MORE (header ``flags`` bit 0); the
+  notification comes after the last.
+* Protocol version 2 is version 1 plus the PUTV frame. A client opens with the
+  version-1 hello and hello flag bit 0 ("I take PUTV"), so a version-1 listener still
+  accepts it; a version-2 listener answers with version 2 when the client set that
+  flag. Each side sends PUTV frames only when the other said it takes them (the client:
+  a version-2 reply; the listener: the hello flag), else ``put_many`` is one PUT frame
+  per piece, which a version-1 peer reads as before.
 * ``statistics().extra`` counts ``staged_messages`` (messages that had to be parked
   in an internal buffer: they arrived while the caller waited for a notification,
-  or a receive left mid-message) and ``puts_rejected`` (puts into a region the
-  target no longer has, counted and dropped).
+  or a receive left mid-message), ``puts_rejected`` (puts into a region the
+  target no longer has, counted and dropped) and ``gathered_puts`` (put_many calls
+  sent as PUTV frames).
 
 >>> from transports import tcp
 >>> with tcp.listen("tcp://127.0.0.1:0") as lis:
@@ -52,11 +69,14 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, RegistrationError, WireError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _framing as fr
 from ._accept import AcceptQueue
+from ._pieces import check_pieces, copy_pieces, span
 from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics, deadline_of
 
 __all__ = ["CAPABILITIES", "listen", "connect", "TcpEndpoint", "TcpListener"]
@@ -81,6 +101,19 @@ _pack_header = fr.HEADER.pack_into
 _unpack_header = fr.HEADER.unpack_from
 _NOTHING = -1  # _pump: no more bytes for now
 _NOTE = -2  # _pump: a notification was queued
+
+# protocol version 2: the vectored put frame (see the module docstring)
+_KIND_PUTV = 5
+_PUTV_MORE = 1  # header flags of a PUTV frame: more frames of the same put_many follow
+_HELLO_PUTV = 1  # hello flags: this client takes PUTV frames
+_PUTV_VERSION = 2
+_PIECE_NBYTES = 16  # u64 dst_offset, u64 nbytes per piece in a PUTV table
+_MAX_PIECE_NBYTES = fr.MAX_FRAME_PAYLOAD - _PIECE_NBYTES
+_MAX_STAGE_KEEP = 256 << 20  # a PUTV staging buffer up to this size is kept for the next frame
+try:
+    _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (ValueError, OSError, AttributeError):
+    _IOV_MAX = 1024
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
@@ -127,8 +160,11 @@ class TcpEndpoint(Endpoint):
     capabilities = CAPABILITIES
 
     def __init__(self, sock: socket.socket, *, url: str, local_key: int, peer_key: int,
-                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
+                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S, peer_takes_putv: bool = False) -> None:
         super().__init__()
+        #: put_many sends one PUTV frame and the target sees one Notification (the peer takes
+        #: PUTV frames, protocol version 2); else one PUT frame and one Notification per piece
+        self.put_many_gathers = bool(peer_takes_putv)
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -149,6 +185,10 @@ class TcpEndpoint(Endpoint):
         self._cur_dst: memoryview | None = None
         self._cur_got = 0
         self._cur_direct = False  # _cur_dst is the caller's buffer (must be detached if we leave early)
+        self._cur_flags = 0  # header flags of the frame in progress (PUTV: MORE)
+        self._stage: np.ndarray | None = None  # PUTV payloads land here, then scatter into the region
+        self._vspan: list | None = None  # [lo, hi, accepted] over the PUTV frames of one put_many so far
+        self._gathered = 0
         self._msgq: deque = deque()
         self._noteq: deque = deque()
         self._dead: tuple[str, BaseException | None] | None = None
@@ -250,10 +290,13 @@ class TcpEndpoint(Endpoint):
                     if not self._fill():
                         return _NOTHING
                     continue
-                kind, _flags, tag_n, rid, n, off, nid = _unpack_header(rmv, self._rpos)
+                kind, flags, tag_n, rid, n, off, nid = _unpack_header(rmv, self._rpos)
                 if kind != fr.KIND_MSG or tag_n or n > fr.MAX_FRAME_PAYLOAD:
                     try:
-                        kind, tag_n, rid, n, off, nid = fr.parse_header(rmv, self._rpos)
+                        if kind == _KIND_PUTV:
+                            _check_putv_header(flags, tag_n, n, off)
+                        else:
+                            kind, tag_n, rid, n, off, nid = fr.parse_header(rmv, self._rpos)
                     except WireError as e:
                         self._bad_frame(e)
                         return _NOTHING
@@ -272,7 +315,13 @@ class TcpEndpoint(Endpoint):
                 cur = self._cur = (kind, rid, n, off, nid, tag)
                 self._cur_got = 0
                 self._cur_direct = False
-                self._cur_dst = self._put_target(rid, off, n) if kind == fr.KIND_PUT else None
+                self._cur_flags = flags
+                if kind == fr.KIND_PUT:
+                    self._cur_dst = self._put_target(rid, off, n)
+                elif kind == _KIND_PUTV:
+                    self._cur_dst = self._staging(n)
+                else:
+                    self._cur_dst = None
             kind, rid, n, off, nid, tag = cur
             dst = self._cur_dst
             if kind == fr.KIND_MSG and out is not None and not self._msgq and n > len(out):
@@ -325,9 +374,59 @@ class TcpEndpoint(Endpoint):
                 self._msgq.append(dst)
                 if out is not None:
                     return self._deliver_queued(out)
+            elif kind == _KIND_PUTV:
+                note = self._land_putv(rid, n, off, nid, tag, dst)
+                if note is not None:
+                    self._noteq.append(note)
+                    return _NOTE
+                if self._dead is not None:
+                    return _NOTHING
             elif dst is not None:  # an accepted put: its bytes are in place, now announce it
                 self._noteq.append(Notification(region_id=rid, offset=off, nbytes=n, notify_id=nid, tag=tag))
                 return _NOTE
+
+    def _staging(self, nbytes: int) -> memoryview:
+        st = self._stage
+        if st is None or st.size < nbytes:
+            st = np.empty(nbytes, dtype=np.uint8)
+            if nbytes <= _MAX_STAGE_KEEP:
+                self._stage = st
+        return memoryview(st)[:nbytes]
+
+    def _land_putv(self, rid: int, n: int, count: int, nid: int, tag: bytes, staged: memoryview):
+        """A whole PUTV frame is in ``staged``: check its table, scatter its pieces into the
+        region; the Notification when this was the last frame of its put_many, else None."""
+        tab_n = count * _PIECE_NBYTES
+        table = np.frombuffer(staged, dtype="<u8", count=2 * count).reshape(count, 2)
+        do, ln = table[:, 0], table[:, 1]
+        if (ln > fr.MAX_FRAME_PAYLOAD).any() or int(ln.sum()) != n - tab_n:
+            self._bad_frame(WireError(f"PUTV frame of {n} bytes: its {count} pieces add up to {int(ln.sum())} "
+                                      f"bytes, not the {n - tab_n} after the table"))
+            self._vspan = None
+            return None
+        entry = self._regions.get(rid)
+        limit = 0 if entry is None else entry[0].nbytes
+        ok = entry is not None and not ((do > limit) | (ln > limit - np.minimum(do, limit))).any()
+        if ok:
+            do, ln = do.astype(np.int64), ln.astype(np.int64)
+            so = np.cumsum(ln) - ln + tab_n
+            copy_pieces(np.frombuffer(entry[1], dtype=np.uint8), np.frombuffer(staged, dtype=np.uint8), so, do, ln)
+            lo, hi = span(do, ln)
+        else:
+            self._puts_rejected += 1  # deregistered while the put was in flight, or a bad peer
+            self._counters.errors += 1
+            lo, hi = 0, 0
+        sp = self._vspan
+        if sp is None:
+            sp = self._vspan = [lo, hi, ok]
+        else:
+            sp[0], sp[1], sp[2] = min(sp[0], lo), max(sp[1], hi), sp[2] and ok
+        if self._cur_flags & _PUTV_MORE:
+            return None
+        self._vspan = None
+        if not sp[2]:
+            return None  # some piece was refused: the put_many is never announced
+        return Notification(region_id=rid, offset=sp[0], nbytes=sp[1] - sp[0], notify_id=nid, tag=tag)
 
     def _deliver_queued(self, out: memoryview) -> int:
         msg = self._msgq[0]
@@ -584,6 +683,43 @@ class TcpEndpoint(Endpoint):
         # reuse its buffer) and write it before anything else; any later call on this endpoint flushes it.
         self._pending = memoryview(b"".join(bytes(p) for p in self._rest(parts, sent)))
 
+    def _send_parts(self, parts: list, total: int, *, deadline: float | None, timeout_s, what: str) -> None:
+        """Write one frame given as a list of buffers (sendmsg, at most IOV_MAX at a time);
+        the caller holds _slock. As in _send_frame, a frame cut short by the timeout after
+        its first byte left is committed: the rest is kept (copied) in _pending."""
+        if self._pending is not None:
+            self._flush_pending(deadline, timeout_s, False, what)
+        self._check_peer(what)
+        i, sent = 0, 0
+        while True:
+            batch = parts[i:i + _IOV_MAX]
+            k = self._write(batch)
+            if k < 0:
+                self._raise_broken(what)
+            sent += k
+            if sent >= total:
+                return
+            j = i
+            while k:  # step over what was written: whole parts, then into a part
+                p = parts[j]
+                if k >= len(p):
+                    k -= len(p)
+                    j += 1
+                else:
+                    parts[j] = p[k:]
+                    k = 0
+            whole_batch = j >= i + len(batch)
+            i = j
+            if whole_batch:
+                continue
+            try:
+                self._wait_writable(deadline, what, timeout_s)
+            except QlinkTimeoutError:
+                if sent == 0:
+                    raise
+                break
+        self._pending = memoryview(b"".join(bytes(p) for p in parts[i:]))
+
     # ----- one-sided -----------------------------------------------------------
     def register(self, array) -> Region:
         """Register a writable host buffer as a put target (any C-contiguous buffer; ``alloc()`` works too)."""
@@ -634,6 +770,65 @@ class TcpEndpoint(Endpoint):
         self._counters.puts += 1
         self._counters.put_bytes += n
 
+    def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
+                 tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
+        """Write pieces of ``data`` into the peer's region: one PUTV frame for all of them
+        and ONE Notification spanning them, returning 1 (see the module docstring and
+        :meth:`transports.Endpoint.put_many`). Every piece is checked before anything is
+        sent. A peer that speaks protocol version 1 gets one PUT per piece instead (and
+        one Notification per piece; ``put_many_gathers`` is False then). ``defer`` changes
+        nothing: the call returns once the bytes are handed to the socket (or kept).
+        """
+        if not self.put_many_gathers:
+            return super().put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
+                                    timeout_s=timeout_s, defer=defer)
+        self._check_open()
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        tag = bytes(tag)
+        if len(tag) > MAX_TAG_BYTES:
+            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+        if not 0 <= notify_id < 1 << 64:
+            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        src = _byte_view(data)
+        so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=len(src), region_nbytes=remote.nbytes,
+                                  region_id=remote.region_id)
+        if int(ln.max()) > _MAX_PIECE_NBYTES:
+            raise ValueError(f"put_many piece of {int(ln.max())} bytes exceeds the tcp frame limit of "
+                             f"{_MAX_PIECE_NBYTES} bytes per piece; split it")
+        if remote.key != self._peer_key:
+            raise RegistrationError(f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
+                                    "register on the peer and pass its descriptor")
+        if remote.region_id in self._withdrawn:
+            raise RegistrationError(f"the peer deregistered region {remote.region_id}; ask it for a current descriptor")
+        deadline = deadline_of(timeout_s)
+        groups = _frame_groups(ln)
+        with self._slock:
+            for g, (a, b) in enumerate(groups):
+                last = g == len(groups) - 1
+                self._send_putv(src, remote.region_id, so[a:b], do[a:b], ln[a:b], notify_id=notify_id,
+                                tag=tag if last else b"", flags=0 if last else _PUTV_MORE, deadline=deadline,
+                                timeout_s=timeout_s)
+        self._gathered += 1
+        self._counters.puts += int(ln.size)
+        self._counters.put_bytes += int(ln.sum())
+        return 1
+
+    def _send_putv(self, src: memoryview, region_id: int, so, do, ln, *, notify_id: int, tag: bytes, flags: int,
+                   deadline: float | None, timeout_s) -> None:
+        """One PUTV frame: header and tag, the piece table, then the pieces as views of ``src``."""
+        count = int(ln.size)
+        table = np.empty((count, 2), dtype="<u8")
+        table[:, 0], table[:, 1] = do, ln
+        payload = count * _PIECE_NBYTES + int(ln.sum())
+        hsize = fr.HEADER.size + len(tag)
+        _pack_header(self._sbuf, 0, _KIND_PUTV, flags, len(tag), region_id, payload, count, notify_id)
+        if tag:
+            self._sbuf[fr.HEADER.size:hsize] = tag
+        parts = [self._smv[:hsize], memoryview(table.reshape(-1).view(np.uint8))]
+        parts += [src[s:s + k] for s, k in zip(so.tolist(), ln.tolist()) if k]
+        self._send_parts(parts, hsize + payload, deadline=deadline, timeout_s=timeout_s, what="put_many")
+
     def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
         self._check_open()
         return self._receive(self._note_once, "wait_notification", timeout_s)
@@ -658,6 +853,7 @@ class TcpEndpoint(Endpoint):
         return dataclasses.replace(super().statistics(), extra={
             "staged_messages": self._staged,
             "puts_rejected": self._puts_rejected,
+            "gathered_puts": self._gathered,
         })
 
     def close(self) -> None:
@@ -701,6 +897,31 @@ class TcpEndpoint(Endpoint):
             if got_r:
                 self._rlock.release()
         self._regions.clear()
+
+
+def _check_putv_header(flags: int, tag_nbytes: int, nbytes: int, count: int) -> None:
+    """Validate the header of a PUTV frame (``count``: the pieces in its table)."""
+    if flags & ~_PUTV_MORE:
+        raise WireError(f"PUTV frame carries unknown flags 0x{flags:02x}")
+    if nbytes > fr.MAX_FRAME_PAYLOAD:
+        raise WireError(f"PUTV frame announces {nbytes} payload bytes, more than the {fr.MAX_FRAME_PAYLOAD} allowed")
+    if tag_nbytes > MAX_TAG_BYTES:
+        raise WireError(f"PUTV frame announces a {tag_nbytes}-byte tag, more than MAX_TAG_BYTES={MAX_TAG_BYTES}")
+    if count < 1 or count * _PIECE_NBYTES > nbytes:
+        raise WireError(f"PUTV frame announces {count} pieces but only {nbytes} payload bytes (16 per table entry)")
+
+
+def _frame_groups(ln: np.ndarray) -> list[tuple[int, int]]:
+    """Split the pieces of a put_many into runs whose table and bytes fit one frame."""
+    cum = np.cumsum(ln + _PIECE_NBYTES)
+    if int(cum[-1]) <= fr.MAX_FRAME_PAYLOAD:
+        return [(0, int(ln.size))]
+    out, start, base = [], 0, 0
+    while start < ln.size:
+        stop = max(start + 1, int(np.searchsorted(cum, base + fr.MAX_FRAME_PAYLOAD, side="right")))
+        out.append((start, stop))
+        base, start = int(cum[stop - 1]), stop
+    return out
 
 
 def _byte_view(obj) -> memoryview:
@@ -819,9 +1040,11 @@ class TcpListener(Listener):
             _refuse(conn, status, reason)
             return
         local_key = _random_key()
+        takes_putv = bool(fr.HELLO.unpack_from(buf, 0)[2] & _HELLO_PUTV)
         try:
-            conn.send(fr.pack_reply(fr.STATUS_OK, local_key), _SEND_FLAGS)
-            ep = TcpEndpoint(conn, url=self.url, local_key=local_key, peer_key=peer_key, busy_poll_s=self._busy_poll_s)
+            conn.send(_accept_reply(local_key, putv=takes_putv), _SEND_FLAGS)
+            ep = TcpEndpoint(conn, url=self.url, local_key=local_key, peer_key=peer_key, busy_poll_s=self._busy_poll_s,
+                             peer_takes_putv=takes_putv)
         except OSError:
             self.refused_handshakes += 1
             conn.close()
@@ -849,6 +1072,12 @@ class TcpListener(Listener):
         self._wake_w.close()
         for ep in ready:
             ep.close()
+
+
+def _accept_reply(region_key: int, *, putv: bool) -> bytes:
+    """The listener's acceptance: version 2 when the client said it takes PUTV frames
+    (version 1 clients do not look at the reply's version)."""
+    return fr.REPLY.pack(fr.MAGIC, _PUTV_VERSION if putv else fr.PROTOCOL_VERSION, fr.STATUS_OK, region_key, 0)
 
 
 def _refuse(conn: socket.socket, status: int, reason: str) -> None:
@@ -920,13 +1149,14 @@ def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = _D
     try:
         local_key = _random_key()
         sock.settimeout(left())
-        sock.sendall(fr.pack_hello(local_key))
+        sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _HELLO_PUTV, local_key))  # v1 hello + "takes PUTV"
         head = _recv_exact(sock, fr.REPLY.size, left, where)
-        _version, status, peer_key, reason_n = fr.parse_reply(head)
+        version, status, peer_key, reason_n = fr.parse_reply(head)
         reason = _recv_exact(sock, reason_n, left, where).decode("utf-8", "replace") if reason_n else ""
         if status != fr.STATUS_OK:
             raise WireError(reason or f"the tcp listener at {where} refused the handshake (status {status})")
-        return TcpEndpoint(sock, url=where, local_key=local_key, peer_key=peer_key, busy_poll_s=busy_poll_s)
+        return TcpEndpoint(sock, url=where, local_key=local_key, peer_key=peer_key, busy_poll_s=busy_poll_s,
+                           peer_takes_putv=version >= _PUTV_VERSION)
     except TimeoutError as e:
         sock.close()
         raise QlinkTimeoutError(f"tcp: handshake with {where} did not complete within timeout_s={timeout_s}") from e

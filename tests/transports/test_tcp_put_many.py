@@ -1,0 +1,213 @@
+"""tcp's vectored put: one PUTV frame and one Notification per ``put_many`` between two
+version-2 ends, bit-exact however the pieces lie; one PUT frame per piece, readable by the
+version-1 parser, towards a peer that speaks version 1 (both ends of the handshake
+checked); malformed PUTV frames break the link, a withdrawn region is never announced."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from qlink.errors import BrokenLinkError, QlinkTimeoutError
+from qlink.memory import RemoteRegion
+from transports import _framing as fr
+from transports import tcp
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    out = bytearray()
+    while len(out) < nbytes:
+        chunk = sock.recv(nbytes - len(out))
+        if not chunk:
+            raise EOFError(f"socket closed after {len(out)} of {nbytes} bytes")
+        out += chunk
+    return bytes(out)
+
+
+@pytest.fixture
+def pair():
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        client = tcp.connect(lis.url, timeout_s=5)
+        server = lis.accept(timeout_s=5)
+        with client, server:
+            yield client, server
+
+
+def _expected(region_nbytes, src, so, do, ln):
+    want = np.zeros(region_nbytes, np.uint8)
+    for s, d, n in zip(so, do, ln):
+        want[d:d + n] = src[s:s + n]
+    return want
+
+
+@pytest.mark.parametrize("unit, count", [(4096, 37), (1, 5), (24, 3000)])  # rows for NumPy, odd sizes, > IOV_MAX
+def test_put_many_is_one_frame_and_one_notification_bit_exact(pair, unit, count):
+    client, server = pair
+    assert client.put_many_gathers and server.put_many_gathers  # both ends speak version 2
+    rng = np.random.default_rng(unit)
+    slots = count * 2
+    target = np.zeros(slots * unit, np.uint8)
+    region = server.register(target)
+    src = rng.integers(0, 256, slots * unit, dtype=np.uint8)
+    so = rng.permutation(slots)[:count] * unit
+    do = rng.permutation(slots)[:count] * unit
+    ln = np.full(count, unit)
+    ln[::3] = unit if unit == 1 else unit // 2  # pieces of two sizes
+    assert client.put_many(src, region.descriptor(), so, do, ln, notify_id=77, tag=b"layer-3", timeout_s=10) == 1
+    note = server.wait_notification(timeout_s=10)
+    lo, hi = int(do.min()), int((do + ln).max())
+    assert (note.region_id, note.offset, note.nbytes, note.notify_id, note.tag) == \
+        (region.region_id, lo, hi - lo, 77, b"layer-3")
+    assert (target == _expected(target.size, src, so, do, ln)).all()
+    with pytest.raises(QlinkTimeoutError):
+        server.wait_notification(timeout_s=0.05)  # one notification, not one per piece
+    assert client.statistics().extra["gathered_puts"] == 1
+    assert client.statistics().puts == count and server.statistics().notifications == 1
+
+
+def test_a_large_put_many_while_the_target_is_not_reading_and_in_the_other_direction(pair):
+    """Bigger than the socket buffers: the sender writes in pieces and waits for room
+    while the target receives in another thread; then the same from the listener's side."""
+    client, server = pair
+    nbytes = 24 << 20
+    block = 64 << 10
+    src = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8)
+    for a, b in ((client, server), (server, client)):
+        target = np.zeros(nbytes, np.uint8)
+        region = b.register(target)
+        rows = nbytes // block
+        so = np.random.default_rng(3).permutation(rows) * block
+        do = np.arange(rows) * block
+        got = []
+        t = threading.Thread(target=lambda: got.append(b.wait_notification(timeout_s=30)))
+        t.start()
+        assert a.put_many(src, region.descriptor(), so, do, np.full(rows, block), notify_id=5, timeout_s=30) == 1
+        t.join(30)
+        assert got and (got[0].offset, got[0].nbytes) == (0, nbytes)
+        assert (target.reshape(rows, block) == src.reshape(rows, block)[so // block]).all()
+        b.deregister(region)
+
+
+def test_a_put_many_past_the_frame_limit_goes_as_several_frames_one_notification(pair, monkeypatch):
+    client, server = pair
+    monkeypatch.setattr(fr, "MAX_FRAME_PAYLOAD", 4096)  # both ends of this process see the smaller limit
+    target = np.zeros(1 << 16, np.uint8)
+    region = server.register(target)
+    src = np.arange(1 << 15, dtype=np.uint32).view(np.uint8)[: 1 << 15]
+    so, do, ln = np.arange(20) * 1500, np.arange(20) * 3000 + 7, np.full(20, 1500)
+    assert tcp._frame_groups(ln)[:2] == [(0, 2), (2, 4)]  # two pieces and their table entries per frame
+    client.put_many(src, region.descriptor(), so, do, ln, notify_id=9, tag=b"t", timeout_s=10)
+    note = server.wait_notification(timeout_s=10)
+    assert (note.offset, note.nbytes, note.tag) == (7, 19 * 3000 + 1500, b"t")
+    assert (target == _expected(target.size, src, so, do, ln)).all()
+    with pytest.raises(QlinkTimeoutError):
+        server.wait_notification(timeout_s=0.05)
+
+
+def test_a_region_withdrawn_in_flight_is_never_announced(pair):
+    client, server = pair
+    target = np.zeros(4096, np.uint8)
+    region = server.register(target)
+    desc = region.descriptor()
+    server.deregister(region)  # the DEREG frame is on its way; the client has not read it yet
+    client.put_many(b"x" * 64, desc, [0, 32], [0, 100], [32, 32], notify_id=1, timeout_s=5)
+    with pytest.raises(QlinkTimeoutError):
+        server.wait_notification(timeout_s=0.2)
+    assert server.statistics().extra["puts_rejected"] == 1 and not target.any()
+    other = server.register(np.zeros(64, np.uint8))
+    client.put_many(b"abcd", other.descriptor(), [0, 2], [60, 0], [2, 2], timeout_s=5)  # the link still works
+    assert server.wait_notification(timeout_s=5).nbytes == 62
+
+
+def test_a_malformed_putv_frame_breaks_the_link(pair):
+    """Pieces that do not add up to the payload put the stream out of step: BrokenLinkError."""
+    client, server = pair
+    target = np.zeros(64, np.uint8)
+    region = server.register(target)
+    head = bytearray(fr.HEADER.size)
+    fr.HEADER.pack_into(head, 0, tcp._KIND_PUTV, 0, 0, region.region_id, 16 + 4, 1, 0)
+    client._sock.sendall(bytes(head) + struct.pack("<QQ", 0, 8) + b"abcd")  # a table of 8 B, 4 B follow
+    with pytest.raises(BrokenLinkError, match="add up"):
+        server.wait_notification(timeout_s=5)
+    assert not target.any()
+
+
+# ----- version 1 peers ----------------------------------------------------------------------
+
+
+def _parse_frames(data: bytes) -> list[tuple]:
+    """Frames as the version-1 parser reads them: (kind, region_id, offset, notify_id, tag, payload)."""
+    out, pos = [], 0
+    while pos < len(data):
+        kind, tag_n, rid, n, off, nid = fr.parse_header(data, pos)
+        pos += fr.HEADER.size
+        tag, payload = data[pos:pos + tag_n], data[pos + tag_n:pos + tag_n + n]
+        pos += tag_n + n
+        out.append((kind, rid, off, nid, tag, payload))
+    return out
+
+
+def test_a_new_client_speaks_version_1_to_a_version_1_listener():
+    """The client's hello is a version-1 hello (a v1 listener accepts it) with the PUTV flag;
+    a v1 listener answers version 1, so put_many goes as one PUT frame per piece."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    seen = {}
+
+    def old_listener():
+        conn, _ = srv.accept()
+        with conn:
+            hello = _recv_exact(conn, fr.HELLO.size)
+            seen["hello"] = fr.HELLO.unpack(hello)
+            seen["check"] = fr.check_hello(hello)[0]
+            conn.sendall(fr.pack_reply(fr.STATUS_OK, 4242))  # what a version-1 listener sends
+            seen["frames"] = _recv_exact(conn, 3 * fr.HEADER.size + 2 + 3 + 5 + 3 * 2)
+
+    t = threading.Thread(target=old_listener, daemon=True)
+    t.start()
+    with srv:
+        client = tcp.connect(f"tcp://127.0.0.1:{srv.getsockname()[1]}", timeout_s=5)
+        with client:
+            assert not client.put_many_gathers
+            remote = RemoteRegion(region_id=3, nbytes=100, key=(4242).to_bytes(8, "little"))
+            assert client.put_many(b"0123456789", remote, [0, 2, 5], [90, 0, 40], [2, 3, 5], notify_id=6,
+                                   tag=b"kv", timeout_s=5) == 3
+            t.join(5)
+    magic, version, flags, _key = seen["hello"]
+    assert (magic, version, flags & tcp._HELLO_PUTV, seen["check"]) == (fr.MAGIC, 1, 1, fr.STATUS_OK)
+    frames = _parse_frames(seen["frames"])
+    assert [(f[0], f[1], f[2], f[3], f[4], f[5]) for f in frames] == [
+        (fr.KIND_PUT, 3, 90, 6, b"kv", b"01"), (fr.KIND_PUT, 3, 0, 6, b"kv", b"234"),
+        (fr.KIND_PUT, 3, 40, 6, b"kv", b"56789")]
+
+
+def test_a_version_1_client_gets_version_1_and_put_frames_from_the_listener():
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        host, port = lis.url.removeprefix("tcp://").rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        with sock:
+            sock.sendall(fr.pack_hello(777))  # a version-1 client: no flags
+            version, status, _key, reason_n = fr.parse_reply(_recv_exact(sock, fr.REPLY.size))
+            assert (version, status, reason_n) == (1, fr.STATUS_OK, 0)
+            with lis.accept(timeout_s=5) as server:
+                assert not server.put_many_gathers
+                remote = RemoteRegion(region_id=1, nbytes=64, key=(777).to_bytes(8, "little"))
+                assert server.put_many(b"abcdef", remote, [0, 3], [10, 20], [3, 3], notify_id=2, timeout_s=5) == 2
+                frames = _parse_frames(_recv_exact(sock, 2 * (fr.HEADER.size + 3)))
+                assert [(f[0], f[2], f[5]) for f in frames] == [(fr.KIND_PUT, 10, b"abc"), (fr.KIND_PUT, 20, b"def")]
+
+
+def test_a_version_2_listener_answers_version_2_to_a_client_that_takes_putv():
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        host, port = lis.url.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, tcp._HELLO_PUTV, 5))
+            version, status, _key, _n = fr.parse_reply(_recv_exact(sock, fr.REPLY.size))
+            assert (version, status) == (2, fr.STATUS_OK)
+            with lis.accept(timeout_s=5) as server:
+                assert server.put_many_gathers
