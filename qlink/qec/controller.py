@@ -52,6 +52,7 @@ from .timeline import CONTROLLER_SHOT_FIELDS, ShotRecords, StageRecorder, record
 __all__ = [
     "SyndromeStream",
     "FrameLayout",
+    "FrameTooLargeError",
     "Controller",
     "ControllerResult",
     "CONTROLLER_STAGES",
@@ -95,6 +96,24 @@ _DROPPED, _FAILED = int(Status.SYNDROMES_DROPPED), int(Status.INTERNAL_ERROR)
 _WINDOW_DROPPED = -_DROPPED  # an answer's status: a window of shots, some of them dropped (mask follows)
 _STATUS_NAMES = {int(st): st.name for st in Status}
 _GET_BIT = 0x80000000  # request ids of get_corrections; enqueue ids stay below
+
+
+class FrameTooLargeError(QlinkError, ValueError):
+    """An ``enqueue_syndromes`` frame cannot be made to fit one message of the endpoint
+    (one round's detectors alone, or the whole shots asked for in one frame, exceed it)."""
+
+    def __init__(self, message: str, *, nbytes: int, max_nbytes: int):
+        super().__init__(message)
+        self.nbytes = nbytes
+        self.max_nbytes = max_nbytes
+
+
+def _max_frame_bits(max_frame_nbytes: int | None) -> int:
+    """The most syndrome bits one frame may carry: the wire's 2^20, or fewer where a frame
+    of more would not fit ``max_frame_nbytes``."""
+    if max_frame_nbytes is None:
+        return wire.MAX_SYNDROME_BITS
+    return min(wire.MAX_SYNDROME_BITS, (int(max_frame_nbytes) - wire.enqueue_syndromes_nbytes(0)) * 8)
 
 
 def _status_name(status) -> str:
@@ -173,11 +192,29 @@ class SyndromeStream:
         """Rounds per shot (the last one usually holds the final data-qubit readout)."""
         return int(self.round_of_detector[-1]) + 1 if self.round_of_detector.size else 0
 
-    def frames(self, *, rounds_per_frame: int) -> list[FrameLayout]:
+    def frames(self, *, rounds_per_frame: int, max_frame_nbytes: int | None = None) -> list[FrameLayout]:
         """The frame positions of one shot for a window of ``rounds_per_frame`` rounds
-        (``0``: the whole shot in one frame). Rounds without detectors are skipped."""
+        (``0``: the whole shot in one frame). Rounds without detectors are skipped.
+
+        A window whose frame would carry more than the wire's 2^20 syndrome bits, or be
+        larger than ``max_frame_nbytes`` (one message of the transport: a UDP datagram
+        holds 65,507 bytes), is split at round boundaries into several frames, each a
+        complete ``enqueue_syndromes`` request (the service appends a shot's frames in
+        counter order); a single round too large for one frame raises
+        :class:`FrameTooLargeError`.
+
+        >>> s = SyndromeStream(detectors=np.zeros((1, 24), np.uint8), observables=np.zeros((1, 1), np.uint8),
+        ...                    round_of_detector=np.repeat([0, 1, 2], 8))   # 8 detectors per round
+        >>> [(f.first_round, f.last_round, f.num_bits) for f in s.frames(rounds_per_frame=0, max_frame_nbytes=58)]
+        [(0, 1, 16), (2, 2, 8)]
+        >>> s.frames(rounds_per_frame=0, max_frame_nbytes=56)
+        Traceback (most recent call last):
+        ...
+        qlink.qec.controller.FrameTooLargeError: round 0 alone has 8 syndrome bits: ...
+        """
         if rounds_per_frame < 0:
             raise ValueError(f"rounds_per_frame must be >= 0 (0 = whole shot), got {rounds_per_frame}")
+        max_bits = _max_frame_bits(max_frame_nbytes)
         R = self.num_rounds
         w = R if rounds_per_frame == 0 else rounds_per_frame
         r = self.round_of_detector
@@ -186,8 +223,41 @@ class SyndromeStream:
             last = min(first + w, R) - 1
             lo = int(np.searchsorted(r, first, side="left"))
             hi = int(np.searchsorted(r, last, side="right"))
-            if hi > lo:
+            if hi - lo > max_bits:
+                out += self._split_window(first, last, lo, hi, max_bits, max_frame_nbytes)
+            elif hi > lo:
                 out.append(FrameLayout(lo, hi - lo, first, last))
+        return out
+
+    def _split_window(self, first: int, last: int, lo: int, hi: int, max_bits: int,
+                      max_frame_nbytes: int | None) -> list[FrameLayout]:
+        """Rounds ``first..last`` (bits ``lo..hi``) as frames of at most ``max_bits`` each, cut
+        between rounds: each frame takes as many whole rounds as fit."""
+        r = self.round_of_detector
+        ends = np.searchsorted(r, np.arange(first, last + 1), side="right")  # bit end of each round
+        out = []
+        start_bit, start_round = lo, first
+        prev_end = lo
+        for i, end in enumerate(ends.tolist()):
+            rnd = first + i
+            if end - start_bit > max_bits:
+                if end - prev_end > max_bits:  # this round alone does not fit one frame
+                    nbits = end - prev_end
+                    limit = (f"max_message_bytes={max_frame_nbytes}"
+                             if max_bits < wire.MAX_SYNDROME_BITS else f"{wire.MAX_SYNDROME_BITS} bits per frame")
+                    raise FrameTooLargeError(
+                        f"round {rnd} alone has {nbits} syndrome bits: an enqueue_syndromes frame of "
+                        f"{wire.enqueue_syndromes_nbytes(nbits)} bytes, over this endpoint's {limit} "
+                        f"(at most {max_bits} bits per frame); a frame is cut only between rounds, so use a "
+                        "transport with larger messages (tcp://, shm://) or a larger max_message_bytes",
+                        nbytes=wire.enqueue_syndromes_nbytes(nbits),
+                        max_nbytes=wire.enqueue_syndromes_nbytes(max_bits) if max_frame_nbytes is None
+                        else int(max_frame_nbytes))
+                out.append(FrameLayout(start_bit, prev_end - start_bit, start_round, rnd - 1))
+                start_bit, start_round = prev_end, rnd
+            prev_end = end
+        if hi > start_bit:
+            out.append(FrameLayout(start_bit, hi - start_bit, start_round, last))
         return out
 
     def take(self, num_shots: int) -> "SyndromeStream":
@@ -298,8 +368,10 @@ class ControllerResult:
 class Controller:
     """Drives one decoder (``decoder_id``) of a service on ``endpoint`` with ``stream``.
 
-    Options: ``cycle_ns``; ``rounds_per_frame`` (0 = the whole shot in one frame);
-    ``shots_per_frame`` > 1 packs that many whole shots into one frame (sent after
+    Options: ``cycle_ns``; ``rounds_per_frame`` (0 = the whole shot in one frame;
+    a frame larger than one message of the endpoint, ``capabilities.max_message_bytes``,
+    is cut between rounds into several, and one that cannot be cut to fit raises
+    :class:`FrameTooLargeError`); ``shots_per_frame`` > 1 packs that many whole shots into one frame (sent after
     the last round of the last of them) and asks their corrections in one
     ``get_corrections`` — the batching that lets a decoder keep up, paid for in
     reaction time; ``gap_cycles`` idle cycles between shots; ``poll_interval_ns``
@@ -366,6 +438,19 @@ class Controller:
         if shots_per_frame * stream.num_detectors > wire.MAX_SYNDROME_BITS:
             raise ValueError(f"shots_per_frame={shots_per_frame} x {stream.num_detectors} detectors exceeds the "
                              f"wire's {wire.MAX_SYNDROME_BITS} bits per frame")
+        # one frame is one message of the transport: frames are cut to fit it (see SyndromeStream.frames)
+        max_msg = getattr(getattr(endpoint, "capabilities", None), "max_message_bytes", None)
+        self.max_frame_nbytes = None if max_msg is None else int(max_msg)
+        if shots_per_frame > 1 and max_msg is not None:
+            nbytes = wire.enqueue_syndromes_nbytes(shots_per_frame * stream.num_detectors)
+            if nbytes > max_msg:
+                fit = _max_frame_bits(max_msg) // stream.num_detectors
+                raise FrameTooLargeError(
+                    f"shots_per_frame={shots_per_frame} whole shots of {stream.num_detectors} detectors make an "
+                    f"enqueue_syndromes frame of {nbytes} bytes, over this endpoint's max_message_bytes={max_msg}; "
+                    + (f"use shots_per_frame <= {fit}" if fit >= 1 else
+                       "one shot alone does not fit: send it by rounds (shots_per_frame=1)"),
+                    nbytes=nbytes, max_nbytes=int(max_msg))
         if shots_per_frame * stream.num_observables > wire.MAX_CORRECTION_BITS:
             raise ValueError("shots_per_frame x observables exceeds the wire's correction bits per answer")
         window = shots_per_frame if get_window_shots is None else get_window_shots
@@ -377,7 +462,8 @@ class Controller:
         self.decoder_id = int(decoder_id)
         self.cycle_ns = int(cycle_ns)
         self.shots_per_frame = int(shots_per_frame)
-        self.layout = stream.frames(rounds_per_frame=0 if shots_per_frame > 1 else rounds_per_frame)
+        self.layout = stream.frames(rounds_per_frame=0 if shots_per_frame > 1 else rounds_per_frame,
+                                    max_frame_nbytes=self.max_frame_nbytes)
         self.rounds_per_frame = rounds_per_frame
         self.gap_cycles = int(gap_cycles)
         self.poll_interval_ns = int(poll_interval_ns)
