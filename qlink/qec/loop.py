@@ -300,10 +300,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
              warmup_shots: int = 200, gap_cycles: int = 0, timeout_s: float = 300.0,
              stream: SyndromeStream | None = None, max_batch_requests: int = 256,
              max_in_flight_shots: int | None = None, controller_query: str | None = None,
-             controller_options: Mapping[str, Any] | None = None, pin_cpus: bool = False) -> LoopResult:
+             controller_options: Mapping[str, Any] | None = None, pin_cpus: bool = False,
+             service_url: str | None = None) -> LoopResult:
     """Run the closed loop: service in a child process (or thread), controller here.
 
-    ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``inproc``) or a URL;
+    ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``udp``, ``inproc``) or a URL;
     ``source`` a source spec (see :func:`source_spec`); ``shots_per_frame`` > 1 sends
     that many whole shots per frame and asks their corrections at once (throughput
     for reaction time); ``warmup_shots`` extra shots
@@ -316,6 +317,13 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     :class:`~qlink.qec.controller.Controller` (``get_timeout_ns``, ``poll_interval_ns`` …);
     ``pin_cpus`` puts the service process and the controller on different CPUs for
     the run (both busy-poll).
+
+    ``service_url`` drives a decoder service that is already running instead of starting
+    one: any server that speaks the CUDA-Q realtime decoder RPC on that transport (a
+    ``udp://host:port`` one need not be qlink's), with decoder ``decoder_id`` configured
+    for the DEM of ``source``, its counter at 0. The controller connects there (``transport``
+    is then taken from the URL); the result holds the controller's figures only
+    (``service`` is empty, and so are the stage shares that need the service's records).
     """
     import transports
 
@@ -324,7 +332,9 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     # checked before a service starts (the Controller checks the rest, and these again)
     _knob("timeout_s", timeout_s, 0, above=True)
     _knob("cycle_ns", cycle_ns, 1)
-    url = resolve_url(transport)
+    if service_url is not None and (not isinstance(service_url, str) or "://" not in service_url):
+        raise ValueError(f"service_url must be a transport URL such as 'udp://127.0.0.1:5000', got {service_url!r}")
+    url = resolve_url(transport if service_url is None else service_url)
     spec = _check_spec(source)
     src = build_source(spec)
     if stream is None:
@@ -332,15 +342,20 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     elif stream.num_shots < num_shots:
         raise ValueError(f"stream has {stream.num_shots} shots, fewer than num_shots={num_shots}")
     stream = stream.take(num_shots)
-    frames_per_shot = len(stream.frames(rounds_per_frame=0 if shots_per_frame > 1 else rounds_per_frame))
+    caps = transports.capabilities(url)
+    # as the controller will cut them: no frame larger than one message of the transport
+    frames_per_shot = len(stream.frames(rounds_per_frame=0 if shots_per_frame > 1 else rounds_per_frame,
+                                        max_frame_nbytes=caps.max_message_bytes))
     configs_spec = {decoder_id: {"source": spec, "decoder": decoder, "capacity_shots": int(capacity_shots),
                                  "frames_per_shot": frames_per_shot}}
     service_options = {"ack_enqueue": ack_enqueue, "keep_samples": int(keep_samples) + int(warmup_shots),
                        "max_batch_requests": int(max_batch_requests)}
-    caps = transports.capabilities(url)
     proc = thread = None
     thread_out: dict = {}
-    if caps.cross_process:
+    if service_url is not None:
+        bound = url  # a service already running: nothing to start
+        thread_out["error"] = f"no report: the service at {url} was not started by run_loop"
+    elif caps.cross_process:
         proc = start_service_process(url, configs_spec, service_options=service_options, max_peers=1,
                                      timeout_s=timeout_s + 60, pin_cpu=1 if pin_cpus else None)
         bound = proc.url
@@ -393,9 +408,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
             ep.close()
         if proc is not None:
             srep = proc.report(timeout_s=60)
-        else:
+        elif thread is not None:
             thread.join(60)
             srep = thread_out
+        else:
+            srep = {}  # a service of its own: it reports nothing here
     finally:
         sys.setswitchinterval(old_switch)
         if pinned_before is not None:
