@@ -49,6 +49,20 @@ class TransferPlan:
         """Bytes moved per layer (K and V)."""
         return 2 * self.num_blocks * self.block_nbytes
 
+    def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every block moved (K plane, then V plane) as a row index of the source and of the
+        destination layer seen as rows of ``block_nbytes`` (``2 * num_blocks`` rows), in
+        descriptor order (int64; NumPy, no per-block loop).
+
+        >>> p = plan_transfer([4, 5, 9], [0, 1, 2], src_num_blocks=16, dst_num_blocks=8, block_nbytes=64)
+        >>> [r.tolist() for r in p.block_rows()]
+        [[4, 5, 9, 20, 21, 25], [0, 1, 2, 8, 9, 10]]
+        """
+        bn = self.block_nbytes
+        units = self.nbytes // bn
+        within = np.arange(int(units.sum())) - np.repeat(np.cumsum(units) - units, units)
+        return np.repeat(self.src_offsets // bn, units) + within, np.repeat(self.dst_offsets // bn, units) + within
+
 
 def _ids(name: str, ids) -> np.ndarray:
     a = np.asarray(ids)

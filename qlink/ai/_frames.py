@@ -12,8 +12,12 @@ Frames:
 * ``kv_hello``  (two-sided, once): role, mode, the cache spec and the region descriptors.
 * ``kv_write``  (the tag of a one-sided put; also a NIXL notification): which layer,
   which part, how many parts and bytes make the layer complete.
-* ``kv_data``   (two-sided fallback): a ``kv_write`` plus the destination offset; the
-  payload follows as the next message and lands directly in the cache.
+* ``kv_data``   (two-sided, one descriptor): a ``kv_write`` plus the destination offset;
+  the payload follows as the next message and lands directly in the cache.
+* ``kv_rows``   (two-sided, gathered): a ``kv_write`` plus ``u32 num_rows, u32 row_nbytes``;
+  the next message holds ``num_rows`` destination rows (``u32`` each: block ids of the
+  layer seen as ``2 * num_blocks`` rows, K plane then V plane) followed by the rows'
+  bytes, gathered by the sender and scattered by the receiver with NumPy.
 * ``kv_abort``  (two-sided): the sender gave up on a request; its layers never complete.
 
 >>> hex(fnv1a_32(b"enqueue_syndromes"))
@@ -41,6 +45,9 @@ __all__ = [
     "FN_WRITE",
     "FN_DATA",
     "FN_ABORT",
+    "FN_ROWS",
+    "pack_rows",
+    "unpack_rows",
     "pack_write",
     "unpack_write",
     "pack_data",
@@ -64,12 +71,15 @@ FN_HELLO = wire.function_id_for("kv_hello")
 FN_WRITE = wire.function_id_for("kv_write")
 FN_DATA = wire.function_id_for("kv_data")
 FN_ABORT = wire.function_id_for("kv_abort")
+FN_ROWS = wire.function_id_for("kv_rows")
 
 # layer, layer_lo, layer_hi, num_parts, num_descs, reserved, layer_nbytes, part_nbytes
 _WRITE = struct.Struct("<IIIIIIQQ")
 _WRITE_FULL = struct.Struct("<IIIIQ" + "IIIIIIQQ")
 # ... then dst_offset
 _DATA_FULL = struct.Struct("<IIIIQ" + "IIIIIIQQ" + "Q")
+# ... then num_rows, row_nbytes
+_ROWS_FULL = struct.Struct("<IIIIQ" + "IIIIIIQQ" + "II")
 # status, layer, reason_len (reason utf-8 follows)
 _ABORT_FULL = struct.Struct("<IIIIQ" + "iII")
 # role, mode, num_regions, spec_len (spec and descriptors follow: each u32 length + bytes)
@@ -87,6 +97,7 @@ for _name, _opts in (
     ("kv_hello", dict(min_payload_nbytes=_HELLO_FULL.size - HEADER.size)),
     ("kv_write", dict(payload_nbytes=_WRITE.size)),
     ("kv_data", dict(payload_nbytes=_DATA_FULL.size - HEADER.size)),
+    ("kv_rows", dict(payload_nbytes=_ROWS_FULL.size - HEADER.size)),
     ("kv_abort", dict(min_payload_nbytes=_ABORT_FULL.size - HEADER.size,
                       max_payload_nbytes=_ABORT_FULL.size - HEADER.size + _MAX_REASON)),
 ):
@@ -137,6 +148,32 @@ def unpack_data(frame) -> tuple:
     if magic != MAGIC_REQUEST or fn != FN_DATA or arg_len != _DATA_FULL.size - HEADER.size:
         raise WireError(f"not a kv_data frame (magic 0x{magic:08x}, function 0x{fn:08x}, arg_len {arg_len})")
     return rid, ts, layer, lo, hi, parts, descs, lnb, pnb, off
+
+
+def pack_rows(request_id: int, submit_ns: int, *, layer: int, layer_lo: int, layer_hi: int, num_parts: int,
+              num_descs: int, layer_nbytes: int, num_rows: int, row_nbytes: int, crc32: int = 0) -> bytes:
+    """A ``kv_rows`` frame; its part is ``num_rows * row_nbytes`` bytes (the table not counted).
+
+    >>> unpack_rows(pack_rows(3, 9, layer=1, layer_lo=0, layer_hi=2, num_parts=1, num_descs=5,
+    ...                       layer_nbytes=4096, num_rows=4, row_nbytes=1024))[-3:]
+    (4096, 4, 1024)
+    """
+    return _ROWS_FULL.pack(MAGIC_REQUEST, FN_ROWS, _ROWS_FULL.size - HEADER.size, request_id, submit_ns,
+                           layer, layer_lo, layer_hi, num_parts, num_descs, crc32, layer_nbytes,
+                           num_rows * row_nbytes, num_rows, row_nbytes)
+
+
+def unpack_rows(frame) -> tuple:
+    """Like :func:`unpack_write` plus ``num_rows, row_nbytes`` at the end."""
+    if len(frame) != _ROWS_FULL.size:
+        raise WireError(f"kv_rows frame must be {_ROWS_FULL.size} bytes, got {len(frame)}")
+    magic, fn, arg_len, rid, ts, layer, lo, hi, parts, descs, _, lnb, pnb, nrows, row_nb = \
+        _ROWS_FULL.unpack_from(frame, 0)
+    if magic != MAGIC_REQUEST or fn != FN_ROWS or arg_len != _ROWS_FULL.size - HEADER.size:
+        raise WireError(f"not a kv_rows frame (magic 0x{magic:08x}, function 0x{fn:08x}, arg_len {arg_len})")
+    if pnb != nrows * row_nb:
+        raise WireError(f"kv_rows frame: part of {pnb} B is not {nrows} rows of {row_nb} B")
+    return rid, ts, layer, lo, hi, parts, descs, lnb, pnb, nrows, row_nb
 
 
 def pack_abort(request_id: int, *, status: int, layer: int, reason: str) -> bytes:

@@ -10,16 +10,23 @@ layer:
 
 * over a transport with one-sided put (``capabilities.one_sided``): the merged descriptors
   go straight into the receiver's cache (WRITE), with ``notify_id`` = request id and a
-  ``kv_write`` tag saying which layer and how many parts complete it. Where the endpoint
-  gathers a vectored put (``endpoint.put_many_gathers``, e.g. ``shm``) a whole layer is one
-  ``put_many`` call and one notification, however scattered its blocks; elsewhere it is
-  one ``put`` (and one notification) per descriptor. Over ``shm`` the sender also registers
-  its own cache and defers the copy (``put_many(..., defer=True)``): submitting a layer only
-  posts its descriptors, and the receiver copies the blocks out of the sender's cache while
-  it waits for them, so the source blocks must stay unchanged until the receiver has the
-  request or :meth:`KVSender.flush` returns (``defer=False`` copies at submission instead);
-* otherwise: a ``kv_data`` frame then the payload as two-sided messages, received straight
-  into the destination blocks.
+  ``kv_write`` tag saying which layer and how many parts complete it. A whole layer is one
+  ``endpoint.put_many`` call, however scattered its blocks: the per-descriptor work is the
+  transport's (``shm``: C; ``tcp``: one scatter-gather frame; ``inproc``: NumPy; ``ucx``: a
+  loop of puts inside the transport). Where the endpoint gathers (``put_many_gathers``:
+  ``shm``, ``tcp``, ``inproc``, ``cuda_ipc``) the layer is one part with one notification;
+  elsewhere each descriptor's notification is a part of the size it reports. Over ``shm``
+  the sender also registers its own cache and defers the copy (``put_many(..., defer=True)``):
+  submitting a layer only posts its descriptors, and the receiver copies the blocks out of
+  the sender's cache while it waits for them, so the source blocks must stay unchanged
+  until the receiver has the request or :meth:`KVSender.flush` returns (``defer=False``
+  copies at submission instead). With ``checksum=True`` each descriptor is its own put
+  and part, carrying its CRC-32;
+* otherwise (two-sided): per layer one ``kv_rows`` frame and one message holding the
+  destination block rows and the blocks, gathered with one NumPy ``take`` and scattered
+  by the receiver with one fancy-index assignment (a layer larger than the transport's
+  message limit goes in several such parts). A device cache sends a ``kv_data`` frame and
+  the payload per descriptor, received straight into the destination blocks.
 
 The receiver's :meth:`KVReceiver.wait_layer` returns once a layer is complete, always in
 layer order, so decode can read layer ``k`` while later layers still move. READ (pull)
@@ -49,6 +56,8 @@ import operator
 import time
 import zlib
 
+import numpy as np
+
 from qlink.errors import (
     BrokenLinkError,
     CapabilityError,
@@ -64,7 +73,7 @@ from qlink.memory import RemoteRegion, as_byte_view
 from . import _frames as fr
 from ._descriptors import BlockIdError, TransferPlan, plan_transfer
 from ._tracker import KVStatistics, RequestTracker, SubmitRecord, TransferAbortedError, TransferRecord
-from .kv import KVCache, KVCacheSpec, LayoutMismatchError
+from .kv import KVCache, KVCacheSpec, LayoutMismatchError, _cupy
 
 __all__ = [
     "KVSender",
@@ -164,6 +173,7 @@ class KVSendRequest:
         self._sent: set[int] = set()
         self._failed: BaseException | None = None
         self._lists = None
+        self._rows = None
 
     def _descs(self) -> tuple[list, list, list]:
         """Source offsets, destination offsets and sizes as Python ints (made once, when a
@@ -172,6 +182,15 @@ class KVSendRequest:
             p = self.plan
             self._lists = (p.src_offsets.tolist(), p.dst_offsets.tolist(), p.nbytes.tolist())
         return self._lists
+
+    def _row_parts(self, max_rows: int) -> tuple:
+        """Source rows, destination rows as little-endian u32, and ``(start, stop)`` of each
+        part of at most ``max_rows`` rows (made once per request, for two-sided sends)."""
+        if self._rows is None:
+            src_rows, dst_rows = self.plan.block_rows()
+            bounds = [(a, min(a + max_rows, src_rows.size)) for a in range(0, src_rows.size, max_rows)]
+            self._rows = (src_rows, dst_rows.astype("<u4"), bounds)
+        return self._rows
 
     @property
     def _src(self) -> list:
@@ -190,7 +209,7 @@ class KVSendRequest:
         return len(self._sent) == len(self.layers)
 
     def send_layer(self, layer: int, *, timeout_s: float | None = 10.0) -> None:
-        """Push every descriptor of ``layer`` (one put, or a frame + payload, per descriptor)."""
+        """Push every descriptor of ``layer`` (one ``put_many``, or one gathered two-sided part)."""
         if self._failed is not None:
             raise QlinkError(f"request {self.request_id} already failed ({self._failed}); begin a new request") \
                 from self._failed
@@ -261,6 +280,9 @@ class KVSender:
         self.mode = ""  # decided by the handshake
         self._peer: _Peer | None = None
         self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
+        self._rows2d = [a.reshape(-1).view(np.uint8).reshape(-1, self.spec.block_nbytes) for a in cache.layers] \
+            if cache.device == "cpu" else None
+        self._stage: np.ndarray | None = None  # two-sided parts are gathered here
         self._pack = fr._WRITE_FULL.pack
         self.checksum = bool(checksum)
         # a CRC-32 per part needs one notification per descriptor: no gathered put_many then
@@ -347,20 +369,51 @@ class KVSender:
         plan = req.plan
         pack, rid, ts = self._pack, req.request_id, req.submit_ns
         lo, hi, n, lnb = req.layers.start, req.layers.stop, plan.num_descs, plan.layer_nbytes
-        if self._gathers and (n > 1 or self._defer):  # the whole layer in one call: one part, one notification
-            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, 1, n, 0, lnb, lnb)
-            self.endpoint.put_many(src, remote, plan.src_offsets, plan.dst_offsets, plan.nbytes, notify_id=rid,
-                                   tag=tag, timeout_s=timeout_s, defer=self._defer)
+        if self.checksum:  # a CRC-32 per part: one put, one part, one notification per descriptor
+            put = self.endpoint.put
+            for so, do, nb in zip(*req._descs()):
+                part = src[so:so + nb]
+                tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n,
+                           zlib.crc32(part), lnb, nb)
+                put(part, remote, offset=do, notify_id=rid, tag=tag, timeout_s=timeout_s)
             return
-        put = self.endpoint.put
-        crc = zlib.crc32 if self.checksum else None
-        for so, do, nb in zip(*req._descs()):
-            part = src[so:so + nb]
-            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n,
-                       crc(part) if crc else 0, lnb, nb)
-            put(part, remote, offset=do, notify_id=rid, tag=tag, timeout_s=timeout_s)
+        if self._gathers:  # one notification for the layer: one part of all its bytes
+            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, 1, n, 0, lnb, lnb)
+        else:  # one notification per descriptor: n parts, each the size its notification reports (0 here)
+            tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n, 0, lnb, 0)
+        self.endpoint.put_many(src, remote, plan.src_offsets, plan.dst_offsets, plan.nbytes, notify_id=rid,
+                               tag=tag, timeout_s=timeout_s, defer=self._defer)
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        st = self._stage
+        if st is None or st.size < nbytes:
+            st = self._stage = np.empty(nbytes, dtype=np.uint8)
+        return st[:nbytes]
 
     def _send_layer_two_sided(self, req: KVSendRequest, layer: int, timeout_s) -> None:
+        if self._rows2d is None:
+            self._send_layer_per_descriptor(req, layer, timeout_s)
+            return
+        send = self.endpoint.send
+        plan = req.plan
+        bn = plan.block_nbytes
+        src_rows, dst_rows, bounds = req._row_parts(max(1, self._max_desc_nbytes // (bn + 4)))
+        rows2d = self._rows2d[layer]
+        rid, ts = req.request_id, req.submit_ns
+        lo, hi, lnb = req.layers.start, req.layers.stop, plan.layer_nbytes
+        for a, b in bounds:
+            k = b - a
+            buf = self._staging(k * (4 + bn))
+            buf[:4 * k].view("<u4")[:] = dst_rows[a:b]
+            body = buf[4 * k:]
+            np.take(rows2d, src_rows[a:b], axis=0, out=body.reshape(k, bn), mode="clip")  # rows checked by the plan
+            send(fr.pack_rows(rid, ts, layer=layer, layer_lo=lo, layer_hi=hi, num_parts=len(bounds),
+                              num_descs=plan.num_descs, layer_nbytes=lnb, num_rows=k, row_nbytes=bn,
+                              crc32=zlib.crc32(body) if self.checksum else 0), timeout_s=timeout_s)
+            send(buf, timeout_s=timeout_s)
+
+    def _send_layer_per_descriptor(self, req: KVSendRequest, layer: int, timeout_s) -> None:
+        """Two-sided, from device memory: a kv_data frame and the payload per descriptor."""
         send = self.endpoint.send
         src = self._views[layer]
         plan = req.plan
@@ -537,6 +590,8 @@ class _ReceiverBase:
         try:
             if fn == fr.FN_DATA:
                 self._on_data(frame)
+            elif fn == fr.FN_ROWS:
+                self._on_rows(frame)
             elif fn == fr.FN_ABORT:
                 tr.on_abort(*fr.unpack_abort(frame))
             elif fn == fr.FN_HELLO:
@@ -557,6 +612,9 @@ class _ReceiverBase:
 
     def _on_data(self, frame) -> None:
         raise WireError("kv_data frame received, but this receiver takes no two-sided data")
+
+    def _on_rows(self, frame) -> None:
+        raise WireError("kv_rows frame received, but this receiver takes no two-sided data")
 
     def _on_hello(self, frame) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -656,6 +714,9 @@ class KVReceiver(_ReceiverBase):
         self._peer_error: BaseException | None = None
         self._ctl = bytearray(4096)
         self._ctl_mv = memoryview(self._ctl)
+        self._stage: np.ndarray | None = None  # two-sided kv_rows parts land here, then scatter
+        self._rows2d = [np.frombuffer(v, dtype=np.uint8).reshape(-1, self.spec.block_nbytes) for v in self._views] \
+            if cache.device == "cpu" else None
         self._closed = False
         endpoint.send(fr.pack_hello(role=_ROLE_RECEIVER, mode=0, spec=self.spec.to_bytes(),
                                     regions=[r.descriptor().to_bytes() for r in self._regions]))
@@ -682,6 +743,8 @@ class KVReceiver(_ReceiverBase):
         except WireError:
             tr.bad_frames += 1
             return
+        if pnb == 0 and parts == descs:  # one part per descriptor, each the size its notification reports
+            pnb = note.nbytes
         # one descriptor per part: the put's size is the part's; a gathered part (several
         # descriptors, one notification) spans at least its bytes
         if (self._layer_of_region.get(note.region_id) != layer or rid != note.notify_id
@@ -726,6 +789,57 @@ class KVReceiver(_ReceiverBase):
         if self._crc32 and not self._crc_ok(rid, layer, frame, self._views[layer][off:off + pnb]):
             return
         tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=time.monotonic_ns())
+
+    def _on_rows(self, frame) -> None:
+        """A gathered two-sided part: receive the rows table and the blocks into staging,
+        check them (and the CRC-32), then scatter the blocks into the layer in one call."""
+        tr = self._tracker
+        rid, ts, layer, lo, hi, parts, descs, lnb, pnb, nrows, row_nb = fr.unpack_rows(frame)
+        spec = self.spec
+        if not (0 <= layer < spec.num_layers and row_nb == spec.block_nbytes and 0 < pnb <= spec.layer_nbytes):
+            self._drain_payload()
+            tr.bad_frames += 1
+            return
+        tab = 4 * nrows
+        need = tab + pnb
+        st = self._stage
+        if st is None or st.size < need:
+            st = self._stage = np.empty(need, dtype=np.uint8)
+        buf = st[:need]
+        try:
+            n = self.endpoint.recv_into(buf, timeout_s=self.data_timeout_s)
+        except ValueError as e:  # BufferTooSmallError: more than the frame announced
+            if getattr(e, "needed_nbytes", None) is None:
+                raise
+            self._drain_payload()
+            n = -1
+        if n != need:
+            tr.bad_frames += 1
+            tr.on_abort(rid, 2, layer, f"kv_rows payload of {n} B where the frame announced {need} B")
+            return
+        rows = buf[:tab].view("<u4")
+        if int(rows.max()) >= 2 * spec.num_blocks:
+            tr.bad_frames += 1
+            tr.on_abort(rid, 2, layer, f"kv_rows names row {int(rows.max())}, outside the layer's "
+                                       f"{2 * spec.num_blocks} rows")
+            return
+        body = buf[tab:]
+        if self._crc32 and not self._crc_ok(rid, layer, frame, body):
+            return  # nothing written: the corrupted part never reaches the cache
+        data = body.reshape(nrows, row_nb)
+        if self._rows2d is not None:
+            self._rows2d[layer][rows] = data
+        else:
+            xp = _cupy()
+            self._views[layer].reshape(-1, row_nb)[xp.asarray(rows.astype(np.int64))] = xp.asarray(data)
+        tr.on_part(rid, ts, layer, lo, hi, parts, descs, lnb, pnb, now_ns=time.monotonic_ns())
+
+    def _drain_payload(self) -> None:
+        """Take the message that follows a refused kv_data / kv_rows frame off the link."""
+        try:
+            self.endpoint.recv(timeout_s=self.data_timeout_s)
+        except ValueError:
+            pass
 
     def read_request(self, *_args, **_kwargs):
         """READ (pull) needs a one-sided get, which qlink transports do not offer."""

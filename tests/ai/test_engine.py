@@ -186,6 +186,87 @@ def test_layer_subset_moves_only_those_layers(link):
     rx.release(rid)
 
 
+class _CallCounter:
+    """The sender's endpoint, counting the calls the engine makes on it per layer."""
+
+    def __init__(self, ep):
+        self._ep = ep
+        self.calls = {"put": 0, "put_many": 0, "send": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self._ep, name)
+        if name in self.calls:
+            def counted(*a, **k):
+                self.calls[name] += 1
+                return attr(*a, **k)
+            return counted
+        return attr
+
+
+@pytest.mark.parametrize("mode", ["put", "send"])
+@pytest.mark.parametrize("scheme", ["inproc", "shm", "tcp", "ucx"])
+def test_a_layer_is_one_transport_call_however_scattered_its_blocks(scheme, mode):
+    """No per-descriptor calls on the hot path: one put_many per layer (put), or one frame
+    and one message per layer (send), for 28 descriptors per layer."""
+    why = transport_unavailable(scheme)
+    if why:
+        pytest.skip(why)
+    with transports.listen(url_for(scheme)) as lis:
+        a = transports.connect(lis.url, timeout_s=5)
+        b = lis.accept(timeout_s=5)
+        with a, b:
+            rx_cache, tx_cache = KVCache.allocate(_spec(RX_BLOCKS)), KVCache.allocate(_spec(TX_BLOCKS))
+            tx_cache.fill_random(seed=SEED)
+            rx = KVReceiver(b, rx_cache)
+            spy = _CallCounter(a)
+            tx = KVSender(spy, tx_cache, mode=mode)
+            src, dst = np.arange(0, 42, 3), np.random.default_rng(4).permutation(RX_BLOCKS)[:14]
+            tx.handshake(timeout_s=5)
+            before = dict(spy.calls)
+            sub = tx.send_request(1, src, dst, timeout_s=10)
+            rec = rx.wait_request(1, timeout_s=10)
+            nl = tx_cache.spec.num_layers
+            assert sub.num_descs == 28 * nl and rec.num_layers == nl
+            made = {k: v - before[k] for k, v in spy.calls.items()}
+            assert made == ({"put": 0, "put_many": nl, "send": 0} if mode == "put" else
+                            {"put": 0, "put_many": 0, "send": 2 * nl})
+            assert (rx_cache.block_checksums(dst) == tx_cache.block_checksums(src)).all()
+            tx.close(), rx.close()
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_two_sided_layers_past_the_message_limit_go_in_several_parts(pair, checksum):
+    tx, rx, src_cache, dst_cache = pair(mode="send")
+    tx.checksum = checksum
+    tx._max_desc_nbytes = 3 * src_cache.spec.block_nbytes + 12  # three blocks and their row ids per message
+    src, dst = np.random.default_rng(8).permutation(TX_BLOCKS)[:10], np.arange(10, 20)
+    tx.send_request(2, src, dst, timeout_s=5)
+    rec = rx.wait_request(2, timeout_s=5)
+    assert rec.nbytes == 2 * 10 * src_cache.spec.block_nbytes * src_cache.spec.num_layers
+    assert rx.statistics().parts == 7 * src_cache.spec.num_layers  # 20 rows in parts of 3
+    assert (dst_cache.block_checksums(dst) == src_cache.block_checksums(src)).all()
+
+
+def test_a_two_sided_part_naming_rows_outside_the_layer_fails_its_request_only(pair):
+    from qlink.ai import _frames as fr
+
+    tx, rx, src_cache, dst_cache = pair(mode="send")
+    tx.handshake(timeout_s=5)
+    spec = dst_cache.spec
+    bn = spec.block_nbytes
+    rows = np.array([1, 2 * RX_BLOCKS], "<u4")  # the second row is past the V plane
+    tx.endpoint.send(fr.pack_rows(4, 0, layer=0, layer_lo=0, layer_hi=spec.num_layers, num_parts=1, num_descs=2,
+                                  layer_nbytes=2 * bn, num_rows=2, row_nbytes=bn))
+    tx.endpoint.send(rows.tobytes() + bytes(2 * bn))
+    before = dst_cache.layers[0].copy()
+    with pytest.raises(TransferAbortedError, match="outside the layer"):
+        rx.wait_request(4, timeout_s=5)
+    assert (dst_cache.layers[0] == before).all()  # nothing of the refused part was written
+    tx.send_request(5, [3], [1], timeout_s=5)
+    rx.wait_request(5, timeout_s=5)
+    assert (dst_cache.block_checksums([1]) == src_cache.block_checksums([3])).all()
+
+
 # ----- layer by layer, in one process ------------------------------------------------
 
 
