@@ -34,7 +34,10 @@ For each transport and code distance:
   shared this is well below 1 and bounds every figure of two busy-polling sides: a
   controller held off longer than a frame period more than 1 % of frames cannot keep
   its clock at p99 (``clock_on_time``) however fast the loop is;
-* beside them, the bare 64-byte round trip of the same transport (the floor), the
+* beside them, the bare 64-byte round trip of the same transport (the floor: p50 and
+  p99), the controller's own ``get_corrections`` round trip in each run (its
+  ``get_round_trip`` stage: ask sent → the answer that resolved the shots received,
+  decoding and queueing included; ``get_rt_*``), the
   machine's 1-minute load average when the row started (``load_1m``) and, for the
   throughput run, the CPU time each busy-polling side got over its wall time
   (``cpu_service``, ``cpu_controller``: well below 1, it was descheduled — these
@@ -66,7 +69,8 @@ import numpy as np
 __all__ = ["run_qec_bench", "main_from_cli", "offline_rounds_per_s", "BENCH_COLUMNS"]
 
 BENCH_COLUMNS = [
-    "transport", "d", "rounds", "load_1m", "floor_rt_p50_us", "cpu_floor_ran_share", "cpu_floor_held_off_per_s",
+    "transport", "d", "rounds", "load_1m", "floor_rt_p50_us", "floor_rt_p99_us", "cpu_floor_ran_share",
+    "cpu_floor_held_off_per_s",
     # flat out vs offline, on the same shots
     "flat_shots", "flat_shots_per_frame", "offline_rounds_per_s", "wire_rounds_per_s", "wire_rounds_per_s_median",
     "wire_vs_offline",
@@ -74,17 +78,18 @@ BENCH_COLUMNS = [
     "cycle_rounds", "required_rounds_per_s", "shots_per_frame", "keeps_up", "backlog_flat", "clock_on_time",
     "cycle_rounds_per_s",
     "backlog_max_rounds", "backlog_growth_rounds", "late_frames", "emit_lag_p99_us",
-    "reaction_p50_us", "reaction_p99_us", "reaction_p999_us",
+    "reaction_p50_us", "reaction_p99_us", "reaction_p999_us", "get_rt_p50_us", "get_rt_p99_us",
     "share_batch", "share_transport", "share_queue", "share_decode", "share_other",
     "mean_decode_batch", "decode_per_shot_p50_us", "cpu_service", "cpu_controller", "service_busy",
     "service_cpu_ns_per_round",
     "ler",
     # at the cycle, one shot per frame (the latency configuration)
     "keeps_up_1", "backlog_flat_1", "cycle_rounds_per_s_1", "backlog_max_rounds_1", "late_frames_1",
-    "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1",
+    "reaction_p50_us_1", "reaction_p99_us_1", "reaction_p999_us_1", "get_rt_p50_us_1", "get_rt_p99_us_1",
     "share_transport_1", "share_queue_1", "share_decode_1",
     # lock-step: the controller waits for each shot's correction (feed-forward), no backlog
-    "reaction_p50_us_ff", "reaction_p99_us_ff", "reaction_p999_us_ff", "deadline_misses_ff", "shots_ff",
+    "reaction_p50_us_ff", "reaction_p99_us_ff", "reaction_p999_us_ff", "get_rt_p50_us_ff", "get_rt_p99_us_ff",
+    "deadline_misses_ff", "shots_ff",
     "note",
 ]
 
@@ -111,8 +116,18 @@ def _mean_batch(service_report: dict) -> float:
     return c.get("shots_decoded", 0) / calls if calls else math.nan
 
 
+def _get_round_trip(res, suffix: str) -> dict:
+    """The controller's get_corrections round trip (its ``get_round_trip`` stage), p50 and p99 in µs."""
+    from qlink.qec.timeline import histogram_summary
+
+    h = res.controller.stages.get("get_round_trip")
+    summary = histogram_summary(h) if h else {"p50_us": math.nan, "p99_us": math.nan}
+    return {f"get_rt_p50_us{suffix}": summary["p50_us"], f"get_rt_p99_us{suffix}": summary["p99_us"]}
+
+
 def _cycle_figures(res, suffix: str) -> dict:
     return {
+        **_get_round_trip(res, suffix),
         f"keeps_up{suffix}": res.keeps_up, f"backlog_flat{suffix}": res.backlog_flat,
         f"clock_on_time{suffix}": res.clock_on_time,
         f"backlog_max_rounds{suffix}": res.backlog_max_rounds,
@@ -176,7 +191,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
     avail = cpu_availability(duration_s=1.0, gap_ns=frame_period_ns)
     say(f"CPU floor: two pinned busy loops ran {avail['ran_share']:.0%} of wall time; held off > "
         f"{frame_period_ns / 1e3:.0f} us {avail['held_off_per_s']:.0f} times/s (longest {avail['longest_gap_us']:.0f} us)")
-    floors: dict[str, float] = {}
+    floors: dict[str, tuple[float, float]] = {}  # transport -> bare round trip p50, p99 (ns)
     rows = []
     for d in distances:
         r = int(num_rounds or d)
@@ -219,9 +234,9 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
                 if t not in floors:
                     from .transport import round_trip_ns
 
-                    floors[t] = float(np.percentile(round_trip_ns(t, num_round_trips=floor_round_trips,
-                                                                  warmup=200), 50))
-                row["floor_rt_p50_us"] = floors[t] / 1e3
+                    rt = round_trip_ns(t, num_round_trips=floor_round_trips, warmup=200)
+                    floors[t] = tuple(float(v) for v in np.percentile(rt, (50, 99)))
+                row["floor_rt_p50_us"], row["floor_rt_p99_us"] = (v / 1e3 for v in floors[t])
                 common = dict(transport=t, source=spec, decoder=decoder, rounds_per_frame=0, timeout_s=600,
                               pin_cpus=True)
                 # best of flat_repeats, as the offline figure is the best of its repeats
@@ -264,8 +279,10 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
                 row.update({"reaction_p50_us_ff": ff.reaction_p50_ns / 1e3,
                             "reaction_p99_us_ff": ff.reaction_p99_ns / 1e3,
                             "reaction_p999_us_ff": ff.reaction_p999_ns / 1e3,
-                            "deadline_misses_ff": ff.deadline_misses, "shots_ff": n_ff})
-                say(f"  {t} (load {row['load_1m']:.1f}; CPU share service {row['cpu_service']:.2f} "
+                            "deadline_misses_ff": ff.deadline_misses, "shots_ff": n_ff, **_get_round_trip(ff, "_ff")})
+                say(f"  {t} (load {row['load_1m']:.1f}; bare round trip p50 {row['floor_rt_p50_us']:.1f} us "
+                    f"p99 {row['floor_rt_p99_us']:.1f} us; lock-step get_corrections round trip p50 "
+                    f"{row['get_rt_p50_us_ff']:.1f} us p99 {row['get_rt_p99_us_ff']:.1f} us; CPU share service {row['cpu_service']:.2f} "
                     f"controller {row['cpu_controller']:.2f}): flat out {row['wire_rounds_per_s'] / 1e6:.2f} M rounds/s "
                     f"({100 * row['wire_vs_offline']:.0f} % of offline, {kf} shots/frame); at the cycle: "
                     f"{kc} shots/frame keeps up {cyc.keeps_up} ({cyc.decoded_rounds_per_s / 1e3:.0f} k rounds/s), "

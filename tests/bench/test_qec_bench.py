@@ -9,16 +9,27 @@ import pytest
 from qlink.bench.qec import BENCH_COLUMNS, run_qec_bench
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_qec_bench_rows_on_a_tiny_code():
-    rows = run_qec_bench(transports=("shm",), distances=(3,), cycle_rounds=1200,
+    rows = run_qec_bench(transports=("shm", "udp"), distances=(3,), cycle_rounds=1200,
                          flat_rounds=6000, flat_shots_per_frame=16, ff_shots=50, floor_round_trips=50,
                          keep_rows=500, progress=lambda _: None)
     by_t = {r["transport"]: r for r in rows}
-    r = by_t["shm"]
+    assert list(by_t) == ["shm", "udp"]
+    for t, r in by_t.items():
+        _check_row(r, t)
+
+
+def _check_row(r, transport):
     assert "note" not in r or not r["note"].startswith("error"), r.get("note")
     assert set(r) - {"transport_used", "backlog_slope_rounds_per_s", "note"} <= set(BENCH_COLUMNS)
-    assert r["d"] == 3 and r["rounds"] == 4 and r["cycle_rounds"] >= 1200 and r["transport_used"] == "shm"
+    assert r["d"] == 3 and r["rounds"] == 4 and r["cycle_rounds"] >= 1200 and r["transport_used"] == transport
+    # the bare round trip beside the controller's own get_corrections round trip, in every run
+    assert 0 < r["floor_rt_p50_us"] <= r["floor_rt_p99_us"]
+    for suffix in ("", "_1", "_ff"):
+        assert 0 < r[f"get_rt_p50_us{suffix}"] <= r[f"get_rt_p99_us{suffix}"]
+    # lock-step, each shot's reaction (tick -> applied) holds its get_corrections round trip
+    assert r["get_rt_p50_us_ff"] <= r["reaction_p50_us_ff"]
     # flat out over the wire and offline decode the same shots: a ratio of two positive rates
     assert r["flat_shots"] % 16 == 0 and r["flat_shots"] * 4 >= 6000
     assert r["wire_rounds_per_s"] > 0 and r["wire_vs_offline"] == pytest.approx(
