@@ -12,6 +12,9 @@ sends commands over the pipe:
   ``full_layers`` layers and ``extra_parts`` descriptors of the next one, replies,
   then exits the process abruptly (a peer dying mid-transfer; in a thread it closes
   its endpoint instead)
+* ``("paced", request_id, src_ids, dst_ids)`` plans the request and replies ``("ok",
+  num_descs)``; then for each layer ``k`` in order it waits for ``("go", k)``, sends
+  that layer and replies ``("ok", k)`` (so a test knows exactly which layers are out)
 * ``("bye",)`` closes and returns
 
 Failures come back as ``("err", class name, message)`` and the loop goes on.
@@ -25,7 +28,7 @@ import os
 
 _names = itertools.count()
 
-__all__ = ["serve", "PeerHandle", "start_peer", "open_link", "transport_unavailable", "url_for"]
+__all__ = ["serve", "PeerHandle", "start_peer", "open_link", "DecodeStation", "transport_unavailable", "url_for"]
 
 
 def _sender(endpoint, cache, backend: str, mode: str):
@@ -79,6 +82,9 @@ def serve(conn, target, spec_bytes: bytes, *, seed: int, mode: str = "auto", bac
                 elif op == "checksums":
                     _, ids, layers = cmd
                     conn.send(("ok", cache.block_checksums(ids, layers=layers)))
+                elif op == "paced":
+                    _, rid, src, dst = cmd
+                    _paced(conn, tx, tx.begin_request(rid, src, dst, timeout_s=30))
                 elif op == "partial":
                     _, rid, src, dst, full_layers, extra = cmd
                     req = tx.begin_request(rid, src, dst, timeout_s=30)
@@ -102,6 +108,19 @@ def serve(conn, target, spec_bytes: bytes, *, seed: int, mode: str = "auto", bac
         tx.close()
         if isinstance(target, str):
             ep.close()
+
+
+def _paced(conn, tx, req) -> None:
+    """Send the layers of ``req`` one by one, each when the parent says go."""
+    conn.send(("ok", req.plan.num_descs))
+    for layer in req.layers:
+        while not conn.poll(0.001):
+            tx.progress()
+        go = conn.recv()
+        if tuple(go) != ("go", layer):
+            raise ValueError(f"paced request {req.request_id}: expected ('go', {layer}), got {go!r}")
+        req.send_layer(layer, timeout_s=30)
+        conn.send(("ok", layer))
 
 
 def _partial_layer(tx, req, layer: int, extra: int) -> None:
@@ -234,37 +253,78 @@ def url_for(scheme: str) -> str:
     return f"{scheme}://kv-{os.getpid()}-{next(_names)}"
 
 
+class DecodeStation:
+    """The decode side of one listener: a cache that outlives its links. Each
+    :meth:`attach` starts a new :func:`serve` sender (a spawned process, a thread for
+    ``inproc``) that connects to the listener, and builds a new receiver on the same
+    cache, closing the previous receiver and its endpoint first. Close with :meth:`close`.
+    """
+
+    def __init__(self, scheme: str, cache):
+        import transports
+
+        self.scheme = scheme
+        self.cache = cache
+        self.listener = transports.listen(url_for(scheme))
+        self._link: contextlib.ExitStack | None = None
+
+    def attach(self, tx_spec=None, *, seed: int = 1, mode: str = "auto", backend: str = "transport",
+               fill: str = "random", device: str = "cpu"):
+        """Start a sender with ``tx_spec`` (default: the cache's) and return ``(receiver, peer)``."""
+        import transports
+
+        from .engine import KVReceiver
+
+        self.detach()
+        tx_spec = self.cache.spec if tx_spec is None else tx_spec
+        link = self._link = contextlib.ExitStack()
+        lis = self.listener
+        if self.scheme == "inproc":
+            client = transports.connect(lis.url, timeout_s=5)
+            link.callback(client.close)
+            peer = start_peer(client, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill, device=device)
+        else:
+            peer = start_peer(lis.url, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill, device=device)
+        link.callback(peer.close)
+        ep = lis.accept(timeout_s=60)
+        link.callback(ep.close)
+        if backend == "nixl":
+            from .nixl_backend import NixlKVReceiver
+
+            rx = NixlKVReceiver(ep, self.cache)
+        else:
+            rx = KVReceiver(ep, self.cache)
+        link.callback(rx.close)
+        peer.wait_ready()
+        link.callback(peer.close)  # say bye while the link is still up (runs first)
+        return rx, peer
+
+    def detach(self) -> None:
+        """Say bye to the current sender and close its receiver and endpoint."""
+        if self._link is not None:
+            link, self._link = self._link, None
+            link.close()
+
+    def close(self) -> None:
+        self.detach()
+        self.listener.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @contextlib.contextmanager
 def open_link(scheme: str, rx_spec, tx_spec=None, *, seed: int = 1, mode: str = "auto", backend: str = "transport",
               rx_cache=None, fill: str = "random", device: str = "cpu"):
     """Yield ``(receiver, receiver_cache, peer)``: a receiver here, a :func:`serve` sender
     filled from ``seed`` in a spawned process (a thread for ``inproc``); both caches in
     ``device`` memory (``"gpu"``: CuPy arrays, for a device-capable transport)."""
-    import transports
-
-    from .engine import KVReceiver
     from .kv import KVCache
 
-    tx_spec = rx_spec if tx_spec is None else tx_spec
     cache = KVCache.allocate(rx_spec, device=device) if rx_cache is None else rx_cache
-    with contextlib.ExitStack() as stack:
-        lis = stack.enter_context(transports.listen(url_for(scheme)))
-        if scheme == "inproc":
-            client = transports.connect(lis.url, timeout_s=5)
-            stack.callback(client.close)
-            peer = start_peer(client, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill, device=device)
-        else:
-            peer = start_peer(lis.url, tx_spec, seed=seed, mode=mode, backend=backend, fill=fill, device=device)
-        stack.callback(peer.close)
-        ep = lis.accept(timeout_s=60)
-        stack.callback(ep.close)
-        if backend == "nixl":
-            from .nixl_backend import NixlKVReceiver
-
-            rx = NixlKVReceiver(ep, cache)
-        else:
-            rx = KVReceiver(ep, cache)
-        stack.callback(rx.close)
-        peer.wait_ready()
+    with DecodeStation(scheme, cache) as station:
+        rx, peer = station.attach(tx_spec, seed=seed, mode=mode, backend=backend, fill=fill, device=device)
         yield rx, cache, peer
-        peer.close()  # say bye while the link is still up

@@ -13,6 +13,7 @@ import transports
 from qlink.ai import (
     BlockIdError,
     KVCache,
+    KVCacheSpec,
     KVReceiver,
     KVSender,
     LayoutMismatchError,
@@ -22,8 +23,8 @@ from qlink.ai import (
     plan_transfer,
     preset,
 )
-from qlink.ai._peer import open_link, transport_unavailable, url_for
-from qlink.errors import BrokenLinkError, CapabilityError, QlinkTimeoutError, RegistrationError, WireError
+from qlink.ai._peer import DecodeStation, open_link, transport_unavailable, url_for
+from qlink.errors import BrokenLinkError, CapabilityError, ClosedError, QlinkTimeoutError, RegistrationError, WireError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -326,6 +327,44 @@ def test_layer_k_is_readable_while_later_layers_move(pair, mode):
         req.send_layer(3)
 
 
+# 32 KiB blocks, 4 MiB per layer: a layer takes a while to move between processes
+_BIG = KVCacheSpec(num_layers=4, num_kv_heads=8, head_size=128, block_size=16, num_blocks=64)
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp", "ucx"])
+def test_layer_0_is_read_in_another_process_while_later_layers_are_still_moving(scheme):
+    """The sender (another process) sends a layer only when told, so which layers are out
+    is certain: layer 0 is checksummed here after wait_layer(0) while layer 1 is on its
+    way and layers 2 and 3 have not left, and it is already whole."""
+    why = transport_unavailable(scheme)
+    if why:
+        pytest.skip(why)
+    with open_link(scheme, _BIG, seed=SEED) as (rx, cache, peer):
+        nl, rid = _BIG.num_layers, 7
+        src, dst = np.random.default_rng(3).permutation(64), np.random.default_rng(4).permutation(64)
+        want = peer.call("checksums", src, None)
+        plan = plan_transfer(src, dst, src_num_blocks=64, dst_num_blocks=64, block_nbytes=_BIG.block_nbytes)
+        assert peer.call("paced", rid, src, dst) == plan.num_descs > 100  # scattered: few runs merge
+        peer.submit("go", 0)
+        rx.wait_layer(rid, 0, timeout_s=30)
+        assert peer.result(timeout_s=30) == 0
+        peer.submit("go", 1)  # layer 1 (4 MiB) leaves the sender ...
+        got0 = cache.block_checksums(dst, layers=[0])  # ... while this process reads layer 0
+        ready = rx.ready_layers(rid)
+        assert 1 <= ready < nl
+        assert (got0 == want[:1]).all()
+        assert not cache.layers[2].any() and not cache.layers[3].any()  # not sent: nothing of them landed
+        rx.wait_layer(rid, 1, timeout_s=30)
+        assert peer.result(timeout_s=30) == 1 and rx.ready_layers(rid) == 2
+        for k in range(2, nl):
+            peer.submit("go", k)
+            rx.wait_layer(rid, k, timeout_s=30)
+            assert peer.result(timeout_s=30) == k
+        rec = rx.wait_request(rid, timeout_s=30)
+        assert rec.num_layers == nl and list(rec.layer_ready_us) == sorted(rec.layer_ready_us)
+        assert (cache.block_checksums(dst) == want).all()
+
+
 def test_bad_block_ids_are_refused_and_the_engine_keeps_serving(pair):
     tx, rx, src_cache, dst_cache = pair()
     bad = [
@@ -359,6 +398,30 @@ def test_layout_mismatch_fails_on_both_sides(pair, field, value):
     with pytest.raises(LayoutMismatchError) as e:
         rx.handshake(timeout_s=5)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("scheme, field, value", [("inproc", "num_kv_heads", 4), ("shm", "dtype_name", "float16"),
+                                                  ("tcp", "block_size", 8), ("ucx", "head_size", 8)])
+def test_after_a_layout_mismatch_the_decode_side_serves_a_matching_sender(scheme, field, value):
+    """A sender of another layout is refused on both sides (typed error naming the field);
+    the decode process keeps its cache and its listener, and the next sender, of the
+    right layout, moves blocks bit for bit."""
+    why = transport_unavailable(scheme)
+    if why:
+        pytest.skip(why)
+    cache = KVCache.allocate(_spec(RX_BLOCKS))
+    with DecodeStation(scheme, cache) as station:
+        rx, peer = station.attach(dataclasses.replace(_spec(TX_BLOCKS), **{field: value}), seed=SEED)
+        with pytest.raises(LayoutMismatchError) as e:
+            rx.handshake(timeout_s=10)
+        assert e.value.field == field
+        with pytest.raises(RuntimeError, match="LayoutMismatchError"):
+            peer.call("send", 1, [0], [0], "all")
+        rx, peer = station.attach(_spec(TX_BLOCKS), seed=SEED)
+        src, dst = [5, 6, 7, 30], [9, 10, 11, 0]
+        _sub, rec = peer.transfer(rx, 1, src, dst, timeout_s=30)
+        assert rec.num_layers == cache.spec.num_layers
+        assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -461,12 +524,14 @@ def test_bad_constructor_arguments():
 # ----- a peer that dies mid-transfer -----------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", [s for s in SCHEMES])
-def test_peer_dying_mid_transfer_never_reports_a_partial_layer(scheme):
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_peer_dying_mid_transfer_never_reports_a_partial_layer_and_the_next_sender_is_served(scheme):
     why = transport_unavailable(scheme)
     if why:
         pytest.skip(why)
-    with open_link(scheme, _spec(RX_BLOCKS), _spec(TX_BLOCKS), seed=SEED) as (rx, cache, peer):
+    cache = KVCache.allocate(_spec(RX_BLOCKS))
+    with DecodeStation(scheme, cache) as station:
+        rx, peer = station.attach(_spec(TX_BLOCKS), seed=SEED)
         src, dst = [0, 1, 5, 9], [0, 1, 2, 3]  # 3 descriptors per plane: 6 per layer
         peer.call("send", 1, [2], [7], "all")  # an earlier, small request completes normally
         peer.call("partial", 2, src, dst, 1, 3)  # layer 0 whole, 3 of 6 parts of layer 1, then gone
@@ -480,6 +545,17 @@ def test_peer_dying_mid_transfer_never_reports_a_partial_layer(scheme):
             peer.proc.join(10)
             assert peer.proc.exitcode == 0
         assert rx.statistics().requests_failed >= 1
+        old = rx
+        # a new sender connects to the same decode process; the same blocks (half-written by
+        # the dead request) and the same request id come back whole
+        rx, peer = station.attach(_spec(TX_BLOCKS), seed=SEED + 1)
+        with pytest.raises(ClosedError):
+            old.progress()
+        src = [40, 41, 42, 3, 17, 60]
+        dst = [0, 1, 2, 3, 20, 21]
+        _sub, rec = peer.transfer(rx, 2, src, dst, timeout_s=30)
+        assert rec.num_layers == 4 and rx.statistics().requests_failed == 0
+        assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
 
 
 def test_cross_process_peer_really_is_another_process():
