@@ -19,10 +19,13 @@ Before the clock starts, one warm-up transfer moves every block of the cache onc
 and first-touch costs stay out of the figures).
 
 Prefill compute is modeled from FLOPs: ``2 * params * tokens / (peak * MFU)`` with Llama-3-8B
-``params = 8.03e9`` (model card), an H100 SXM's dense BF16 peak of 989 TFLOP/s (NVIDIA H100
-datasheet) and MFU 0.5 (assumed): about 32 us per prompt token, spread evenly over the layers
-(attention's quadratic term is left out: for prompts of a few thousand tokens on an 8B model
-the linear layers dominate).
+``params = 8.03e9`` (model card) and an H100 SXM's dense BF16 peak of 989 TFLOP/s (NVIDIA H100
+datasheet), spread evenly over the layers (attention's quadratic term is left out: for
+prompts of a few thousand tokens on an 8B model the linear layers dominate). The model FLOPs
+utilization of prefill is an *assumption*, not a cited figure: ``mfu`` (``--mfu``) defaults to
+0.5, about 32 us per prompt token; measured prefill MFU depends on the serving stack, the
+batch and the prompt length, so set it to what your stack reaches. Every CSV row and the
+plot carry the MFU the run assumed (``prefill_mfu_assumed``).
 
 Per request the CSV has the KV bytes, the queueing and compute time, the **exposed transfer
 time** (prefill compute end -> last layer landed: the part of the transfer not hidden under
@@ -51,7 +54,7 @@ __all__ = ["run", "main", "prefill_ns_per_token", "modeled_exposed_ns", "H100_BF
 LLAMA3_8B_PARAMS = 8.03e9  # Llama-3-8B model card
 LLAMA3_70B_PARAMS = 70.6e9  # Llama-3-70B model card
 H100_BF16_DENSE_FLOPS = 989e12  # NVIDIA H100 SXM5 datasheet: BF16 Tensor Core, dense
-DEFAULT_MFU = 0.5  # assumed model FLOPs utilization during prefill
+DEFAULT_MFU = 0.5  # an assumption, not a cited figure (see the module docstring); --mfu changes it
 _PARAMS = {"llama-3-8b": LLAMA3_8B_PARAMS, "llama-3-70b": LLAMA3_70B_PARAMS, "tiny": 1e6}
 CSV_NAME, PNG_NAME = "kv_disagg.csv", "kv_disagg.png"
 QUICK = dict(num_requests=16, prompt_median_tokens=384, max_prompt_tokens=2048, rate_per_s=8.0, pool_tokens=6144)
@@ -62,10 +65,17 @@ def prefill_ns_per_token(*, params: float = LLAMA3_8B_PARAMS, peak_flops: float 
                          mfu: float = DEFAULT_MFU) -> float:
     """Prefill compute per prompt token, ns: ``2 * params / (peak_flops * mfu)``.
 
-    >>> round(prefill_ns_per_token() / 1e3, 1)   # Llama-3-8B on an H100 at MFU 0.5, us per token
+    >>> round(prefill_ns_per_token() / 1e3, 1)   # Llama-3-8B on an H100 at the assumed MFU 0.5, us per token
     32.5
     """
+    _check_mfu(mfu)
     return 2.0 * params / (peak_flops * mfu) * 1e9
+
+
+def _check_mfu(mfu: float) -> float:
+    if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
+        raise ValueError(f"mfu (model FLOPs utilization of prefill) must be in (0, 1], got {mfu!r}")
+    return float(mfu)
 
 
 def modeled_exposed_ns(*, layer_compute_ns: float, layer_nbytes: int, num_layers: int, link) -> float:
@@ -193,7 +203,8 @@ def run(*, transport: str = "shm", num_requests: int | None = None, seed: int = 
     """Run the scenario; return one row per request (and write CSV + PNG when ``out_dir`` is given).
 
     ``transport``: a scheme (``shm``, ``tcp``, ``ucx``), a full URL, or ``nixl`` (NIXL UCX
-    moves the bytes, ``shm`` carries the handshake).
+    moves the bytes, ``shm`` carries the handshake). ``mfu``: the prefill model FLOPs
+    utilization assumed for the emulated H100 (an assumption, recorded in every row).
     """
     import multiprocessing as mp
 
@@ -204,6 +215,7 @@ def run(*, transport: str = "shm", num_requests: int | None = None, seed: int = 
     from qlink.budget import BUDGETS
     from qlink.links import LINKS
 
+    mfu = _check_mfu(mfu)
     cfg = dict(QUICK if quick else FULL)
     for k, v in (("num_requests", num_requests), ("prompt_median_tokens", prompt_median_tokens),
                  ("max_prompt_tokens", max_prompt_tokens), ("rate_per_s", rate_per_s), ("pool_tokens", pool_tokens)):
@@ -299,6 +311,7 @@ def run(*, transport: str = "shm", num_requests: int | None = None, seed: int = 
                         "arrival_ms": round((info["arrival_ns"] - t0) / 1e6, 3),
                         "queue_ms": round((start - info["arrival_ns"]) / 1e6, 3),
                         "prefill_compute_ms": round((end - start) / 1e6, 3),
+                        "prefill_mfu_assumed": mfu,
                         "exposed_transfer_ms": round(exposed / 1e6, 3),
                         "transfer_ms": round((last_ns - start - layer_ns) / 1e6, 3),
                         "ttft_ms": round((last_ns - info["arrival_ns"]) / 1e6, 3),
@@ -365,7 +378,8 @@ def write_outputs(rows: list[dict], *, out_dir) -> tuple[Path, Path]:
         c = np.array([r["prefill_compute_ms"] for r in rows])
         e = np.array([r["exposed_transfer_ms"] for r in rows])
         ax2.bar(ids, q, label="queue", color="#bbbbbb")
-        ax2.bar(ids, c, bottom=q, label="prefill compute (modeled H100)", color="#4c72b0")
+        mfu = rows[0].get("prefill_mfu_assumed")
+        ax2.bar(ids, c, bottom=q, label=f"prefill compute (modeled H100, MFU {mfu:g} assumed)", color="#4c72b0")
         ax2.bar(ids, e, bottom=q + c, label="exposed KV transfer (measured)", color="#dd8452")
         ax2.axhline(250, color="red", ls=":", lw=1, label="TTFT SLO 250 ms")
     ax1.set_xlabel("prompt tokens")
@@ -389,7 +403,8 @@ def _summary(rows: list[dict]) -> str:
     t = np.array([r["ttft_ms"] for r in rows])
     gb = sum(r["kv_bytes"] for r in rows) / 2**30
     ok = all(r["blocks_verified"] for r in rows)
-    return (f"{len(rows)} requests, {gb:.2f} GiB of KV over {rows[0]['transport']} ({rows[0]['mode']}); "
+    return (f"{len(rows)} requests, {gb:.2f} GiB of KV over {rows[0]['transport']} ({rows[0]['mode']}), "
+            f"prefill modeled at MFU {rows[0]['prefill_mfu_assumed']:g} (assumed); "
             f"exposed transfer p50 {np.percentile(e, 50):.1f} ms, p95 {np.percentile(e, 95):.1f} ms "
             f"({np.median(e) / 250:.0%} of the 250 ms TTFT SLO at p50); TTFT p50 {np.percentile(t, 50):.1f} ms, "
             f"within SLO {np.mean(t <= 250):.0%}; every block verified: {ok}")
@@ -403,9 +418,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the request stream and the caches")
     p.add_argument("--quick", action="store_true", help="small settings (well under a minute)")
     p.add_argument("--preset", default="llama-3-8b", help="KV layout preset (llama-3-8b, llama-3-70b, tiny)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help=f"prefill model FLOPs utilization to assume for the modeled H100 (default {DEFAULT_MFU}, "
+                        "an assumption; recorded in the CSV and the plot)")
     args = p.parse_args(argv)
+    if not 0 < args.mfu <= 1:
+        p.error(f"--mfu must be in (0, 1], got {args.mfu}")
     rows = run(transport=args.transport, num_requests=args.num_requests, seed=args.seed, quick=args.quick,
-               out_dir=args.out, preset=args.preset)
+               out_dir=args.out, preset=args.preset, mfu=args.mfu)
     print(_summary(rows))
     print(f"written: {Path(args.out) / CSV_NAME}, {Path(args.out) / PNG_NAME}")
     return 0

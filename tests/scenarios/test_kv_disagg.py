@@ -20,7 +20,7 @@ def test_quick_run_on_a_tiny_model(tmp_path):
     if scheme is None:
         pytest.skip("no cross-process transport (shm, tcp) available")
     rows = kv_disagg.run(transport=scheme, num_requests=6, seed=3, quick=True, out_dir=tmp_path, preset="tiny",
-                         max_prompt_tokens=256, pool_tokens=1024, progress=False)
+                         max_prompt_tokens=256, pool_tokens=1024, progress=False, mfu=0.25)
     assert [r["request_id"] for r in rows] == list(range(1, 7))
     for r in rows:
         assert r["blocks_verified"] is True
@@ -28,8 +28,10 @@ def test_quick_run_on_a_tiny_model(tmp_path):
         assert r["kv_bytes"] == -(-r["prompt_tokens"] // 4) * 4 * 512  # whole blocks of the tiny layout
         assert r["exposed_transfer_ms"] >= 0 and r["ttft_ms"] >= r["exposed_transfer_ms"]
         assert r["exposed_share_ttft"] == pytest.approx(r["exposed_transfer_ms"] / 250, abs=1e-3)
+        assert r["prefill_mfu_assumed"] == 0.25  # the assumption travels with the figures
     with open(tmp_path / kv_disagg.CSV_NAME) as f:
-        assert len(list(csv.DictReader(f))) == 6
+        written = list(csv.DictReader(f))
+        assert len(written) == 6 and {r["prefill_mfu_assumed"] for r in written} == {"0.25"}
     assert (tmp_path / kv_disagg.PNG_NAME).stat().st_size > 1000
 
 
@@ -44,12 +46,23 @@ def test_prefill_cost_and_modeled_exposure():
 
     per_tok = kv_disagg.prefill_ns_per_token()
     assert 30_000 < per_tok < 35_000  # 2 * 8.03e9 / (989e12 * 0.5) s
+    assert kv_disagg.prefill_ns_per_token(mfu=0.25) == pytest.approx(2 * per_tok)  # MFU is an assumption to set
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="mfu"):
+            kv_disagg.prefill_ns_per_token(mfu=bad)
     # a layer that moves faster than it computes leaves only the last layer's transfer exposed
     e = kv_disagg.modeled_exposed_ns(layer_compute_ns=1e6, layer_nbytes=1 << 20, num_layers=8, link=LINKS["nvlink4"])
     assert e == pytest.approx(LINKS["nvlink4"].transfer_time_ns(1 << 20))
     # a slow link piles up: exposure grows with the number of layers
     slow = kv_disagg.modeled_exposed_ns(layer_compute_ns=1e3, layer_nbytes=1 << 20, num_layers=8, link=LINKS["ib-ndr"])
     assert slow > 7 * LINKS["ib-ndr"].transfer_time_ns(1 << 20) - 8e3
+
+
+def test_the_cli_takes_mfu_and_refuses_one_outside_0_1():
+    with pytest.raises(SystemExit):
+        kv_disagg.main(["--mfu", "0", "--transport", "inproc"])
+    with pytest.raises(ValueError, match="cannot cross processes"):  # --mfu parsed and passed on, then refused
+        kv_disagg.main(["--mfu", "0.4", "--transport", "inproc"])
 
 
 def test_inproc_is_refused():
