@@ -417,6 +417,7 @@ class _Hub:
         self.family_max = _family_max(sock.family)
         self.cond = threading.Condition(threading.Lock())
         self.reading = False
+        self.waiting = 0  # threads in cond.wait (none: nobody to notify)
         self.queues: dict[tuple, deque] = {}  # peer address -> datagrams (accepted or awaiting accept)
         self.pending: deque = deque()  # new peer addresses in arrival order, not yet accepted
         self.accepting = True
@@ -489,7 +490,7 @@ class _Hub:
             self.route(addr, bytes(scratch[:n]))
 
     def wait(self, *, want, buf, ep, done, take, deadline, nowait: bool, timeout_s, what: str, check):
-        """The one blocking loop: ``take()`` from a queue, else read the socket (one reader at a time).
+        """The one blocking loop: ``take(buf)`` from a queue, else read the socket (one reader at a time).
 
         The reader busy-polls the socket for ``busy_poll_s`` (lock released, so other threads
         take what it routed to them) before it sleeps in poll."""
@@ -497,7 +498,7 @@ class _Hub:
         with self.cond:
             while True:
                 check()
-                got = take()
+                got = take(buf)
                 if got is not None:
                     return got
                 if not self.reading:
@@ -506,7 +507,8 @@ class _Hub:
                         got = self.read_locked(want, buf, ep, done)
                     finally:
                         self.reading = False
-                        self.cond.notify_all()
+                        if self.waiting:
+                            self.cond.notify_all()
                     if got is True:
                         continue  # take() now finds it
                     if got is not None:
@@ -533,14 +535,19 @@ class _Hub:
                     finally:
                         self.cond.acquire()
                         self.reading = False
-                        self.cond.notify_all()
+                        if self.waiting:
+                            self.cond.notify_all()
                 else:
                     if nowait:
                         raise WouldBlock(f"udp {what}: nothing has arrived yet")
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise _timeout(ep, what, timeout_s)
-                    self.cond.wait(_WAKE_S if left is None else min(left, _WAKE_S))
+                    self.waiting += 1
+                    try:
+                        self.cond.wait(_WAKE_S if left is None else min(left, _WAKE_S))
+                    finally:
+                        self.waiting -= 1
 
 
 _ANY = object()  # "any peer": the serve endpoint's claim on datagrams
@@ -604,7 +611,7 @@ class UdpPeerEndpoint(_HubEndpoint):
     def _recv(self, buf, timeout_s, nowait: bool) -> int:
         deadline = deadline_of(timeout_s)
         view = as_byte_view(buf)
-        n, _ = self._hub.wait(want=self.peer, buf=view, ep=self, done=None, take=lambda: self._take_into(view),
+        n, _ = self._hub.wait(want=self.peer, buf=view, ep=self, done=None, take=self._take_into,
                               deadline=deadline, nowait=nowait, timeout_s=timeout_s, what="recv_into",
                               check=self._check_open)
         return self._got(n)
@@ -677,7 +684,7 @@ class UdpServeEndpoint(_HubEndpoint):
     def _recvfrom(self, buf, timeout_s, nowait: bool) -> tuple[int, tuple]:
         deadline = deadline_of(timeout_s)
         view = as_byte_view(buf)
-        take = _nothing if self._hub.held_any is None else (lambda: self._take_held(view))
+        take = _nothing if self._hub.held_any is None else self._take_held
         n, addr = self._hub.wait(want=_ANY, buf=view, ep=self, done=None, take=take, deadline=deadline,
                                  nowait=nowait, timeout_s=timeout_s, what="recv_into", check=self._check_open)
         self.last_peer = addr
@@ -704,7 +711,7 @@ class UdpServeEndpoint(_HubEndpoint):
                 "last_peer": None if self.last_peer is None else _url_of(self.last_peer)}
 
 
-def _nothing():
+def _nothing(_buf):
     return None
 
 
@@ -749,7 +756,7 @@ class UdpListener(Listener):
         self._claim("accept")
         hub = self._hub
 
-        def take():
+        def take(_buf):
             if not hub.pending:
                 return None
             addr = hub.pending.popleft()
