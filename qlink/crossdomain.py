@@ -201,13 +201,14 @@ class KvMeasurement:
 
 
 def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
+    """A usable time: a finite number >= 0 (a run that recorded nothing leaves nan, and its row out)."""
+    return isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
 
 
 def _qec_lines(m: QecMeasurement) -> list[BudgetLine]:
     d, t = m.distance, m.transport
-    out = [assess(Figure(f"QEC d={d} reaction time", m.reaction_p50_ns, "measured", t, "p50"), BUDGETS["qec.reaction"]),
-           assess(Figure(f"QEC d={d} reaction time", m.reaction_p99_ns, "measured", t, "p99"), BUDGETS["qec.reaction"])]
+    out = [assess(Figure(f"QEC d={d} reaction time", v, "measured", t, stat), BUDGETS["qec.reaction"])
+           for stat, v in (("p50", m.reaction_p50_ns), ("p99", m.reaction_p99_ns)) if _finite(v)]
     if _finite(m.decode_p50_ns) and m.num_rounds:
         out.append(assess(Figure(f"QEC d={d} decode time per round (one shot per call)",
                                  m.decode_p50_ns / m.num_rounds, "measured", t, "p50"), BUDGETS["qec.cycle"]))
@@ -253,7 +254,7 @@ def _kv_lines(m: KvMeasurement) -> list[BudgetLine]:
     out = [assess(f, BUDGETS["ai.ttft"]), assess(f, BUDGETS["ai.kv_transfer"]),
            *(assess(Figure(f"{m.preset} one layer's KV transfer, {tok} tokens (one layer sent alone)", v, "measured",
                            m.transport, stat), layer_budget)
-             for stat, v in (("p50", m.layer_p50_ns), ("p99", m.layer_p99_ns)))]
+             for stat, v in (("p50", m.layer_p50_ns), ("p99", m.layer_p99_ns)) if _finite(v))]
     stages = {k: Figure(f"{what}, stage {k}", m.stage_ns[k], "measured", m.transport, "median run")
               for k in _KV_STAGES if _finite(m.stage_ns.get(k))}
     if stages:

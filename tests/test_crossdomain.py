@@ -132,11 +132,14 @@ def test_backlog_row_is_the_time_per_round_answered():
     assert row.value_ns == pytest.approx(1e9 / 50_000) and row.limit_ns == 1_100 and not row.within
 
 
-def test_a_measurement_without_decision_records_leaves_the_row_out():
-    m = replace(_qec(5, "tcp"), decision_p50_ns=float("nan"), decision_p99_ns=float("nan"))
+def test_figures_a_run_did_not_record_leave_their_rows_out():
+    m = replace(_qec(5, "tcp"), decision_p50_ns=float("nan"), decision_p99_ns=float("nan"),
+                reaction_p99_ns=float("nan"), stage_mean_ns={**_qec(5, "tcp").stage_mean_ns, "apply": -5.0})
     lines = build_lines(qec=[m])
     assert not [ln for ln in lines if "decision" in ln.what]
-    assert [ln for ln in lines if ln.what == "QEC d=5 reaction time" and ln.basis == "measured"]
+    reaction = [ln for ln in lines if ln.what == "QEC d=5 reaction time" and ln.basis == "measured"]
+    assert [ln.statistic for ln in reaction] == ["p50"]
+    assert [ln.stage for ln in lines if ln.stage] == [*STAGES[:-1], "total"]  # a negative stage time is left out
 
 
 def test_feed_forward_decision_leaves_out_the_service_work():
