@@ -60,12 +60,19 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
         rounds: int | None = None, p: float = 0.001, num_shots: int | None = None, cycle_ns: int = 1100,
         rounds_per_frame: int = 0, shots_per_frame: int = 1, deadline_ns: int = DEFAULT_DEADLINE_NS, seed: int = 1,
         quick: bool = False,
-        decoder: str = "pymatching", feed_forward: bool = True, progress: bool = True) -> dict:
+        decoder: str = "pymatching", feed_forward: bool = True, progress: bool = True,
+        service_url: str | None = None) -> dict:
     """Run the streaming loop (and the feed-forward loop); return their summaries and traces.
 
     ``rounds_per_frame`` 0 sends each shot's rounds in one frame after its last
     round; 1 streams round by round; ``shots_per_frame`` > 1 batches whole shots. With ``out`` writes ``realtime_loop.json`` and
     ``backlog.png``, ``ler_deadline.png``, ``reaction_cdf.png`` there.
+
+    ``service_url`` drives a decoder server that is already running (any server speaking
+    the CUDA-Q realtime decoder RPC there, e.g. ``udp://10.0.0.2:5000``, with decoder 0
+    configured for this source's DEM and its counter at 0) instead of starting qlink's
+    own; only the streaming loop runs then (one pass over a fresh counter), and the
+    stage shares that need the service's own records are left out.
     """
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
 
@@ -75,7 +82,7 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
     num_shots = int(num_shots or preset["num_shots"])
     spec = source_spec(distance=distance, rounds=rounds, p=p)
     stream = sample_stream(build_source(spec), num_shots=num_shots, seed=seed)
-    modes = [("streaming", None)] + ([("feed_forward", deadline_ns)] if feed_forward else [])
+    modes = [("streaming", None)] + ([("feed_forward", deadline_ns)] if feed_forward and service_url is None else [])
     bar = None
     if progress:
         from tqdm import tqdm
@@ -88,7 +95,9 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
                                      decoder=decoder, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
                                      shots_per_frame=shots_per_frame,
                                      feed_forward_deadline_ns=ff, warmup_shots=200, keep_samples=num_shots,
-                                     timeout_s=max(120.0, num_shots * 0.05))
+                                     timeout_s=max(120.0, num_shots * 0.05), service_url=service_url,
+                                     # another server keeps no answers to replay (a qlink extension): never re-ask
+                                     controller_options=None if service_url is None else {"get_timeout_ns": 30_000_000_000})
             if bar:
                 bar.update()
     finally:
@@ -96,7 +105,7 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
             bar.close()
     grid_ns = np.unique(np.concatenate([np.geomspace(1_000, 100_000_000, 81).astype(np.int64), [deadline_ns]]))
     report = {
-        "config": {"transport": transport, "distance": distance, "rounds": rounds, "p": p, "num_shots": num_shots,
+        "config": {"transport": transport if service_url is None else service_url, "external_service": service_url is not None, "distance": distance, "rounds": rounds, "p": p, "num_shots": num_shots,
                    "cycle_ns": cycle_ns, "rounds_per_frame": rounds_per_frame, "shots_per_frame": shots_per_frame,
                    "decoder": decoder,
                    "deadline_ns": deadline_ns, "seed": seed},
@@ -185,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="whole shots per frame and per answer (throughput for reaction time)")
     ap.add_argument("--deadline-us", type=float, default=DEFAULT_DEADLINE_NS / 1e3)
     ap.add_argument("--no-feed-forward", action="store_true", help="only the streaming loop")
+    ap.add_argument("--service-url", default=None,
+                    help="drive a decoder server already running there (any CUDA-Q realtime RPC server, "
+                         "e.g. udp://host:port) instead of starting qlink's; streaming loop only")
     args = ap.parse_args(argv)
     rep = run(transport=args.transport, out=args.out, distance=args.distance, rounds=args.rounds, p=args.p,
               num_shots=args.shots, cycle_ns=args.cycle_ns, rounds_per_frame=args.rounds_per_frame,
               shots_per_frame=args.shots_per_frame,
               deadline_ns=int(args.deadline_us * 1e3), seed=args.seed, quick=args.quick,
-              feed_forward=not args.no_feed_forward)
+              feed_forward=not args.no_feed_forward, service_url=args.service_url)
     for name, s in rep["modes"].items():
         print(f"[{name}] reaction p50 {s['reaction_p50_us']:.1f} us, p99 {s['reaction_p99_us']:.1f} us, "
               f"p99.9 {s['reaction_p999_us']:.1f} us (measured; +{sum(s['modeled_controller_ns'].values())} ns "

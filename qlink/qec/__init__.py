@@ -5,7 +5,8 @@
 24
 """
 
-from .controller import Controller, ControllerResult, SyndromeStream, ler_under_deadline, wilson_interval
+from .controller import (Controller, ControllerResult, FrameTooLargeError, SyndromeStream, ler_under_deadline,
+                         wilson_interval)
 from .decoders import BUILT_IN_DECODERS, SlidingWindowDecoder, compile_decoder, get_decoder
 from .loop import LoopResult, build_source, run_loop, source_spec
 from .service import DecoderConfig, DecoderService, run_service_process, start_service_process
@@ -26,6 +27,7 @@ __all__ = [
     "start_service_process",
     "Controller",
     "ControllerResult",
+    "FrameTooLargeError",
     "SyndromeStream",
     "ler_under_deadline",
     "wilson_interval",
