@@ -88,9 +88,9 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_budget(args) -> int:
-    from .bench._report import format_table, write_results
+    from .bench._report import write_results
     from .crossdomain import plot_cross_domain, run_cross_domain
-    from .run import _TABLE_COLUMNS
+    from .run import print_cross_domain_tables
 
     transports = tuple(args.transports.split(","))
     res = run_cross_domain(transports=transports, distances=(5,) if args.quick else (5, 11),
@@ -100,9 +100,7 @@ def _cmd_budget(args) -> int:
     out = Path(args.out)
     write_results(rows, out_dir=out, name="cross_domain", meta={"notes": res.notes})
     png = plot_cross_domain(rows, out / "cross_domain.png")
-    print(format_table(rows, columns=_TABLE_COLUMNS))
-    for n in res.notes:
-        print(f"  note: {n}")
+    print_cross_domain_tables(rows, notes=res.notes)
     print(f"\nwritten: {out}/cross_domain.{{json,csv}}, {png}")
     return 0
 

@@ -232,8 +232,8 @@ def _step_cross_domain(a: _Artifact, cfg: dict) -> dict:
     rows = res.rows()
     a.table("cross_domain", rows, timing=True,
             caption="Cross-domain budget table: every figure against its own budget (measured here, or modeled)")
-    # Modeled rows that take no measured input (a modeled QEC reaction time uses the decode time
-    # measured here and names it in its description) depend on the link catalog alone.
+    # Modeled rows take no measured input (crossdomain keeps the two bases apart; the filter on
+    # "measured" guards that), so they depend on the link catalog alone.
     a.table("cross_domain_modeled", [r for r in rows if r["basis"] == "modeled" and "measured" not in r["what"]],
             timing=False, caption="The modeled rows of the budget table that use no measured input")
     a.table("qec_loop", res.qec, timing=True, caption="QEC closed loop, surface-code memory at p=0.001")

@@ -38,6 +38,20 @@ def _scenario(name: str):
         return None
 
 
+def print_cross_domain_tables(rows: list[dict], *, notes: list[str] = ()) -> None:
+    """Print the cross-domain table, then its measured per-stage rows (the ``stage`` column), then notes."""
+    print("\nCross-domain latency budgets — measured here vs modeled from the link catalog")
+    print(format_table([r for r in rows if not r.get("stage")], columns=_TABLE_COLUMNS))
+    stage_rows = [r for r in rows if r.get("stage")]
+    if stage_rows:
+        print("\nPer stage, measured only — share of the budget; headroom: what the budget has left after this "
+              "stage and those before it\n(QEC: means over shots, which a slow tail weighs on; the p50 rows above "
+              "are the typical shot)")
+        print(format_table(stage_rows, columns=_STAGE_COLUMNS))
+    for n in notes:
+        print(f"  note: {n}")
+
+
 def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[str], None] = print) -> int:
     """Run the main job with ``config`` (a :class:`qlink.config.RunConfig`; default: the
     full settings, or the quick ones with ``quick=True``)."""
@@ -59,14 +73,7 @@ def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[
     write_results(res.qec, out_dir=out_dir, name="qec_loop")
     write_results(res.kv, out_dir=out_dir, name="kv_transfer")
     png = plot_cross_domain(rows, out_dir / "cross_domain.png")
-    print("\nCross-domain latency budgets — measured here vs modeled from the link catalog")
-    print(format_table([r for r in rows if not r["stage"]], columns=_TABLE_COLUMNS))
-    print("\nPer stage, measured only — share of the budget; headroom: what the budget has left after this "
-          "stage and those before it\n(QEC: means over shots, which a slow tail weighs on; the p50 rows above are "
-          "the typical shot)")
-    print(format_table([r for r in rows if r["stage"]], columns=_STAGE_COLUMNS))
-    for n in res.notes:
-        print(f"  note: {n}")
+    print_cross_domain_tables(rows, notes=res.notes)
     say("step 3/3: scenarios (quick): real-time QEC loop, disaggregated KV serving"
         if cfg.scenarios else "step 3/3: scenarios skipped ([run] scenarios = false)")
     steps = (("realtime_loop", ["--quick", "--transport", "shm", "--out", str(out_dir / "realtime_loop")]),
