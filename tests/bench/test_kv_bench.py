@@ -1,11 +1,12 @@
-"""The KV bench runs end to end on a tiny layout and returns well-formed rows (no speed asserted)."""
+"""The KV bench runs end to end on a tiny layout and returns well-formed rows and goal
+verdicts (no speed asserted: the verdicts' logic is checked on rows made up here)."""
 
 from __future__ import annotations
 
 import pytest
 
 from qlink.ai._peer import transport_unavailable
-from qlink.bench.kv import modeled_rows, run_kv_bench
+from qlink.bench.kv import GOAL_PREP_SUBMIT_US_PER_BLOCK, GOAL_SHM_X_MEMCPY, kv_goals, modeled_rows, run_kv_bench
 
 
 @pytest.mark.timeout(120)
@@ -25,7 +26,18 @@ def test_kv_bench_rows_on_a_tiny_layout():
         assert r["nbytes"] == r["tokens"] * 512 and r["GBps"] > 0 and r["num_descs"] >= 4
         assert r["x_memcpy"] > 0 and r["prep_us_per_block"] >= 0 and r["submit_us_per_block"] > 0
         assert r["moved_by"] == ("receiver" if scheme == "shm" else "sender")  # shm defers the copy to the receiver
-    assert {r["tokens"] for r in by_basis["floor"]} == {16, 64}
+        assert r["memcpy_GBps"] > 0  # the floor timed beside this row's rounds
+    floor = {r["tokens"]: r for r in by_basis["floor"]}
+    assert set(floor) == {16, 64}
+    assert all(r["repeats"] == 2 for r in floor.values())  # one memcpy per timed round: two patterns x 1 repeat
+    goals = kv_goals(rows)
+    assert len(goals) == 2 * 2 * 3  # token counts x patterns x (memcpy, NIXL, per-block cost)
+    for g in goals:
+        assert set(g) == {"goal", "measured", "target", "met"}
+        if "NIXL" in g["goal"]:
+            assert g["measured"] is None and g["met"] is None  # nixl=False: no verdict without the figure
+        elif scheme == "shm":
+            assert g["measured"] > 0 and isinstance(g["met"], bool)
     crc = by_basis["overhead"]  # what checksum=True adds per side, beside the memcpy floor
     assert {r["tokens"] for r in crc} == {16, 64} and all(r["GBps"] > 0 and r["x_memcpy"] > 0 for r in crc)
     assert len(by_basis["modeled"]) == 6
@@ -39,3 +51,40 @@ def test_modeled_rows_follow_the_link_catalog():
     nv = next(r for r in rows if r["case"].startswith("NVLink 4"))
     assert nv["basis"] == "modeled" and 0.99 < nv["p50_ms"] / 1e3 < 1.01  # 450 GB at 450 GB/s: about one second
     assert {r["case"] for r in rows} == {"NVLink 4 (modeled)", "PCIe 5 x16 (modeled)", "400 Gb/s NIC (modeled)"}
+
+
+def test_goal_verdicts_follow_the_figures():
+    def row(case, tokens, gbps, **kw):
+        return {"case": case, "basis": "measured", "tokens": tokens, "pattern": "scattered", "GBps": gbps, **kw}
+
+    rows = [row("qlink shm put", 512, 8.0, x_memcpy=0.9, prep_us_per_block=0.2, submit_us_per_block=0.7),
+            row("NIXL UCX", 512, 10.0),
+            row("qlink shm put", 4096, 12.0, x_memcpy=0.7, prep_us_per_block=0.5, submit_us_per_block=0.6),
+            row("NIXL UCX", 4096, 6.0),
+            row("qlink tcp put", 4096, 1.0, x_memcpy=0.1, prep_us_per_block=9.0, submit_us_per_block=9.0),
+            {"case": "numpy memcpy", "basis": "floor", "tokens": 512, "pattern": "per layer", "GBps": 9.0}]
+    got = {g["goal"]: (g["measured"], g["met"]) for g in kv_goals(rows)}
+    assert got == {
+        f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy at 512 tokens (scattered)": (0.9, True),
+        "shm >= NIXL UCX at 512 tokens (scattered)": (0.8, False),
+        f"shm prep + submit <= {GOAL_PREP_SUBMIT_US_PER_BLOCK:g} us/block at 512 tokens (scattered)": (0.9, True),
+        f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy at 4096 tokens (scattered)": (0.7, False),
+        "shm >= NIXL UCX at 4096 tokens (scattered)": (2.0, True),
+        f"shm prep + submit <= {GOAL_PREP_SUBMIT_US_PER_BLOCK:g} us/block at 4096 tokens (scattered)": (1.1, False),
+    }
+
+
+def test_the_cli_path_writes_rows_and_goals(tmp_path, monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    import qlink.bench.kv as kv
+
+    fake = [{"case": "qlink shm put", "basis": "measured", "tokens": 512, "pattern": "contiguous", "GBps": 5.0,
+             "x_memcpy": 0.95, "prep_us_per_block": 0.1, "submit_us_per_block": 0.1}]
+    monkeypatch.setattr(kv, "run_kv_bench", lambda **kw: fake)  # the CLI's own work: goals, files, tables
+    rows = kv.main_from_cli(SimpleNamespace(quick=True, out=str(tmp_path)), say=lambda _: None)
+    assert rows == fake
+    goals = json.loads((tmp_path / "kv_goals.json").read_text())["rows"]
+    assert [g["met"] for g in goals] == [True, None, True]
+    assert (tmp_path / "kv_goals.csv").read_text().startswith("goal,measured,target,met")
