@@ -121,6 +121,14 @@ def _check_device(cache: KVCache, endpoint) -> None:
                               f"{endpoint.capabilities.name!r} moves host memory only; use a device-capable transport")
 
 
+def _can_defer(endpoint) -> bool:
+    """The endpoint may leave a put_many's copy to the target (``shm``): it has deferred
+    puts to flush, so it overrides the base ``flush`` (which returns at once)."""
+    from transports import Endpoint
+
+    return getattr(getattr(endpoint, "flush", None), "__func__", None) is not Endpoint.flush
+
+
 def _check_request_id(request_id) -> int:
     try:
         rid = operator.index(request_id)
@@ -288,7 +296,7 @@ class KVSender:
         # a CRC-32 per part needs one notification per descriptor: no gathered put_many then
         self._gathers = bool(getattr(endpoint, "put_many_gathers", False)) and not self.checksum
         self._src_regions = []
-        if defer and self._gathers and cache.device == "cpu" and mode != "send":
+        if defer and self._gathers and _can_defer(endpoint) and cache.device == "cpu" and mode != "send":
             try:
                 for a in cache.layers:  # so the receiver can copy out of them (deferred put_many)
                     self._src_regions.append(endpoint.register(a))
