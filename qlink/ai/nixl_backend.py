@@ -7,7 +7,7 @@ request is one NIXL transfer: the merged descriptors of that layer (an ``Nx3`` u
 array ``[addr, nbytes, dev_id]``), ``initialize_xfer("WRITE", ...)`` with the
 ``kv_write`` frame as the notification message, ``transfer``, then ``check_xfer_state``
 polled until done. The receiver polls ``get_new_notifs`` and reports layers exactly
-as :class:`~qlink.ai.engine.KVReceiver` does. READ (the decode side pulls) works too:
+as :class:`~qlink.ai.KVReceiver` does. READ (the decode side pulls) works too:
 :meth:`NixlKVReceiver.read_request`.
 
 NIXL's status strings become :class:`XferState`; its failures become qlink errors:
@@ -42,18 +42,17 @@ from qlink.errors import (
 from . import _frames as fr
 from ._descriptors import plan_transfer
 from ._tracker import RequestTracker, TransferRecord
-from .engine import (
+from ._handshake import (
     _MAX_HELLO_NBYTES,
     _MODE_CODES,
     _ROLE_NIXL_RECEIVER,
     _ROLE_NIXL_SENDER,
-    KVSender,
-    KVSendRequest,
     _check_request_id,
     _layers_of,
     _parse_hello,
-    _ReceiverBase,
 )
+from ._receiver import _ReceiverBase
+from .engine import KVSender, KVSendRequest
 from .kv import KVCache, KVCacheSpec
 
 __all__ = ["NixlKVSender", "NixlKVReceiver", "XferState", "NixlError", "nixl_available"]
