@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "gpu", "all"])
     b.add_argument("--out", default="results/bench", help="output directory (default: results/bench)")
     b.add_argument("--quick", action="store_true", help="fewer samples (for a smoke run)")
+    b.add_argument("--distances", default=None, metavar="D,D,...",
+                   help="qec: code distances (default 5,7,11,17; --quick 5,7)")
+    b.add_argument("--transports", default=None, metavar="T,T,...", help="qec: transports (default shm,tcp,ucx,udp)")
     b.set_defaults(func=_cmd_bench)
     bu = sub.add_parser("budget", help="the cross-domain budget table: QEC and KV figures on the same transports, "
                                       "each against its own budget (measured and modeled apart); writes a plot")

@@ -306,6 +306,13 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     quick = bool(getattr(args, "quick", False))
     kw = dict(distances=(5, 7), cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000,
               ff_shots=1000) if quick else {}
+    for name, conv in (("distances", int), ("transports", str)):
+        given = getattr(args, name, None)
+        if given:
+            try:
+                kw[name] = tuple(conv(x.strip()) for x in str(given).split(",") if x.strip())
+            except ValueError:
+                raise SystemExit(f"qlink bench qec: --{name} takes a comma-separated list, got {given!r}") from None
     rows = run_qec_bench(progress=say, **kw)
     out = Path(getattr(args, "out", "results/bench"))
     write_results(rows, out_dir=out, name="qec", meta={"quick": quick, **{k: list(v) if isinstance(v, tuple) else v
