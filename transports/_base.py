@@ -30,6 +30,7 @@ Endpoint semantics (identical across transports; the conformance suite checks th
 from __future__ import annotations
 
 import abc
+import operator
 import time
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -50,6 +51,33 @@ __all__ = [
 ]
 
 MAX_TAG_BYTES = 256
+
+
+def check_tag(tag) -> bytes:
+    """A put's tag as bytes; ValueError past :data:`MAX_TAG_BYTES`."""
+    if not tag:
+        return b""
+    tag = bytes(tag)
+    if len(tag) > MAX_TAG_BYTES:
+        raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
+    return tag
+
+
+def check_notify_id(notify_id) -> int:
+    """A put's notify_id as an int; ValueError unless it fits in 64 unsigned bits."""
+    if type(notify_id) is not int:
+        notify_id = operator.index(notify_id)
+    if not 0 <= notify_id < 1 << 64:
+        raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+    return notify_id
+
+
+def check_put_target(remote, *, notify_id, tag) -> tuple[RemoteRegion, bytes, int]:
+    """The checks every put makes before anything is written: the target as a
+    :class:`~qlink.memory.RemoteRegion` (its descriptor bytes are accepted), the tag, the notify_id."""
+    if not isinstance(remote, RemoteRegion):
+        remote = RemoteRegion.from_bytes(remote)
+    return remote, check_tag(tag), check_notify_id(notify_id)
 
 
 class BufferTooSmallError(QlinkError, ValueError):

@@ -28,7 +28,7 @@ from . import _cuda
 from ._pieces import check_pieces
 from . import _ucx_device as dev
 from . import _ucx_wire as wire
-from ._base import MAX_TAG_BYTES, Backoff, Notification, deadline_of
+from ._base import MAX_TAG_BYTES, Backoff, Notification, check_put_target, deadline_of
 
 __all__ = ["PutSide"]
 
@@ -110,13 +110,7 @@ class PutSide:
     def _check_put(self, remote, notify_id: int, tag) -> tuple[RemoteRegion, bytes]:
         """Checks shared by put and put_many, before anything is sent."""
         self._check_sendable("the put")
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
-        tag = bytes(tag)
-        if len(tag) > MAX_TAG_BYTES:
-            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
-        if not 0 <= notify_id < 1 << 64:
-            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        remote, tag, _ = check_put_target(remote, notify_id=notify_id, tag=tag)
         return remote, tag
 
     def _check_target(self, remote: RemoteRegion) -> None:

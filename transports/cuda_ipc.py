@@ -68,7 +68,10 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _cuda
 from . import shm as _shm
-from ._base import MAX_TAG_BYTES, Capabilities, Endpoint, Listener, deadline_of
+from ._base import Capabilities, Endpoint, Listener, deadline_of
+from ._base import check_notify_id as _check_notify_id
+from ._base import check_tag as _check_tag
+from ._pieces import check_pieces
 from ._cuda import DeviceMismatchError
 from ._cuda_key import DeviceKey
 
@@ -110,20 +113,6 @@ def _stand_in(nbytes: int) -> np.ndarray:
                                 f"region ({e}); under vm.overcommit_memory=2 the kernel counts it as memory: "
                                 "register smaller regions, or allow overcommit") from None
     return np.frombuffer(mm, dtype=np.uint8)
-
-
-def _check_tag(tag) -> bytes:
-    tag = bytes(tag) if tag else b""
-    if len(tag) > MAX_TAG_BYTES:
-        raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
-    return tag
-
-
-def _check_notify_id(notify_id) -> int:
-    notify_id = operator.index(notify_id)
-    if not 0 <= notify_id < 1 << 64:
-        raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
-    return notify_id
 
 
 def _source_nbytes(data) -> int:
@@ -240,7 +229,8 @@ class CudaIpcEndpoint(Endpoint):
             defer = defer and source is data  # a staged copy is not registered memory: no deferral
             return self._shm.put_many(source, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
                                       timeout_s=timeout_s, defer=defer)
-        so, do, ln = _shm._pieces(src_offsets, dst_offsets, nbytes, _source_nbytes(data), remote.nbytes)
+        so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=_source_nbytes(data),
+                                  region_nbytes=remote.nbytes, region_id=remote.region_id)
         lo, hi = int(do.min()), int((do + ln).max())
         self._device_put(data, remote, list(zip(so.tolist(), do.tolist(), ln.tolist())), lo, hi - lo, notify_id,
                          tag, timeout_s)

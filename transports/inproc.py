@@ -45,7 +45,7 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from ._accept import AcceptQueue
 from ._pieces import check_pieces, copy_pieces, span
-from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, deadline_of
+from ._base import BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, check_put_target, deadline_of
 
 __all__ = ["CAPABILITIES", "listen", "connect", "InprocEndpoint", "InprocListener"]
 
@@ -209,13 +209,7 @@ class InprocEndpoint(Endpoint):
     def _check_put(self, remote, notify_id: int, tag) -> tuple[RemoteRegion, bytes]:
         """Checks shared by put and put_many (nothing written yet)."""
         self._check_open()
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
-        tag = bytes(tag)
-        if len(tag) > MAX_TAG_BYTES:
-            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
-        if not 0 <= notify_id < 1 << 64:
-            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        remote, tag, _ = check_put_target(remote, notify_id=notify_id, tag=tag)
         return remote, tag
 
     def _write_peer(self, remote: RemoteRegion, lo: int, hi: int, write) -> None:

@@ -83,7 +83,6 @@ from qlink.errors import (
     ClosedError,
     MissingDependencyError,
     QlinkTimeoutError,
-    RegistrationError,
     RingFullError,
     WouldBlock,
 )
@@ -92,6 +91,9 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 from . import _ring
 from . import _shm_rendezvous as _rv
 from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, deadline_of
+from ._base import check_notify_id as _check_notify_id
+from ._base import check_tag as _check_tag
+from ._pieces import check_pieces
 from ._shm_regions import LocalRegions, PeerRegions
 from ._shm_rendezvous import socket_dir
 from ._ring import (
@@ -238,44 +240,6 @@ def _c_notes_match() -> bool:
 _C_NOTES = _c_notes_match()
 
 
-def _check_tag(tag) -> bytes:
-    if not tag:
-        return b""
-    tag = bytes(tag)
-    if len(tag) > MAX_TAG_BYTES:
-        raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
-    return tag
-
-
-def _check_notify_id(notify_id) -> int:
-    if type(notify_id) is not int:
-        notify_id = operator.index(notify_id)
-    if not 0 <= notify_id < 1 << 64:
-        raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
-    return notify_id
-
-
-def _pieces(src_offsets, dst_offsets, nbytes, src_nbytes: int, region_nbytes: int):
-    """The pieces of a put_many as three int64 arrays, checked against both buffers."""
-    arrays = []
-    for name, v in (("src_offsets", src_offsets), ("dst_offsets", dst_offsets), ("nbytes", nbytes)):
-        a = np.asarray(v)
-        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
-            raise TypeError(f"put_many {name} must be a 1-D sequence of integers, got {a.dtype} of shape {a.shape}")
-        arrays.append(a.astype(np.int64, copy=False))
-    so, do, ln = arrays
-    if not (so.size == do.size == ln.size) or so.size == 0:
-        raise ValueError(f"put_many needs src_offsets, dst_offsets and nbytes of one length >= 1, got lengths "
-                         f"{so.size}, {do.size}, {ln.size}")
-    if (ln < 0).any() or (so < 0).any() or (ln > src_nbytes).any() or (so > src_nbytes - ln).any():
-        raise ValueError(f"put_many pieces must lie inside the {src_nbytes}-byte source: need 0 <= src_offsets, "
-                         "0 <= nbytes and src_offsets + nbytes <= len(data)")
-    if (do < 0).any() or (ln > region_nbytes).any() or (do > region_nbytes - ln).any():
-        i = int(np.flatnonzero((do < 0) | (ln > region_nbytes) | (do > region_nbytes - ln))[0])
-        raise RegistrationError(f"put_many piece {i} ({int(ln[i])} bytes at offset {int(do[i])}) falls outside the "
-                                f"{region_nbytes}-byte region; need 0 <= dst_offsets and dst_offsets + nbytes <= "
-                                f"{region_nbytes}")
-    return so, do, ln
 
 
 # ----------------------------------------------------------------------------- waiting
@@ -942,7 +906,8 @@ class ShmEndpoint(Endpoint):
         tag = _check_tag(tag)
         notify_id = _check_notify_id(notify_id)
         src = as_byte_view(data)
-        so, do, ln = _pieces(src_offsets, dst_offsets, nbytes, len(src), remote.nbytes)
+        so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=len(src), region_nbytes=remote.nbytes,
+                                  region_id=remote.region_id)
         lo, hi = int(do.min()), int((do + ln).max())
         state, region_nbytes, dst = self._peer.entry(remote, offset=lo, nbytes=hi - lo)
         self._look_at_peer()

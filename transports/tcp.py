@@ -77,7 +77,8 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 from . import _framing as fr
 from ._accept import AcceptQueue
 from ._pieces import check_pieces, copy_pieces, span
-from ._base import MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics, deadline_of
+from ._base import (MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics,
+                    check_put_target, deadline_of)
 
 __all__ = ["CAPABILITIES", "listen", "connect", "TcpEndpoint", "TcpListener"]
 
@@ -746,13 +747,7 @@ class TcpEndpoint(Endpoint):
             timeout_s: float | None = None) -> None:
         """Send ``data`` to land in the peer's region at ``offset``; the peer gets a Notification."""
         self._check_open()
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
-        tag = bytes(tag)
-        if len(tag) > MAX_TAG_BYTES:
-            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
-        if not 0 <= notify_id < 1 << 64:
-            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        remote, tag, notify_id = check_put_target(remote, notify_id=notify_id, tag=tag)
         src = _readable(data)
         n = len(src)
         if offset < 0 or offset + n > remote.nbytes:
@@ -783,13 +778,7 @@ class TcpEndpoint(Endpoint):
             return super().put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
                                     timeout_s=timeout_s, defer=defer)
         self._check_open()
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
-        tag = bytes(tag)
-        if len(tag) > MAX_TAG_BYTES:
-            raise ValueError(f"put tag is {len(tag)} bytes; at most MAX_TAG_BYTES={MAX_TAG_BYTES}")
-        if not 0 <= notify_id < 1 << 64:
-            raise ValueError(f"notify_id must fit in 64 unsigned bits, got {notify_id}")
+        remote, tag, notify_id = check_put_target(remote, notify_id=notify_id, tag=tag)
         src = _byte_view(data)
         so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=len(src), region_nbytes=remote.nbytes,
                                   region_id=remote.region_id)
