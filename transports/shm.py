@@ -621,6 +621,11 @@ class ShmEndpoint(Endpoint):
                 self._stash(kind, n, aux, off)
             else:
                 self._side_record(kind, n, aux, off)
+                if nowait and self._notes:
+                    # a put completed on the way to the message: hand control back so the caller
+                    # sees that completion now, not after every put queued before the message
+                    raise WouldBlock("shm: a put completed before the next message; poll its notification, "
+                                     "then receive again")
 
     def _recv_rest(self, out: memoryview, total: int, filled: int, w, timeout_s, nowait) -> int | None:
         """Receive the later chunks of a streamed message straight into the caller's buffer."""

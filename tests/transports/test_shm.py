@@ -795,6 +795,45 @@ def test_a_receive_that_meets_deferred_puts_carries_them_out(shm_dir, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_nowait_receive_hands_back_each_completed_put_before_the_message(shm_dir, impl):
+    """recv_into_nowait that meets deferred puts carries out one put, then raises WouldBlock
+    so the caller sees that completion at once (a KV receiver stamps a layer ready when it
+    sees its notification); the message behind the puts comes once they are all done."""
+    lis, a, b = _pair("pull-nowait", ring_impl=impl)
+    with lis, a, b:
+        target = alloc(1 << 16, dtype=np.uint8)
+        region = b.register(target)
+        source = alloc(1 << 16, dtype=np.uint8)
+        source[:] = np.frombuffer(_payload(1 << 16, 4), dtype=np.uint8)
+        a.register(source)
+        for k in range(4):
+            a.put_many(source, region.descriptor(), [k * 4096], [k * 4096], [4096], notify_id=k, defer=True)
+        a.send(b"after the puts")
+        buf = bytearray(64)
+        seen, got = [], None
+        deadline = time.monotonic() + 5
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = bytes(buf[:b.recv_into_nowait(buf)])
+            except WouldBlock:
+                while True:
+                    try:
+                        note = b.poll_notification_nowait()
+                    except WouldBlock:
+                        break
+                    # this put's bytes have landed; the later ones have not been carried out yet
+                    assert target[note.notify_id * 4096:(note.notify_id + 1) * 4096].tobytes() == \
+                        source[note.notify_id * 4096:(note.notify_id + 1) * 4096].tobytes()
+                    later = note.notify_id + 1
+                    if later < 4:
+                        assert not target[later * 4096:(later + 1) * 4096].any()
+                    seen.append(note.notify_id)
+        assert got == b"after the puts"
+        assert seen == [0, 1, 2, 3]  # every completion handed back before the message
+        a.flush(timeout_s=5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_deferred_put_larger_than_a_record_is_one_notification(shm_dir, impl):
     lis, a, b = _pair("pull-big", ring_impl=impl, ring_nbytes=1 << 12)  # ~40 pieces per record
     with lis, a, b:
