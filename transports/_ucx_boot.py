@@ -1,10 +1,16 @@
 """Bootstrap of ``ucx://`` connections: URL parsing and the hello swapped over TCP.
 
 Hello (little-endian, 24 bytes, then the UCX worker address): ``4s magic 'QLUX'``,
-``u16 version``, ``u16 flags`` (bit 0: UCX peer error handling), ``u32 connection id`` (the
-id the peer puts in the tags it sends here), ``8s token`` (names this side's regions),
-``u32 address length``. The client speaks first; the server answers with the flags both
-sides will use.
+``u16 version``, ``u16 flags`` (bit 0: UCX peer error handling; bit 1: this side takes
+vectored puts, ``OP_PUTV``), ``u32 connection id`` (the id the peer puts in the tags it
+sends here), ``8s token`` (names this side's regions), ``u32 address length``. The client
+speaks first; the server answers with the flags both sides will use: peer error handling
+when either side asked for it, vectored puts only when both sides offered them.
+
+The vectored-put flag leaves the version at 1: a server that predates it masks the flags
+it answers with to bit 0, and a client that predates it neither sets bit 1 nor looks at
+it in the answer, so either kind of older peer connects as before and gets one put per
+``put_many`` piece.
 
 >>> split_url("ucx://127.0.0.1:0", for_listen=True)
 ('127.0.0.1', 0)
@@ -22,12 +28,13 @@ from urllib.parse import urlsplit
 
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
-__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS"]
+__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV"]
 
 _MAGIC = b"QLUX"
 _VERSION = 1
 _HELLO = struct.Struct("<4sHHI8sI")
 FLAG_PEER_ERRORS = 1
+FLAG_PUTV = 2  # takes vectored puts (OP_PUTV control frames); in force only when both sides set it
 _MAX_ADDRESS = 1 << 16
 _CONN_MASK = 0xFFFFFF
 
@@ -106,8 +113,8 @@ def handshake(sock: socket.socket, *, conn_id: int, token: bytes, flags: int, ad
         raise WireError(f"ucx: bad hello (worker address of {addr_len} bytes, connection id {peer_conn})")
     peer_addr = _recv_exact(sock, addr_len, deadline)
     if server:
-        flags = (peer_flags | flags) & FLAG_PEER_ERRORS
+        flags = ((peer_flags | flags) & FLAG_PEER_ERRORS) | (peer_flags & flags & FLAG_PUTV)
         sock.sendall(hello(flags))
     else:
-        flags = peer_flags & FLAG_PEER_ERRORS
+        flags = peer_flags & (FLAG_PEER_ERRORS | (flags & FLAG_PUTV))
     return peer_conn, flags, peer_token, peer_addr

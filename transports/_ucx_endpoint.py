@@ -77,7 +77,8 @@ class _Stage:
             self.kept -= size
         else:
             buf = np.empty(size, dtype=np.uint8)
-        buf[:n] = np.frombuffer(src, dtype=np.uint8)
+        if src is not None:  # None: the caller fills the buffer itself
+            buf[:n] = np.frombuffer(src, dtype=np.uint8)
         return buf, buf
 
     def release(self, item) -> None:
@@ -116,6 +117,9 @@ class UcxEndpoint(PutSide, Endpoint):
         self._token = token
         self._peer_token = peer_token
         self._peer_error_handling = bool(flags & boot.FLAG_PEER_ERRORS)
+        #: put_many is one vectored put and the target sees one Notification (both hellos
+        #: offered FLAG_PUTV); else one put and one Notification per piece
+        self.put_many_gathers = bool(flags & boot.FLAG_PUTV)
         self._send_budget = int(opts["send_buffer_nbytes"])
         self._zero_copy_min = opts["zero_copy_send_nbytes"]
         self._linger_s = float(opts["linger_s"])
@@ -293,10 +297,16 @@ class UcxEndpoint(PutSide, Endpoint):
             if st < 0:
                 self._fail(f"UCX failed a send: {core.status_text(st)}")
 
-    def _post(self, src, n: int, tag: int) -> None:
-        """Stage ``src`` (n bytes) and post it; the caller holds _tx_lock and has made room."""
+    def _post(self, src, n: int, tag: int, *, fill=None) -> None:
+        """Stage ``src`` (n bytes) and post it; the caller holds _tx_lock and has made room.
+        With ``fill`` (and ``src`` None), ``fill(buffer)`` writes the n bytes into the staging
+        buffer itself (a gathered put_many: one copy, not two)."""
         stage = self._stage
-        item, base = stage.small(src, n) if n <= wire.SMALL else stage.big(src, n)
+        if fill is None:
+            item, base = stage.small(src, n) if n <= wire.SMALL else stage.big(src, n)
+        else:
+            item, base = stage.small(b"", 0) if n <= wire.SMALL else stage.big(None, n)
+            fill(base[:n])
         try:
             req = self._ops.send(base, n, tag)
         except core.UcxStatus as e:
@@ -526,6 +536,8 @@ class UcxEndpoint(PutSide, Endpoint):
             self._revoked.add(rid)
         elif op in (wire.OP_PUT_INLINE, wire.OP_PUT_HEADER):
             self._take_put(op, rid, offset, nbytes, notify_id, seq, tag_len, length)
+        elif op in (wire.OP_PUTV, wire.OP_PUTV_MORE):
+            self._take_putv(op, rid, offset, nbytes, notify_id, seq, tag_len, length)
         else:
             self._bad_frame()
 
@@ -570,6 +582,7 @@ class UcxEndpoint(PutSide, Endpoint):
             hot_path=self._ops.name,
             peer_error_handling=self._peer_error_handling,
             bad_frames=self._bad_frames,
+            gathered_puts=self._gathered,
             staged_bytes_in_flight=self._tx_bytes,
             ucx_error_reported=self._ucx_error,
             broken=self._broken,

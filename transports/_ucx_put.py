@@ -7,11 +7,22 @@ bytes with their own tag, which the target receives straight into the region (UC
 copies, or reads them with CMA between local processes). A Notification is queued only
 once the bytes are in place, and notifications keep the order of their puts.
 
-``put_many`` checks every piece once (NumPy) and then issues one put per piece in a loop
-here, under one hold of the send lock: the target sees one Notification per piece
-(``put_many_gathers`` is False). A gathered put would need a vectored frame on the wire
-(and a bootstrap version that announces it) or UCX's iov datatype, which UCXX's Python
-API does not expose; the loop keeps the per-piece work inside the transport.
+``put_many`` is a vectored put when both hellos offered ``FLAG_PUTV``
+(``put_many_gathers``): every piece is checked once (NumPy), then ONE ``OP_PUTV``
+control frame and ONE data message go out, the message holding the piece table and the
+pieces gathered back to back (one NumPy call straight into the staging buffer). The
+target receives it into a staging buffer of its own (up to two are kept, each at most
+``PUTV_MAX_NBYTES``), checks the table (sizes add up to the message, every piece inside
+the region: else the frame is counted in ``bad_frames``, nothing is written and the
+put_many is never announced), scatters the pieces with one ``copy_pieces`` call (a
+device region: one copy per piece) and queues ONE Notification from the lowest
+destination to the end of the highest piece; ``put_many`` returns 1. A put_many larger
+than ``PUTV_MAX_NBYTES`` goes as several vectored puts (pieces larger than that are cut
+first), all but the last sent as ``OP_PUTV_MORE``, and only the last is announced, with
+the span and tag of the whole put_many. A device (CuPy) source is gathered on the device
+in one call and copied to host once, then goes the same way. A peer whose hello did not
+offer the flag (an older qlink) gets one put per piece, as before, and one Notification
+per piece.
 """
 
 from __future__ import annotations
@@ -25,12 +36,49 @@ from qlink.errors import RegistrationError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _cuda
-from ._pieces import check_pieces
+from . import _ucx_core as core
+from ._pieces import check_pieces, copy_pieces, span
 from . import _ucx_device as dev
 from . import _ucx_wire as wire
 from ._base import MAX_TAG_BYTES, Backoff, Notification, check_put_target, deadline_of
 
 __all__ = ["PutSide"]
+
+_KEEP_STAGES = 2  # vectored-put staging buffers a target keeps for the next ones
+
+
+class _Vput:
+    """A vectored put whose data message is on its way into a staging buffer (``valid``
+    False: its control frame was malformed and the message is being discarded)."""
+
+    __slots__ = ("rid", "count", "nbytes", "notify_id", "tag", "more", "valid")
+
+    def __init__(self, rid: int, count: int, nbytes: int, notify_id: int, tag: bytes, more: bool, valid: bool):
+        self.rid, self.count, self.nbytes, self.notify_id = rid, count, nbytes, notify_id
+        self.tag, self.more, self.valid = tag, more, valid
+
+
+def _split_pieces(so: np.ndarray, do: np.ndarray, ln: np.ndarray, most: int):
+    """Cut pieces larger than ``most`` bytes into pieces of at most ``most``, in order."""
+    parts = np.maximum(1, -(-ln // most))
+    if (parts == 1).all():
+        return so, do, ln
+    idx = np.repeat(np.arange(ln.size), parts)
+    off = (np.arange(idx.size) - np.repeat(np.cumsum(parts) - parts, parts)) * most
+    return so[idx] + off, do[idx] + off, np.minimum(ln[idx] - off, most)
+
+
+def putv_groups(ln: np.ndarray) -> list[tuple[int, int]]:
+    """Split the pieces of a put_many into runs whose table and bytes fit one vectored put."""
+    cum = np.cumsum(ln + wire.PIECE.size)
+    if int(cum[-1]) <= wire.PUTV_MAX_NBYTES:
+        return [(0, int(ln.size))]
+    out, start, base = [], 0, 0
+    while start < ln.size:
+        stop = max(start + 1, int(np.searchsorted(cum, base + wire.PUTV_MAX_NBYTES, side="right")))
+        out.append((start, stop))
+        base, start = int(cum[stop - 1]), stop
+    return out
 
 
 class PutSide:
@@ -41,6 +89,9 @@ class PutSide:
         self._next_region = itertools.count(1)
         self._revoked: set[int] = set()
         self._put_seq = 0
+        self._vstages: list[np.ndarray] = []  # free staging buffers for vectored puts
+        self._vspan: list | None = None  # [lo, hi, accepted] over the vectored puts of one put_many so far
+        self._gathered = 0  # put_many calls sent as vectored puts
 
     def _take_put(self, op, rid, offset, nbytes, notify_id, seq, tag_len, length) -> None:
         inline = nbytes if op == wire.OP_PUT_INLINE else 0
@@ -48,8 +99,8 @@ class PutSide:
         if (tag_len > MAX_TAG_BYTES or wire.CTRL.size + tag_len + inline != length
                 or region is None or offset + nbytes > region.nbytes):
             self._bad_frame()  # malformed, unknown/deregistered region or out of bounds: counted, dropped
-            if op == wire.OP_PUT_HEADER:  # a 1-byte receive truncates (so consumes) the bytes that follow
-                self._put_pending.append((self._ops.recv_tag(self._scratch, 1, self._rx_data | seq), None, None))
+            if op == wire.OP_PUT_HEADER:
+                self._put_pending.append((self._discard_data(seq), None, None))
             return
         tag = bytes(self._ctrl_buf[wire.CTRL.size:wire.CTRL.size + tag_len])
         note = Notification(region_id=rid, offset=offset, nbytes=nbytes, notify_id=notify_id, tag=tag)
@@ -69,10 +120,98 @@ class PutSide:
             self._put_pending.append((self._ops.recv_tag(target, nbytes, self._rx_data | seq), note, target))
         self._reap_puts()
 
+    def _take_putv(self, op, rid, count, nbytes, notify_id, seq, tag_len, length) -> None:
+        """A vectored put's control frame: receive its data message into a staging buffer."""
+        more = op == wire.OP_PUTV_MORE
+        if (tag_len > MAX_TAG_BYTES or wire.CTRL.size + tag_len != length or count < 1
+                or count * wire.PIECE.size > nbytes or nbytes > wire.PUTV_MAX_NBYTES):
+            self._bad_frame()  # malformed: counted; its data message is consumed and its put_many never announced
+            vp = _Vput(rid, 0, 0, notify_id, b"", more, False)
+            self._put_pending.append((self._discard_data(seq), vp, None))
+            self._reap_puts()
+            return
+        tag = bytes(self._ctrl_buf[wire.CTRL.size:wire.CTRL.size + tag_len])
+        stage = self._vstage(nbytes)
+        try:
+            req = self._ops.recv_tag(stage, nbytes, self._rx_data | seq)
+            vp = _Vput(rid, count, nbytes, notify_id, tag, more, True)
+        except core.UcxStatus:  # already here and longer than announced: truncated, so consumed
+            self._bad_frame()
+            self._keep_vstage(stage)
+            req, stage, vp = 0, None, _Vput(rid, 0, 0, notify_id, b"", more, False)
+        self._put_pending.append((req, vp, stage))
+        self._reap_puts()
+
+    def _discard_data(self, seq: int) -> int:
+        """Consume the data message that follows a refused put-header: a 1-byte receive
+        truncates it. UCX reports the truncation at once when the message is already here."""
+        try:
+            return self._ops.recv_tag(self._scratch, 1, self._rx_data | seq)
+        except core.UcxStatus:
+            return 0
+
+    def _vstage(self, nbytes: int) -> np.ndarray:
+        fits = [b for b in self._vstages if b.size >= nbytes]
+        if fits:
+            buf = min(fits, key=len)
+            self._vstages = [b for b in self._vstages if b is not buf]
+            return buf
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def _keep_vstage(self, buf: np.ndarray) -> None:
+        if buf.size <= wire.PUTV_MAX_NBYTES:  # keep the largest few
+            self._vstages = sorted([*self._vstages, buf], key=len, reverse=True)[:_KEEP_STAGES]
+
+    def _land_putv(self, vp: _Vput, stage, st: int) -> None:
+        """A vectored put's data message has arrived (or failed): check its table, scatter
+        its pieces, and announce the put_many once its last vectored put is in."""
+        ok, lo, hi = False, 0, 0
+        if vp.valid:
+            if st < 0:
+                self._bad_frame()
+            else:
+                ok, lo, hi = self._scatter(vp, stage)
+            self._keep_vstage(stage)
+        sp = self._vspan
+        if sp is None:
+            sp = self._vspan = [lo, hi, ok]
+        else:
+            sp[0], sp[1], sp[2] = min(sp[0], lo), max(sp[1], hi), sp[2] and ok
+        if vp.more:
+            return
+        self._vspan = None
+        if sp[2]:  # every vectored put of the put_many was accepted
+            self._notes.append(Notification(region_id=vp.rid, offset=sp[0], nbytes=sp[1] - sp[0],
+                                            notify_id=vp.notify_id, tag=vp.tag))
+
+    def _scatter(self, vp: _Vput, stage: np.ndarray) -> tuple[bool, int, int]:
+        count, n = vp.count, vp.nbytes
+        tab = count * wire.PIECE.size
+        table = stage[:tab].view("<u8").reshape(count, 2)
+        do, ln = table[:, 0], table[:, 1]
+        if (ln > n).any() or int(ln.astype(np.int64).sum()) != n - tab:
+            self._bad_frame()  # the table does not add up to the message
+            return False, 0, 0
+        region = self._regions.get(vp.rid)
+        limit = 0 if region is None else region.nbytes
+        if region is None or ((do > limit) | (ln > limit - np.minimum(do, limit))).any():
+            self._bad_frame()  # unknown or deregistered region, or a piece outside it: nothing written
+            return False, 0, 0
+        do, ln = do.astype(np.int64), ln.astype(np.int64)
+        so = np.cumsum(ln) - ln + tab
+        if region.kind == "device":
+            for s, d, k in zip(so.tolist(), do.tolist(), ln.tolist()):
+                if k:
+                    dev.copy_into_region(region, d, stage[s:s + k])
+        else:
+            copy_pieces(np.frombuffer(region.view, dtype=np.uint8), stage, so, do, ln)
+        lo, hi = span(do, ln)
+        return True, lo, hi
+
     def _reap_puts(self) -> None:
         ops, pend = self._ops, self._put_pending
         while pend:
-            req, note, _ = pend[0]
+            req, note, target = pend[0]
             st = ops.status(req)
             if st == wire.IN_PROGRESS:
                 return
@@ -80,7 +219,9 @@ class PutSide:
             ops.release(req)
             if note is None:
                 continue
-            if st < 0:
+            if type(note) is _Vput:
+                self._land_putv(note, target, st)
+            elif st < 0:
                 self._bad_frame()
             else:
                 self._notes.append(note)
@@ -152,25 +293,68 @@ class PutSide:
 
     def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
                  tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
-        """Write pieces of ``data`` into the peer's region, one put per piece (see the module
-        docstring); return the number of Notifications the target will see (one per piece).
-        Every piece is checked before any is sent. ``defer`` changes nothing here."""
-        if type(data) is not bytes and _cuda.is_device(data):  # device sources: the generic per-piece puts
+        """Write pieces of ``data`` into the peer's region; return the number of Notifications
+        the target will see: 1 (one vectored put, ``put_many_gathers``), or one per piece
+        towards a peer that does not take vectored puts (see the module docstring). Every
+        piece is checked before anything is sent. ``defer`` changes nothing here."""
+        device = type(data) is not bytes and _cuda.is_device(data)
+        if device and not self.put_many_gathers:  # device sources: the generic per-piece puts
             return super().put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
                                     timeout_s=timeout_s, defer=defer)
         deadline = deadline_of(timeout_s)
         remote, tag = self._check_put(remote, notify_id, tag)
-        src = as_byte_view(data)
+        src = dev.device_view(self._box.tls, data) if device else as_byte_view(data)
         so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=len(src), region_nbytes=remote.nbytes,
                                   region_id=remote.region_id)
         self._check_target(remote)
         rid = remote.region_id
+        if not self.put_many_gathers:
+            with self._tx_lock:
+                for s, d, k in zip(so.tolist(), do.tolist(), ln.tolist()):
+                    self._issue_put(src[s:s + k], k, rid, d, notify_id, tag, False, deadline, timeout_s)
+            self._counters.puts += int(ln.size)
+            self._counters.put_bytes += int(ln.sum())
+            return int(ln.size)
+        pieces, total = int(ln.size), int(ln.sum())
+        if device:  # gathered on the device in one call, copied to host once
+            cp = _cuda.require("a put_many from device memory on ucx://")
+            keep = ln > 0
+            parts = [src[s:s + k] for s, k in zip(so[keep].tolist(), ln[keep].tolist())]
+            host = dev.host_copy(cp.concatenate(parts)) if parts else np.empty(0, np.uint8)
+            src, so = np.asarray(host, dtype=np.uint8).reshape(-1), np.cumsum(ln) - ln
+        else:
+            src = np.frombuffer(src, dtype=np.uint8)
+        so, do, ln = _split_pieces(so, do, ln, wire.PUTV_MAX_NBYTES - wire.PIECE.size)
+        groups = putv_groups(ln)
         with self._tx_lock:
-            for s, d, k in zip(so.tolist(), do.tolist(), ln.tolist()):
-                self._issue_put(src[s:s + k], k, rid, d, notify_id, tag, False, deadline, timeout_s)
-        self._counters.puts += int(ln.size)
-        self._counters.put_bytes += int(ln.sum())
-        return int(ln.size)
+            for g, (a, b) in enumerate(groups):
+                last = g == len(groups) - 1
+                self._issue_putv(src, so[a:b], do[a:b], ln[a:b], rid, notify_id, tag if last else b"", not last,
+                                 deadline, timeout_s)
+        self._gathered += 1
+        self._counters.puts += pieces
+        self._counters.put_bytes += total
+        return 1
+
+    def _issue_putv(self, src: np.ndarray, so, do, ln, rid: int, notify_id: int, tag: bytes, more: bool,
+                    deadline, timeout_s) -> None:
+        """Send one vectored put: its control frame, then the table and the gathered pieces
+        as one data message; the caller holds _tx_lock."""
+        count = int(ln.size)
+        tab = count * wire.PIECE.size
+        n = tab + int(ln.sum())
+        self._room(n, deadline, False, "the put_many", timeout_s)
+        self._put_seq = (self._put_seq + 1) & 0xFFFFFFFF
+        seq = self._put_seq
+        self._send_ctrl(wire.OP_PUTV_MORE if more else wire.OP_PUTV, rid=rid, offset=count, nbytes=n,
+                        notify_id=notify_id, seq=seq, tag=tag)
+
+        def fill(buf: np.ndarray) -> None:
+            table = buf[:tab].view("<u8").reshape(count, 2)
+            table[:, 0], table[:, 1] = do, ln
+            copy_pieces(buf[tab:], src, so, np.cumsum(ln) - ln, ln)  # packed destinations: one gather
+
+        self._post(None, n, self._tx_data | seq, fill=fill)
 
     def _issue_put(self, src, n: int, rid: int, offset: int, notify_id: int, tag: bytes, device: bool,
                    deadline, timeout_s) -> None:

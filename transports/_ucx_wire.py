@@ -9,9 +9,17 @@ receiver's, so one UCX worker per process serves every endpoint.
   put tag, then (put-inline only) the put bytes.
 * ``K_DATA`` (0x20): the bytes of a large put; the sequence field pairs them with their
   put-header.
+* A vectored put (``put_many``, when both hellos set ``FLAG_PUTV``) is one control frame
+  ``OP_PUTV`` (or ``OP_PUTV_MORE`` when more vectored puts of the same ``put_many``
+  follow) whose ``offset`` field holds the piece count and ``nbytes`` the size of its data
+  message, then ONE ``K_DATA`` message: the piece table (:data:`PIECE`, ``u64 dst offset,
+  u64 nbytes`` per piece) followed by the pieces' bytes, back to back. A data message is
+  at most :data:`PUTV_MAX_NBYTES`; a larger ``put_many`` goes as several vectored puts.
 
->>> CTRL.size, hex(tag_of(K_MSG, 7)), tag_of(K_MSG, 7) & MASK_MSG_OR_CTRL == tag_of(K_CTRL, 7) & MASK_MSG_OR_CTRL
-(40, '0x1000000700000000', True)
+>>> CTRL.size, PIECE.size, hex(tag_of(K_MSG, 7))
+(40, 16, '0x1000000700000000')
+>>> tag_of(K_MSG, 7) & MASK_MSG_OR_CTRL == tag_of(K_CTRL, 7) & MASK_MSG_OR_CTRL
+True
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ MASK_FULL = (1 << 64) - 1
 
 CTRL = struct.Struct("<B3xIQQQIH2x")
 OP_PUT_INLINE, OP_PUT_HEADER, OP_REVOKE, OP_CLOSE, OP_WIREUP = 1, 2, 3, 4, 5
+OP_PUTV, OP_PUTV_MORE = 6, 7  # a vectored put: the last (announced) one of its put_many, or one of those before
+PIECE = struct.Struct("<QQ")  # one entry of a vectored put's piece table
+PUTV_MAX_NBYTES = 256 << 20  # largest vectored-put data message (table + bytes); also the staging kept per side
 INLINE_PUT_MAX = 4096  # puts up to this size travel inside their control frame
 CTRL_MAX = CTRL.size + MAX_TAG_BYTES + INLINE_PUT_MAX
 

@@ -50,6 +50,9 @@ One-sided put (:mod:`transports._ucx_put`)
     region; larger ones send a header, then the bytes, which the target receives directly
     into the region during its progress (``zero_copy_put=False``: the target must be calling
     into its endpoint). The notification is queued only once the bytes are in place.
+    ``put_many`` is one vectored put (a piece table and the gathered pieces in one message,
+    scattered by the target) and ONE notification, when both hellos offer it
+    (``put_many_gathers``); towards an older peer it is one put per piece.
 
 Sends are staged (:mod:`transports._ucx_endpoint`): the caller's bytes are copied into
 endpoint-owned memory before UCX sees them, so ``send`` returns while a large message waits for the receiver (like a socket
@@ -121,7 +124,7 @@ def _endpoint(url, sock, box, opts, deadline, *, server: bool) -> UcxEndpoint:
     """Handshake on a connected bootstrap socket, then build the endpoint and bring UCX up."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn_id, token = box.next_conn_id(), os.urandom(8)
-    flags = boot.FLAG_PEER_ERRORS if opts["peer_error_handling"] else 0
+    flags = _offered_flags(opts, server=server)
     peer_conn, flags, peer_token, peer_addr = boot.handshake(
         sock, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline, server=server)
     ep = UcxEndpoint(url=url, sock=sock, box=box, conn_id=conn_id, token=token, peer_conn_id=peer_conn,
@@ -133,6 +136,12 @@ def _endpoint(url, sock, box, opts, deadline, *, server: bool) -> UcxEndpoint:
         ep._finish_linger(0.0, force=True)
         raise
     return ep
+
+
+def _offered_flags(opts: dict, *, server: bool) -> int:
+    """The hello flags this side offers: peer error handling when asked for, vectored puts always
+    (``server`` names the end of the handshake; both ends offer the same today)."""
+    return (boot.FLAG_PEER_ERRORS if opts["peer_error_handling"] else 0) | boot.FLAG_PUTV
 
 
 class UcxListener(Listener):
