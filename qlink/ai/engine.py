@@ -12,10 +12,11 @@ layer:
   go straight into the receiver's cache (WRITE), with ``notify_id`` = request id and a
   ``kv_write`` tag saying which layer and how many parts complete it. A whole layer is one
   ``endpoint.put_many`` call, however scattered its blocks: the per-descriptor work is the
-  transport's (``shm``: C; ``tcp``: one scatter-gather frame; ``inproc``: NumPy; ``ucx``: a
-  loop of puts inside the transport). Where the endpoint gathers (``put_many_gathers``:
-  ``shm``, ``tcp``, ``inproc``, ``cuda_ipc``) the layer is one part with one notification;
-  elsewhere each descriptor's notification is a part of the size it reports. Over ``shm``
+  transport's (``shm``: C; ``tcp``: one scatter-gather frame; ``inproc``: NumPy; ``ucx``: one
+  gathered message scattered on arrival). Where the endpoint gathers (``put_many_gathers``:
+  ``shm``, ``tcp``, ``inproc``, ``cuda_ipc``, ``ucx``) the layer is one part with one
+  notification; elsewhere (a peer of an older version) each descriptor's notification is a
+  part of the size it reports. Over ``shm``
   the sender also registers its own cache and defers the copy (``put_many(..., defer=True)``):
   submitting a layer only posts its descriptors, and the receiver copies the blocks out of
   the sender's cache while it waits for them, so the source blocks must stay unchanged
