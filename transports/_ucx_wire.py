@@ -39,7 +39,7 @@ CTRL = struct.Struct("<B3xIQQQIH2x")
 OP_PUT_INLINE, OP_PUT_HEADER, OP_REVOKE, OP_CLOSE, OP_WIREUP = 1, 2, 3, 4, 5
 OP_PUTV, OP_PUTV_MORE = 6, 7  # a vectored put: the last (announced) one of its put_many, or one of those before
 PIECE = struct.Struct("<QQ")  # one entry of a vectored put's piece table
-PUTV_MAX_NBYTES = 256 << 20  # largest vectored-put data message (table + bytes); also the staging kept per side
+PUTV_MAX_NBYTES = 16 << 20  # largest vectored-put data message (table + bytes); also the staging kept per side
 INLINE_PUT_MAX = 4096  # puts up to this size travel inside their control frame
 CTRL_MAX = CTRL.size + MAX_TAG_BYTES + INLINE_PUT_MAX
 
