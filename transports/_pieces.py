@@ -59,6 +59,24 @@ def check_pieces(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nb
     return so, do, ln
 
 
+def message_groups(ln: np.ndarray, *, entry_nbytes: int, max_nbytes: int) -> list[tuple[int, int]]:
+    """Split pieces into runs ``[start, stop)`` whose table entries (``entry_nbytes`` each)
+    and bytes fit one message of ``max_nbytes`` (a piece larger than that goes alone).
+
+    >>> message_groups(np.full(5, 1500), entry_nbytes=16, max_nbytes=4000)
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    cum = np.cumsum(ln + entry_nbytes)
+    if int(cum[-1]) <= max_nbytes:
+        return [(0, int(ln.size))]
+    out, start, base = [], 0, 0
+    while start < ln.size:
+        stop = max(start + 1, int(np.searchsorted(cum, base + max_nbytes, side="right")))
+        out.append((start, stop))
+        base, start = int(cum[stop - 1]), stop
+    return out
+
+
 def span(do: np.ndarray, ln: np.ndarray) -> tuple[int, int]:
     """``(lowest destination, end of the highest piece)``: what one Notification covers."""
     return int(do.min()), int((do + ln).max())

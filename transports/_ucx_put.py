@@ -37,7 +37,7 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _cuda
 from . import _ucx_core as core
-from ._pieces import check_pieces, copy_pieces, span
+from ._pieces import check_pieces, copy_pieces, message_groups, span
 from . import _ucx_device as dev
 from . import _ucx_wire as wire
 from ._base import MAX_TAG_BYTES, Backoff, Notification, check_put_target, deadline_of
@@ -70,15 +70,7 @@ def _split_pieces(so: np.ndarray, do: np.ndarray, ln: np.ndarray, most: int):
 
 def putv_groups(ln: np.ndarray) -> list[tuple[int, int]]:
     """Split the pieces of a put_many into runs whose table and bytes fit one vectored put."""
-    cum = np.cumsum(ln + wire.PIECE.size)
-    if int(cum[-1]) <= wire.PUTV_MAX_NBYTES:
-        return [(0, int(ln.size))]
-    out, start, base = [], 0, 0
-    while start < ln.size:
-        stop = max(start + 1, int(np.searchsorted(cum, base + wire.PUTV_MAX_NBYTES, side="right")))
-        out.append((start, stop))
-        base, start = int(cum[stop - 1]), stop
-    return out
+    return message_groups(ln, entry_nbytes=wire.PIECE.size, max_nbytes=wire.PUTV_MAX_NBYTES)
 
 
 class PutSide:

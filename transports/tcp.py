@@ -76,7 +76,7 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _framing as fr
 from ._accept import AcceptQueue
-from ._pieces import check_pieces, copy_pieces, span
+from ._pieces import check_pieces, copy_pieces, message_groups, span
 from ._base import (MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics,
                     check_put_target, deadline_of)
 
@@ -743,6 +743,14 @@ class TcpEndpoint(Endpoint):
         except (BrokenLinkError, QlinkTimeoutError):
             pass  # the target rejects and counts any put that still arrives for it
 
+    def _check_target(self, remote: RemoteRegion) -> None:
+        """The region is the peer's and still registered there (else RegistrationError)."""
+        if remote.key != self._peer_key:
+            raise RegistrationError(f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
+                                    "register on the peer and pass its descriptor")
+        if remote.region_id in self._withdrawn:
+            raise RegistrationError(f"the peer deregistered region {remote.region_id}; ask it for a current descriptor")
+
     def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
             timeout_s: float | None = None) -> None:
         """Send ``data`` to land in the peer's region at ``offset``; the peer gets a Notification."""
@@ -753,11 +761,7 @@ class TcpEndpoint(Endpoint):
         if offset < 0 or offset + n > remote.nbytes:
             raise RegistrationError(
                 f"put of {n} bytes at offset {offset} falls outside region {remote.region_id} of {remote.nbytes} bytes")
-        if remote.key != self._peer_key:
-            raise RegistrationError(f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
-                                    "register on the peer and pass its descriptor")
-        if remote.region_id in self._withdrawn:
-            raise RegistrationError(f"the peer deregistered region {remote.region_id}; ask it for a current descriptor")
+        self._check_target(remote)
         deadline = deadline_of(timeout_s)
         with self._slock:
             self._send_frame(fr.KIND_PUT, src, region_id=remote.region_id, offset=offset, notify_id=notify_id,
@@ -785,11 +789,7 @@ class TcpEndpoint(Endpoint):
         if int(ln.max()) > _MAX_PIECE_NBYTES:
             raise ValueError(f"put_many piece of {int(ln.max())} bytes exceeds the tcp frame limit of "
                              f"{_MAX_PIECE_NBYTES} bytes per piece; split it")
-        if remote.key != self._peer_key:
-            raise RegistrationError(f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
-                                    "register on the peer and pass its descriptor")
-        if remote.region_id in self._withdrawn:
-            raise RegistrationError(f"the peer deregistered region {remote.region_id}; ask it for a current descriptor")
+        self._check_target(remote)
         deadline = deadline_of(timeout_s)
         groups = _frame_groups(ln)
         with self._slock:
@@ -902,15 +902,7 @@ def _check_putv_header(flags: int, tag_nbytes: int, nbytes: int, count: int) -> 
 
 def _frame_groups(ln: np.ndarray) -> list[tuple[int, int]]:
     """Split the pieces of a put_many into runs whose table and bytes fit one frame."""
-    cum = np.cumsum(ln + _PIECE_NBYTES)
-    if int(cum[-1]) <= fr.MAX_FRAME_PAYLOAD:
-        return [(0, int(ln.size))]
-    out, start, base = [], 0, 0
-    while start < ln.size:
-        stop = max(start + 1, int(np.searchsorted(cum, base + fr.MAX_FRAME_PAYLOAD, side="right")))
-        out.append((start, stop))
-        base, start = int(cum[stop - 1]), stop
-    return out
+    return message_groups(ln, entry_nbytes=_PIECE_NBYTES, max_nbytes=fr.MAX_FRAME_PAYLOAD)
 
 
 def _byte_view(obj) -> memoryview:
