@@ -598,17 +598,6 @@ class TcpEndpoint(Endpoint):
             self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while sending", e)
             return -1
 
-    @staticmethod
-    def _rest(parts: list, sent: int) -> list:
-        out = []
-        for p in parts:
-            if sent >= len(p):
-                sent -= len(p)
-                continue
-            out.append(p[sent:] if sent else p)
-            sent = 0
-        return out
-
     def _flush_pending(self, deadline: float | None, timeout_s, nowait: bool, what: str) -> None:
         while self._pending is not None:
             k = self._write([self._pending])
@@ -647,9 +636,6 @@ class TcpEndpoint(Endpoint):
 
     def _send_frame(self, kind: int, src, *, region_id: int = 0, offset: int = 0, notify_id: int = 0,
                     tag: bytes = b"", deadline: float | None, timeout_s, nowait: bool, what: str) -> None:
-        if self._pending is not None:
-            self._flush_pending(deadline, timeout_s, nowait, what)
-        self._check_peer(what)
         n = len(src)
         hsize = fr.HEADER.size + len(tag)
         sbuf = self._sbuf
@@ -661,35 +647,17 @@ class TcpEndpoint(Endpoint):
             parts = [self._smv[:hsize + n]]
         else:
             parts = [self._smv[:hsize], src]
-        total = hsize + n
-        sent = self._write(parts)
-        while True:
-            if sent < 0:
-                self._raise_broken(what)
-            if sent >= total:
-                return
-            if nowait:
-                if sent == 0:
-                    raise WouldBlock("the tcp socket buffer is full; nothing of this message was sent")
-                break
-            try:
-                self._wait_writable(deadline, what, timeout_s)
-            except QlinkTimeoutError:
-                if sent == 0:
-                    raise
-                break
-            k = self._write(self._rest(parts, sent))
-            sent = k if k < 0 else sent + k
-        # part of the frame is on the wire: it is committed. Keep the rest (copied, the caller may
-        # reuse its buffer) and write it before anything else; any later call on this endpoint flushes it.
-        self._pending = memoryview(b"".join(bytes(p) for p in self._rest(parts, sent)))
+        self._send_parts(parts, hsize + n, deadline=deadline, timeout_s=timeout_s, nowait=nowait, what=what)
 
-    def _send_parts(self, parts: list, total: int, *, deadline: float | None, timeout_s, what: str) -> None:
+    def _send_parts(self, parts: list, total: int, *, deadline: float | None, timeout_s, what: str,
+                    nowait: bool = False) -> None:
         """Write one frame given as a list of buffers (sendmsg, at most IOV_MAX at a time);
-        the caller holds _slock. As in _send_frame, a frame cut short by the timeout after
-        its first byte left is committed: the rest is kept (copied) in _pending."""
+        the caller holds _slock. Nothing sent yet: a timeout (or, ``nowait``, a full socket)
+        raises. Once the first byte left the frame is committed: the rest is kept (copied,
+        the caller may reuse its buffers) in _pending and written before anything else;
+        any later call on this endpoint flushes it."""
         if self._pending is not None:
-            self._flush_pending(deadline, timeout_s, False, what)
+            self._flush_pending(deadline, timeout_s, nowait, what)
         self._check_peer(what)
         i, sent = 0, 0
         while True:
@@ -713,6 +681,10 @@ class TcpEndpoint(Endpoint):
             i = j
             if whole_batch:
                 continue
+            if nowait:
+                if sent == 0:
+                    raise WouldBlock("the tcp socket buffer is full; nothing of this message was sent")
+                break
             try:
                 self._wait_writable(deadline, what, timeout_s)
             except QlinkTimeoutError:
