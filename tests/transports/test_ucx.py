@@ -48,17 +48,6 @@ def _reap(proc: subprocess.Popen) -> tuple[str, str]:
     return out, err
 
 
-@pytest.fixture
-def pair():
-    lis = transports.listen("ucx://127.0.0.1:0")
-    a = transports.connect(lis.url, timeout_s=5)
-    b = lis.accept(timeout_s=5)
-    yield a, b
-    a.close()
-    b.close()
-    lis.close()
-
-
 # ----- configuration and addresses ------------------------------------------------------------
 _PEER = r"""
 import sys, transports
@@ -306,8 +295,8 @@ def test_connections_sharing_a_worker_never_see_each_others_messages():
 
 
 @pytest.mark.timeout(30)
-def test_a_sending_thread_and_a_receiving_thread_share_an_endpoint(pair):
-    a, b = pair
+def test_a_sending_thread_and_a_receiving_thread_share_an_endpoint(ucx_pair):
+    a, b = ucx_pair
     count = 2000
     got = []
 
@@ -427,8 +416,8 @@ def test_both_hot_paths_carry_messages_and_puts(hot_path):
 
 # ----- close, buffering, put guards -------------------------------------------------------------
 @pytest.mark.timeout(30)
-def test_close_delivers_what_was_sent_even_a_staged_large_message(pair):
-    a, b = pair
+def test_close_delivers_what_was_sent_even_a_staged_large_message(ucx_pair):
+    a, b = ucx_pair
     big = np.arange(16 << 20, dtype=np.uint8)
     a.send(b"first")
     a.send(big)  # staged: the receiver has not asked for it yet
@@ -444,8 +433,8 @@ def test_close_delivers_what_was_sent_even_a_staged_large_message(pair):
 
 
 @pytest.mark.timeout(30)
-def test_close_drains_what_the_peer_sent_to_this_connection(pair):
-    a, b = pair
+def test_close_drains_what_the_peer_sent_to_this_connection(ucx_pair):
+    a, b = ucx_pair
     for i in range(50):
         a.send(bytes([i]) * 100)
     a.send(np.ones(100_000, dtype=np.uint8))  # a rendezvous message too
@@ -504,8 +493,8 @@ def test_zero_copy_sends_with_a_receiving_thread():
 
 
 @pytest.mark.timeout(30)
-def test_put_guards_foreign_descriptor_revoked_region_and_bounds(pair):
-    a, b = pair
+def test_put_guards_foreign_descriptor_revoked_region_and_bounds(ucx_pair):
+    a, b = ucx_pair
     target = np.zeros(64 << 10, dtype=np.uint8)
     region = b.register(target)
     desc = region.descriptor()

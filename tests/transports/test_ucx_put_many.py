@@ -24,17 +24,6 @@ pytest.importorskip("ucxx", reason="the ucx transport needs ucxx-cu12 (pip insta
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def pair():
-    lis = transports.listen("ucx://127.0.0.1:0")
-    a = transports.connect(lis.url, timeout_s=5)
-    b = lis.accept(timeout_s=5)
-    yield a, b
-    a.close()
-    b.close()
-    lis.close()
-
-
 def _expected(region_nbytes, src, so, do, ln):
     want = np.zeros(region_nbytes, np.uint8)
     for s, d, n in zip(so, do, ln):
@@ -51,8 +40,8 @@ def _no_more_notes(ep) -> None:
     (16384, 64, "scattered"), (4096, 37, "contiguous"), (1, 5, "scattered"), (24, 3000, "scattered"),
     (64, 50, "overlapping"),
 ])
-def test_put_many_is_one_vectored_put_and_one_notification_bit_exact(pair, unit, count, layout):
-    a, b = pair
+def test_put_many_is_one_vectored_put_and_one_notification_bit_exact(ucx_pair, unit, count, layout):
+    a, b = ucx_pair
     assert a.put_many_gathers and b.put_many_gathers  # both hellos offered vectored puts
     rng = np.random.default_rng(unit + count)
     slots = count * 2
@@ -81,10 +70,10 @@ def test_put_many_is_one_vectored_put_and_one_notification_bit_exact(pair, unit,
 
 
 @pytest.mark.parametrize("piece", [4096, 300 << 10], ids=["eager", "rendezvous"])
-def test_put_many_from_bytes_and_back_to_back_put_many_keep_their_order(pair, piece):
+def test_put_many_from_bytes_and_back_to_back_put_many_keep_their_order(ucx_pair, piece):
     """Several put_many of different sizes in flight before the target looks: each lands,
     each announced once, in order (their staging buffers taken and given back in turn)."""
-    a, b = pair
+    a, b = ucx_pair
     slot = 2 * piece
     target = np.zeros(6 * slot, np.uint8)
     region = b.register(target)
@@ -107,8 +96,8 @@ def test_put_many_from_bytes_and_back_to_back_put_many_keep_their_order(pair, pi
     assert len(b._vstages) <= uput._KEEP_STAGES
 
 
-def test_a_put_many_past_the_message_limit_goes_as_several_vectored_puts_one_notification(pair, monkeypatch):
-    a, b = pair
+def test_a_put_many_past_the_message_limit_goes_as_several_vectored_puts_one_notification(ucx_pair, monkeypatch):
+    a, b = ucx_pair
     monkeypatch.setattr(wire, "PUTV_MAX_NBYTES", 4096)  # both ends in this process see the smaller limit
     target = np.zeros(1 << 17, np.uint8)
     region = b.register(target)
@@ -139,8 +128,8 @@ def _send_raw_putv(ep, rid: int, table: list[tuple[int, int]], payload: bytes, *
 
 @pytest.mark.parametrize("case", ["table-too-long", "table-too-short", "piece-outside", "count-beyond-message",
                                   "no-pieces", "unknown-region", "message-longer-than-announced"])
-def test_a_malformed_vectored_put_is_counted_never_written_never_announced(pair, case):
-    a, b = pair
+def test_a_malformed_vectored_put_is_counted_never_written_never_announced(ucx_pair, case):
+    a, b = ucx_pair
     target = np.zeros(64, np.uint8)
     region = b.register(target)
     rid = region.region_id
@@ -167,8 +156,8 @@ def test_a_malformed_vectored_put_is_counted_never_written_never_announced(pair,
     assert b.statistics().extra["bad_frames"] == 1
 
 
-def test_a_region_deregistered_in_flight_is_never_announced(pair):
-    a, b = pair
+def test_a_region_deregistered_in_flight_is_never_announced(ucx_pair):
+    a, b = ucx_pair
     target = np.zeros(1 << 16, np.uint8)
     region = b.register(target)
     src = np.full(1 << 15, 7, np.uint8)
