@@ -1,7 +1,11 @@
-"""Build hook for the optional C accelerator of the shared-memory ring.
+"""Build hook for qlink's optional C accelerators.
 
-The extension is optional: when it cannot be built, qlink falls back to its
-pure-Python ring (same wire layout, slower), and says so in benchmark reports.
+* ``transports._ringc``: the shared-memory ring's hot path. When it cannot be built,
+  qlink falls back to its pure-Python ring (same wire layout, slower), and says so in
+  benchmark reports.
+* ``qlink.qec._hotcore``: the QEC loop's per-frame path over that ring (it uses the
+  ring's C API, ``transports/_ring_api.h``). Without it, the loop runs its Python path
+  and ``qlink.qec.hotpath.available()`` says why.
 """
 
 from setuptools import Extension, setup
@@ -11,9 +15,17 @@ setup(
         Extension(
             "transports._ringc",
             sources=["transports/_ringc.c"],
-            depends=["transports/_ringc_put.h"],  # included by _ringc.c
+            depends=["transports/_ringc_put.h", "transports/_ring_api.h"],  # included by _ringc.c
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
-        )
+        ),
+        Extension(
+            "qlink.qec._hotcore",
+            sources=["qlink/qec/_hotcore.c"],
+            include_dirs=["transports"],
+            depends=["transports/_ring_api.h"],
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
     ]
 )

@@ -114,6 +114,12 @@ __all__ = [
     "decode_response",
     "pack_bits",
     "unpack_bits",
+    "REQUEST_HEADER",
+    "RESPONSE_HEADER",
+    "ENQUEUE_FIXED",
+    "GET_CORRECTIONS_PAYLOAD",
+    "RESET_DECODER_PAYLOAD",
+    "native_layout",
 ]
 
 REQUEST_MAGIC = 0x43555152  # b"RQUC" on the wire: 'CUQR' read as a little-endian u32
@@ -138,6 +144,13 @@ _ENQUEUE_FIXED = struct.Struct("<qqqq")
 _GET_CORRECTIONS = struct.Struct("<qqB")
 _RESET_DECODER = struct.Struct("<q")
 _MAGIC = struct.Struct("<I")
+# The byte layouts, public: every fast path (the service's, the controller's, the native
+# core's through native_layout()) reads and writes frames with these and no other.
+REQUEST_HEADER = _REQUEST_HEADER  # magic, function_id, arg_len, request_id, ptp_timestamp
+RESPONSE_HEADER = _RESPONSE_HEADER  # magic, status, result_len, request_id, ptp_timestamp
+ENQUEUE_FIXED = _ENQUEUE_FIXED  # decoder_id, counter, syndrome_mapping_id, num_syndromes
+GET_CORRECTIONS_PAYLOAD = _GET_CORRECTIONS  # decoder_id, return_size, reset
+RESET_DECODER_PAYLOAD = _RESET_DECODER  # decoder_id
 assert _REQUEST_HEADER.size == _RESPONSE_HEADER.size == HEADER_NBYTES
 assert _ENQUEUE_FIXED.size == ENQUEUE_SYNDROMES_FIXED_NBYTES
 assert _GET_CORRECTIONS.size == GET_CORRECTIONS_PAYLOAD_NBYTES
@@ -204,6 +217,27 @@ class Status(enum.IntEnum):
 
 
 _STATUS_BY_VALUE = {int(s): s for s in Status}
+
+
+def native_layout() -> dict:
+    """The wire's numbers and struct formats, as plain data for native code.
+
+    ``qlink.qec._hotcore`` takes its layout from here (and refuses formats it does not
+    implement), so this module stays the one owner of the bytes.
+
+    >>> lay = native_layout()
+    >>> lay["request_header"], hex(lay["ENQUEUE_SYNDROMES"]), lay["NOT_READY"]
+    ('<IIIIQ', '0x7ed8be82', 4)
+    """
+    out = {name: globals()[name] for name in (
+        "REQUEST_MAGIC", "RESPONSE_MAGIC", "HEADER_NBYTES", "MAX_SYNDROME_BITS", "MAX_CORRECTION_BITS",
+        "MAX_DECODERS", "ENQUEUE_SYNDROMES", "GET_CORRECTIONS", "RESET_DECODER", "ENQUEUE_SYNDROMES_FIXED_NBYTES",
+        "GET_CORRECTIONS_PAYLOAD_NBYTES", "RESET_DECODER_PAYLOAD_NBYTES")}
+    out.update({st.name: int(st) for st in Status})
+    out.update(request_header=REQUEST_HEADER.format, response_header=RESPONSE_HEADER.format,
+               enqueue_fixed=ENQUEUE_FIXED.format, get_corrections=GET_CORRECTIONS_PAYLOAD.format,
+               reset_decoder=RESET_DECODER_PAYLOAD.format)
+    return out
 
 
 # ------------------------------------------------------------------------ errors

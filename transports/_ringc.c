@@ -17,6 +17,7 @@
 #include <sched.h>
 #include <string.h>
 #include <time.h>
+#include "_ring_api.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the qlink ring layout is little-endian; this build target is not"
@@ -881,6 +882,67 @@ static PyObject *mod_set_yield_every(PyObject *Py_UNUSED(m), PyObject *arg) {
     return PyLong_FromLong(old);
 }
 
+/* ------------------------------------------------------------------ C API (capsule) */
+/* See _ring_api.h. The same layout code as the methods above, without Python objects. */
+
+static int api_is_ring(PyObject *obj) { return PyObject_TypeCheck(obj, &RingType); }
+
+static int api_send(PyObject *ring, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
+    RingObject *r = (RingObject *)ring;
+    if (!r->has_buf)
+        return RELEASED;
+    int rc = send_parts(r, KIND_MSG, n1 + n2, p1, n1, p2, n2);
+    if (rc == SEND_OK) {
+        r->messages++;
+        r->message_bytes += n1 + n2;
+    }
+    return rc;
+}
+
+static int api_peek(PyObject *ring, const uint8_t **data, uint32_t *nbytes) {
+    RingObject *r = (RingObject *)ring;
+    if (!r->has_buf)
+        return RELEASED;
+    rec_hdr h;
+    uint64_t pos;
+    int st = head_record(r, &h, &pos);
+    if (st == 0)
+        return QLINK_RING_EMPTY;
+    if (st < 0 || h.kind != KIND_MSG || (uint64_t)h.nbytes != h.aux)
+        return QLINK_RING_OTHER;
+    *data = r->data + pos + REC_HDR;
+    *nbytes = h.nbytes;
+    return QLINK_RING_MSG;
+}
+
+static void api_consume(PyObject *ring) {
+    RingObject *r = (RingObject *)ring;
+    rec_hdr h;
+    uint64_t pos;
+    if (!r->has_buf || head_record(r, &h, &pos) != 1)
+        return;
+    r->tail += REC_HDR + align16(h.nbytes);
+    st_rel(r->hdr + OFF_TAIL, r->tail);
+    r->messages++;
+    r->message_bytes += h.nbytes;
+}
+
+static int api_peer_closed(PyObject *ring, int rx) {
+    RingObject *r = (RingObject *)ring;
+    if (!r->has_buf)
+        return 1;
+    return ld_acq(r->hdr + (rx ? OFF_PCLOSED : OFF_CCLOSED)) != 0;
+}
+
+static int api_producer_on_our_cpu(PyObject *ring) {
+    RingObject *r = (RingObject *)ring;
+    return r->has_buf && producer_shares_our_cpu(r);
+}
+
+static qlink_ring_api ring_c_api = {
+    QLINK_RING_API_VERSION, api_is_ring, api_send, api_peek, api_consume, api_peer_closed, api_producer_on_our_cpu,
+};
+
 static PyMethodDef module_methods[] = {
     {"set_stream_copy", (PyCFunction)(void (*)(void))mod_set_stream_copy, METH_FASTCALL,
      "set_stream_copy(kind=None) -> previous kind: how the target copies large deferred puts ('avx512', 'avx2', "
@@ -933,6 +995,12 @@ PyMODINIT_FUNC PyInit__ringc(void) {
     Py_INCREF(&FastPathType);
     if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
         Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *capsule = PyCapsule_New(&ring_c_api, QLINK_RING_API_CAPSULE, NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }

@@ -80,6 +80,7 @@ import numpy as np
 
 from qlink.errors import (
     BrokenLinkError,
+    CapabilityError,
     ClosedError,
     MissingDependencyError,
     QlinkTimeoutError,
@@ -351,6 +352,34 @@ class ShmEndpoint(Endpoint):
                 self._peer.on_unmap = fp.forget_remote
                 self.put, self.put_many = fp.put, fp.put_many
                 self.wait_notification, self.poll_notification_nowait = fp.wait_notification, fp.poll_notification_nowait
+
+    def native_rings(self):
+        """``(tx, rx)``: this endpoint's C rings, for native code that moves whole messages
+        through them with the ring's C API (``transports/_ring_api.h``; qlink's QEC hot
+        path). The caller must not use this endpoint's own send/receive meanwhile.
+
+        Raises :class:`~qlink.errors.CapabilityError` where the rings are the pure-Python
+        ones (the C accelerator is not built) or a message is already queued aside on
+        the Python side (it would be skipped).
+        """
+        if _ringc is None or not isinstance(self._tx, _ringc.Ring):
+            raise CapabilityError("native_rings() needs the C ring (transports._ringc), which this endpoint does not "
+                                  "use: build it with 'python setup.py build_ext --inplace' or reinstall qlink")
+        if not self._rx_clean:
+            raise CapabilityError("native_rings(): a message is queued aside on the Python side; receive it first")
+        if self._closed:
+            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
+        return self._tx, self._rx
+
+    def check_peer(self) -> None:
+        """Look at the peer now: raise :class:`~qlink.errors.BrokenLinkError` when it is gone
+        (for native code driving :meth:`native_rings`, which sees only the rings' flags, not
+        a peer that died without closing)."""
+        if self._closed:
+            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
+        self._poll_socket()
+        if self._peer_flags() is not None:
+            raise self._broken("peer check")
 
     def __repr__(self) -> str:
         return f"<ShmEndpoint {self.url} side={self._side} ring={self._tx.impl} {'closed' if self._closed else 'open'}>"

@@ -21,6 +21,23 @@ _DATAGRAM_IDLE_S = 1.0
 _STOP_POLL_S = 0.5
 
 
+def make_service(configs, service_options: Mapping[str, Any] | None = None):
+    """A decoder service for ``configs``: ``service_options["engine"]`` ``"python"`` (the
+    default: :class:`~qlink.qec.service.DecoderService`, every transport) or ``"native"``
+    (:class:`~qlink.qec.hotpath.NativeDecoderService`, shm only); the other options go to it."""
+    opts = dict(service_options or {})
+    engine = opts.pop("engine", "python")
+    if engine == "native":
+        from .hotpath import NativeDecoderService
+
+        return NativeDecoderService(configs, **opts)
+    if engine != "python":
+        raise ValueError(f"engine must be 'python' or 'native', got {engine!r}")
+    from .service import DecoderService
+
+    return DecoderService(configs, **opts)
+
+
 def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, ready_queue=None,
                         result_queue=None, accept_timeout_s: float = 30.0, timeout_s: float | None = None,
                         service_options: Mapping[str, Any] | None = None, pin_cpu: int | None = None,
@@ -45,7 +62,7 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
 
     from qlink.bench._procs import die_with_parent, pin_to_cpu
 
-    from .service import DecoderConfig, DecoderService
+    from .service import DecoderConfig
 
     _check_max_peers(max_peers)
     die_with_parent()  # a service never outlives the process that started it
@@ -54,7 +71,7 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
 
     try:
         configs = {int(k): DecoderConfig.from_spec(v) for k, v in configs_spec.items()}
-        service = DecoderService(configs, **dict(service_options or {}))
+        service = make_service(configs, service_options)
         listener = transports.listen(url)
     except Exception as exc:
         if ready_queue is not None:

@@ -301,7 +301,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
              stream: SyndromeStream | None = None, max_batch_requests: int = 256,
              max_in_flight_shots: int | None = None, controller_query: str | None = None,
              controller_options: Mapping[str, Any] | None = None, pin_cpus: bool = False,
-             service_url: str | None = None) -> LoopResult:
+             service_url: str | None = None, engine: str = "python") -> LoopResult:
     """Run the closed loop: service in a child process (or thread), controller here.
 
     ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``udp``, ``inproc``) or a URL;
@@ -324,6 +324,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     for the DEM of ``source``, its counter at 0. The controller connects there (``transport``
     is then taken from the URL); the result holds the controller's figures only
     (``service`` is empty, and so are the stage shares that need the service's records).
+
+    ``engine="native"`` runs both sides' per-frame work in C (:mod:`qlink.qec.hotpath`;
+    shm only, one shot per frame group, no ``max_in_flight_shots``): each round its own
+    frame on the cycle (``rounds_per_frame``), the shot decoded the moment its last round
+    lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
     """
     import transports
 
@@ -335,6 +340,11 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     if service_url is not None and (not isinstance(service_url, str) or "://" not in service_url):
         raise ValueError(f"service_url must be a transport URL such as 'udp://127.0.0.1:5000', got {service_url!r}")
     url = resolve_url(transport if service_url is None else service_url)
+    if engine not in ("python", "native"):
+        raise ValueError(f"engine must be 'python' or 'native', got {engine!r}")
+    if engine == "native":
+        _check_native(url, shots_per_frame=shots_per_frame, max_in_flight_shots=max_in_flight_shots,
+                      controller_query=controller_query, service_url=service_url)
     spec = _check_spec(source)
     src = build_source(spec)
     if stream is None:
@@ -350,6 +360,8 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
                                  "frames_per_shot": frames_per_shot}}
     service_options = {"ack_enqueue": ack_enqueue, "keep_samples": int(keep_samples) + int(warmup_shots),
                        "max_batch_requests": int(max_batch_requests)}
+    if engine == "native":
+        service_options["engine"] = "native"
     proc = thread = None
     thread_out: dict = {}
     if service_url is not None:
@@ -390,14 +402,26 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
                           gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
                           max_in_flight_shots=max_in_flight_shots, **dict(controller_options or {}))
             counter, rid, get_rid = 0, 0, 0
+            make = Controller
+            if engine == "native":
+                from .hotpath import NativeController
+
+                make = NativeController
+                ctl_kw = dict(decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
+                              gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
+                              **dict(controller_options or {}))
             if warmup_shots > 0:
                 warm_stream = sample_stream(src, num_shots=warmup_shots,
                                             seed=None if seed is None else seed + 7919)
-                warm = Controller(ep, warm_stream, **ctl_kw)
+                warm = make(ep, warm_stream, **ctl_kw)
                 warm.run(timeout_s=timeout_s)
                 counter, rid, get_rid = warm.counter, warm.next_request_id, warm.next_get_request_id
-            ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
-                             request_id_start=rid, get_request_id_start=get_rid, **ctl_kw)
+            if engine == "native":
+                ctl = make(ep, stream, counter_start=counter, request_id_start=rid, get_request_id_start=get_rid,
+                           **ctl_kw)
+            else:
+                ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
+                                 request_id_start=rid, get_request_id_start=get_rid, **ctl_kw)
             try:
                 cres = ctl.run(timeout_s=timeout_s)
             except BrokenLinkError as exc:
@@ -423,6 +447,22 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
         raise RuntimeError(f"the decoder service failed: {srep['error']}")
     return _assemble(cres, srep, transport_name=transport_name, url=bound, decoder=decoder, spec=spec,
                      rounds_per_frame=rounds_per_frame, shots_per_frame=shots_per_frame)
+
+
+def _check_native(url: str, *, shots_per_frame: int, max_in_flight_shots, controller_query, service_url) -> None:
+    from .hotpath import available
+
+    why = available()
+    if why is not None:
+        raise ValueError(f"engine='native' is not available here: {why}")
+    if not url.startswith("shm://"):
+        raise ValueError(f"engine='native' runs over shm:// only, got {url!r} (use engine='python' for it)")
+    for name, v, ok in (("shots_per_frame", shots_per_frame, shots_per_frame == 1),
+                        ("max_in_flight_shots", max_in_flight_shots, max_in_flight_shots is None),
+                        ("controller_query", controller_query, controller_query is None),
+                        ("service_url", service_url, service_url is None)):
+        if not ok:
+            raise ValueError(f"engine='native' does not take {name}={v!r} (the Python engine does)")
 
 
 def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: str, decoder: str, spec: dict,

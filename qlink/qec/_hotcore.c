@@ -1,0 +1,1503 @@
+/*
+ * qlink.qec._hotcore: the native per-frame path of the QEC loop over shared memory.
+ *
+ * Two objects, each a lean state machine over the rings of an shm endpoint (through the C
+ * API of transports._ringc, see transports/_ring_api.h):
+ *
+ *  - ServiceCore: ingests CUDA-Q realtime RPC frames (enqueue_syndromes /
+ *    get_corrections / reset_decoder), validates them, accumulates each decoder's shot,
+ *    calls the decoder the moment a shot's last bits land (the one Python call per shot:
+ *    the decoder itself), and answers. Refusals are answered with their status and
+ *    counted by fault; nothing is allocated per frame.
+ *  - ControllerCore: the QPU-controller emulator's emit / answer / apply loop: prebuilt
+ *    frames sent on the cycle clock (each round its own frame, or whatever the layout
+ *    says), get_corrections after a shot's last frame, answers XORed into the Pauli
+ *    frame. Runs without the GIL.
+ *
+ * Both stamp every shot into preallocated int64 rows (the layouts of
+ * qlink.qec.timeline's SERVICE_SHOT_FIELDS and CONTROLLER_SHOT_FIELDS) that Python
+ * summarizes afterwards. The byte layouts and numbers of the wire are qlink.wire's: they
+ * are handed over once by set_wire_layout(), which refuses struct formats this code does
+ * not implement. The control plane (configuration, reports) is qlink/qec/hotpath.py.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include "_ring_api.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the CUDA-Q realtime wire is little-endian; this build target is not"
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+static qlink_ring_api *RAPI;
+
+static inline int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+static inline int64_t real_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline int64_t rd64(const uint8_t *p) { int64_t v; memcpy(&v, p, 8); return v; }
+static inline void wr32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void wr64(uint8_t *p, int64_t v) { memcpy(p, &v, 8); }
+
+/* ------------------------------------------------------------------ wire layout */
+
+static struct {
+    int set;
+    uint32_t req_magic, resp_magic, fn_enq, fn_get, fn_reset;
+    uint32_t hdr, enq_fixed, get_payload, reset_payload;
+    int64_t max_bits, max_corr_bits;
+    int max_decoders;
+    int32_t st_ok, st_invalid, st_bad, st_internal, st_not_ready, st_busy, st_dropped;
+} W;
+
+static int layout_int(PyObject *d, const char *key, long long *out) {
+    PyObject *v = PyDict_GetItemString(d, key); /* borrowed */
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "wire layout lacks %s", key);
+        return -1;
+    }
+    *out = PyLong_AsLongLong(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int layout_fmt(PyObject *d, const char *key, const char *want) {
+    PyObject *v = PyDict_GetItemString(d, key);
+    const char *s = v ? PyUnicode_AsUTF8(v) : NULL;
+    if (s == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_KeyError, "wire layout lacks %s", key);
+        return -1;
+    }
+    if (strcmp(s, want) != 0) {
+        PyErr_Format(PyExc_ValueError, "qlink.qec._hotcore implements %s as %s, qlink.wire says %s: rebuild it", key,
+                     want, s);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *mod_set_wire_layout(PyObject *Py_UNUSED(m), PyObject *d) {
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "set_wire_layout(dict)");
+        return NULL;
+    }
+    if (layout_fmt(d, "request_header", "<IIIIQ") || layout_fmt(d, "response_header", "<IiIIQ") ||
+        layout_fmt(d, "enqueue_fixed", "<qqqq") || layout_fmt(d, "get_corrections", "<qqB") ||
+        layout_fmt(d, "reset_decoder", "<q"))
+        return NULL;
+    long long v[18];
+    const char *keys[18] = {"REQUEST_MAGIC", "RESPONSE_MAGIC", "ENQUEUE_SYNDROMES", "GET_CORRECTIONS",
+                            "RESET_DECODER", "HEADER_NBYTES", "ENQUEUE_SYNDROMES_FIXED_NBYTES",
+                            "GET_CORRECTIONS_PAYLOAD_NBYTES", "RESET_DECODER_PAYLOAD_NBYTES", "MAX_SYNDROME_BITS",
+                            "MAX_CORRECTION_BITS", "MAX_DECODERS", "OK", "INVALID_DECODER", "BAD_REQUEST",
+                            "INTERNAL_ERROR", "NOT_READY", "BUSY"};
+    for (int i = 0; i < 18; i++)
+        if (layout_int(d, keys[i], &v[i]))
+            return NULL;
+    long long dropped;
+    if (layout_int(d, "SYNDROMES_DROPPED", &dropped))
+        return NULL;
+    if (v[5] != 24 || v[6] != 32 || v[7] != 17 || v[8] != 8) {
+        PyErr_SetString(PyExc_ValueError, "wire sizes differ from the ones qlink.qec._hotcore implements");
+        return NULL;
+    }
+    W.req_magic = (uint32_t)v[0];
+    W.resp_magic = (uint32_t)v[1];
+    W.fn_enq = (uint32_t)v[2];
+    W.fn_get = (uint32_t)v[3];
+    W.fn_reset = (uint32_t)v[4];
+    W.hdr = (uint32_t)v[5];
+    W.enq_fixed = (uint32_t)v[6];
+    W.get_payload = (uint32_t)v[7];
+    W.reset_payload = (uint32_t)v[8];
+    W.max_bits = v[9];
+    W.max_corr_bits = v[10];
+    W.max_decoders = (int)v[11];
+    W.st_ok = (int32_t)v[12];
+    W.st_invalid = (int32_t)v[13];
+    W.st_bad = (int32_t)v[14];
+    W.st_internal = (int32_t)v[15];
+    W.st_not_ready = (int32_t)v[16];
+    W.st_busy = (int32_t)v[17];
+    W.st_dropped = (int32_t)dropped;
+    W.set = 1;
+    Py_RETURN_NONE;
+}
+
+static int need_layout(void) {
+    if (!W.set) {
+        PyErr_SetString(PyExc_RuntimeError, "call qlink.qec._hotcore.set_wire_layout(...) first (qlink.qec.hotpath does)");
+        return -1;
+    }
+    return 0;
+}
+
+static int get_ring(PyObject *obj, const char *name) {
+    if (RAPI == NULL || !RAPI->is_ring(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a transports._ringc.Ring (an shm endpoint with the C ring)", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* A writable C-contiguous int64 2-D buffer of `ncols` columns (rows recorded into it). */
+static int get_rows(PyObject *obj, Py_buffer *b, int64_t ncols, const char *name, int64_t *nrows) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (b->len % (Py_ssize_t)(8 * ncols) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must hold rows of %lld int64 values", name, (long long)ncols);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    *nrows = b->len / (8 * ncols);
+    return 0;
+}
+
+/* ================================================================== service core */
+
+/* faults and counts, reported by name */
+enum {
+    C_REQUESTS, C_ENQUEUE, C_GET, C_RESET, C_SHOTS_COMPLETED, C_SHOTS_DECODED, C_DECODE_CALLS, C_ANSWERS,
+    C_NOT_READY, C_SHOTS_DROPPED, C_FRAMES_LOST, C_FRAMES_DISCARDED, C_SHOTS_REFUSED_BUSY, C_DECODER_FAILED,
+    C_F_SHORT_FRAME, C_F_BAD_MAGIC, C_F_LENGTH, C_F_UNKNOWN_FUNCTION, C_F_DECODER_NOT_CONFIGURED,
+    C_F_DECODER_ID, C_F_MAPPING_ID, C_F_SYNDROME_COUNT, C_F_COUNTER_BACKWARDS, C_F_COUNTER_GAP, C_F_RETURN_SIZE,
+    C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_N
+};
+static const char *count_names[C_N] = {
+    "requests", "enqueue", "get_corrections", "reset_decoder", "shots_completed", "shots_decoded", "decode_calls",
+    "answers", "not_ready", "shots_dropped", "frames_lost", "frames_discarded", "shots_refused_busy",
+    "decoder_failed", "fault.short_frame", "fault.bad_magic", "fault.length", "fault.unknown_function",
+    "fault.decoder_not_configured", "fault.decoder_id", "fault.syndrome_mapping_id", "fault.syndrome_count",
+    "fault.counter_backwards", "fault.counter_gap", "fault.return_size", "fault.answer_blocked",
+    "fault.layout_mismatch", "slow_path_frames",
+};
+
+#define CALL_FIRED 0  /* fn(indices of the fired detectors, uint64) -> observable flips, one byte each */
+#define CALL_PACKED 1 /* fn(bit_packed_detection_event_data=(1, nbd) uint8) -> (1, nbo) packed flips */
+
+#define SVC_FIELDS 11 /* qlink.qec.timeline.SERVICE_SHOT_FIELDS */
+
+typedef struct {
+    int configured;
+    int64_t num_det, num_obs, nbd, nbo;
+    int64_t frames_per_shot; /* F: frames of one shot (0: unknown, a gap then drops the shot in progress) */
+    int call_kind;
+    PyObject *fn;
+    PyObject *views;   /* CALL_FIRED: tuple of num_det + 1 uint64 views of lengths 0..num_det */
+    uint64_t *idx;     /* their memory */
+    PyObject *row;     /* CALL_PACKED: the (1, nbd) uint8 array passed */
+    uint8_t *row_data;
+    uint8_t *shot;     /* the shot being filled, nbd bytes (+8 slack) */
+    int64_t filled, pos;
+    int filling;
+    int64_t next_counter;
+    int has_counter;
+    int64_t discard;       /* frames of a shot already dropped still to come */
+    int64_t pending_drops; /* dropped shots before the next completed one */
+    /* completed shots [head, tail), ring of cap */
+    int64_t cap;
+    uint8_t *obs;        /* cap * nbo packed flips */
+    int8_t *failed;      /* cap: the decoder failed on it */
+    int64_t *drops_before;
+    int64_t *rec;        /* cap * SVC_FIELDS: the shot's service timestamps until answered */
+    uint64_t head, tail;
+    /* the frame that completed the current shot */
+    int64_t last_rid, last_ptp;
+} SvcDecoder;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *rx, *tx;
+    int ack; /* 0 none, 1 errors, 2 all */
+    int ndec;
+    SvcDecoder dec[64];
+    uint64_t counts[C_N];
+    Py_buffer rows;
+    int has_rows;
+    int64_t nrows, row_n, rows_dropped;
+    int64_t t_ready; /* the service back at receiving, its earlier work done */
+    PyObject *kw_packed; /* ("bit_packed_detection_event_data",) */
+    PyObject *first_error; /* str: the first decoder failure */
+    int64_t answer_block_ns;
+} ServiceCore;
+
+static void dec_free(SvcDecoder *d) {
+    Py_CLEAR(d->fn);
+    Py_CLEAR(d->views);
+    Py_CLEAR(d->row);
+    PyMem_Free(d->shot); /* (idx and row_data borrow the arrays' memory) */
+    PyMem_Free(d->obs);
+    PyMem_Free(d->failed);
+    PyMem_Free(d->drops_before);
+    PyMem_Free(d->rec);
+    memset(d, 0, sizeof(*d));
+}
+
+static void dec_reset(SvcDecoder *d) {
+    d->filled = d->pos = 0;
+    d->filling = 0;
+    d->has_counter = 0;
+    d->next_counter = 0;
+    d->discard = 0;
+    d->pending_drops = 0;
+    d->head = d->tail = 0;
+}
+
+static int svc_traverse(ServiceCore *s, visitproc visit, void *arg) {
+    Py_VISIT(s->rx);
+    Py_VISIT(s->tx);
+    for (int i = 0; i < 64; i++) {
+        Py_VISIT(s->dec[i].fn);
+        Py_VISIT(s->dec[i].views);
+        Py_VISIT(s->dec[i].row);
+    }
+    return 0;
+}
+
+static int svc_clear(ServiceCore *s) {
+    Py_CLEAR(s->rx);
+    Py_CLEAR(s->tx);
+    for (int i = 0; i < 64; i++)
+        dec_free(&s->dec[i]);
+    if (s->has_rows) {
+        PyBuffer_Release(&s->rows);
+        s->has_rows = 0;
+    }
+    Py_CLEAR(s->kw_packed);
+    Py_CLEAR(s->first_error);
+    return 0;
+}
+
+static void svc_dealloc(ServiceCore *s) {
+    PyObject_GC_UnTrack(s);
+    svc_clear(s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* decoders: a sequence of (decoder_id, num_detectors, num_observables, fn, call_kind,
+ * frames_per_shot, capacity_shots, index_array_or_None, row_array_or_None, views_or_None) */
+static int svc_add_decoder(ServiceCore *s, PyObject *t) {
+    long long id, nd, no, kind, fps, cap;
+    PyObject *fn, *idx_arr, *row_arr, *views;
+    if (!PyArg_ParseTuple(t, "LLLOLLLOOO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views))
+        return -1;
+    if (id < 0 || id >= W.max_decoders || id >= 64) {
+        PyErr_Format(PyExc_ValueError, "decoder_id %lld is out of range 0..%d", id, W.max_decoders - 1);
+        return -1;
+    }
+    SvcDecoder *d = &s->dec[id];
+    if (d->configured) {
+        PyErr_Format(PyExc_ValueError, "decoder_id %lld is configured twice", id);
+        return -1;
+    }
+    if (nd < 1 || nd > W.max_bits || no < 0 || no > 8 * 4096 || cap < 1 || fps < 0 || !PyCallable_Check(fn) ||
+        (kind != CALL_FIRED && kind != CALL_PACKED)) {
+        PyErr_Format(PyExc_ValueError, "decoder %lld: bad shape (detectors %lld, observables %lld, capacity %lld, "
+                     "frames per shot %lld, call kind %lld) or decode function", id, nd, no, cap, fps, kind);
+        return -1;
+    }
+    d->num_det = nd;
+    d->num_obs = no;
+    d->nbd = (nd + 7) / 8;
+    d->nbo = no > 0 ? (no + 7) / 8 : 1;
+    d->frames_per_shot = fps;
+    d->call_kind = (int)kind;
+    d->cap = cap;
+    Py_INCREF(fn);
+    d->fn = fn;
+    d->shot = PyMem_Calloc((size_t)d->nbd + 8, 1);
+    d->obs = PyMem_Calloc((size_t)(cap * d->nbo), 1);
+    d->failed = PyMem_Calloc((size_t)cap, 1);
+    d->drops_before = PyMem_Calloc((size_t)cap, sizeof(int64_t));
+    d->rec = PyMem_Calloc((size_t)(cap * SVC_FIELDS), sizeof(int64_t));
+    if (!d->shot || !d->obs || !d->failed || !d->drops_before || !d->rec) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (kind == CALL_FIRED) {
+        Py_buffer b;
+        if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) != nd + 1 ||
+            PyObject_GetBuffer(idx_arr, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "call kind 'fired' needs num_detectors + 1 views over an index array");
+            return -1;
+        }
+        if (b.len < (Py_ssize_t)(8 * nd)) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "index array too small");
+            return -1;
+        }
+        /* borrowed memory: the array (held in d->row) and the views keep it alive */
+        d->idx = (uint64_t *)b.buf;
+        PyBuffer_Release(&b);
+        d->views = views;
+        Py_INCREF(views);
+        d->row = idx_arr;
+        Py_INCREF(idx_arr);
+    } else {
+        Py_buffer b;
+        if (PyObject_GetBuffer(row_arr, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        if (b.len != (Py_ssize_t)d->nbd) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "call kind 'packed' needs a (1, ceil(num_detectors/8)) uint8 row");
+            return -1;
+        }
+        d->row_data = (uint8_t *)b.buf;
+        PyBuffer_Release(&b);
+        d->row = row_arr;
+        Py_INCREF(row_arr);
+    }
+    d->configured = 1;
+    dec_reset(d);
+    return 0;
+}
+
+static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
+    PyObject *rx, *tx, *decoders, *rows = Py_None;
+    int ack = 1;
+    double block_s = 1.0;
+    static char *kwlist[] = {"rx", "tx", "decoders", "ack", "rows", "answer_block_s", NULL};
+    if (need_layout())
+        return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$iOd:ServiceCore", kwlist, &rx, &tx, &decoders, &ack, &rows,
+                                     &block_s))
+        return -1;
+    if (get_ring(rx, "rx") || get_ring(tx, "tx"))
+        return -1;
+    if (ack < 0 || ack > 2) {
+        PyErr_SetString(PyExc_ValueError, "ack must be 0 (none), 1 (errors) or 2 (all)");
+        return -1;
+    }
+    svc_clear(s);
+    memset(s->counts, 0, sizeof(s->counts));
+    Py_INCREF(rx);
+    Py_INCREF(tx);
+    s->rx = rx;
+    s->tx = tx;
+    s->ack = ack;
+    s->answer_block_ns = (int64_t)(block_s * 1e9);
+    s->kw_packed = Py_BuildValue("(s)", "bit_packed_detection_event_data");
+    if (s->kw_packed == NULL)
+        return -1;
+    PyObject *seq = PySequence_Fast(decoders, "decoders must be a sequence of tuples");
+    if (seq == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        if (svc_add_decoder(s, PySequence_Fast_GET_ITEM(seq, i)) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    if (rows != Py_None) {
+        if (get_rows(rows, &s->rows, SVC_FIELDS, "rows", &s->nrows) < 0)
+            return -1;
+        s->has_rows = 1;
+    }
+    s->row_n = s->rows_dropped = 0;
+    s->t_ready = mono_ns();
+    return 0;
+}
+
+/* ----- answers */
+
+static void svc_answer(ServiceCore *s, int32_t status, uint32_t rid, int64_t ptp, const uint8_t *res, uint32_t nres) {
+    uint8_t h[24];
+    wr32(h, W.resp_magic);
+    memcpy(h + 4, &status, 4);
+    wr32(h + 8, nres);
+    wr32(h + 12, rid);
+    wr64(h + 16, ptp);
+    int rc = RAPI->send(s->tx, h, 24, res, nres);
+    if (rc == QLINK_RING_FULL) { /* the controller is not reading: wait a bounded time */
+        int64_t t0 = mono_ns();
+        PyThreadState *ts = PyEval_SaveThread();
+        while (rc == QLINK_RING_FULL && mono_ns() - t0 < s->answer_block_ns && !RAPI->peer_closed(s->tx, 0)) {
+            CPU_RELAX();
+            rc = RAPI->send(s->tx, h, 24, res, nres);
+        }
+        PyEval_RestoreThread(ts);
+    }
+    if (rc == QLINK_RING_SENT)
+        s->counts[C_ANSWERS]++;
+    else
+        s->counts[C_F_ANSWER_BLOCKED]++;
+}
+
+static inline void svc_refuse(ServiceCore *s, int fault, int32_t status, uint32_t rid, int64_t ptp) {
+    s->counts[fault]++;
+    if (s->ack >= 1)
+        svc_answer(s, status, rid, ptp, NULL, 0);
+}
+
+/* ----- decoding */
+
+static void note_failure(ServiceCore *s) {
+    if (s->first_error == NULL) {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyErr_NormalizeException(&t, &v, &tb);
+        s->first_error = v ? PyObject_Repr(v) : NULL;
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+    }
+    PyErr_Clear();
+}
+
+/* Decode `bits` (nbd bytes, pad bits clear) into `out` (nbo packed bytes). 0 ok, -1 failed (counted). */
+static int svc_decode(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint8_t *out) {
+    PyObject *res;
+    if (d->call_kind == CALL_FIRED) {
+        int64_t k = 0;
+        uint64_t *idx = d->idx;
+        int64_t nbd = d->nbd;
+        int64_t j = 0;
+        for (; j + 8 <= nbd; j += 8) {
+            uint64_t w;
+            memcpy(&w, bits + j, 8);
+            while (w) {
+                idx[k++] = (uint64_t)(8 * j + __builtin_ctzll(w));
+                w &= w - 1;
+            }
+        }
+        for (; j < nbd; j++) {
+            unsigned b = bits[j];
+            while (b) {
+                idx[k++] = (uint64_t)(8 * j + __builtin_ctz(b));
+                b &= b - 1;
+            }
+        }
+        PyObject *view = PyTuple_GET_ITEM(d->views, k);
+        res = PyObject_Vectorcall(d->fn, &view, 1, NULL);
+    } else {
+        memcpy(d->row_data, bits, (size_t)d->nbd);
+        res = PyObject_Vectorcall(d->fn, &d->row, 0, s->kw_packed);
+    }
+    s->counts[C_DECODE_CALLS]++;
+    if (res == NULL) {
+        note_failure(s);
+        return -1;
+    }
+    PyObject *arr = res;
+    if (PyTuple_Check(res) && PyTuple_GET_SIZE(res) >= 1) /* (flips, weight) */
+        arr = PyTuple_GET_ITEM(res, 0);
+    Py_buffer b;
+    if (PyObject_GetBuffer(arr, &b, PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(res);
+        note_failure(s);
+        return -1;
+    }
+    int rc = 0;
+    memset(out, 0, (size_t)d->nbo);
+    if (d->call_kind == CALL_FIRED) {
+        if (b.len < d->num_obs || (b.itemsize != 1 && b.len / (b.itemsize ? b.itemsize : 1) < d->num_obs)) {
+            rc = -1;
+        } else {
+            const uint8_t *p = (const uint8_t *)b.buf;
+            Py_ssize_t step = b.itemsize > 0 ? b.itemsize : 1;
+            for (int64_t o = 0; o < d->num_obs; o++) /* little-endian: the low byte says 0 or not for bools/ints */
+                if (p[o * step])
+                    out[o >> 3] |= (uint8_t)(1u << (o & 7));
+        }
+    } else {
+        if (b.len < d->nbo && d->num_obs > 0)
+            rc = -1;
+        else if (d->num_obs > 0)
+            memcpy(out, b.buf, (size_t)d->nbo);
+    }
+    PyBuffer_Release(&b);
+    Py_DECREF(res);
+    if (rc < 0 && s->first_error == NULL)
+        s->first_error = PyUnicode_FromString("the decoder returned fewer observable flips than the DEM has");
+    return rc;
+}
+
+/* A completed shot: queue it (BUSY when the queue is full) and decode it at once. */
+static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint32_t rid, int64_t ptp, int64_t t_in,
+                         int64_t *status_out) {
+    s->counts[C_SHOTS_COMPLETED]++;
+    if ((int64_t)(d->tail - d->head) >= d->cap) {
+        s->counts[C_SHOTS_REFUSED_BUSY]++;
+        s->counts[C_SHOTS_DROPPED]++;
+        d->pending_drops++;
+        *status_out = W.st_busy;
+        return;
+    }
+    int64_t slot = (int64_t)(d->tail % (uint64_t)d->cap);
+    d->drops_before[slot] = d->pending_drops;
+    d->pending_drops = 0;
+    if (t_in == 0) /* the frame came while the service was busy: stamped now (parsed, about to decode) */
+        t_in = mono_ns();
+    int64_t t0 = mono_ns();
+    int rc = svc_decode(s, d, bits, d->obs + slot * d->nbo);
+    int64_t t1 = mono_ns();
+    d->failed[slot] = rc < 0;
+    if (rc < 0)
+        s->counts[C_DECODER_FAILED]++;
+    else
+        s->counts[C_SHOTS_DECODED]++;
+    int64_t *r = d->rec + slot * SVC_FIELDS;
+    r[0] = rid;
+    r[1] = ptp;
+    r[2] = t_in;
+    r[3] = t_in; /* complete: the frame that completed it was received */
+    r[4] = t0;
+    r[5] = t1;
+    r[6] = 0;
+    r[7] = 1;
+    r[8] = 0;
+    r[9] = 1;
+    r[10] = s->t_ready ? s->t_ready : t_in; /* busy back to back: ready when it took this frame */
+    d->tail++;
+}
+
+/* `g` frames were lost before this one: drop every shot they touched. */
+static void svc_lose(ServiceCore *s, SvcDecoder *d, int64_t g) {
+    s->counts[C_F_COUNTER_GAP]++;
+    s->counts[C_FRAMES_LOST] += (uint64_t)g;
+    int64_t F = d->frames_per_shot;
+    int64_t drops;
+    if (F <= 0) { /* layout unknown: the shot in progress (if any) is dropped, this frame starts afresh */
+        drops = 1;
+        d->pos = 0;
+        d->discard = 0;
+    } else {
+        int64_t total = d->pos + g;
+        drops = (total - 1) / F + 1;
+        int64_t np = total % F;
+        d->pos = np;
+        d->discard = np ? F - np : 0;
+    }
+    d->filling = 0;
+    d->filled = 0;
+    d->pending_drops += drops;
+    s->counts[C_SHOTS_DROPPED] += (uint64_t)drops;
+}
+
+/* OR n bits of src (from bit 0) into d->shot at bit d->filled. */
+static inline void append_bits(SvcDecoder *d, const uint8_t *src, int64_t n) {
+    int64_t f = d->filled;
+    int64_t nb = (n + 7) >> 3;
+    int o = (int)(f & 7);
+    uint8_t *dst = d->shot + (f >> 3);
+    uint8_t lastmask = (n & 7) ? (uint8_t)((1u << (n & 7)) - 1) : 0xFF;
+    if (o == 0) {
+        memcpy(dst, src, (size_t)nb);
+        dst[nb - 1] &= lastmask;
+    } else {
+        for (int64_t i = 0; i < nb; i++) {
+            unsigned v = src[i];
+            if (i == nb - 1)
+                v &= lastmask;
+            dst[i] |= (uint8_t)(v << o);
+            dst[i + 1] = (uint8_t)(v >> (8 - o)); /* the next byte starts clean */
+        }
+    }
+    d->filled = f + n;
+}
+
+static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp, int64_t t_in) {
+    s->counts[C_ENQUEUE]++;
+    if (arg_len < W.enq_fixed)
+        return svc_refuse(s, C_F_LENGTH, W.st_bad, rid, ptp);
+    int64_t did = rd64(p), counter = rd64(p + 8), mapping = rd64(p + 16), n = rd64(p + 24);
+    if (n < 0 || n > W.max_bits || (int64_t)arg_len != W.enq_fixed + ((n + 7) >> 3))
+        return svc_refuse(s, C_F_LENGTH, W.st_bad, rid, ptp);
+    if (did < 0 || did >= W.max_decoders)
+        return svc_refuse(s, C_F_DECODER_ID, W.st_invalid, rid, ptp);
+    SvcDecoder *d = &s->dec[did];
+    if (!d->configured)
+        return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
+    if (mapping != 0)
+        return svc_refuse(s, C_F_MAPPING_ID, W.st_bad, rid, ptp);
+    if (n == 0)
+        return svc_refuse(s, C_F_SYNDROME_COUNT, W.st_bad, rid, ptp);
+    int64_t gap = 0;
+    if (d->has_counter && counter != d->next_counter) {
+        if (counter < d->next_counter)
+            return svc_refuse(s, C_F_COUNTER_BACKWARDS, W.st_bad, rid, ptp);
+        gap = counter - d->next_counter;
+    }
+    const uint8_t *bits = p + W.enq_fixed;
+    int64_t nd = d->num_det;
+    int64_t filled = (gap || !d->filling) ? 0 : d->filled;
+    int whole = 0;
+    if (filled + n > nd) {
+        if (filled || n % nd) /* changes nothing: the sender may send it again with the same counter */
+            return svc_refuse(s, C_F_SYNDROME_COUNT, W.st_bad, rid, ptp);
+        whole = 1;
+    }
+    if (gap)
+        svc_lose(s, d, gap);
+    d->next_counter = counter + 1;
+    d->has_counter = 1;
+    int64_t F = d->frames_per_shot;
+    if (d->discard > 0) {
+        d->discard--;
+        s->counts[C_FRAMES_DISCARDED]++;
+        if (F > 0)
+            d->pos = (d->pos + 1) % F;
+        if (s->ack == 2)
+            svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
+        return;
+    }
+    int64_t status = W.st_ok;
+    if (whole || (n == nd && !d->filling)) { /* whole shots: decode straight from the frame */
+        int64_t k = n / nd;
+        if ((nd & 7) == 0) {
+            for (int64_t i = 0; i < k; i++)
+                svc_complete(s, d, bits + i * d->nbd, rid, ptp, t_in, &status);
+        } else {
+            for (int64_t i = 0; i < k; i++) {
+                memset(d->shot, 0, (size_t)d->nbd + 1);
+                d->filled = 0;
+                /* shot i starts at bit i*nd of the frame */
+                int64_t b0 = i * nd, nbytes = (n + 7) >> 3;
+                int sh = (int)(b0 & 7);
+                for (int64_t j = 0; j < d->nbd; j++) {
+                    int64_t at = (b0 >> 3) + j;
+                    unsigned v = bits[at] >> sh;
+                    if (sh && at + 1 < nbytes)
+                        v |= (unsigned)bits[at + 1] << (8 - sh);
+                    d->shot[j] = (uint8_t)v;
+                }
+                if (nd & 7)
+                    d->shot[d->nbd - 1] &= (uint8_t)((1u << (nd & 7)) - 1);
+                svc_complete(s, d, d->shot, rid, ptp, t_in, &status);
+            }
+            d->filled = 0;
+        }
+        d->pos = 0;
+    } else {
+        if (!d->filling) {
+            d->filling = 1;
+            d->filled = 0;
+            d->shot[0] = 0;
+        }
+        append_bits(d, bits, n);
+        d->pos++;
+        if (d->filled == nd) {
+            if (F > 0 && d->pos != F)
+                s->counts[C_F_LAYOUT_MISMATCH]++;
+            d->filling = 0;
+            d->pos = 0;
+            svc_complete(s, d, d->shot, rid, ptp, t_in, &status);
+            d->filled = 0;
+        } else if (F > 0 && d->pos >= F) {
+            s->counts[C_F_LAYOUT_MISMATCH]++;
+        }
+    }
+    if (status != W.st_ok) {
+        if (s->ack >= 1)
+            svc_answer(s, (int32_t)status, rid, ptp, NULL, 0);
+    } else if (s->ack == 2) {
+        svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
+    }
+}
+
+static void svc_record(ServiceCore *s, SvcDecoder *d, int64_t slot, int32_t status, int64_t t_out) {
+    if (!s->has_rows)
+        return;
+    if (s->row_n >= s->nrows) {
+        s->rows_dropped++;
+        return;
+    }
+    int64_t *r = (int64_t *)s->rows.buf + s->row_n * SVC_FIELDS;
+    memcpy(r, d->rec + slot * SVC_FIELDS, SVC_FIELDS * sizeof(int64_t));
+    r[6] = t_out;
+    r[8] = status;
+    s->row_n++;
+}
+
+static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp) {
+    s->counts[C_GET]++;
+    if (arg_len != W.get_payload)
+        return svc_refuse(s, C_F_LENGTH, W.st_bad, rid, ptp);
+    int64_t did = rd64(p), rs = rd64(p + 8);
+    int consume = p[16] != 0;
+    if (did < 0 || did >= W.max_decoders)
+        return svc_refuse(s, C_F_DECODER_ID, W.st_invalid, rid, ptp);
+    SvcDecoder *d = &s->dec[did];
+    if (!d->configured)
+        return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
+    if (rs < 1 || rs > d->num_obs || rs > W.max_corr_bits)
+        return svc_refuse(s, C_F_RETURN_SIZE, W.st_bad, rid, ptp);
+    if (d->head == d->tail) {
+        if (d->pending_drops > 0) { /* dropped shots with nothing after them yet */
+            if (consume)
+                d->pending_drops--;
+            svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
+            return;
+        }
+        s->counts[C_NOT_READY]++;
+        svc_answer(s, W.st_not_ready, rid, ptp, NULL, 0);
+        return;
+    }
+    int64_t slot = (int64_t)(d->head % (uint64_t)d->cap);
+    if (d->drops_before[slot] > 0) {
+        if (consume)
+            d->drops_before[slot]--;
+        svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
+        return;
+    }
+    if (d->failed[slot]) {
+        if (consume)
+            d->head++;
+        svc_answer(s, W.st_internal, rid, ptp, NULL, 0);
+        if (consume)
+            svc_record(s, d, slot, W.st_internal, mono_ns());
+        return;
+    }
+    uint8_t out[4096 + 8];
+    uint32_t nres = (uint32_t)((rs + 7) >> 3);
+    memcpy(out, d->obs + slot * d->nbo, nres);
+    if (rs & 7)
+        out[nres - 1] &= (uint8_t)((1u << (rs & 7)) - 1);
+    if (consume)
+        d->head++;
+    svc_answer(s, W.st_ok, rid, ptp, out, nres);
+    if (consume)
+        svc_record(s, d, slot, W.st_ok, mono_ns());
+}
+
+static void svc_reset(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp) {
+    s->counts[C_RESET]++;
+    if (arg_len != W.reset_payload)
+        return svc_refuse(s, C_F_LENGTH, W.st_bad, rid, ptp);
+    int64_t did = rd64(p);
+    if (did < 0 || did >= W.max_decoders)
+        return svc_refuse(s, C_F_DECODER_ID, W.st_invalid, rid, ptp);
+    SvcDecoder *d = &s->dec[did];
+    if (!d->configured)
+        return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
+    dec_reset(d);
+    svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
+}
+
+/* One frame. Python exceptions never escape (decoder failures are counted). */
+static void svc_handle(ServiceCore *s, const uint8_t *f, uint32_t n, int64_t t_in) {
+    s->counts[C_REQUESTS]++;
+    if (n < W.hdr) { /* not even a header: no request id to answer */
+        s->counts[C_F_SHORT_FRAME]++;
+        return;
+    }
+    uint32_t magic = rd32(f), fn = rd32(f + 4), arg_len = rd32(f + 8), rid = rd32(f + 12);
+    int64_t ptp = rd64(f + 16);
+    if (magic != W.req_magic)
+        return svc_refuse(s, C_F_BAD_MAGIC, W.st_bad, rid, ptp);
+    if ((uint64_t)arg_len + W.hdr != n)
+        return svc_refuse(s, C_F_LENGTH, W.st_bad, rid, ptp);
+    const uint8_t *p = f + W.hdr;
+    if (fn == W.fn_enq)
+        svc_enqueue(s, p, arg_len, rid, ptp, t_in);
+    else if (fn == W.fn_get)
+        svc_get(s, p, arg_len, rid, ptp);
+    else if (fn == W.fn_reset)
+        svc_reset(s, p, arg_len, rid, ptp);
+    else
+        svc_refuse(s, C_F_UNKNOWN_FUNCTION, W.st_bad, rid, ptp);
+}
+
+/* run(idle_ns, max_frames=0) -> 0 idle for idle_ns (look at the peer), 1 the head of the
+ * ring needs the Python path, 2 the peer closed its side, 3 max_frames handled, -3 released */
+static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "run(idle_ns, max_frames=0)");
+        return NULL;
+    }
+    long long idle_ns = PyLong_AsLongLong(args[0]);
+    long long max_frames = nargs > 1 ? PyLong_AsLongLong(args[1]) : 0;
+    if (PyErr_Occurred())
+        return NULL;
+    /* Clock reads cost ~35 ns each: none per frame. The time a frame came is read when it
+     * ends a wait (the service was idle: that read is also when it became ready again) and
+     * otherwise only where a shot completes (svc_complete). */
+    int64_t t_idle0 = mono_ns();
+    long long frames = 0;
+    PyThreadState *ts = NULL;
+    unsigned spins = 1;
+    int code;
+    s->t_ready = t_idle0;
+    for (;;) {
+        const uint8_t *data;
+        uint32_t n;
+        int rc = RAPI->peek(s->rx, &data, &n);
+        if (rc == QLINK_RING_MSG) {
+            if (ts) {
+                PyEval_RestoreThread(ts);
+                ts = NULL;
+            }
+            int64_t t_in = 0;
+            if (spins) { /* it ended a wait */
+                t_in = mono_ns();
+                s->t_ready = t_idle0;
+            } else {
+                s->t_ready = 0;
+            }
+            spins = 0;
+            svc_handle(s, data, n, t_in);
+            RAPI->consume(s->rx);
+            if (max_frames > 0 && ++frames >= max_frames) {
+                code = 3;
+                break;
+            }
+            continue;
+        }
+        if (rc == QLINK_RING_OTHER) {
+            code = 1;
+            break;
+        }
+        if (rc == QLINK_RING_RELEASED) {
+            code = -3;
+            break;
+        }
+        if (spins++ == 0)
+            t_idle0 = mono_ns();
+        if ((spins & 63) == 0) {
+            if (RAPI->peer_closed(s->rx, 1)) {
+                code = 2;
+                break;
+            }
+            int64_t now = mono_ns();
+            if (now - t_idle0 > idle_ns) {
+                code = 0;
+                break;
+            }
+            /* idle for 50 us: let other threads of this process run while we spin */
+            if (ts == NULL && now - t_idle0 > 50000)
+                ts = PyEval_SaveThread();
+            if (RAPI->producer_on_our_cpu(s->rx))
+                sched_yield();
+        }
+        CPU_RELAX();
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    return PyLong_FromLong(code);
+}
+
+/* handle(frame) -> None: one frame that came by another path (the endpoint's Python code) */
+static PyObject *svc_handle_py(ServiceCore *s, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    s->counts[C_SLOW_PATH]++;
+    svc_handle(s, (const uint8_t *)b.buf, (uint32_t)(b.len > 0xFFFFFFFFLL ? 0xFFFFFFFFLL : b.len), mono_ns());
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *svc_counts(ServiceCore *s, PyObject *Py_UNUSED(ig)) {
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    for (int i = 0; i < C_N; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(s->counts[i]);
+        if (v == NULL || PyDict_SetItemString(d, count_names[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
+static PyObject *svc_reset_all(ServiceCore *s, PyObject *Py_UNUSED(ig)) {
+    for (int i = 0; i < 64; i++)
+        if (s->dec[i].configured)
+            dec_reset(&s->dec[i]);
+    s->row_n = s->rows_dropped = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *svc_backlog(ServiceCore *s, PyObject *arg) {
+    long id = PyLong_AsLong(arg);
+    if (id == -1 && PyErr_Occurred())
+        return NULL;
+    if (id < 0 || id >= 64 || !s->dec[id].configured) {
+        PyErr_Format(PyExc_ValueError, "decoder %ld is not configured", id);
+        return NULL;
+    }
+    return PyLong_FromLongLong((long long)(s->dec[id].tail - s->dec[id].head));
+}
+
+static PyObject *svc_get_rows_used(ServiceCore *s, void *Py_UNUSED(c)) { return PyLong_FromLongLong(s->row_n); }
+static PyObject *svc_get_rows_dropped(ServiceCore *s, void *Py_UNUSED(c)) { return PyLong_FromLongLong(s->rows_dropped); }
+static PyObject *svc_get_first_error(ServiceCore *s, void *Py_UNUSED(c)) {
+    if (s->first_error == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(s->first_error);
+    return s->first_error;
+}
+
+static PyMethodDef svc_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))svc_run, METH_FASTCALL,
+     "run(idle_ns, max_frames=0) -> 0 idle, 1 the ring's head needs the Python path, 2 peer closed, 3 max_frames, "
+     "-3 released"},
+    {"handle", (PyCFunction)svc_handle_py, METH_O, "handle(frame): one frame received by the Python path"},
+    {"counts", (PyCFunction)svc_counts, METH_NOARGS, "counts and faults by name"},
+    {"reset_all", (PyCFunction)svc_reset_all, METH_NOARGS, "reset every decoder (a new peer) and the shot rows"},
+    {"backlog", (PyCFunction)svc_backlog, METH_O, "backlog(decoder_id) -> shots decoded and not yet answered"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef svc_getset[] = {
+    {"rows_used", (getter)svc_get_rows_used, NULL, "shot rows recorded", NULL},
+    {"rows_dropped", (getter)svc_get_rows_dropped, NULL, "shots answered past the rows' capacity", NULL},
+    {"first_error", (getter)svc_get_first_error, NULL, "the first decoder failure (repr), or None", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ServiceCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "qlink.qec._hotcore.ServiceCore",
+    .tp_basicsize = sizeof(ServiceCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "ServiceCore(rx, tx, decoders, *, ack=1, rows=None, answer_block_s=1.0): the decoder service's per-frame path",
+    .tp_traverse = (traverseproc)svc_traverse,
+    .tp_clear = (inquiry)svc_clear,
+    .tp_dealloc = (destructor)svc_dealloc,
+    .tp_init = (initproc)svc_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = svc_methods,
+    .tp_getset = svc_getset,
+};
+
+/* ================================================================== controller core */
+
+#define CTL_FIELDS 11 /* qlink.qec.timeline.CONTROLLER_SHOT_FIELDS */
+enum { K_SHOT, K_RID, K_EMIT, K_DUE, K_SENT, K_GET, K_RESP, K_APPLIED, K_POLLS, K_STATUS, K_CORRECT };
+
+#define GET_BIT 0x80000000u
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tx, *rx;
+    /* frames: S shots x F frames, each prebuilt (counter, request id and ptp patched at send) */
+    Py_buffer frames, offs, lens, last_round, get_frame, rows, corr, lag;
+    int has[8];
+    int64_t S, F, R, nbo, cycle_ns, gap_cycles, lockstep, stall_ns, deadline_ns;
+    int64_t lag_n;
+    /* state (resumable: run() returns on a stall and is called again) */
+    int64_t s_emit, f_emit, s_ans, t0, shot_t0, counter, rid, get_rid;
+    int64_t frames_sent, late, max_lag, reasks, misses, bad_answers, full_waits, late_threshold_ns;
+    int64_t backlog_every, backlog_n, backlog_cap;
+    Py_buffer backlog;
+    int has_backlog;
+    uint8_t pauli[4096];
+    int started, done;
+    int64_t t_end, statuses[8], real_off;
+} ControllerCore;
+
+static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
+    Py_VISIT(c->tx);
+    Py_VISIT(c->rx);
+    return 0;
+}
+
+static int ctl_clear(ControllerCore *c) {
+    Py_CLEAR(c->tx);
+    Py_CLEAR(c->rx);
+    Py_buffer *bs[8] = {&c->frames, &c->offs, &c->lens, &c->last_round, &c->get_frame, &c->rows, &c->corr, &c->lag};
+    for (int i = 0; i < 8; i++)
+        if (c->has[i]) {
+            PyBuffer_Release(bs[i]);
+            c->has[i] = 0;
+        }
+    if (c->has_backlog) {
+        PyBuffer_Release(&c->backlog);
+        c->has_backlog = 0;
+    }
+    return 0;
+}
+
+static void ctl_dealloc(ControllerCore *c) {
+    PyObject_GC_UnTrack(c);
+    ctl_clear(c);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int ctl_buf(ControllerCore *c, int i, Py_buffer *b, PyObject *obj, int writable, Py_ssize_t min_len,
+                   const char *name) {
+    if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    c->has[i] = 1;
+    if (b->len < min_len) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", name, b->len, min_len);
+        return -1;
+    }
+    return 0;
+}
+
+static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
+    PyObject *tx, *rx, *frames, *offs, *lens, *last_round, *get_frame, *rows, *corr, *lag = Py_None,
+        *backlog = Py_None;
+    long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
+    long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0;
+    static char *kwlist[] = {"tx", "rx", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
+                             "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
+                             "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
+                             "request_id_start", "get_request_id_start", "late_ns", "lag", "backlog",
+                             "backlog_every", NULL};
+    if (need_layout())
+        return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOO|$LLLLLLLLLLLLLOOL:ControllerCore", kwlist, &tx, &rx,
+                                     &frames, &offs, &lens, &last_round, &get_frame, &rows, &corr, &S, &F, &R, &nbo,
+                                     &cycle_ns, &gap_cycles, &lockstep, &stall_ns, &deadline_ns, &counter, &rid,
+                                     &get_rid, &late_ns, &lag, &backlog, &backlog_every))
+        return -1;
+    if (get_ring(tx, "tx") || get_ring(rx, "rx"))
+        return -1;
+    if (S < 1 || F < 1 || R < 1 || nbo < 1 || nbo > 4096 || cycle_ns < 1 || gap_cycles < 0) {
+        PyErr_SetString(PyExc_ValueError, "num_shots, frames_per_shot, rounds_per_shot, cycle_ns must be >= 1, "
+                                          "obs_nbytes in 1..4096, gap_cycles >= 0");
+        return -1;
+    }
+    ctl_clear(c);
+    Py_INCREF(tx);
+    Py_INCREF(rx);
+    c->tx = tx;
+    c->rx = rx;
+    if (ctl_buf(c, 0, &c->frames, frames, 1, 1, "frames") || ctl_buf(c, 1, &c->offs, offs, 0, 8 * S * F, "offsets") ||
+        ctl_buf(c, 2, &c->lens, lens, 0, 8 * S * F, "lengths") ||
+        ctl_buf(c, 3, &c->last_round, last_round, 0, 8 * F, "last_round") ||
+        ctl_buf(c, 4, &c->get_frame, get_frame, 1, W.hdr + W.get_payload, "get_frame") ||
+        ctl_buf(c, 5, &c->rows, rows, 1, 8 * CTL_FIELDS * S, "rows") ||
+        ctl_buf(c, 6, &c->corr, corr, 1, nbo * S, "corrections"))
+        return -1;
+    const int64_t *o = c->offs.buf, *l = c->lens.buf;
+    for (int64_t i = 0; i < S * F; i++)
+        if (o[i] < 0 || l[i] < W.hdr + W.enq_fixed || o[i] + l[i] > c->frames.len) {
+            PyErr_Format(PyExc_ValueError, "frame %lld lies outside the frames buffer", (long long)i);
+            return -1;
+        }
+    if (lag != Py_None && ctl_buf(c, 7, &c->lag, lag, 1, 0, "lag"))
+        return -1;
+    c->lag_n = c->has[7] ? c->lag.len / 8 : 0;
+    if (backlog != Py_None) {
+        if (get_rows(backlog, &c->backlog, 2, "backlog", &c->backlog_cap) < 0)
+            return -1;
+        c->has_backlog = 1;
+    }
+    c->backlog_every = backlog_every > 0 ? backlog_every : 1;
+    c->backlog_n = 0;
+    c->S = S;
+    c->F = F;
+    c->R = R;
+    c->nbo = nbo;
+    c->cycle_ns = cycle_ns;
+    c->gap_cycles = gap_cycles;
+    c->lockstep = lockstep;
+    c->stall_ns = stall_ns;
+    c->deadline_ns = deadline_ns;
+    c->counter = counter;
+    c->rid = rid;
+    c->get_rid = get_rid;
+    c->late_threshold_ns = late_ns >= 0 ? late_ns : cycle_ns;
+    c->s_emit = c->f_emit = c->s_ans = 0;
+    c->frames_sent = c->late = c->max_lag = c->reasks = c->misses = c->bad_answers = c->full_waits = 0;
+    memset(c->pauli, 0, sizeof(c->pauli));
+    memset(c->statuses, 0, sizeof(c->statuses));
+    c->started = c->done = 0;
+    memset(c->rows.buf, 0, (size_t)(8 * CTL_FIELDS * S));
+    return 0;
+}
+
+static inline int64_t *ctl_row(ControllerCore *c, int64_t s) { return (int64_t *)c->rows.buf + s * CTL_FIELDS; }
+
+/* send a message, waiting while the ring is full; 0 sent, -1 peer gone / released */
+static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
+    int rc = RAPI->send(c->tx, p, n, NULL, 0);
+    if (rc == QLINK_RING_FULL) {
+        c->full_waits++;
+        while (rc == QLINK_RING_FULL) {
+            if (RAPI->peer_closed(c->tx, 0))
+                return -1;
+            CPU_RELAX();
+            rc = RAPI->send(c->tx, p, n, NULL, 0);
+        }
+    }
+    return rc == QLINK_RING_SENT ? 0 : -1;
+}
+
+static int ctl_send_get(ControllerCore *c, int64_t s) {
+    uint8_t *g = c->get_frame.buf;
+    uint32_t rid = (uint32_t)(GET_BIT | (uint32_t)(c->get_rid++ & 0x7FFFFFFF));
+    int64_t t = mono_ns();
+    wr32(g + 12, rid);
+    wr64(g + 16, t + c->real_off);
+    int64_t *r = ctl_row(c, s);
+    if (r[K_POLLS] == 0)
+        r[K_GET] = t;
+    r[K_POLLS]++;
+    return ctl_send(c, g, W.hdr + W.get_payload);
+}
+
+/* one answer at the head of rx: 1 a shot resolved, 0 nothing to do, -1 bad */
+static int ctl_take_answer(ControllerCore *c, const uint8_t *a, uint32_t n, int64_t t_resp) {
+    if (n < W.hdr || rd32(a) != W.resp_magic) {
+        c->bad_answers++;
+        return 0;
+    }
+    int32_t status;
+    memcpy(&status, a + 4, 4);
+    uint32_t rlen = rd32(a + 8), rid = rd32(a + 12);
+    if ((uint64_t)rlen + W.hdr != n) {
+        c->bad_answers++;
+        return 0;
+    }
+    if (status >= 0 && status < 8)
+        c->statuses[status]++;
+    if (!(rid & GET_BIT)) /* an enqueue's answer (a refusal with ack='errors') */
+        return 0;
+    if (c->s_ans >= c->s_emit) {
+        c->bad_answers++;
+        return 0;
+    }
+    int64_t s = c->s_ans;
+    int64_t *r = ctl_row(c, s);
+    if (status == W.st_not_ready) { /* ask again */
+        c->reasks++;
+        ctl_send_get(c, s);
+        return 0;
+    }
+    r[K_RESP] = t_resp;
+    r[K_STATUS] = status;
+    if (status == W.st_ok) {
+        uint8_t *corr = (uint8_t *)c->corr.buf + s * c->nbo;
+        uint32_t m = rlen < c->nbo ? rlen : (uint32_t)c->nbo;
+        memcpy(corr, a + W.hdr, m);
+        for (uint32_t i = 0; i < m; i++)
+            c->pauli[i] ^= corr[i];
+        r[K_APPLIED] = mono_ns();
+    }
+    c->s_ans++;
+    return 1;
+}
+
+static int ctl_poll(ControllerCore *c, int *progress) {
+    const uint8_t *a;
+    uint32_t n;
+    int rc = RAPI->peek(c->rx, &a, &n);
+    if (rc == QLINK_RING_MSG) {
+        int64_t t = mono_ns();
+        int resolved = ctl_take_answer(c, a, n, t);
+        RAPI->consume(c->rx);
+        *progress = 1 + resolved; /* 2: a shot resolved */
+        return 1;
+    }
+    if (rc == QLINK_RING_OTHER || rc == QLINK_RING_RELEASED)
+        return -1;
+    return 0;
+}
+
+static void ctl_backlog_sample(ControllerCore *c, int64_t t) {
+    if (!c->has_backlog || c->backlog_n >= c->backlog_cap)
+        return;
+    int64_t *b = (int64_t *)c->backlog.buf + 2 * c->backlog_n++;
+    b[0] = t - c->t0;
+    b[1] = c->s_emit * c->R - c->s_ans * c->R;
+}
+
+/* run(timeout_ns) -> 0 done, 1 stalled stall_ns without progress (look at the peer, call again),
+ * -1 the peer closed / the ring went away, -2 something other than a whole message arrived */
+static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
+    long long budget_ns = PyLong_AsLongLong(arg);
+    if (budget_ns == -1 && PyErr_Occurred())
+        return NULL;
+    if (c->done)
+        return PyLong_FromLong(0);
+    int code = 0;
+    const int64_t *offs = c->offs.buf, *lens = c->lens.buf, *lr = c->last_round.buf;
+    uint8_t *frames = c->frames.buf;
+    int64_t S = c->S, F = c->F, R = c->R, cyc = c->cycle_ns;
+    Py_BEGIN_ALLOW_THREADS;
+    int64_t t_call = mono_ns(), t_progress = t_call;
+    if (!c->started) {
+        c->started = 1;
+        c->real_off = real_ns() - mono_ns(); /* ptp_timestamp: the send time on the wall clock */
+        c->t0 = t_call + 20 * cyc; /* the first tick, a little ahead */
+        c->shot_t0 = c->t0;
+    }
+    unsigned idle = 0;
+    int64_t now = t_call;
+    for (;;) {
+        int progress = 0;
+        int can_emit = c->s_emit < S && (!c->lockstep || c->s_ans == c->s_emit);
+        /* the clock is read where a tick may be due, and every 32 idle polls otherwise */
+        if (can_emit || (idle & 31) == 0)
+            now = mono_ns();
+        /* emit the next frame at its tick */
+        if (can_emit) {
+            int64_t s = c->s_emit, f = c->f_emit;
+            int64_t tick;
+            if (c->lockstep)
+                tick = c->shot_t0 + lr[f] * cyc;
+            else
+                tick = c->t0 + (s * (R + c->gap_cycles) + lr[f]) * cyc;
+            if (now >= tick) {
+                int64_t i = s * F + f;
+                uint8_t *fr = frames + offs[i];
+                uint32_t rid = (uint32_t)(c->rid++ & 0x7FFFFFFF);
+                wr32(fr + 12, rid);
+                wr64(fr + 16, now + c->real_off);
+                wr64(fr + W.hdr + 8, c->counter++);
+                if (ctl_send(c, fr, (uint32_t)lens[i]) < 0) {
+                    code = -1;
+                    break;
+                }
+                int64_t t_sent = f == F - 1 ? mono_ns() : now; /* (read again only where a stage needs it) */
+                int64_t lag = now - tick;
+                if (lag > c->max_lag)
+                    c->max_lag = lag;
+                if (lag > c->late_threshold_ns)
+                    c->late++;
+                if (c->frames_sent < c->lag_n)
+                    ((int64_t *)c->lag.buf)[c->frames_sent] = lag;
+                c->frames_sent++;
+                progress = 1;
+                if (f == F - 1) {
+                    int64_t *r = ctl_row(c, s);
+                    r[K_SHOT] = s;
+                    r[K_RID] = rid;
+                    r[K_EMIT] = tick;
+                    r[K_DUE] = tick;
+                    r[K_SENT] = t_sent;
+                    r[K_STATUS] = -1;
+                    c->s_emit++;
+                    c->f_emit = 0;
+                    if (ctl_send_get(c, s) < 0) {
+                        code = -1;
+                        break;
+                    }
+                    if (c->s_emit % c->backlog_every == 0)
+                        ctl_backlog_sample(c, t_sent);
+                } else {
+                    c->f_emit++;
+                }
+                t_progress = t_sent;
+                idle = 0;
+                continue; /* the next frame may be due already */
+            }
+        }
+        /* answers */
+        if (c->s_ans < c->s_emit) {
+            int prc = ctl_poll(c, &progress);
+            if (prc < 0) {
+                code = -2;
+                break;
+            }
+            if (progress) {
+                int64_t t;
+                if (progress == 2) {
+                    int64_t *rr = ctl_row(c, c->s_ans - 1);
+                    t = rr[K_APPLIED] ? rr[K_APPLIED] : rr[K_RESP];
+                } else {
+                    t = mono_ns();
+                }
+                t_progress = t;
+                idle = 0;
+                if (progress == 2 && c->lockstep && c->s_ans == c->s_emit) {
+                    /* the next shot starts on the next tick after the correction was applied */
+                    int64_t *r = ctl_row(c, c->s_ans - 1);
+                    if (c->deadline_ns > 0 && (r[K_APPLIED] == 0 || r[K_APPLIED] - r[K_EMIT] > c->deadline_ns))
+                        c->misses++;
+                    int64_t k = (t - c->t0 + cyc - 1) / cyc + c->gap_cycles;
+                    c->shot_t0 = c->t0 + k * cyc;
+                }
+                continue;
+            }
+        }
+        if (c->s_ans >= S) {
+            c->t_end = mono_ns();
+            c->done = 1;
+            ctl_backlog_sample(c, c->t_end);
+            code = 0;
+            break;
+        }
+        if ((idle++ & 31) == 0) {
+            if (now - t_progress > c->stall_ns || now - t_call > budget_ns) {
+                code = 1;
+                break;
+            }
+            if (RAPI->peer_closed(c->rx, 1)) {
+                code = -1;
+                break;
+            }
+        }
+        CPU_RELAX();
+    }
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromLong(code);
+}
+
+static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
+    return Py_BuildValue(
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)}", "shots_emitted", (long long)c->s_emit, "shots_answered",
+        (long long)c->s_ans, "frames_sent", (long long)c->frames_sent, "late_frames", (long long)c->late,
+        "max_lag_ns", (long long)c->max_lag, "reasks", (long long)c->reasks, "deadline_misses", (long long)c->misses,
+        "bad_answers", (long long)c->bad_answers, "full_waits", (long long)c->full_waits, "t0_ns", (long long)c->t0,
+        "t_end_ns", (long long)c->t_end, "counter", (long long)c->counter, "request_id", (long long)c->rid,
+        "get_request_id", (long long)c->get_rid, "pauli_frame", (const char *)c->pauli, (Py_ssize_t)c->nbo, "statuses",
+        (long long)c->statuses[0], (long long)c->statuses[1], (long long)c->statuses[2], (long long)c->statuses[3],
+        (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7]);
+}
+
+static PyObject *ctl_get_backlog_n(ControllerCore *c, void *Py_UNUSED(x)) { return PyLong_FromLongLong(c->backlog_n); }
+
+static PyMethodDef ctl_methods[] = {
+    {"run", (PyCFunction)ctl_run, METH_O,
+     "run(budget_ns) -> 0 done, 1 no progress for stall_ns or budget spent (look at the peer, call again), "
+     "-1 peer closed, -2 an answer that is not a whole message"},
+    {"stats", (PyCFunction)ctl_stats, METH_NOARGS, "counters of the run"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef ctl_getset[] = {
+    {"backlog_samples", (getter)ctl_get_backlog_n, NULL, "backlog rows recorded", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ControllerCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "qlink.qec._hotcore.ControllerCore",
+    .tp_basicsize = sizeof(ControllerCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "ControllerCore(...): the controller emulator's emit / answer / apply loop",
+    .tp_traverse = (traverseproc)ctl_traverse,
+    .tp_clear = (inquiry)ctl_clear,
+    .tp_dealloc = (destructor)ctl_dealloc,
+    .tp_init = (initproc)ctl_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = ctl_methods,
+    .tp_getset = ctl_getset,
+};
+
+/* ================================================================== floor */
+
+/* ring_round_trip(tx, rx, n, nbytes, echo, out) : the bare round trip of whole messages over
+ * the same rings through the same C API (the floor of a frame and its answer). echo=1 on the
+ * answering side (it returns after n messages). out: int64 per round trip (initiator). */
+static PyObject *mod_ring_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *tx, *rx, *out;
+    long long n, nbytes;
+    int echo;
+    if (!PyArg_ParseTuple(args, "OOLLpO", &tx, &rx, &n, &nbytes, &echo, &out))
+        return NULL;
+    if (get_ring(tx, "tx") || get_ring(rx, "rx"))
+        return NULL;
+    if (nbytes < 1 || nbytes > 4096) {
+        PyErr_SetString(PyExc_ValueError, "nbytes in 1..4096");
+        return NULL;
+    }
+    Py_buffer ob;
+    int has_out = 0;
+    if (!echo) {
+        if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+        has_out = 1;
+        if (ob.len < 8 * n) {
+            PyBuffer_Release(&ob);
+            PyErr_SetString(PyExc_ValueError, "out too small");
+            return NULL;
+        }
+    }
+    uint8_t msg[4096];
+    memset(msg, 0x5A, sizeof(msg));
+    int code = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (long long i = 0; i < n && code == 0; i++) {
+        int64_t t0 = mono_ns();
+        if (!echo && RAPI->send(tx, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT) {
+            code = -1;
+            break;
+        }
+        const uint8_t *d;
+        uint32_t len;
+        int64_t waited = 0;
+        for (;;) {
+            int rc = RAPI->peek(rx, &d, &len);
+            if (rc == QLINK_RING_MSG)
+                break;
+            if (rc != QLINK_RING_EMPTY || ((++waited & 1023) == 0 && RAPI->peer_closed(rx, 1))) {
+                code = -1;
+                break;
+            }
+            CPU_RELAX();
+        }
+        if (code)
+            break;
+        RAPI->consume(rx);
+        if (echo) {
+            if (RAPI->send(tx, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT)
+                code = -1;
+        } else {
+            ((int64_t *)ob.buf)[i] = mono_ns() - t0;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    if (has_out)
+        PyBuffer_Release(&ob);
+    return PyLong_FromLong(code);
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_wire_layout", mod_set_wire_layout, METH_O, "set_wire_layout(dict): qlink.wire's numbers and struct formats"},
+    {"ring_round_trip", mod_ring_round_trip, METH_VARARGS,
+     "ring_round_trip(tx, rx, n, nbytes, echo, out) -> 0, or -1 when the peer went away"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef hotcore_module = {
+    PyModuleDef_HEAD_INIT, "_hotcore", "Native per-frame path of the qlink QEC loop over shared memory.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__hotcore(void) {
+    PyObject *ringc = PyImport_ImportModule("transports._ringc"); /* (PyCapsule_Import imports only the package) */
+    if (ringc == NULL)
+        return NULL;
+    Py_DECREF(ringc);
+    RAPI = (qlink_ring_api *)PyCapsule_Import(QLINK_RING_API_CAPSULE, 0);
+    if (RAPI == NULL)
+        return NULL;
+    if (RAPI->version != QLINK_RING_API_VERSION) {
+        PyErr_Format(PyExc_ImportError, "transports._ringc offers ring API version %d, qlink.qec._hotcore needs %d",
+                     RAPI->version, QLINK_RING_API_VERSION);
+        return NULL;
+    }
+    if (PyType_Ready(&ServiceCoreType) < 0 || PyType_Ready(&ControllerCoreType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&hotcore_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ServiceCoreType);
+    Py_INCREF(&ControllerCoreType);
+    if (PyModule_AddObject(m, "ServiceCore", (PyObject *)&ServiceCoreType) < 0 ||
+        PyModule_AddObject(m, "ControllerCore", (PyObject *)&ControllerCoreType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

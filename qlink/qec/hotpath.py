@@ -1,0 +1,496 @@
+"""The QEC loop's native per-frame path over shared memory, and its control plane.
+
+The per-frame work of both sides lives in C (``qlink.qec._hotcore``, built from
+``setup.py``): on the service side frame ingest, validation, accumulation of a shot's
+rounds and the answer; on the controller side emission on the cycle clock, the answer's
+application to the Pauli frame, and every stage timestamp, written into preallocated
+rows. The one Python call per shot is the decoder itself — for PyMatching the matching
+graph's own call on the fired detectors' indices (no public-API wrapper, no array built
+per shot), for any other decoder its ``decode_shots_bit_packed`` on a preallocated row.
+This module is the control plane: it builds the cores from an shm endpoint's rings
+(:meth:`transports.shm.ShmEndpoint.native_rings`), looks at the peer whenever a core
+comes back idle (a dead peer is reported within a second), and turns the rows into the
+same reports, histograms and per-shot records as the Python path
+(:mod:`qlink.qec.timeline`).
+
+What the native service serves (the rest of the protocol: :mod:`qlink.qec.service`):
+
+* ``enqueue_syndromes`` frames of any size that fits the shot: a round per frame (the
+  hardware's way), a window of rounds, or whole shots; the shot is decoded the moment its
+  last bits land, in the order it completed. A counter gap drops every shot the lost
+  frames touched (exactly, given ``frames_per_shot``) and answers ``SYNDROMES_DROPPED``
+  for them in turn; a full queue answers ``BUSY`` and drops the shot.
+* ``get_corrections`` of one shot (``return_size`` ≤ the observables), ``reset=1``
+  consuming it, ``reset=0`` peeking; ``NOT_READY`` while none is decoded.
+* ``reset_decoder``; every malformed frame is answered with its status where its header
+  can be read, and counted by fault. Answers kept for retransmission (a qlink extension
+  for lossy transports) are not kept here: shared memory loses nothing.
+
+>>> available() is None
+True
+>>> import stim
+>>> dem = stim.Circuit.generated("repetition_code:memory", distance=3, rounds=2,
+...                              after_clifford_depolarization=0.01).detector_error_model()
+>>> dec = single_shot_decoder("pymatching", dem)
+>>> dec.kind, dec.label
+('fired', 'pymatching (matching graph on fired detectors)')
+>>> int(dec.decode_one(np.array([1, 0, 0, 0, 0, 0], np.uint8))[0])   # a lone defect next to the observable
+1
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from qlink import wire
+from qlink.errors import BrokenLinkError, ClosedError, QlinkError, QlinkTimeoutError, WouldBlock
+
+from .timeline import (
+    CONTROLLER_SHOT_FIELDS,
+    SERVICE_SHOT_FIELDS,
+    StageRecorder,
+    record_values,
+)
+
+__all__ = [
+    "available",
+    "single_shot_decoder",
+    "SingleShotDecoder",
+    "NativeDecoderService",
+    "NativeController",
+    "ring_round_trip_ns",
+]
+
+try:
+    from . import _hotcore
+except ImportError as _e:  # not built: the Python path serves, and available() says why
+    _hotcore = None
+    _WHY = f"qlink.qec._hotcore is not built ({_e}); run 'python setup.py build_ext --inplace' or reinstall qlink"
+else:
+    _hotcore.set_wire_layout(wire.native_layout())
+    _WHY = None
+
+_CALL_FIRED, _CALL_PACKED = 0, 1
+_ACK = {"none": 0, "errors": 1, "all": 2}
+_IDLE_NS = 1_000_000  # a core comes back this often when idle: the peer is looked at
+_SVC_DTYPE = np.dtype(list(SERVICE_SHOT_FIELDS))
+_CTL_DTYPE = np.dtype(list(CONTROLLER_SHOT_FIELDS))
+
+
+def available() -> str | None:
+    """None when the native path is built here, else why not (one line)."""
+    return _WHY
+
+
+def _need() -> None:
+    if _WHY is not None:
+        raise QlinkError(_WHY)
+
+
+def native_rings(endpoint):
+    """The C rings of an shm endpoint (``CapabilityError`` for any other endpoint)."""
+    from qlink.errors import CapabilityError
+
+    get = getattr(endpoint, "native_rings", None)
+    if get is None:
+        raise CapabilityError(f"the native QEC path runs over shm:// only; {type(endpoint).__name__} has no C rings "
+                              "(use the Python path: engine='python')")
+    return get()
+
+
+@dataclass(frozen=True)
+class SingleShotDecoder:
+    """A decoder prepared for one shot per call, as the native service calls it.
+
+    ``kind`` ``"fired"``: ``fn(indices)`` takes the fired detectors' indices (uint64) and
+    returns the observable flips, one byte each (or a tuple whose first item is that);
+    ``"packed"``: ``fn(bit_packed_detection_event_data=row)`` on a (1, ceil(D/8)) uint8 row.
+    """
+
+    fn: Any
+    kind: str
+    num_detectors: int
+    num_observables: int
+    label: str
+
+    def decode_one(self, detectors: np.ndarray) -> np.ndarray:
+        """The observable flips (uint8, one per observable) of one shot's detection events."""
+        det = np.asarray(detectors, dtype=np.uint8).reshape(-1)
+        if self.kind == "fired":
+            out = self.fn(np.flatnonzero(det).astype(np.uint64))
+            out = out[0] if isinstance(out, tuple) else out
+            return np.asarray(out, dtype=np.uint8)[: self.num_observables]
+        row = np.packbits(det, bitorder="little").reshape(1, -1)
+        packed = np.asarray(self.fn(bit_packed_detection_event_data=row), dtype=np.uint8).reshape(-1)
+        return np.unpackbits(packed, count=self.num_observables, bitorder="little")
+
+
+def single_shot_decoder(decoder: Any, dem: Any) -> SingleShotDecoder:
+    """Prepare ``decoder`` (a name, decoder object or compiled decoder) for one shot per call.
+
+    PyMatching decodes through its matching graph's own call on the fired detectors (what
+    ``Matching.decode`` does after converting its input); every other decoder through its
+    compiled ``decode_shots_bit_packed`` on one row.
+    """
+    nd, no = int(dem.num_detectors), int(dem.num_observables)
+    if decoder == "pymatching":
+        import pymatching
+
+        graph = pymatching.Matching.from_detector_error_model(dem)._matching_graph
+        return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)")
+    from .decoders import compile_decoder
+
+    compiled = compile_decoder(decoder, dem)
+    name = decoder if isinstance(decoder, str) else type(decoder).__name__
+    return SingleShotDecoder(compiled.decode_shots_bit_packed, "packed", nd, no,
+                             f"{name} (decode_shots_bit_packed, one shot)")
+
+
+def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_shot: int | None,
+                        capacity_shots: int, keep: list) -> tuple:
+    nd = dec.num_detectors
+    if dec.kind == "fired":
+        idx = np.zeros(max(1, nd), np.uint64)
+        views = tuple(idx[:k] for k in range(nd + 1))
+        keep.append((idx, views))
+        return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_FIRED, int(frames_per_shot or 0),
+                int(capacity_shots), idx, None, views)
+    row = np.zeros((1, (nd + 7) // 8), np.uint8)
+    keep.append(row)
+    return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_PACKED, int(frames_per_shot or 0),
+            int(capacity_shots), None, row, None)
+
+
+# ------------------------------------------------------------------------ service
+
+class NativeDecoderService:
+    """The decoder service with its per-frame path in C, over shm (the interface of
+    :class:`qlink.qec.service.DecoderService`: ``serve``, ``report``).
+
+    ``configs``: ``{decoder_id: DecoderConfig}``; ``keep_samples``: per-shot rows kept
+    (the service's side of :func:`qlink.qec.timeline.join_shots`).
+    """
+
+    def __init__(self, configs: Mapping[int, Any], *, ack_enqueue: str = "errors", keep_samples: int = 0,
+                 **_python_path_options) -> None:
+        _need()
+        if ack_enqueue not in _ACK:
+            raise ValueError(f"ack_enqueue must be one of {tuple(_ACK)}, got {ack_enqueue!r}")
+        if not configs:
+            raise ValueError("NativeDecoderService needs at least one decoder config")
+        self.ack_enqueue = ack_enqueue
+        self._decoders = {}
+        for did, cfg in configs.items():
+            if not isinstance(did, int) or not 0 <= did < wire.MAX_DECODERS:
+                raise ValueError(f"decoder ids must be ints in [0, {wire.MAX_DECODERS}), got {did!r}")
+            if cfg.dem is None:
+                raise ValueError(f"decoder {did}: the native path needs the DEM (dem=)")
+            self._decoders[did] = (cfg, single_shot_decoder(cfg.decoder, cfg.dem))
+        self._rows = np.zeros(max(0, int(keep_samples)), _SVC_DTYPE)
+        self._core = None
+        self._served = None
+        self._counts_before: dict = {}
+        self._wall_s = self._cpu_s = 0.0
+        self._busy_ns = 0
+        self._extra: dict = {"peer_closed": 0, "serve_calls": 0, "oversized_frame": 0}
+
+    def _make_core(self, endpoint) -> None:
+        tx, rx = native_rings(endpoint)
+        keep: list = []
+        decs = [_core_decoder_tuple(did, dec, frames_per_shot=cfg.frames_per_shot,
+                                    capacity_shots=cfg.capacity_shots, keep=keep)
+                for did, (cfg, dec) in self._decoders.items()]
+        if self._core is not None:
+            self._fold_counts()
+        self._core = _hotcore.ServiceCore(rx, tx, decs, ack=_ACK[self.ack_enqueue],
+                                          rows=self._rows if len(self._rows) else None)
+        self._keep = keep
+
+    def _fold_counts(self) -> None:
+        for k, v in self._core.counts().items():
+            self._counts_before[k] = self._counts_before.get(k, 0) + v
+
+    def decoder_shape(self, decoder_id: int) -> tuple[int, int]:
+        """``(syndrome bits per shot, observables)`` of a configured decoder."""
+        if decoder_id not in self._decoders:
+            raise KeyError(f"decoder {decoder_id} is not configured")
+        dec = self._decoders[decoder_id][1]
+        return dec.num_detectors, dec.num_observables
+
+    def serve(self, endpoint, *, stop_event=None, max_requests: int | None = None, timeout_s: float | None = None,
+              idle_timeout_s: float | None = None, **_ignored) -> dict:
+        """Serve ``endpoint`` (an shm endpoint) until the peer leaves, ``stop_event`` is set,
+        ``max_requests`` frames were handled, ``timeout_s`` passed or ``idle_timeout_s`` went
+        by without a frame. A new endpoint starts with every decoder reset. Returns :meth:`report`."""
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1 or None, got {max_requests}")
+        if endpoint is not self._served:
+            self._make_core(endpoint)
+            self._served = endpoint
+        core = self._core
+        self._extra["serve_calls"] += 1
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        buf = bytearray(wire.enqueue_syndromes_nbytes(wire.MAX_SYNDROME_BITS))
+        mv = memoryview(buf)
+        gc.freeze()  # what exists now lives as long as the service: keep the collector off it
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        handled0 = core.counts()["requests"]
+        idle_since = time.monotonic()
+        try:
+            while True:
+                left = None if max_requests is None else max_requests - (core.counts()["requests"] - handled0)
+                if left is not None and left <= 0:
+                    break
+                code = core.run(_IDLE_NS, left or 0)
+                now = time.monotonic()
+                if code == 3:
+                    break
+                if code == 1:  # not a whole message at the ring's head: the endpoint's own path
+                    self._slow_frame(endpoint, buf, mv)
+                    idle_since = now
+                    continue
+                if code in (2, -3):  # the peer closed (or the ring went away)
+                    self._extra["peer_closed"] += 1
+                    break
+                # idle for a while: look at the peer, the stop event and the clocks
+                try:
+                    endpoint.check_peer()
+                except (BrokenLinkError, ClosedError):
+                    self._extra["peer_closed"] += 1
+                    break
+                if core.counts()["requests"] != handled0:
+                    idle_since = now - _IDLE_NS / 1e9
+                if stop_event is not None and stop_event.is_set():
+                    break
+                if deadline is not None and now >= deadline:
+                    break
+                if idle_timeout_s is not None and now - idle_since >= idle_timeout_s:
+                    break
+        finally:
+            self._wall_s += time.perf_counter() - wall0
+            self._cpu_s += time.thread_time() - cpu0
+        return self.report()
+
+    def _slow_frame(self, endpoint, buf: bytearray, mv: memoryview) -> None:
+        from transports._base import BufferTooSmallError
+
+        try:
+            n = endpoint.recv_into_nowait(buf)
+        except WouldBlock:
+            return
+        except BufferTooSmallError as e:  # longer than any valid frame: answered from its header, counted
+            self._extra["oversized_frame"] += 1
+            data = endpoint.recv(max_nbytes=e.needed_nbytes, timeout_s=1.0)
+            self._core.handle(data)
+            return
+        self._core.handle(mv[:n])
+
+    def report(self) -> dict:
+        """Counts (faults as ``fault.<name>``), per-stage histograms, per-shot rows, CPU figures."""
+        counts = dict(self._counts_before)
+        if self._core is not None:
+            for k, v in self._core.counts().items():
+                counts[k] = counts.get(k, 0) + v
+        counts.update({k: v for k, v in self._extra.items() if v})
+        faults = {k[len("fault."):]: v for k, v in counts.items() if k.startswith("fault.") and v}
+        counts = {k: v for k, v in counts.items() if not k.startswith("fault.")}
+        n = self._core.rows_used if self._core is not None else 0
+        rows = self._rows[:n]
+        stages = StageRecorder(("decode", "queue", "respond", "shot_service", "decode_per_shot"))
+        ok = rows[rows["status"] == 0]
+        if len(ok):
+            dec = ok["decode_end_ns"] - ok["decode_start_ns"]
+            for name, v in (("decode", dec), ("decode_per_shot", dec),
+                            ("queue", ok["decode_start_ns"] - ok["in_last_ns"]),
+                            ("respond", ok["out_ns"] - ok["decode_end_ns"]),
+                            ("shot_service", ok["out_ns"] - ok["in_last_ns"])):
+                record_values(stages.histogram(name), v)
+        out = {
+            "engine": "native",
+            "counts": counts,
+            "faults": faults,
+            "stages": stages.to_dict(),
+            "ack_enqueue": self.ack_enqueue,
+            "serve_wall_s": self._wall_s,
+            "serve_cpu_s": self._cpu_s,
+            "serve_busy_s": float(np.sum(ok["out_ns"] - ok["in_last_ns"])) / 1e9 if len(ok) else 0.0,
+            "decoders": {str(did): {"num_detectors": dec.num_detectors, "num_observables": dec.num_observables,
+                                    "capacity_shots": cfg.capacity_shots, "frames_per_shot": cfg.frames_per_shot,
+                                    "single_shot_call": dec.label}
+                         for did, (cfg, dec) in self._decoders.items()},
+            "first_decoder_error": self._core.first_error if self._core is not None else None,
+        }
+        if len(self._rows):
+            out["shots"] = {name: rows[name].tolist() for name in rows.dtype.names}
+            out["shots_not_kept"] = self._core.rows_dropped if self._core is not None else 0
+        return out
+
+
+# ------------------------------------------------------------------------ controller
+
+def _build_frames(stream, layouts, *, decoder_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every enqueue frame of the run, prebuilt (counter, request id, ptp patched at send):
+    (bytes, offsets, lengths), shot-major."""
+    S = stream.num_shots
+    dets = stream.detectors
+    parts, lens = [], []
+    for lay in layouts:
+        bits = dets[:, lay.first_bit:lay.first_bit + lay.num_bits]
+        packed = np.packbits(bits, axis=1, bitorder="little")
+        head = bytearray(wire.enqueue_syndromes_nbytes(lay.num_bits))
+        wire.encode_enqueue_syndromes_into(head, request_id=0, decoder_id=decoder_id, counter=0,
+                                           syndrome_mapping_id=0, syndromes=np.zeros(lay.num_bits, np.uint8))
+        fixed = wire.HEADER_NBYTES + wire.ENQUEUE_SYNDROMES_FIXED_NBYTES
+        block = np.empty((S, len(head)), np.uint8)
+        block[:, :fixed] = np.frombuffer(bytes(head[:fixed]), np.uint8)
+        block[:, fixed:] = packed
+        parts.append(block)
+        lens.append(len(head))
+    shot_nbytes = sum(lens)
+    frames = np.concatenate(parts, axis=1).reshape(-1) if len(parts) > 1 else parts[0].reshape(-1)
+    frames = np.ascontiguousarray(frames)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    offs = (np.arange(S, dtype=np.int64)[:, None] * shot_nbytes + starts[None, :]).reshape(-1)
+    lengths = np.tile(np.asarray(lens, np.int64), S)
+    return frames, offs, lengths
+
+
+class NativeController:
+    """The controller emulator with its emit / answer / apply loop in C, over shm.
+
+    Plays ``stream`` (a :class:`~qlink.qec.controller.SyndromeStream`) at ``cycle_ns``:
+    each frame of a shot on the tick of its last round (``rounds_per_frame`` rounds per
+    frame: 1 is the hardware's way), ``get_corrections`` right after a shot's last frame,
+    the answer XORed into the Pauli frame. ``lockstep``: wait for each shot's correction
+    before the next shot starts (on the next tick): the feed-forward reaction with no
+    backlog; otherwise shots follow back to back on the clock and answers are applied
+    between ticks. :meth:`run` returns a :class:`~qlink.qec.controller.ControllerResult`.
+    """
+
+    def __init__(self, endpoint, stream, *, decoder_id: int = 0, cycle_ns: int = 1100, rounds_per_frame: int = 1,
+                 lockstep: bool = False, feed_forward_deadline_ns: int | None = None, gap_cycles: int = 0,
+                 counter_start: int = 0, request_id_start: int = 0, get_request_id_start: int = 0,
+                 keep_lag_frames: int = 0, backlog_samples: int = 4096) -> None:
+        _need()
+        from .controller import _knob
+
+        _knob("cycle_ns", cycle_ns, 1)
+        _knob("rounds_per_frame", rounds_per_frame, 1)
+        self.endpoint = endpoint
+        self.stream = stream
+        self.decoder_id = int(decoder_id)
+        self.cycle_ns = int(cycle_ns)
+        self.lockstep = bool(lockstep or feed_forward_deadline_ns)
+        self.deadline_ns = int(feed_forward_deadline_ns or 0)
+        tx, rx = native_rings(endpoint)
+        self.layouts = stream.frames(rounds_per_frame=int(rounds_per_frame))
+        frames, offs, lens = _build_frames(stream, self.layouts, decoder_id=self.decoder_id)
+        S, F = stream.num_shots, len(self.layouts)
+        self.frames_per_shot = F
+        nbo = max(1, (stream.num_observables + 7) // 8)
+        get = bytearray(wire.HEADER_NBYTES + wire.GET_CORRECTIONS_PAYLOAD_NBYTES)
+        wire.encode_get_corrections_into(get, request_id=0, decoder_id=self.decoder_id,
+                                         return_size=max(1, stream.num_observables), reset=True)
+        self._rows = np.zeros(S, _CTL_DTYPE)
+        self._corr = np.zeros((S, nbo), np.uint8)
+        self._lag = np.zeros(int(keep_lag_frames), np.int64)
+        every = max(1, S // max(1, backlog_samples - 1))
+        self._backlog = np.zeros((S // every + 2, 2), np.int64)
+        last_round = np.asarray([lay.last_round for lay in self.layouts], np.int64)
+        self._keep = (frames, offs, lens, last_round, get)
+        self._core = _hotcore.ControllerCore(
+            tx, rx, frames, offs, lens, last_round, get, self._rows, self._corr, num_shots=S, frames_per_shot=F,
+            rounds_per_shot=stream.num_rounds, obs_nbytes=nbo, cycle_ns=self.cycle_ns, gap_cycles=int(gap_cycles),
+            lockstep=int(self.lockstep), deadline_ns=self.deadline_ns, counter_start=int(counter_start),
+            request_id_start=int(request_id_start), get_request_id_start=int(get_request_id_start),
+            lag=self._lag if len(self._lag) else None, backlog=self._backlog, backlog_every=every,
+            late_ns=self.cycle_ns * max(1, int(rounds_per_frame)))
+
+    @property
+    def counter(self) -> int:
+        return self._core.stats()["counter"]
+
+    @property
+    def next_request_id(self) -> int:
+        return self._core.stats()["request_id"]
+
+    @property
+    def next_get_request_id(self) -> int:
+        return self._core.stats()["get_request_id"]
+
+    def run(self, *, timeout_s: float = 60.0):
+        """Play every shot; a dead service raises ``BrokenLinkError`` within a second."""
+        deadline = time.monotonic() + timeout_s
+        cpu0 = time.thread_time_ns()
+        while True:
+            code = self._core.run(50_000_000)
+            if code == 0:
+                break
+            if code == -2:
+                raise QlinkError("an answer arrived that is not a whole message on the shm ring")
+            self.endpoint.check_peer()  # BrokenLinkError when the service is gone
+            if code == -1:
+                raise BrokenLinkError(f"{self.endpoint.url}: the decoder service closed its side mid-run")
+            if time.monotonic() > deadline:
+                st = self._core.stats()
+                raise QlinkTimeoutError(f"the native controller ran past timeout_s={timeout_s}: "
+                                        f"{st['shots_answered']} of {self.stream.num_shots} shots answered")
+        return self._result(time.thread_time_ns() - cpu0)
+
+    def _result(self, cpu_ns: int):
+        from qlink.histogram import LatencyHistogram
+
+        from .controller import ControllerResult
+
+        st = self._core.stats()
+        rows = self._rows
+        S = len(rows)
+        status = rows["status"]
+        ok = (status == int(wire.Status.OK)) & (rows["applied_ns"] > 0)
+        truth = np.packbits(self.stream.observables, axis=1, bitorder="little")[:, : self._corr.shape[1]]
+        right = np.all(self._corr == truth, axis=1)
+        correct = np.where(ok, right.astype(np.int64), -1)
+        rows["correct"] = correct
+        reaction = np.where(ok, rows["applied_ns"] - rows["emit_last_ns"], -1)
+        hists = {}
+        for name, v in (("reaction", reaction[ok]), ("send", (rows["sent_last_ns"] - rows["emit_last_ns"])[ok]),
+                        ("get_round_trip", (rows["response_ns"] - rows["get_sent_ns"])[ok]),
+                        ("apply", (rows["applied_ns"] - rows["response_ns"])[ok]),
+                        ("emit_lag", self._lag[: min(len(self._lag), st["frames_sent"])])):
+            h = LatencyHistogram()
+            record_values(h, np.asarray(v, np.int64))
+            hists[name] = h.to_dict()
+        nb = self._core.backlog_samples
+        bl = self._backlog[:nb]
+        names = {int(s): s.name for s in wire.Status}
+        statuses = {names.get(i, str(i)): int(n) for i, n in enumerate(st["statuses"]) if n}
+        pauli = int.from_bytes(st["pauli_frame"], "little")
+        return ControllerResult(
+            num_shots=S, num_rounds=self.stream.num_rounds, frames_per_shot=self.frames_per_shot,
+            cycle_ns=self.cycle_ns, shots_ok=int(ok.sum()), logical_errors=int((ok & ~right).sum()),
+            shots_dropped=int((status == int(wire.Status.SYNDROMES_DROPPED)).sum()),
+            shots_failed=int((status == int(wire.Status.INTERNAL_ERROR)).sum()), late_frames=st["late_frames"],
+            throttled=0, max_lag_ns=st["max_lag_ns"], deadline_misses=st["deadline_misses"],
+            duration_ns=max(0, st["t_end_ns"] - st["t0_ns"]), statuses=statuses, stages=hists, correct=correct,
+            reaction_ns=reaction, backlog_t_ns=bl[:, 0].copy(), backlog_rounds=bl[:, 1].copy(),
+            corrections=self._corr, shot_records=rows, pauli_frame=pauli, cpu_ns=int(cpu_ns),
+            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits") if st[k]},
+        )
+
+
+def ring_round_trip_ns(endpoint, *, num_round_trips: int, nbytes: int = 64, echo: bool = False) -> np.ndarray:
+    """The bare round trip of ``nbytes`` messages over an shm endpoint's rings through the
+    same ring C API the native path uses (the floor under a frame and its answer). One
+    side calls it with ``echo=True`` (it answers ``num_round_trips`` messages), the other
+    without (it returns each round trip's ns)."""
+    _need()
+    tx, rx = native_rings(endpoint)
+    out = np.zeros(num_round_trips, np.int64)
+    if _hotcore.ring_round_trip(tx, rx, int(num_round_trips), int(nbytes), bool(echo), out) != 0:
+        raise BrokenLinkError(f"{endpoint.url}: the peer went away during the round trips")
+    return out

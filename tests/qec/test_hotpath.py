@@ -1,0 +1,301 @@
+"""The native per-frame QEC path (qlink.qec.hotpath) over real shared memory.
+
+Every correction that comes back through the C service and the C controller is checked
+bit for bit against the same decoder called directly on the same shots; frames carry one
+round each (the hardware's way) unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import stim
+
+from qlink import wire
+from qlink.errors import BrokenLinkError
+from qlink.qec.controller import SyndromeStream
+from qlink.qec.hotpath import NativeController, NativeDecoderService, available, single_shot_decoder
+from qlink.qec.service import DecoderConfig
+from qlink.qec.sources import StimSource
+from qlink.wire import Status
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"native path not built: {available()}")
+
+_ids = itertools.count()
+
+
+def _stream(circuit: stim.Circuit, num_shots: int, seed: int) -> tuple[SyndromeStream, stim.DetectorErrorModel]:
+    src = StimSource(circuit)
+    dets, obs = circuit.compile_detector_sampler(seed=seed).sample(num_shots, separate_observables=True)
+    stream = SyndromeStream(detectors=dets.astype(np.uint8), observables=obs.astype(np.uint8),
+                            round_of_detector=np.asarray(src.detector_rounds))
+    return stream, src.detector_error_model(decompose_errors=True)
+
+
+def _surface(basis: str, d: int, rounds: int, p: float = 0.004) -> stim.Circuit:
+    return stim.Circuit.generated(f"surface_code:rotated_memory_{basis.lower()}", distance=d, rounds=rounds,
+                                  after_clifford_depolarization=p, before_measure_flip_probability=p,
+                                  after_reset_flip_probability=p, before_round_data_depolarization=p)
+
+
+class _Served:
+    """A native service serving one shm connection from a thread of this process."""
+
+    def __init__(self, dem, *, decoder="pymatching", frames_per_shot=None, capacity_shots=1024, keep=0,
+                 ack="errors"):
+        import transports
+
+        self.svc = NativeDecoderService({0: DecoderConfig(decoder=decoder, dem=dem, frames_per_shot=frames_per_shot,
+                                                          capacity_shots=capacity_shots)},
+                                        ack_enqueue=ack, keep_samples=keep)
+        self.lis = transports.listen(f"shm://qlink-hot-test-{os.getpid()}-{next(_ids)}")
+        self.stop = threading.Event()
+        self.report: dict = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.ep = transports.connect(self.lis.url, timeout_s=10)
+
+    def _serve(self):
+        try:
+            peer = self.lis.accept(timeout_s=10)
+            try:
+                self.report = self.svc.serve(peer, stop_event=self.stop)
+            finally:
+                peer.close()
+        except BaseException as e:  # noqa: BLE001 - surfaced by close()
+            self.error = e
+
+    def close(self) -> dict:
+        self.ep.close()
+        self.thread.join(10)
+        self.stop.set()
+        self.lis.close()
+        if self.error is not None:
+            raise self.error
+        assert not self.thread.is_alive(), "the service thread did not end after its peer closed"
+        return self.report
+
+
+def _run(circuit, *, num_shots=300, seed=1, decoder="pymatching", lockstep=False, rounds_per_frame=1,
+         cycle_ns=1100):
+    stream, dem = _stream(circuit, num_shots, seed)
+    F = len(stream.frames(rounds_per_frame=rounds_per_frame))
+    served = _Served(dem, decoder=decoder, frames_per_shot=F, keep=num_shots)
+    try:
+        res = NativeController(served.ep, stream, lockstep=lockstep, rounds_per_frame=rounds_per_frame,
+                               cycle_ns=cycle_ns).run(timeout_s=60)
+    finally:
+        rep = served.close()
+    return stream, dem, res, rep
+
+
+def _direct(decoder, dem, detectors) -> np.ndarray:
+    from qlink.qec.decoders import compile_decoder
+
+    packed = np.packbits(detectors, axis=1, bitorder="little")
+    return np.asarray(compile_decoder(decoder, dem).decode_shots_bit_packed(bit_packed_detection_event_data=packed),
+                      np.uint8)
+
+
+@pytest.mark.parametrize("basis", ["Z", "X"])
+@pytest.mark.parametrize("d,rounds", [(3, 5), (5, 3), (7, 8), (9, 4)])
+def test_surface_code_per_round_frames_bit_exact(basis, d, rounds):
+    stream, dem, res, rep = _run(_surface(basis, d, rounds), num_shots=200 if d < 9 else 120, seed=d + rounds)
+    assert res.frames_per_shot == rounds + 1  # one frame per round (the last: the data qubits' readout)
+    assert res.shots_ok == stream.num_shots
+    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+    assert rep["counts"]["shots_decoded"] == stream.num_shots
+    assert rep["faults"] == {}
+
+
+def test_lockstep_and_windows_of_rounds_bit_exact():
+    circuit = _surface("Z", 5, 5)
+    for lockstep, rpf in ((True, 1), (False, 2), (True, 3)):
+        stream, dem, res, _ = _run(circuit, num_shots=150, seed=7, lockstep=lockstep, rounds_per_frame=rpf)
+        assert res.shots_ok == 150
+        np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+        ok = res.reaction_ns[res.reaction_ns >= 0]
+        assert len(ok) == 150 and np.all(ok > 0)
+
+
+def test_repetition_code_bit_exact_and_logical_errors_accounted():
+    circuit = stim.Circuit.generated("repetition_code:memory", distance=7, rounds=6, after_clifford_depolarization=0.05,
+                                     before_measure_flip_probability=0.05)
+    stream, dem, res, _ = _run(circuit, num_shots=400, seed=11)
+    want = _direct("pymatching", dem, stream.detectors)
+    np.testing.assert_array_equal(res.corrections, want)
+    truth = np.packbits(stream.observables, axis=1, bitorder="little")
+    assert res.logical_errors == int(np.any(want != truth, axis=1).sum())
+    assert res.logical_errors > 0  # p = 5 %: some shots are wrong, and they are counted as such
+
+
+def test_colour_code_with_bposd_bit_exact():
+    pytest.importorskip("ldpc")
+    circuit = stim.Circuit.generated("color_code:memory_xyz", distance=3, rounds=3, after_clifford_depolarization=0.01)
+    stream, dem, res, rep = _run(circuit, num_shots=80, seed=5, decoder="bposd")
+    np.testing.assert_array_equal(res.corrections, _direct("bposd", dem, stream.detectors))
+    assert "decode_shots_bit_packed" in rep["decoders"]["0"]["single_shot_call"]
+
+
+def test_single_shot_decoder_matches_batch_call():
+    stream, dem = _stream(_surface("X", 5, 4), 300, 2)
+    one = single_shot_decoder("pymatching", dem)
+    got = np.array([one.decode_one(row) for row in stream.detectors])
+    np.testing.assert_array_equal(np.packbits(got, axis=1, bitorder="little"),
+                                  _direct("pymatching", dem, stream.detectors))
+
+
+# ---------------------------------------------------------------- bad input, gaps, dead peers
+
+def _frame_enqueue(rid, counter, bits, *, decoder_id=0, mapping=0):
+    buf = bytearray(wire.enqueue_syndromes_nbytes(len(bits)))
+    wire.encode_enqueue_syndromes_into(buf, request_id=rid, decoder_id=decoder_id, counter=counter,
+                                       syndrome_mapping_id=mapping, syndromes=np.asarray(bits, np.uint8))
+    return bytes(buf)
+
+
+def _frame_get(rid, *, decoder_id=0, return_size=1, reset=True):
+    buf = bytearray(wire.HEADER_NBYTES + wire.GET_CORRECTIONS_PAYLOAD_NBYTES)
+    wire.encode_get_corrections_into(buf, request_id=rid, decoder_id=decoder_id, return_size=return_size, reset=reset)
+    return bytes(buf)
+
+
+def _answers(ep, n):
+    return [wire.decode_response(ep.recv(timeout_s=5)) for _ in range(n)]
+
+
+def test_bad_frames_get_their_status_and_the_service_keeps_serving():
+    circuit = stim.Circuit.generated("repetition_code:memory", distance=3, rounds=2, after_clifford_depolarization=0.1)
+    stream, dem = _stream(circuit, 40, 3)
+    nd = dem.num_detectors
+    served = _Served(dem, frames_per_shot=1)
+    ep = served.ep
+    good = _frame_enqueue(1, 0, stream.detectors[0])
+    bad_magic = bytearray(good)
+    bad_magic[0:4] = b"XXXX"
+    long_len = bytearray(good)
+    struct.pack_into("<I", long_len, 8, len(good))  # arg_len past the end
+    unknown = bytearray(good)
+    struct.pack_into("<I", unknown, 4, 0x12345678)
+    far_id = bytearray(good)  # (the encoder refuses it: written by hand)
+    struct.pack_into("<q", far_id, wire.HEADER_NBYTES, 40)
+    cases = [
+        (bytes(bad_magic), Status.BAD_REQUEST, "bad_magic"),
+        (bytes(long_len), Status.BAD_REQUEST, "length"),
+        (bytes(unknown), Status.BAD_REQUEST, "unknown_function"),
+        (_frame_enqueue(5, 0, stream.detectors[0], decoder_id=7), Status.INVALID_DECODER, "decoder_not_configured"),
+        (bytes(far_id), Status.INVALID_DECODER, "decoder_id"),
+        (_frame_enqueue(7, 0, stream.detectors[0], mapping=3), Status.BAD_REQUEST, "syndrome_mapping_id"),
+        (_frame_enqueue(8, 0, np.zeros(nd + 1, np.uint8)), Status.BAD_REQUEST, "syndrome_count"),
+        (_frame_get(9, return_size=0), Status.BAD_REQUEST, "return_size"),
+        (_frame_get(10, return_size=2), Status.BAD_REQUEST, "return_size"),
+    ]
+    try:
+        for i, (frame, status, fault) in enumerate(cases):
+            ep.send(frame)
+            (ans,) = _answers(ep, 1)
+            assert ans.status == status, (fault, ans)
+        ep.send(b"\x01\x02\x03")  # not even a header: counted, nothing to answer
+        ep.send(_frame_get(11))  # nothing decoded yet
+        assert _answers(ep, 1)[0].status == Status.NOT_READY
+        # the service still serves: every shot decoded right, in order
+        want = _direct("pymatching", dem, stream.detectors)
+        for k in range(len(stream.detectors)):
+            ep.send(_frame_enqueue(100 + k, k, stream.detectors[k]))
+            ep.send(_frame_get(0x80000000 + k))
+            (ans,) = _answers(ep, 1)
+            assert ans.status == Status.OK and ans.request_id == 0x80000000 + k
+            assert bytes(ans.result) == bytes(want[k])
+        ep.send(_frame_enqueue(999, 3, stream.detectors[0]))  # counter backwards
+        assert _answers(ep, 1)[0].status == Status.BAD_REQUEST
+    finally:
+        rep = served.close()
+    want_faults = {f for _, _, f in cases} | {"short_frame", "counter_backwards"}
+    assert want_faults <= set(rep["faults"]), rep["faults"]
+    assert rep["faults"]["return_size"] == 2
+    assert rep["counts"]["shots_decoded"] == len(stream.detectors)
+
+
+def test_counter_gap_drops_exactly_the_shots_the_lost_frames_touched():
+    circuit = _surface("Z", 3, 3)
+    stream, dem = _stream(circuit, 6, 4)
+    layouts = stream.frames(rounds_per_frame=1)
+    F = len(layouts)
+    served = _Served(dem, frames_per_shot=F)
+    ep = served.ep
+    frames = []
+    for s in range(6):
+        for lay in layouts:
+            frames.append(stream.detectors[s, lay.first_bit:lay.first_bit + lay.num_bits])
+    lost = set(range(F + 1, F + 3))  # two frames in the middle of shot 1
+    lost |= {3 * F + F - 1}  # the last frame of shot 3
+    try:
+        for i, bits in enumerate(frames):
+            if i not in lost:
+                ep.send(_frame_enqueue(i, i, bits))
+        for k in range(6):
+            ep.send(_frame_get(0x80000000 + k))
+        answers = _answers(ep, 6)
+    finally:
+        rep = served.close()
+    want = _direct("pymatching", dem, stream.detectors)
+    statuses = [a.status for a in answers]
+    # shot 3 lost its last frame: that is only seen when shot 4's first frame comes (counter gap)
+    assert statuses == [Status.OK, Status.SYNDROMES_DROPPED, Status.OK, Status.SYNDROMES_DROPPED, Status.OK,
+                        Status.OK], statuses
+    for k in (0, 2, 4, 5):
+        assert bytes(answers[k].result) == bytes(want[k])
+    assert rep["counts"]["frames_lost"] == 3 and rep["counts"]["shots_dropped"] == 2
+
+
+def test_a_killed_service_is_reported_within_a_second():
+    import signal
+
+    import transports
+    from qlink.qec.loop import build_source, sample_stream, source_spec
+    from qlink.qec.service import start_service_process
+
+    spec = source_spec(distance=3, p=0.001)
+    src = build_source(spec)
+    stream = sample_stream(src, num_shots=2_000_000 // 4, seed=1)
+    proc = start_service_process(f"shm://qlink-hot-kill-{os.getpid()}", {0: {"source": spec, "decoder": "pymatching"}},
+                                 service_options={"engine": "native"}, max_peers=1, timeout_s=60)
+    try:
+        ep = transports.connect(proc.url, timeout_s=10)
+        ctl = NativeController(ep, stream, cycle_ns=2000)
+        killed = []
+
+        def kill():
+            time.sleep(0.5)
+            killed.append(time.monotonic())
+            os.kill(proc.process.pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+        with pytest.raises(BrokenLinkError):
+            ctl.run(timeout_s=30)
+        assert killed and time.monotonic() - killed[0] < 1.0
+        ep.close()
+    finally:
+        proc.close()
+
+
+def test_run_loop_native_engine_reports_stages_that_add_up():
+    from qlink.qec import run_loop, source_spec
+
+    r = run_loop(transport="shm", source=source_spec(distance=3, p=0.002), num_shots=300, engine="native",
+                 feed_forward_deadline_ns=1_000_000, warmup_shots=50, seed=2)
+    assert r.shots_ok == 300 and r.transport == "shm"
+    stages = r.stage_breakdown["stages"]
+    assert r.stage_breakdown["n"] == 300
+    total = sum(stages[k]["mean_us"] for k in ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply"))
+    mean_reaction = float(np.mean(r.controller.reaction_ns[r.controller.reaction_ns >= 0])) / 1e3
+    assert total == pytest.approx(mean_reaction, rel=1e-6)
+    with pytest.raises(ValueError, match="shm:// only"):
+        run_loop(transport="tcp", source=source_spec(distance=3), num_shots=10, engine="native")
