@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--distances", default=None, metavar="D,D,...",
                    help="qec: code distances (default 5,7,11,17; --quick 5,7)")
     b.add_argument("--transports", default=None, metavar="T,T,...", help="qec: transports (default shm,tcp,ucx,udp)")
+    b.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="qec: write the native lock-step run's first 200 shots as a Chrome/Perfetto trace")
+    b.add_argument("--native-only", action="store_true",
+                   help="qec: only the native real-time rows and their goal table (skip the per-transport table)")
     b.set_defaults(func=_cmd_bench)
     bu = sub.add_parser("budget", help="the cross-domain budget table: QEC and KV figures on the same transports, "
                                       "each against its own budget (measured and modeled apart); writes a plot")

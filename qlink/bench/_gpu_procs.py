@@ -64,7 +64,7 @@ def bandwidth_target(url: str, max_nbytes: int, device: str) -> None:
     """Register ``max_nbytes`` and answer checksum requests until ``bye``."""
     import transports
 
-    from ._procs import die_with_parent
+    from qlink.procs import die_with_parent
 
     die_with_parent()
     xp = array_module(device)
@@ -90,7 +90,7 @@ def qec_controller(url: str) -> None:
     """Put each shot into the decoder's syndrome region, time it until its correction returns."""
     import transports
 
-    from ._procs import die_with_parent
+    from qlink.procs import die_with_parent
 
     die_with_parent()
     ep = transports.connect(url, timeout_s=60)

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ._procs import die_with_parent, pin_to_cpu, pinned
+from qlink.procs import die_with_parent, pin_to_cpu, pinned
 
 __all__ = ["spin_round_trip_ns", "memcpy_bandwidth", "cpu_availability"]
 

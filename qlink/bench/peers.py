@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from ._procs import die_with_parent, pin_to_cpu
+from qlink.procs import die_with_parent, pin_to_cpu
 
 __all__ = ["PeerSamples", "ucxx_asyncio_round_trip_ns", "socket_round_trip_ns"]
 

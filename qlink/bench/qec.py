@@ -303,7 +303,23 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
 
     from ._report import format_table, write_results
 
+    from .qec_hot import run_hot_bench
+
     quick = bool(getattr(args, "quick", False))
+    out = Path(getattr(args, "out", "results/bench"))
+    # the real-time path first: native, over shm, each figure beside its floor
+    hot_kw = dict(distances=(5, 7), cycle_rounds=100_000, lockstep_shots=3000, floor_round_trips=5000) if quick else {}
+    given = getattr(args, "distances", None)
+    if given:
+        hot_kw["distances"] = tuple(int(x) for x in str(given).replace(" ", ",").split(",") if x.strip())
+    hot = run_hot_bench(progress=say, trace_path=getattr(args, "trace", None), **hot_kw)
+    write_results(hot["rows"], out_dir=out, name="qec_native", meta={"quick": quick})
+    write_results(hot["goals"], out_dir=out, name="qec_goals", meta={"quick": quick})
+    print("\nReal-time path (native, shm, one frame per round): goals, each figure from this run")
+    print(format_table(hot["goals"], columns=["goal", "figure_us", "target_us", "met", "floor"]))
+    print(f"written: {out}/qec_native.{{json,csv}} (every figure), {out}/qec_goals.{{json,csv}}")
+    if getattr(args, "native_only", False):
+        return hot["rows"]
     kw = dict(distances=(5, 7), cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000,
               ff_shots=1000) if quick else {}
     for name, conv in (("distances", int), ("transports", str)):
@@ -314,7 +330,6 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
             except ValueError:
                 raise SystemExit(f"qlink bench qec: --{name} takes a comma-separated list, got {given!r}") from None
     rows = run_qec_bench(progress=say, **kw)
-    out = Path(getattr(args, "out", "results/bench"))
     write_results(rows, out_dir=out, name="qec", meta={"quick": quick, **{k: list(v) if isinstance(v, tuple) else v
                                                                           for k, v in kw.items()}})
     print("\nQEC decoder service over the wire vs the 1.1 us cycle and offline decode_batch (measured here)")

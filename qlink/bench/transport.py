@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ._procs import die_with_parent, pin_to_cpu, pinned
+from qlink.procs import die_with_parent, pin_to_cpu, pinned
 from ._stats import ratio, summarize_ns
 
 __all__ = ["run_transport_bench", "round_trip_ns", "put_bandwidth", "DEFAULT_PUT_SIZES"]

@@ -60,7 +60,7 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     """
     import transports
 
-    from qlink.bench._procs import die_with_parent, pin_to_cpu
+    from qlink.procs import die_with_parent, pin_to_cpu
 
     from .service import DecoderConfig
 

@@ -388,7 +388,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
         sys.setswitchinterval(2e-5)
     pinned_before = None
     if pin_cpus and proc is not None:
-        from qlink.bench._procs import pin_to_cpu
+        from qlink.procs import pin_to_cpu
 
         pinned_before = pin_to_cpu(0)
     try:

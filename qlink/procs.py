@@ -1,11 +1,11 @@
-"""Process hygiene for benchmarks: children that die with their parent, and CPU pinning.
+"""Process hygiene for every two-process run (the QEC loop, benchmarks): children that die with their parent, and CPU pinning.
 
 Two busy-polling processes on a 2-core machine must not share a core: the scheduler
 sometimes puts both on one CPU, where every round trip costs a time slice. Every
 two-process measurement (the floor and each transport alike) pins its two sides to
 different CPUs, so the comparison stays fair.
 
->>> from qlink.bench._procs import pinned
+>>> from qlink.procs import pinned
 >>> with pinned(0):
 ...     pass
 """
