@@ -221,14 +221,29 @@ typedef struct {
     int64_t *drops_before;
     int64_t *rec;        /* cap * SVC_FIELDS: the shot's service timestamps until answered */
     uint64_t head, tail;
+    uint64_t decoded;    /* shots [head, decoded) decoded, [decoded, tail) waiting for the decoder */
+    PyObject *batch_fn;  /* fn(rows (k, nbd) uint8) -> (k, nbo) packed flips (or a tuple, first item) */
+    PyObject *pend;      /* (cap, nbd) uint8: the waiting shots' bits, at their ring slots */
+    uint8_t *pend_data;
     /* the frame that completed the current shot */
     int64_t last_rid, last_ptp;
 } SvcDecoder;
+
+#define DEFER_MAX 256
+typedef struct {
+    int did;
+    int consume;
+    int64_t rs;
+    uint32_t rid;
+    int64_t ptp;
+} DeferredGet;
 
 typedef struct {
     PyObject_HEAD
     PyObject *rx, *tx;
     int ack; /* 0 none, 1 errors, 2 all */
+    DeferredGet defer[DEFER_MAX];
+    int n_defer;
     int ndec;
     SvcDecoder dec[64];
     uint64_t counts[C_N];
@@ -239,12 +254,16 @@ typedef struct {
     PyObject *kw_packed; /* ("bit_packed_detection_event_data",) */
     PyObject *first_error; /* str: the first decoder failure */
     int64_t answer_block_ns;
+    int64_t pending;   /* shots waiting for the decoder, all decoders */
+    int64_t max_batch; /* decode once this many wait, even with frames still queued */
 } ServiceCore;
 
 static void dec_free(SvcDecoder *d) {
     Py_CLEAR(d->fn);
     Py_CLEAR(d->views);
     Py_CLEAR(d->row);
+    Py_CLEAR(d->batch_fn);
+    Py_CLEAR(d->pend);
     PyMem_Free(d->shot); /* (idx and row_data borrow the arrays' memory) */
     PyMem_Free(d->obs);
     PyMem_Free(d->failed);
@@ -260,7 +279,7 @@ static void dec_reset(SvcDecoder *d) {
     d->next_counter = 0;
     d->discard = 0;
     d->pending_drops = 0;
-    d->head = d->tail = 0;
+    d->head = d->tail = d->decoded = 0;
 }
 
 static int svc_traverse(ServiceCore *s, visitproc visit, void *arg) {
@@ -270,6 +289,8 @@ static int svc_traverse(ServiceCore *s, visitproc visit, void *arg) {
         Py_VISIT(s->dec[i].fn);
         Py_VISIT(s->dec[i].views);
         Py_VISIT(s->dec[i].row);
+        Py_VISIT(s->dec[i].batch_fn);
+        Py_VISIT(s->dec[i].pend);
     }
     return 0;
 }
@@ -298,8 +319,9 @@ static void svc_dealloc(ServiceCore *s) {
  * frames_per_shot, capacity_shots, index_array_or_None, row_array_or_None, views_or_None) */
 static int svc_add_decoder(ServiceCore *s, PyObject *t) {
     long long id, nd, no, kind, fps, cap;
-    PyObject *fn, *idx_arr, *row_arr, *views;
-    if (!PyArg_ParseTuple(t, "LLLOLLLOOO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views))
+    PyObject *fn, *idx_arr, *row_arr, *views, *batch_fn = Py_None, *pend = Py_None;
+    if (!PyArg_ParseTuple(t, "LLLOLLLOOO|OO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views,
+                          &batch_fn, &pend))
         return -1;
     if (id < 0 || id >= W.max_decoders || id >= 64) {
         PyErr_Format(PyExc_ValueError, "decoder_id %lld is out of range 0..%d", id, W.max_decoders - 1);
@@ -368,6 +390,25 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
         d->row = row_arr;
         Py_INCREF(row_arr);
     }
+    if (batch_fn != Py_None && pend != Py_None) {
+        Py_buffer b;
+        if (!PyCallable_Check(batch_fn) || PyObject_GetBuffer(pend, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "batch_fn must be callable");
+            return -1;
+        }
+        if (b.len != (Py_ssize_t)(cap * d->nbd)) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "the pending rows must be a (capacity_shots, ceil(D/8)) uint8 array");
+            return -1;
+        }
+        d->pend_data = (uint8_t *)b.buf;
+        PyBuffer_Release(&b);
+        Py_INCREF(batch_fn);
+        Py_INCREF(pend);
+        d->batch_fn = batch_fn;
+        d->pend = pend;
+    }
     d->configured = 1;
     dec_reset(d);
     return 0;
@@ -377,11 +418,12 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     PyObject *rx, *tx, *decoders, *rows = Py_None;
     int ack = 1;
     double block_s = 1.0;
-    static char *kwlist[] = {"rx", "tx", "decoders", "ack", "rows", "answer_block_s", NULL};
+    long long max_batch = 256;
+    static char *kwlist[] = {"rx", "tx", "decoders", "ack", "rows", "answer_block_s", "max_batch", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$iOd:ServiceCore", kwlist, &rx, &tx, &decoders, &ack, &rows,
-                                     &block_s))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$iOdL:ServiceCore", kwlist, &rx, &tx, &decoders, &ack, &rows,
+                                     &block_s, &max_batch))
         return -1;
     if (get_ring(rx, "rx") || get_ring(tx, "tx"))
         return -1;
@@ -417,6 +459,9 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     }
     s->row_n = s->rows_dropped = 0;
     s->t_ready = mono_ns();
+    s->pending = 0;
+    s->n_defer = 0;
+    s->max_batch = max_batch < 1 ? 1 : max_batch;
     return 0;
 }
 
@@ -550,6 +595,21 @@ static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uin
     d->pending_drops = 0;
     if (t_in == 0) /* the frame came while the service was busy: stamped now (parsed, about to decode) */
         t_in = mono_ns();
+    int64_t *r = d->rec + slot * SVC_FIELDS;
+    r[0] = rid;
+    r[1] = ptp;
+    r[2] = t_in;
+    r[3] = t_in; /* complete: the frame that completed it was received */
+    r[6] = 0;
+    r[8] = 0;
+    r[9] = 1;
+    r[10] = s->t_ready ? s->t_ready : t_in; /* busy back to back: ready when it took this frame */
+    if (d->batch_fn != NULL) { /* decoded by svc_flush: at once when nothing else waits, else in one call */
+        memcpy(d->pend_data + slot * d->nbd, bits, (size_t)d->nbd);
+        d->tail++;
+        s->pending++;
+        return;
+    }
     int64_t t0 = mono_ns();
     int rc = svc_decode(s, d, bits, d->obs + slot * d->nbo);
     int64_t t1 = mono_ns();
@@ -558,19 +618,73 @@ static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uin
         s->counts[C_DECODER_FAILED]++;
     else
         s->counts[C_SHOTS_DECODED]++;
-    int64_t *r = d->rec + slot * SVC_FIELDS;
-    r[0] = rid;
-    r[1] = ptp;
-    r[2] = t_in;
-    r[3] = t_in; /* complete: the frame that completed it was received */
     r[4] = t0;
     r[5] = t1;
-    r[6] = 0;
     r[7] = 1;
-    r[8] = 0;
-    r[9] = 1;
-    r[10] = s->t_ready ? s->t_ready : t_in; /* busy back to back: ready when it took this frame */
     d->tail++;
+    d->decoded = d->tail;
+}
+
+/* Decode every waiting shot of d: one shot through the single-shot call, several through
+ * the batch call (split where the ring of slots wraps). */
+static void svc_flush_decoder(ServiceCore *s, SvcDecoder *d) {
+    while (d->decoded < d->tail) {
+        int64_t first = (int64_t)(d->decoded % (uint64_t)d->cap);
+        int64_t k = (int64_t)(d->tail - d->decoded);
+        if (first + k > d->cap)
+            k = d->cap - first;
+        int64_t t0 = mono_ns();
+        int rc = 0;
+        if (k == 1 || d->batch_fn == NULL) {
+            k = 1;
+            rc = svc_decode(s, d, d->pend_data + first * d->nbd, d->obs + first * d->nbo);
+        } else {
+            s->counts[C_DECODE_CALLS]++;
+            PyObject *rows = PySequence_GetSlice(d->pend, first, first + k);
+            PyObject *res = rows ? PyObject_CallOneArg(d->batch_fn, rows) : NULL;
+            Py_XDECREF(rows);
+            Py_buffer b;
+            if (res == NULL) {
+                note_failure(s);
+                rc = -1;
+            } else {
+                PyObject *arr = (PyTuple_Check(res) && PyTuple_GET_SIZE(res) >= 1) ? PyTuple_GET_ITEM(res, 0) : res;
+                if (PyObject_GetBuffer(arr, &b, PyBUF_C_CONTIGUOUS) < 0) {
+                    note_failure(s);
+                    rc = -1;
+                } else {
+                    if (d->num_obs > 0 && b.len < k * d->nbo) {
+                        rc = -1;
+                        if (s->first_error == NULL)
+                            s->first_error = PyUnicode_FromString("the batch decoder returned too few rows");
+                    } else if (d->num_obs > 0) {
+                        memcpy(d->obs + first * d->nbo, b.buf, (size_t)(k * d->nbo));
+                    } else {
+                        memset(d->obs + first * d->nbo, 0, (size_t)(k * d->nbo));
+                    }
+                    PyBuffer_Release(&b);
+                }
+                Py_DECREF(res);
+            }
+        }
+        int64_t t1 = mono_ns();
+        for (int64_t i = 0; i < k; i++) {
+            int64_t *r = d->rec + (first + i) * SVC_FIELDS;
+            r[4] = t0;
+            r[5] = t1;
+            r[7] = k;
+            d->failed[first + i] = rc < 0;
+        }
+        s->counts[rc < 0 ? C_DECODER_FAILED : C_SHOTS_DECODED] += (uint64_t)k;
+        d->decoded += (uint64_t)k;
+        s->pending -= k;
+    }
+}
+
+static void svc_flush(ServiceCore *s) {
+    for (int i = 0; i < 64 && s->pending > 0; i++)
+        if (s->dec[i].configured)
+            svc_flush_decoder(s, &s->dec[i]);
 }
 
 /* `g` frames were lost before this one: drop every shot they touched. */
@@ -731,19 +845,7 @@ static void svc_record(ServiceCore *s, SvcDecoder *d, int64_t slot, int32_t stat
     s->row_n++;
 }
 
-static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp) {
-    s->counts[C_GET]++;
-    if (arg_len != W.get_payload)
-        return svc_refuse(s, C_F_LENGTH, W.st_bad, rid, ptp);
-    int64_t did = rd64(p), rs = rd64(p + 8);
-    int consume = p[16] != 0;
-    if (did < 0 || did >= W.max_decoders)
-        return svc_refuse(s, C_F_DECODER_ID, W.st_invalid, rid, ptp);
-    SvcDecoder *d = &s->dec[did];
-    if (!d->configured)
-        return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
-    if (rs < 1 || rs > d->num_obs || rs > W.max_corr_bits)
-        return svc_refuse(s, C_F_RETURN_SIZE, W.st_bad, rid, ptp);
+static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, uint32_t rid, int64_t ptp) {
     if (d->head == d->tail) {
         if (d->pending_drops > 0) { /* dropped shots with nothing after them yet */
             if (consume)
@@ -755,6 +857,8 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
         svc_answer(s, W.st_not_ready, rid, ptp, NULL, 0);
         return;
     }
+    if (d->decoded == d->head) /* the oldest shot still waits for the decoder: decode now */
+        svc_flush_decoder(s, d);
     int64_t slot = (int64_t)(d->head % (uint64_t)d->cap);
     if (d->drops_before[slot] > 0) {
         if (consume)
@@ -782,6 +886,48 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
         svc_record(s, d, slot, W.st_ok, mono_ns());
 }
 
+/* Answer the gets held back while shots waited for the decoder, in the order they came. */
+static void svc_settle(ServiceCore *s) {
+    svc_flush(s);
+    for (int i = 0; i < s->n_defer; i++) {
+        DeferredGet *g = &s->defer[i];
+        svc_get_now(s, &s->dec[g->did], g->rs, g->consume, g->rid, g->ptp);
+    }
+    s->n_defer = 0;
+}
+
+static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp) {
+    s->counts[C_GET]++;
+    if (arg_len != W.get_payload)
+        return svc_refuse(s, C_F_LENGTH, W.st_bad, rid, ptp);
+    int64_t did = rd64(p), rs = rd64(p + 8);
+    int consume = p[16] != 0;
+    if (did < 0 || did >= W.max_decoders)
+        return svc_refuse(s, C_F_DECODER_ID, W.st_invalid, rid, ptp);
+    SvcDecoder *d = &s->dec[did];
+    if (!d->configured)
+        return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
+    if (rs < 1 || rs > d->num_obs || rs > W.max_corr_bits)
+        return svc_refuse(s, C_F_RETURN_SIZE, W.st_bad, rid, ptp);
+    /* The oldest shot still waits for the decoder (or earlier gets wait): hold this get back
+     * while frames are still queued, so the waiting shots go to the decoder in one call. The
+     * run loop decodes and answers as soon as nothing else waits (at once in lock-step). */
+    if (s->n_defer > 0 || (d->decoded == d->head && d->head != d->tail)) {
+        if (s->n_defer == DEFER_MAX)
+            svc_settle(s);
+        else {
+            DeferredGet *g = &s->defer[s->n_defer++];
+            g->did = (int)did;
+            g->rs = rs;
+            g->consume = consume;
+            g->rid = rid;
+            g->ptp = ptp;
+            return;
+        }
+    }
+    svc_get_now(s, d, rs, consume, rid, ptp);
+}
+
 static void svc_reset(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp) {
     s->counts[C_RESET]++;
     if (arg_len != W.reset_payload)
@@ -792,6 +938,7 @@ static void svc_reset(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32
     SvcDecoder *d = &s->dec[did];
     if (!d->configured)
         return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
+    svc_settle(s); /* the gets held back answer what they asked before the reset */
     dec_reset(d);
     svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
 }
@@ -859,6 +1006,9 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             spins = 0;
             svc_handle(s, data, n, t_in);
             RAPI->consume(s->rx);
+            if ((s->pending > 0 || s->n_defer > 0) &&
+                (s->pending >= s->max_batch || RAPI->peek(s->rx, &data, &n) != QLINK_RING_MSG))
+                svc_settle(s); /* nothing else waits (or enough do): decode now, answer the held gets */
             if (max_frames > 0 && ++frames >= max_frames) {
                 code = 3;
                 break;
@@ -906,6 +1056,7 @@ static PyObject *svc_handle_py(ServiceCore *s, PyObject *arg) {
     s->counts[C_SLOW_PATH]++;
     svc_handle(s, (const uint8_t *)b.buf, (uint32_t)(b.len > 0xFFFFFFFFLL ? 0xFFFFFFFFLL : b.len), mono_ns());
     PyBuffer_Release(&b);
+    svc_settle(s);
     Py_RETURN_NONE;
 }
 
@@ -929,6 +1080,8 @@ static PyObject *svc_reset_all(ServiceCore *s, PyObject *Py_UNUSED(ig)) {
     for (int i = 0; i < 64; i++)
         if (s->dec[i].configured)
             dec_reset(&s->dec[i]);
+    s->pending = 0;
+    s->n_defer = 0;
     s->row_n = s->rows_dropped = 0;
     Py_RETURN_NONE;
 }

@@ -40,6 +40,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class SingleShotDecoder:
     num_detectors: int
     num_observables: int
     label: str
+    batch_fn: Any = None  # rows (k, ceil(D/8)) uint8 -> (k, ceil(O/8)) packed flips: a backlog in one call
 
     def decode_one(self, detectors: np.ndarray) -> np.ndarray:
         """The observable flips (uint8, one per observable) of one shot's detection events."""
@@ -142,28 +144,36 @@ def single_shot_decoder(decoder: Any, dem: Any) -> SingleShotDecoder:
         import pymatching
 
         graph = pymatching.Matching.from_detector_error_model(dem)._matching_graph
-        return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)")
+        batch = functools.partial(graph.decode_batch, bit_packed_shots=True, bit_packed_predictions=True)
+        return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)", batch)
     from .decoders import compile_decoder
 
     compiled = compile_decoder(decoder, dem)
     name = decoder if isinstance(decoder, str) else type(decoder).__name__
-    return SingleShotDecoder(compiled.decode_shots_bit_packed, "packed", nd, no,
-                             f"{name} (decode_shots_bit_packed, one shot)")
+    fn = compiled.decode_shots_bit_packed
+
+    def batch(rows):
+        return fn(bit_packed_detection_event_data=rows)
+
+    return SingleShotDecoder(fn, "packed", nd, no, f"{name} (decode_shots_bit_packed, one shot)", batch)
 
 
 def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_shot: int | None,
                         capacity_shots: int, keep: list) -> tuple:
     nd = dec.num_detectors
+    pend = np.zeros((int(capacity_shots), (nd + 7) // 8), np.uint8)  # shots waiting while frames are queued
+    keep.append(pend)
+    tail = (dec.batch_fn, pend) if dec.batch_fn is not None else (None, None)
     if dec.kind == "fired":
         idx = np.zeros(max(1, nd), np.uint64)
         views = tuple(idx[:k] for k in range(nd + 1))
         keep.append((idx, views))
         return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_FIRED, int(frames_per_shot or 0),
-                int(capacity_shots), idx, None, views)
+                int(capacity_shots), idx, None, views, *tail)
     row = np.zeros((1, (nd + 7) // 8), np.uint8)
     keep.append(row)
     return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_PACKED, int(frames_per_shot or 0),
-            int(capacity_shots), None, row, None)
+            int(capacity_shots), None, row, None, *tail)
 
 
 # ------------------------------------------------------------------------ service

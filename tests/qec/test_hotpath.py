@@ -299,3 +299,17 @@ def test_run_loop_native_engine_reports_stages_that_add_up():
     assert total == pytest.approx(mean_reaction, rel=1e-6)
     with pytest.raises(ValueError, match="shm:// only"):
         run_loop(transport="tcp", source=source_spec(distance=3), num_shots=10, engine="native")
+
+
+@pytest.mark.parametrize("decoder", ["pymatching", "bposd"])
+def test_a_backlog_is_decoded_in_batches_bit_exact(decoder):
+    """Flat out (a 1 ns cycle) the service falls behind: waiting shots go to the decoder in one
+    batch call, and every correction still equals the direct call's."""
+    if decoder == "bposd":
+        pytest.importorskip("ldpc")
+    stream, dem, res, rep = _run(_surface("Z", 3, 3), num_shots=3000, seed=9, decoder=decoder, cycle_ns=1)
+    assert res.shots_ok == 3000
+    np.testing.assert_array_equal(res.corrections, _direct(decoder, dem, stream.detectors))
+    batch = np.asarray(rep["shots"]["batch_shots"])
+    assert batch.max() > 1, "the service never fell behind: no batch to check"
+    assert rep["counts"]["decode_calls"] < rep["counts"]["shots_decoded"]
