@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 MAGIC_REQUEST = wire.REQUEST_MAGIC  # 'CUQR'
-HEADER = struct.Struct("<IIIIQ")  # magic, function_id, arg_len, request_id, ptp_timestamp
+HEADER = wire.REQUEST_HEADER  # magic, function_id, arg_len, request_id, ptp_timestamp
 assert HEADER.size == wire.HEADER_NBYTES
 fnv1a_32 = wire.fnv1a_32
 
@@ -75,15 +75,15 @@ FN_ROWS = wire.function_id_for("kv_rows")
 
 # layer, layer_lo, layer_hi, num_parts, num_descs, reserved, layer_nbytes, part_nbytes
 _WRITE = struct.Struct("<IIIIIIQQ")
-_WRITE_FULL = struct.Struct("<IIIIQ" + "IIIIIIQQ")
+_WRITE_FULL = struct.Struct(wire.REQUEST_HEADER.format + "IIIIIIQQ")
 # ... then dst_offset
-_DATA_FULL = struct.Struct("<IIIIQ" + "IIIIIIQQ" + "Q")
+_DATA_FULL = struct.Struct(wire.REQUEST_HEADER.format + "IIIIIIQQ" + "Q")
 # ... then num_rows, row_nbytes
-_ROWS_FULL = struct.Struct("<IIIIQ" + "IIIIIIQQ" + "II")
+_ROWS_FULL = struct.Struct(wire.REQUEST_HEADER.format + "IIIIIIQQ" + "II")
 # status, layer, reason_len (reason utf-8 follows)
-_ABORT_FULL = struct.Struct("<IIIIQ" + "iII")
+_ABORT_FULL = struct.Struct(wire.REQUEST_HEADER.format + "iII")
 # role, mode, num_regions, spec_len (spec and descriptors follow: each u32 length + bytes)
-_HELLO_FULL = struct.Struct("<IIIIQ" + "BBHI")
+_HELLO_FULL = struct.Struct(wire.REQUEST_HEADER.format + "BBHI")
 _U32 = struct.Struct("<I")
 _CRC_OFFSET = HEADER.size + 20  # the sixth u32 of the kv_write / kv_data arguments
 HELLO_PARTS_CRC32 = 1

@@ -39,13 +39,15 @@ from typing import Callable
 
 import numpy as np
 
+from qlink import wire
+
 __all__ = ["run_soak", "controller_rate", "backpressure_run", "main_from_cli", "rss_kib", "resource_counts",
            "SOAK_COLUMNS"]
 
 SOAK_COLUMNS = ["what", "case", "transport", "injected", "detected", "bound", "measured", "accounted_pct", "note"]
 
 _GET_BIT = 0x80000000
-_RESP = struct.Struct("<IiIIQ")  # magic, status, result_len, request_id, ptp
+_RESP = wire.RESPONSE_HEADER  # magic, status, result_len, request_id, ptp
 _PATCH_RID = struct.Struct("<I")
 _PATCH_COUNTER = struct.Struct("<q")
 

@@ -1,5 +1,6 @@
 """One decoder's state inside the decoder service: the shot being filled and a ring of
-completed shots (private to :mod:`qlink.qec.service`), and compiling a decoder by name.
+completed shots (private to :mod:`qlink.qec.service`); decoders are compiled by
+:func:`qlink.qec.decoders.compile_decoder`.
 
 >>> import stim
 >>> dem = stim.DetectorErrorModel("error(0.1) D0 L0\\nerror(0.1) D0 D1")
@@ -10,62 +11,13 @@ completed shots (private to :mod:`qlink.qec.service`), and compiling a decoder b
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from qlink import wire
 
+from .decoders import compile_decoder
+
 __all__ = ["compile_decoder"]
-
-
-def _decoder_registries():
-    regs = []
-    try:
-        from qlink.qec.decoders import BUILT_IN_DECODERS as q
-
-        regs.append(q)
-    except ImportError:
-        pass
-    try:
-        import sinter
-
-        regs.append(sinter.BUILT_IN_DECODERS)
-    except ImportError:
-        pass
-    return regs
-
-
-def compile_decoder(decoder: Any, dem: Any):
-    """A compiled decoder (with ``decode_shots_bit_packed``) for ``dem``.
-
-    ``decoder`` is a name in ``qlink.qec.decoders.BUILT_IN_DECODERS`` (or sinter's),
-    a decoder object (``compile_for_dem`` / ``compile_decoder_for_dem``), or an
-    already compiled decoder.
-    """
-    if hasattr(decoder, "decode_shots_bit_packed"):
-        return decoder
-    obj = decoder
-    if isinstance(decoder, str):
-        obj = None
-        known: list[str] = []
-        for reg in _decoder_registries():
-            if decoder in reg:
-                obj = reg[decoder]
-                break
-            known.extend(reg)
-        if obj is None:
-            raise ValueError(f"unknown decoder {decoder!r}; known decoders: {', '.join(sorted(set(known)))}")
-    if dem is None:
-        raise ValueError("compiling a decoder needs a detector error model (dem=)")
-    if hasattr(obj, "compile_for_dem"):
-        return obj.compile_for_dem(dem)
-    if hasattr(obj, "compile_decoder_for_dem"):
-        return obj.compile_decoder_for_dem(dem=dem)
-    raise TypeError(
-        f"decoder {decoder!r} is neither a decoder name, an object with compile_for_dem/"
-        "compile_decoder_for_dem, nor a compiled decoder with decode_shots_bit_packed"
-    )
 
 
 class _Decoder:

@@ -34,8 +34,10 @@ True
 >>> dec = single_shot_decoder("pymatching", dem)
 >>> dec.kind, dec.label
 ('fired', 'pymatching (matching graph on fired detectors)')
->>> int(dec.decode_one(np.array([1, 0, 0, 0, 0, 0], np.uint8))[0])   # a lone defect next to the observable
-1
+>>> import pymatching
+>>> events = np.array([0, 1, 0, 0, 0, 0], np.uint8)
+>>> bool(dec.decode_one(events)[0] == pymatching.Matching.from_detector_error_model(dem).decode(events)[0])
+True
 """
 
 from __future__ import annotations
@@ -387,10 +389,10 @@ class NativeController:
                  counter_start: int = 0, request_id_start: int = 0, get_request_id_start: int = 0,
                  keep_lag_frames: int = 0, backlog_samples: int = 4096) -> None:
         _need()
-        from .controller import _knob
+        from ._checks import knob
 
-        _knob("cycle_ns", cycle_ns, 1)
-        _knob("rounds_per_frame", rounds_per_frame, 1)
+        knob("cycle_ns", cycle_ns, 1)
+        knob("rounds_per_frame", rounds_per_frame, 1)
         self.endpoint = endpoint
         self.stream = stream
         self.decoder_id = int(decoder_id)

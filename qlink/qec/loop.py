@@ -24,7 +24,6 @@ rebuild the same DEM without anything but numbers crossing the process boundary:
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import sys
 import threading
@@ -35,13 +34,10 @@ import numpy as np
 
 from qlink.errors import BrokenLinkError
 
-from .controller import (
-    DEFAULT_CYCLE_NS,
-    Controller,
-    ControllerResult,
-    SyndromeStream,
-    _knob,
-)
+from ._checks import knob as _knob
+from .controller import DEFAULT_CYCLE_NS, Controller, ControllerResult
+from .specs import _check_spec, build_source, source_spec
+from .stream import SyndromeStream, sample_stream
 from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, histogram_summary, join_shots, stage_summary
 
 __all__ = [
@@ -53,88 +49,7 @@ __all__ = [
     "resolve_url",
 ]
 
-_SOURCE_KEYS = {"kind", "code", "distance", "rounds", "p", "noise"}
 _url_counter = itertools.count()
-
-
-def source_spec(*, distance: int, rounds: int | None = None, p: float = 0.001,
-                code: str = "surface_code:rotated_memory_z", noise: str = "uniform", kind: str = "stim") -> dict:
-    """A plain-data syndrome-source spec (``rounds`` defaults to ``distance``).
-
-    >>> source_spec(distance=5)["rounds"]
-    5
-    """
-    _knob("distance", distance, 2)
-    if rounds is not None:
-        _knob("rounds", rounds, 1)
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 0.5:  # (NaN fails the comparison)
-        raise ValueError(f"p must lie in [0, 0.5), got {p!r}")
-    return {"kind": kind, "code": code, "distance": int(distance), "rounds": int(rounds or distance),
-            "p": float(p), "noise": noise}
-
-
-def _check_spec(spec: Mapping[str, Any]) -> dict:
-    if not isinstance(spec, Mapping):
-        raise TypeError(f"a source spec is a dict of plain values, got {type(spec).__name__}")
-    unknown = set(spec) - _SOURCE_KEYS
-    if unknown:
-        raise ValueError(f"unknown source spec keys {sorted(unknown)}; allowed: {sorted(_SOURCE_KEYS)}")
-    for k, v in spec.items():
-        if not isinstance(v, (str, int, float)) or isinstance(v, bool):
-            raise TypeError(f"source spec values must be str/int/float, got {k}={v!r}")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"source spec values must be finite numbers, got {k}={v!r}")
-    return dict(spec)
-
-
-class _BoundSource:
-    """A :class:`~qlink.qec.sources.SyndromeSource` with the DEM a decoder needs bound to it."""
-
-    def __init__(self, source) -> None:
-        self.source = source
-        self.dem = source.detector_error_model(decompose_errors=True)
-        self.round_of_detector = np.asarray(source.detector_rounds, dtype=np.int64)
-
-    def sample(self, num_shots: int, *, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        b = self.source.sample(num_shots, seed=seed)
-        return b.detection_events.view(np.uint8), b.observable_flips.view(np.uint8)
-
-
-_CODES = {"surface_code:rotated_memory_z": "Z", "surface_code:rotated_memory_x": "X"}
-
-
-def build_source(spec: Mapping[str, Any]):
-    """Build the syndrome source a spec describes (``kind`` ``"stim"`` or ``"cudaq"``,
-    a rotated surface-code memory): an object with ``dem``, ``round_of_detector`` and
-    ``sample(num_shots, seed=...) -> (detectors, observables)``."""
-    spec = _check_spec(spec)
-    kind = spec.get("kind", "stim")
-    code = spec.get("code", "surface_code:rotated_memory_z")
-    if code not in _CODES:
-        raise ValueError(f"code {code!r} is not supported; use one of {sorted(_CODES)}")
-    if spec.get("noise", "uniform") != "uniform":
-        raise ValueError(f"noise model {spec['noise']!r} is not supported; use 'uniform'")
-    if "distance" not in spec or "p" not in spec:
-        raise ValueError("a source spec needs 'distance' and 'p'")
-    kw = dict(distance=int(spec["distance"]), rounds=int(spec.get("rounds", spec["distance"])),
-              p=float(spec["p"]), basis=_CODES[code])
-    if kind == "stim":
-        from .sources import StimSource
-
-        return _BoundSource(StimSource.surface_code(**kw))
-    if kind == "cudaq":
-        from .sources import CudaqSource
-
-        return _BoundSource(CudaqSource.surface_code(**kw))
-    raise ValueError(f"source kind {kind!r} is unknown; use 'stim' or 'cudaq'")
-
-
-def sample_stream(source, *, num_shots: int, seed: int | None = None) -> SyndromeStream:
-    """Sample ``num_shots`` shots of ``source`` into a :class:`SyndromeStream`."""
-    if num_shots < 1:
-        raise ValueError(f"num_shots must be >= 1, got {num_shots}")
-    dets, obs = source.sample(num_shots, seed=seed)
-    return SyndromeStream(detectors=dets, observables=obs, round_of_detector=np.asarray(source.round_of_detector))
 
 
 def resolve_url(transport: str) -> str:

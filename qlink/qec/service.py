@@ -129,9 +129,9 @@ _RESP_FIELDS_OFFSET = 4
 # The request header and the fixed payload fields of the two hot calls (qlink.wire's
 # layout): a well-formed frame is read with two unpacks; anything unusual goes through
 # wire.decode_request, which names the fault.
-_REQ_HEADER = struct.Struct("<IIIIQ")
-_ENQ_FIXED = struct.Struct("<qqqq")
-_GET_FIXED = struct.Struct("<qqB")
+_REQ_HEADER = wire.REQUEST_HEADER
+_ENQ_FIXED = wire.ENQUEUE_FIXED
+_GET_FIXED = wire.GET_CORRECTIONS_PAYLOAD
 _HDR = wire.HEADER_NBYTES
 _ENQ_BITS_OFFSET = _HDR + wire.ENQUEUE_SYNDROMES_FIXED_NBYTES
 _REQUEST_MAGIC, _ENQ_ID, _GET_ID = wire.REQUEST_MAGIC, wire.ENQUEUE_SYNDROMES, wire.GET_CORRECTIONS
@@ -190,7 +190,7 @@ class DecoderConfig:
         ``source`` is a syndrome-source spec (see :func:`qlink.qec.loop.build_source`);
         the DEM is rebuilt here, never shipped.
         """
-        from .loop import build_source
+        from .specs import build_source
 
         spec = dict(spec)
         src = spec.pop("source", None)
@@ -926,7 +926,7 @@ class DecoderService:
                 self._stage(_PLAIN, int(e.fault.status), e.request_id, e.ptp_timestamp or 0, t_in, _FN_BAD)
                 return
         else:  # a valid header cannot describe a frame this long; answer anyway
-            magic, fid, arg_len, rid, ptp = struct.unpack_from("<IIIIQ", data)
+            magic, fid, arg_len, rid, ptp = wire.REQUEST_HEADER.unpack_from(data)
             self._stage(_PLAIN, int(Status.BAD_REQUEST), rid, ptp, t_in, _FN_BAD)
             return
         self._counts["frames_unanswerable"] += 1

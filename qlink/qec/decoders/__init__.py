@@ -86,9 +86,41 @@ def get_decoder(name: str) -> Decoder:
         raise ValueError(f"unknown decoder {name!r}; known decoders: {known}") from None
 
 
-def compile_decoder(name: str, dem, **options) -> CompiledDecoder:
-    """``get_decoder(name).compile_for_dem(dem, **options)``."""
-    return get_decoder(name).compile_for_dem(dem, **options)
+def compile_decoder(decoder, dem, **options) -> CompiledDecoder:
+    """A compiled decoder (with ``decode_shots_bit_packed``) for ``dem``.
+
+    ``decoder`` is a name in :data:`BUILT_IN_DECODERS` (then sinter's built-in decoders),
+    a decoder object (``compile_for_dem`` / sinter's ``compile_decoder_for_dem``), or a
+    decoder already compiled (returned as it is). ``options`` go to ``compile_for_dem``.
+
+    >>> import stim
+    >>> dem = stim.DetectorErrorModel("error(0.1) D0 L0\\nerror(0.1) D0 D1")
+    >>> compile_decoder("pymatching", dem).decode_shots_bit_packed(np.array([[1]], np.uint8)).tolist()
+    [[1]]
+    """
+    if hasattr(decoder, "decode_shots_bit_packed"):
+        return decoder
+    obj = decoder
+    if isinstance(decoder, str):
+        obj = BUILT_IN_DECODERS.get(decoder)
+        if obj is None:
+            try:
+                import sinter
+
+                obj = sinter.BUILT_IN_DECODERS.get(decoder)
+                known = set(BUILT_IN_DECODERS) | set(sinter.BUILT_IN_DECODERS)
+            except ImportError:
+                known = set(BUILT_IN_DECODERS)
+            if obj is None:
+                raise ValueError(f"unknown decoder {decoder!r}; known decoders: {', '.join(sorted(known))}")
+    if dem is None:
+        raise ValueError("compiling a decoder needs a detector error model (dem=)")
+    if hasattr(obj, "compile_for_dem"):
+        return obj.compile_for_dem(dem, **options)
+    if hasattr(obj, "compile_decoder_for_dem"):
+        return obj.compile_decoder_for_dem(dem=dem, **options)
+    raise TypeError(f"decoder {decoder!r} is neither a decoder name, an object with compile_for_dem/"
+                    "compile_decoder_for_dem, nor a compiled decoder with decode_shots_bit_packed")
 
 
 def offline_throughput(compiled: CompiledDecoder, shots_bit_packed, *, repeat: int = 1) -> float:
