@@ -237,8 +237,9 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
                     rt = round_trip_ns(t, num_round_trips=floor_round_trips, warmup=200)
                     floors[t] = tuple(float(v) for v in np.percentile(rt, (50, 99)))
                 row["floor_rt_p50_us"], row["floor_rt_p99_us"] = (v / 1e3 for v in floors[t])
+                # the Python engine on every transport (the native rows: qec_hot, above this table)
                 common = dict(transport=t, source=spec, decoder=decoder, rounds_per_frame=0, timeout_s=600,
-                              pin_cpus=True)
+                              pin_cpus=True, engine="python")
                 # best of flat_repeats, as the offline figure is the best of its repeats
                 flats = [run_loop(cycle_ns=1, shots_per_frame=kf, warmup_shots=2 * kf, stream=flat_stream,
                                   num_shots=flat_stream.num_shots, max_in_flight_shots=max_in_flight_frames * kf,

@@ -110,6 +110,7 @@ class LoopResult:
     modeled_controller_ns: dict = field(default_factory=dict)
     backlog_flat: bool = False  # the decoder side alone: nothing dropped, the backlog did not grow
     clock_on_time: bool = False  # the controller's own p99 tick lag within one frame interval (its jitter)
+    engine: str = "python"  # "native": the per-frame path in C (qlink.qec.hotpath); "python"
 
     @property
     def backlog_trace(self) -> tuple[np.ndarray, np.ndarray]:
@@ -127,7 +128,7 @@ class LoopResult:
         """The headline figures as a flat JSON-able dict."""
         lo, hi = self.ler_interval
         return {
-            "transport": self.transport, "basis": self.basis, "decoder": self.decoder, "distance": self.source.get("distance"),
+            "transport": self.transport, "engine": self.engine, "basis": self.basis, "decoder": self.decoder, "distance": self.source.get("distance"),
             "rounds": self.num_rounds, "p": self.source.get("p"), "shots": self.num_shots, "cycle_ns": self.cycle_ns,
             "rounds_per_frame": self.rounds_per_frame, "shots_per_frame": self.shots_per_frame,
             "ler": self.logical_error_rate, "ler_lo": lo, "ler_hi": hi,
@@ -216,7 +217,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
              stream: SyndromeStream | None = None, max_batch_requests: int = 256,
              max_in_flight_shots: int | None = None, controller_query: str | None = None,
              controller_options: Mapping[str, Any] | None = None, pin_cpus: bool = False,
-             service_url: str | None = None, engine: str = "python") -> LoopResult:
+             service_url: str | None = None, engine: str = "auto") -> LoopResult:
     """Run the closed loop: service in a child process (or thread), controller here.
 
     ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``udp``, ``inproc``) or a URL;
@@ -244,6 +245,9 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     shm only, one shot per frame group, no ``max_in_flight_shots``): each round its own
     frame on the cycle (``rounds_per_frame``), the shot decoded the moment its last round
     lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
+    ``"python"`` runs the Python service and controller (every transport and option);
+    ``"auto"`` (the default) takes the native engine wherever it can serve the run
+    (``result.engine`` says which ran).
     """
     import transports
 
@@ -255,8 +259,12 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     if service_url is not None and (not isinstance(service_url, str) or "://" not in service_url):
         raise ValueError(f"service_url must be a transport URL such as 'udp://127.0.0.1:5000', got {service_url!r}")
     url = resolve_url(transport if service_url is None else service_url)
-    if engine not in ("python", "native"):
-        raise ValueError(f"engine must be 'python' or 'native', got {engine!r}")
+    if engine not in ("auto", "python", "native"):
+        raise ValueError(f"engine must be 'auto', 'python' or 'native', got {engine!r}")
+    if engine == "auto":
+        engine = "native" if rounds_per_frame >= 1 and _native_fits(url, shots_per_frame=shots_per_frame,
+                                          max_in_flight_shots=max_in_flight_shots, controller_query=controller_query,
+                                          service_url=service_url, controller_options=controller_options) else "python"
     if engine == "native":
         _check_native(url, shots_per_frame=shots_per_frame, max_in_flight_shots=max_in_flight_shots,
                       controller_query=controller_query, service_url=service_url)
@@ -361,7 +369,15 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     if "error" in srep and not srep.get("counts"):
         raise RuntimeError(f"the decoder service failed: {srep['error']}")
     return _assemble(cres, srep, transport_name=transport_name, url=bound, decoder=decoder, spec=spec,
-                     rounds_per_frame=rounds_per_frame, shots_per_frame=shots_per_frame)
+                     rounds_per_frame=rounds_per_frame, shots_per_frame=shots_per_frame, engine=engine)
+
+
+def _native_fits(url: str, *, shots_per_frame, max_in_flight_shots, controller_query, service_url,
+                 controller_options) -> bool:
+    from .hotpath import available
+
+    return (available() is None and url.startswith("shm://") and shots_per_frame == 1 and max_in_flight_shots is None
+            and controller_query is None and service_url is None and not controller_options)
 
 
 def _check_native(url: str, *, shots_per_frame: int, max_in_flight_shots, controller_query, service_url) -> None:
@@ -381,7 +397,7 @@ def _check_native(url: str, *, shots_per_frame: int, max_in_flight_shots, contro
 
 
 def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: str, decoder: str, spec: dict,
-              rounds_per_frame: int, shots_per_frame: int) -> LoopResult:
+              rounds_per_frame: int, shots_per_frame: int, engine: str = "python") -> LoopResult:
     if cres.shot_records is not None and "shots" in srep:
         svc_shots = ShotRecords.from_dict(SERVICE_SHOT_FIELDS, srep["shots"])
         breakdown = stage_summary(join_shots(cres.shot_records, svc_shots))
@@ -422,5 +438,5 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
         backlog_final_rounds=int(bl_v[-1]) if len(bl_v) else 0, backlog_max_rounds=int(bl_v.max()) if len(bl_v) else 0,
         backlog_slope_rounds_per_s=slope, backlog_growth_rounds=growth, emit_lag_p99_ns=lag_p99,
         keeps_up=keeps_up, backlog_flat=backlog_flat, clock_on_time=clock_on_time, controller=cres, service=srep,
-        modeled_controller_ns=dict(cres.modeled_controller_ns),
+        modeled_controller_ns=dict(cres.modeled_controller_ns), engine=engine,
     )

@@ -42,3 +42,28 @@ def _check_row(r, transport):
     assert r["shots_ff"] == 50 and 0 <= r["deadline_misses_ff"] <= 50
     assert 0 < r["cpu_service"] and 0 < r["cpu_controller"] and not math.isnan(r["load_1m"])
     assert isinstance(r["keeps_up"], bool) and isinstance(r["keeps_up_1"], bool)
+
+
+def test_native_real_time_rows_and_goal_table(tmp_path):
+    """qlink bench qec's real-time rows: the floors and the figures come from one run, each goal
+    row names its figure and target, and the trace opens as trace-event JSON."""
+    import json
+
+    from qlink.bench.qec_hot import GOALS, run_hot_bench
+    from qlink.qec.hotpath import available
+
+    if available() is not None:
+        pytest.skip(available())
+    trace = tmp_path / "trace.json"
+    out = run_hot_bench(distances=(3,), cycle_rounds=3000, lockstep_shots=300, floor_round_trips=500,
+                        trace_path=trace)
+    (row,) = out["rows"]
+    assert row["lockstep_shots"] == 300 and row["floor_rt_p50_us"] > 0 and row["decode_single_p50_us"] > 0
+    # the split adds up: wire + decode + software = the stages' p50 sum (by construction of the split)
+    parts = sum(row[f"stage_{k}_us"] for k in ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply"))
+    assert row["stage_wire_us"] + row["stage_decode_us"] + row["stage_software_us"] == pytest.approx(parts, rel=1e-9)
+    goals = {g["goal"] for g in out["goals"]}
+    assert GOALS["lockstep_p50_le_3us"] in goals and any(g.startswith(GOALS["cycle_keeps_up"]) for g in goals)
+    assert all(isinstance(g["met"], bool) for g in out["goals"])
+    ev = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"] for e in ev if e["ph"] == "X"} >= {"reaction", "decode", "wire_in", "wire_out"}
