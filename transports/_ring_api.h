@@ -44,6 +44,8 @@ typedef struct {
     /* the producer of this ring last ran on the CPU the caller runs on (spinning then only
      * delays it: yield instead) */
     int (*producer_on_our_cpu)(PyObject *ring);
+    /* consumer side: bytes of records waiting in the ring (headers and padding included) */
+    uint64_t (*queued_nbytes)(PyObject *ring);
 } qlink_ring_api;
 
 #endif

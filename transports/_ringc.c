@@ -939,8 +939,17 @@ static int api_producer_on_our_cpu(PyObject *ring) {
     return r->has_buf && producer_shares_our_cpu(r);
 }
 
+static uint64_t api_queued_nbytes(PyObject *ring) {
+    RingObject *r = (RingObject *)ring;
+    if (!r->has_buf)
+        return 0;
+    r->head_cache = ld_acq(r->hdr + OFF_HEAD);
+    return r->head_cache - r->tail;
+}
+
 static qlink_ring_api ring_c_api = {
-    QLINK_RING_API_VERSION, api_is_ring, api_send, api_peek, api_consume, api_peer_closed, api_producer_on_our_cpu,
+    QLINK_RING_API_VERSION, api_is_ring,          api_send, api_peek, api_consume, api_peer_closed,
+    api_producer_on_our_cpu, api_queued_nbytes,
 };
 
 static PyMethodDef module_methods[] = {

@@ -1006,9 +1006,15 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             spins = 0;
             svc_handle(s, data, n, t_in);
             RAPI->consume(s->rx);
-            if ((s->pending > 0 || s->n_defer > 0) &&
-                (s->pending >= s->max_batch || RAPI->peek(s->rx, &data, &n) != QLINK_RING_MSG))
-                svc_settle(s); /* nothing else waits (or enough do): decode now, answer the held gets */
+            if (s->pending > 0 || s->n_defer > 0) {
+                /* Decode now when nothing else waits, or only the get that asks for it (the
+                 * service is not behind: that get is then answered at once), or enough shots
+                 * wait; otherwise go on ingesting, and decode the backlog in one call. */
+                int next = RAPI->peek(s->rx, &data, &n);
+                if (next != QLINK_RING_MSG || s->pending >= s->max_batch ||
+                    (RAPI->queued_nbytes(s->rx) <= 96 && n >= 8 && rd32(data + 4) == W.fn_get))
+                    svc_settle(s);
+            }
             if (max_frames > 0 && ++frames >= max_frames) {
                 code = 3;
                 break;
