@@ -52,6 +52,19 @@ MAX_FRAME_PAYLOAD = 1 << 30
 #: kind, flags, tag_nbytes, region_id, nbytes, offset, notify_id
 HEADER = struct.Struct("<BBHIQQQ")
 
+
+
+def native_layout() -> dict:
+    """The frame header's format and numbers, as plain data for native code (the QEC hot
+    path reads and writes whole MSG frames itself, and checks it implements this format).
+
+    >>> native_layout()["header"], native_layout()["KIND_MSG"]
+    ('<BBHIQQQ', 1)
+    """
+    return {"header": HEADER.format, "KIND_MSG": KIND_MSG, "KIND_BYE": KIND_BYE,
+            "MAX_FRAME_PAYLOAD": MAX_FRAME_PAYLOAD}
+
+
 MAGIC = b"QLTC"
 PROTOCOL_VERSION = 1
 #: magic, version, flags, region key

@@ -71,7 +71,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from qlink.errors import BrokenLinkError, QlinkTimeoutError, RegistrationError, WireError, WouldBlock
+from qlink.errors import (BrokenLinkError, CapabilityError, ClosedError, QlinkTimeoutError, RegistrationError, WireError,
+                          WouldBlock)
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import _framing as fr
@@ -211,6 +212,32 @@ class TcpEndpoint(Endpoint):
         self._poll_peek = _poller(sock, _POLLIN)
         self._poll_out = _poller(sock, _POLLOUT)
         self._poll_out_in = _poller(sock, _POLLIN | _POLLOUT)
+
+    def native_socket(self) -> tuple[int, bytes]:
+        """``(fd, leftover)``: the connected socket and the bytes already read from it, for
+        native code that carries whole messages in this transport's framing
+        (:mod:`transports._framing`; qlink's QEC hot path). From then on the caller owns the
+        stream: this endpoint's own send/receive must not be used until the caller is done
+        (it leaves the stream at a frame boundary), and ``close()`` still closes it.
+
+        Raises :class:`~qlink.errors.CapabilityError` while a frame is half received, a
+        message or notification is queued aside, or a send is half written.
+        """
+        with self._rlock, self._slock:
+            if self._closed:
+                raise ClosedError(f"tcp endpoint {self.local_address} was closed by this side")
+            if self._cur is not None or self._msgq or self._noteq or self._pending is not None:
+                raise CapabilityError("native_socket(): this endpoint is in the middle of a frame or holds queued "
+                                      "messages; receive them first")
+            left = bytes(self._rmv[self._rpos:self._rend])
+            self._rpos = self._rend = 0
+            return self._sock.fileno(), left
+
+    def check_peer(self) -> None:
+        """Look at the peer now (without reading its data): raise
+        :class:`~qlink.errors.BrokenLinkError` when it is gone."""
+        self._check_open()
+        self._check_peer("check_peer")
 
     def __repr__(self) -> str:
         return f"<TcpEndpoint {self.local_address} -> {self.peer_address} {'closed' if self._closed else 'open'}>"

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <errno.h>
+#include <sys/socket.h>
 
 #include "_ring_api.h"
 
@@ -173,6 +175,247 @@ static int get_rows(PyObject *obj, Py_buffer *b, int64_t ncols, const char *name
     return 0;
 }
 
+
+/* ------------------------------------------------------------------ I/O: shm rings or a stream socket */
+
+/* A core moves whole frames through one of two kinds of link:
+ *  - an shm endpoint's two rings (the ring C API: no system call per frame);
+ *  - a connected stream socket carrying qlink's tcp framing (transports/_framing.py: a
+ *    32-byte header, kind MSG, then the frame). Input is read in large chunks and parsed
+ *    in place; output is gathered and written when the core has nothing else to do (or the
+ *    buffer fills), so a side that falls behind writes several whole frames per call, each
+ *    frame still stamped at its own time. */
+static struct {
+    int set;
+    uint8_t kind_msg, kind_bye;
+    uint64_t max_payload;
+} TW; /* tcp framing, from transports._framing.native_layout() */
+
+#define IO_RING 0
+#define IO_FD 1
+#define IO_IN_NBYTES (4u << 20)
+#define IO_OUT_NBYTES (1u << 20)
+#define IO_CLOSED (-2)
+
+typedef struct {
+    int kind;
+    PyObject *rx, *tx; /* rings (IO_RING) */
+    int fd;            /* IO_FD */
+    uint8_t *in, *out;
+    size_t in_r, in_w, out_n, out_sent;
+    int eof;
+    uint64_t oversized, foreign, writes, reads;
+} Io;
+
+static void io_free(Io *io) {
+    Py_CLEAR(io->rx);
+    Py_CLEAR(io->tx);
+    PyMem_Free(io->in);
+    PyMem_Free(io->out);
+    io->in = io->out = NULL;
+}
+
+/* link: a (tx, rx) pair of rings, or (fd, leftover bytes already read from it) */
+static int io_init(Io *io, PyObject *link) {
+    memset(io, 0, sizeof(*io));
+    PyObject *a, *b;
+    if (!PyTuple_Check(link) || PyTuple_GET_SIZE(link) != 2) {
+        PyErr_SetString(PyExc_TypeError, "link must be (tx_ring, rx_ring) or (socket_fd, leftover_bytes)");
+        return -1;
+    }
+    a = PyTuple_GET_ITEM(link, 0);
+    b = PyTuple_GET_ITEM(link, 1);
+    if (PyLong_Check(a)) {
+        if (!TW.set) {
+            PyErr_SetString(PyExc_RuntimeError, "call set_stream_layout(transports._framing.native_layout()) first");
+            return -1;
+        }
+        io->kind = IO_FD;
+        io->fd = (int)PyLong_AsLong(a);
+        if (io->fd < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "bad socket fd");
+            return -1;
+        }
+        io->in = PyMem_Malloc(IO_IN_NBYTES);
+        io->out = PyMem_Malloc(IO_OUT_NBYTES);
+        if (!io->in || !io->out) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        Py_buffer lb;
+        if (PyObject_GetBuffer(b, &lb, PyBUF_SIMPLE) < 0)
+            return -1;
+        if ((size_t)lb.len > IO_IN_NBYTES) {
+            PyBuffer_Release(&lb);
+            PyErr_SetString(PyExc_ValueError, "too many leftover bytes");
+            return -1;
+        }
+        memcpy(io->in, lb.buf, (size_t)lb.len);
+        io->in_w = (size_t)lb.len;
+        PyBuffer_Release(&lb);
+        return 0;
+    }
+    if (get_ring(a, "tx") || get_ring(b, "rx"))
+        return -1;
+    io->kind = IO_RING;
+    Py_INCREF(a);
+    Py_INCREF(b);
+    io->tx = a;
+    io->rx = b;
+    return 0;
+}
+
+/* write what is gathered; 0 all written, 1 some left (the socket is full), -1 the peer is gone */
+static int io_flush(Io *io) {
+    if (io->kind != IO_FD || io->out_sent == io->out_n)
+        return 0;
+    while (io->out_sent < io->out_n) {
+        ssize_t k = send(io->fd, io->out + io->out_sent, io->out_n - io->out_sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (k > 0) {
+            io->out_sent += (size_t)k;
+            io->writes++;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return 1;
+        if (k < 0 && errno == EINTR)
+            continue;
+        return -1;
+    }
+    io->out_n = io->out_sent = 0;
+    return 0;
+}
+
+/* one whole frame out: a send code of the ring API */
+static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
+    if (io->kind == IO_RING)
+        return RAPI->send(io->tx, p1, n1, p2, n2);
+    uint64_t need = 32 + n1 + n2;
+    if (need > IO_OUT_NBYTES)
+        return QLINK_RING_TOO_BIG;
+    if (io->out_n + need > IO_OUT_NBYTES) {
+        int rc = io_flush(io);
+        if (rc < 0)
+            return QLINK_RING_PEER_CLOSED;
+        if (io->out_sent) { /* keep the unsent tail at the front */
+            memmove(io->out, io->out + io->out_sent, io->out_n - io->out_sent);
+            io->out_n -= io->out_sent;
+            io->out_sent = 0;
+        }
+        if (io->out_n + need > IO_OUT_NBYTES)
+            return QLINK_RING_FULL;
+    }
+    uint8_t *h = io->out + io->out_n;
+    memset(h, 0, 32);
+    h[0] = TW.kind_msg;
+    uint64_t n = n1 + n2;
+    memcpy(h + 8, &n, 8);
+    if (n1)
+        memcpy(h + 32, p1, n1);
+    if (n2)
+        memcpy(h + 32 + n1, p2, n2);
+    io->out_n += need;
+    return QLINK_RING_SENT;
+}
+
+/* the frame at the head of the input: a peek code, or IO_CLOSED (peer gone, EOF or BYE) */
+static int io_peek(Io *io, const uint8_t **data, uint32_t *n) {
+    if (io->kind == IO_RING)
+        return RAPI->peek(io->rx, data, n);
+    for (;;) {
+        size_t avail = io->in_w - io->in_r;
+        if (avail >= 32) {
+            const uint8_t *h = io->in + io->in_r;
+            uint64_t nb;
+            uint16_t tag;
+            memcpy(&nb, h + 8, 8);
+            memcpy(&tag, h + 2, 2);
+            if (h[0] == TW.kind_bye)
+                return IO_CLOSED;
+            if (nb > TW.max_payload || 32 + tag + nb > IO_IN_NBYTES) { /* never buffered: the stream is given up */
+                io->oversized++;
+                return IO_CLOSED;
+            }
+            if (avail >= 32 + tag + nb) {
+                if (h[0] != TW.kind_msg || tag) { /* a put or anything but a plain message: skipped, counted */
+                    io->foreign++;
+                    io->in_r += 32 + tag + nb;
+                    continue;
+                }
+                *data = h + 32;
+                *n = (uint32_t)nb;
+                return QLINK_RING_MSG;
+            }
+        }
+        if (io->eof)
+            return IO_CLOSED;
+        /* room to read: compact, then one non-blocking read */
+        if (io->in_r && (io->in_r == io->in_w || IO_IN_NBYTES - io->in_w < (1u << 16))) {
+            memmove(io->in, io->in + io->in_r, io->in_w - io->in_r);
+            io->in_w -= io->in_r;
+            io->in_r = 0;
+        }
+        ssize_t k = recv(io->fd, io->in + io->in_w, IO_IN_NBYTES - io->in_w, MSG_DONTWAIT);
+        if (k > 0) {
+            io->in_w += (size_t)k;
+            io->reads++;
+            continue;
+        }
+        if (k == 0) {
+            io->eof = 1;
+            continue;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return QLINK_RING_EMPTY;
+        if (errno == EINTR)
+            continue;
+        io->eof = 1;
+    }
+}
+
+static void io_consume(Io *io) {
+    if (io->kind == IO_RING) {
+        RAPI->consume(io->rx);
+        return;
+    }
+    uint64_t nb;
+    memcpy(&nb, io->in + io->in_r + 8, 8);
+    io->in_r += 32 + nb;
+}
+
+static int io_peer_closed(Io *io) {
+    if (io->kind == IO_RING)
+        return RAPI->peer_closed(io->rx, 1) || RAPI->peer_closed(io->tx, 0);
+    return io->eof;
+}
+
+/* bytes of input waiting behind nothing else (ring: records queued; stream: unparsed bytes) */
+static uint64_t io_queued(Io *io) {
+    if (io->kind == IO_RING)
+        return RAPI->queued_nbytes(io->rx);
+    return io->in_w - io->in_r;
+}
+
+static int io_yield_hint(Io *io) { return io->kind == IO_RING && RAPI->producer_on_our_cpu(io->rx); }
+
+static PyObject *mod_set_stream_layout(PyObject *Py_UNUSED(m), PyObject *d) {
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "set_stream_layout(dict)");
+        return NULL;
+    }
+    if (layout_fmt(d, "header", "<BBHIQQQ"))
+        return NULL;
+    long long msg, bye, maxp;
+    if (layout_int(d, "KIND_MSG", &msg) || layout_int(d, "KIND_BYE", &bye) || layout_int(d, "MAX_FRAME_PAYLOAD", &maxp))
+        return NULL;
+    TW.kind_msg = (uint8_t)msg;
+    TW.kind_bye = (uint8_t)bye;
+    TW.max_payload = (uint64_t)maxp;
+    TW.set = 1;
+    Py_RETURN_NONE;
+}
+
 /* ================================================================== service core */
 
 /* faults and counts, reported by name */
@@ -240,7 +483,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *rx, *tx;
+    Io io;
     int ack; /* 0 none, 1 errors, 2 all */
     DeferredGet defer[DEFER_MAX];
     int n_defer;
@@ -283,8 +526,8 @@ static void dec_reset(SvcDecoder *d) {
 }
 
 static int svc_traverse(ServiceCore *s, visitproc visit, void *arg) {
-    Py_VISIT(s->rx);
-    Py_VISIT(s->tx);
+    Py_VISIT(s->io.rx);
+    Py_VISIT(s->io.tx);
     for (int i = 0; i < 64; i++) {
         Py_VISIT(s->dec[i].fn);
         Py_VISIT(s->dec[i].views);
@@ -296,8 +539,7 @@ static int svc_traverse(ServiceCore *s, visitproc visit, void *arg) {
 }
 
 static int svc_clear(ServiceCore *s) {
-    Py_CLEAR(s->rx);
-    Py_CLEAR(s->tx);
+    io_free(&s->io);
     for (int i = 0; i < 64; i++)
         dec_free(&s->dec[i]);
     if (s->has_rows) {
@@ -415,17 +657,15 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
 }
 
 static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
-    PyObject *rx, *tx, *decoders, *rows = Py_None;
+    PyObject *link, *decoders, *rows = Py_None;
     int ack = 1;
     double block_s = 1.0;
     long long max_batch = 256;
-    static char *kwlist[] = {"rx", "tx", "decoders", "ack", "rows", "answer_block_s", "max_batch", NULL};
+    static char *kwlist[] = {"link", "decoders", "ack", "rows", "answer_block_s", "max_batch", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$iOdL:ServiceCore", kwlist, &rx, &tx, &decoders, &ack, &rows,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iOdL:ServiceCore", kwlist, &link, &decoders, &ack, &rows,
                                      &block_s, &max_batch))
-        return -1;
-    if (get_ring(rx, "rx") || get_ring(tx, "tx"))
         return -1;
     if (ack < 0 || ack > 2) {
         PyErr_SetString(PyExc_ValueError, "ack must be 0 (none), 1 (errors) or 2 (all)");
@@ -433,10 +673,8 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     }
     svc_clear(s);
     memset(s->counts, 0, sizeof(s->counts));
-    Py_INCREF(rx);
-    Py_INCREF(tx);
-    s->rx = rx;
-    s->tx = tx;
+    if (io_init(&s->io, link) < 0)
+        return -1;
     s->ack = ack;
     s->answer_block_ns = (int64_t)(block_s * 1e9);
     s->kw_packed = Py_BuildValue("(s)", "bit_packed_detection_event_data");
@@ -474,13 +712,13 @@ static void svc_answer(ServiceCore *s, int32_t status, uint32_t rid, int64_t ptp
     wr32(h + 8, nres);
     wr32(h + 12, rid);
     wr64(h + 16, ptp);
-    int rc = RAPI->send(s->tx, h, 24, res, nres);
+    int rc = io_send(&s->io, h, 24, res, nres);
     if (rc == QLINK_RING_FULL) { /* the controller is not reading: wait a bounded time */
         int64_t t0 = mono_ns();
         PyThreadState *ts = PyEval_SaveThread();
-        while (rc == QLINK_RING_FULL && mono_ns() - t0 < s->answer_block_ns && !RAPI->peer_closed(s->tx, 0)) {
+        while (rc == QLINK_RING_FULL && mono_ns() - t0 < s->answer_block_ns && !io_peer_closed(&s->io)) {
             CPU_RELAX();
-            rc = RAPI->send(s->tx, h, 24, res, nres);
+            rc = io_send(&s->io, h, 24, res, nres);
         }
         PyEval_RestoreThread(ts);
     }
@@ -990,7 +1228,7 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
     for (;;) {
         const uint8_t *data;
         uint32_t n;
-        int rc = RAPI->peek(s->rx, &data, &n);
+        int rc = io_peek(&s->io, &data, &n);
         if (rc == QLINK_RING_MSG) {
             if (ts) {
                 PyEval_RestoreThread(ts);
@@ -1005,14 +1243,14 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             }
             spins = 0;
             svc_handle(s, data, n, t_in);
-            RAPI->consume(s->rx);
+            io_consume(&s->io);
             if (s->pending > 0 || s->n_defer > 0) {
                 /* Decode now when nothing else waits, or only the get that asks for it (the
                  * service is not behind: that get is then answered at once), or enough shots
                  * wait; otherwise go on ingesting, and decode the backlog in one call. */
-                int next = RAPI->peek(s->rx, &data, &n);
+                int next = io_peek(&s->io, &data, &n);
                 if (next != QLINK_RING_MSG || s->pending >= s->max_batch ||
-                    (RAPI->queued_nbytes(s->rx) <= 96 && n >= 8 && rd32(data + 4) == W.fn_get))
+                    (io_queued(&s->io) <= 96 && n >= 8 && rd32(data + 4) == W.fn_get))
                     svc_settle(s);
             }
             if (max_frames > 0 && ++frames >= max_frames) {
@@ -1029,10 +1267,20 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             code = -3;
             break;
         }
-        if (spins++ == 0)
+        if (rc == IO_CLOSED) {
+            io_flush(&s->io);
+            code = 2;
+            break;
+        }
+        if (spins++ == 0) {
             t_idle0 = mono_ns();
+            if (io_flush(&s->io) < 0) { /* answers gathered while frames came: out now */
+                code = 2;
+                break;
+            }
+        }
         if ((spins & 63) == 0) {
-            if (RAPI->peer_closed(s->rx, 1)) {
+            if (io_peer_closed(&s->io) || io_flush(&s->io) < 0) {
                 code = 2;
                 break;
             }
@@ -1044,13 +1292,14 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             /* idle for 50 us: let other threads of this process run while we spin */
             if (ts == NULL && now - t_idle0 > 50000)
                 ts = PyEval_SaveThread();
-            if (RAPI->producer_on_our_cpu(s->rx))
+            if (io_yield_hint(&s->io))
                 sched_yield();
         }
         CPU_RELAX();
     }
     if (ts)
         PyEval_RestoreThread(ts);
+    io_flush(&s->io);
     return PyLong_FromLong(code);
 }
 
@@ -1063,6 +1312,7 @@ static PyObject *svc_handle_py(ServiceCore *s, PyObject *arg) {
     svc_handle(s, (const uint8_t *)b.buf, (uint32_t)(b.len > 0xFFFFFFFFLL ? 0xFFFFFFFFLL : b.len), mono_ns());
     PyBuffer_Release(&b);
     svc_settle(s);
+    io_flush(&s->io);
     Py_RETURN_NONE;
 }
 
@@ -1153,7 +1403,7 @@ enum { K_SHOT, K_RID, K_EMIT, K_DUE, K_SENT, K_GET, K_RESP, K_APPLIED, K_POLLS, 
 
 typedef struct {
     PyObject_HEAD
-    PyObject *tx, *rx;
+    Io io;
     /* frames: S shots x F frames, each prebuilt (counter, request id and ptp patched at send) */
     Py_buffer frames, offs, lens, last_round, get_frame, rows, corr, lag;
     int has[8];
@@ -1171,14 +1421,13 @@ typedef struct {
 } ControllerCore;
 
 static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
-    Py_VISIT(c->tx);
-    Py_VISIT(c->rx);
+    Py_VISIT(c->io.tx);
+    Py_VISIT(c->io.rx);
     return 0;
 }
 
 static int ctl_clear(ControllerCore *c) {
-    Py_CLEAR(c->tx);
-    Py_CLEAR(c->rx);
+    io_free(&c->io);
     Py_buffer *bs[8] = {&c->frames, &c->offs, &c->lens, &c->last_round, &c->get_frame, &c->rows, &c->corr, &c->lag};
     for (int i = 0; i < 8; i++)
         if (c->has[i]) {
@@ -1211,23 +1460,21 @@ static int ctl_buf(ControllerCore *c, int i, Py_buffer *b, PyObject *obj, int wr
 }
 
 static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
-    PyObject *tx, *rx, *frames, *offs, *lens, *last_round, *get_frame, *rows, *corr, *lag = Py_None,
+    PyObject *link, *frames, *offs, *lens, *last_round, *get_frame, *rows, *corr, *lag = Py_None,
         *backlog = Py_None;
     long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
     long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0;
-    static char *kwlist[] = {"tx", "rx", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
+    static char *kwlist[] = {"link", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
                              "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
                              "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
                              "request_id_start", "get_request_id_start", "late_ns", "lag", "backlog",
                              "backlog_every", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOO|$LLLLLLLLLLLLLOOL:ControllerCore", kwlist, &tx, &rx,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOL:ControllerCore", kwlist, &link,
                                      &frames, &offs, &lens, &last_round, &get_frame, &rows, &corr, &S, &F, &R, &nbo,
                                      &cycle_ns, &gap_cycles, &lockstep, &stall_ns, &deadline_ns, &counter, &rid,
                                      &get_rid, &late_ns, &lag, &backlog, &backlog_every))
-        return -1;
-    if (get_ring(tx, "tx") || get_ring(rx, "rx"))
         return -1;
     if (S < 1 || F < 1 || R < 1 || nbo < 1 || nbo > 4096 || cycle_ns < 1 || gap_cycles < 0) {
         PyErr_SetString(PyExc_ValueError, "num_shots, frames_per_shot, rounds_per_shot, cycle_ns must be >= 1, "
@@ -1235,10 +1482,8 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
         return -1;
     }
     ctl_clear(c);
-    Py_INCREF(tx);
-    Py_INCREF(rx);
-    c->tx = tx;
-    c->rx = rx;
+    if (io_init(&c->io, link) < 0)
+        return -1;
     if (ctl_buf(c, 0, &c->frames, frames, 1, 1, "frames") || ctl_buf(c, 1, &c->offs, offs, 0, 8 * S * F, "offsets") ||
         ctl_buf(c, 2, &c->lens, lens, 0, 8 * S * F, "lengths") ||
         ctl_buf(c, 3, &c->last_round, last_round, 0, 8 * F, "last_round") ||
@@ -1288,14 +1533,14 @@ static inline int64_t *ctl_row(ControllerCore *c, int64_t s) { return (int64_t *
 
 /* send a message, waiting while the ring is full; 0 sent, -1 peer gone / released */
 static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
-    int rc = RAPI->send(c->tx, p, n, NULL, 0);
+    int rc = io_send(&c->io, p, n, NULL, 0);
     if (rc == QLINK_RING_FULL) {
         c->full_waits++;
         while (rc == QLINK_RING_FULL) {
-            if (RAPI->peer_closed(c->tx, 0))
+            if (io_peer_closed(&c->io) || io_flush(&c->io) < 0)
                 return -1;
             CPU_RELAX();
-            rc = RAPI->send(c->tx, p, n, NULL, 0);
+            rc = io_send(&c->io, p, n, NULL, 0);
         }
     }
     return rc == QLINK_RING_SENT ? 0 : -1;
@@ -1359,14 +1604,16 @@ static int ctl_take_answer(ControllerCore *c, const uint8_t *a, uint32_t n, int6
 static int ctl_poll(ControllerCore *c, int *progress) {
     const uint8_t *a;
     uint32_t n;
-    int rc = RAPI->peek(c->rx, &a, &n);
+    int rc = io_peek(&c->io, &a, &n);
     if (rc == QLINK_RING_MSG) {
         int64_t t = mono_ns();
         int resolved = ctl_take_answer(c, a, n, t);
-        RAPI->consume(c->rx);
+        io_consume(&c->io);
         *progress = 1 + resolved; /* 2: a shot resolved */
         return 1;
     }
+    if (rc == IO_CLOSED)
+        return -3;
     if (rc == QLINK_RING_OTHER || rc == QLINK_RING_RELEASED)
         return -1;
     return 0;
@@ -1461,9 +1708,18 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 continue; /* the next frame may be due already */
             }
         }
+        /* nothing more due now: what was gathered goes out (stream links; rings sent already) */
+        if (c->io.out_n && io_flush(&c->io) < 0) {
+            code = -1;
+            break;
+        }
         /* answers */
         if (c->s_ans < c->s_emit) {
             int prc = ctl_poll(c, &progress);
+            if (prc == -3) {
+                code = -1;
+                break;
+            }
             if (prc < 0) {
                 code = -2;
                 break;
@@ -1501,13 +1757,14 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 code = 1;
                 break;
             }
-            if (RAPI->peer_closed(c->rx, 1)) {
+            if (io_peer_closed(&c->io) || io_flush(&c->io) < 0) {
                 code = -1;
                 break;
             }
         }
         CPU_RELAX();
     }
+    io_flush(&c->io);
     Py_END_ALLOW_THREADS;
     return PyLong_FromLong(code);
 }
@@ -1623,6 +1880,8 @@ static PyObject *mod_ring_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
 
 static PyMethodDef module_methods[] = {
     {"set_wire_layout", mod_set_wire_layout, METH_O, "set_wire_layout(dict): qlink.wire's numbers and struct formats"},
+    {"set_stream_layout", mod_set_stream_layout, METH_O,
+     "set_stream_layout(dict): the tcp framing of transports._framing (header format, kinds, payload cap)"},
     {"ring_round_trip", mod_ring_round_trip, METH_VARARGS,
      "ring_round_trip(tx, rx, n, nbytes, echo, out) -> 0, or -1 when the peer went away"},
     {NULL, NULL, 0, NULL},

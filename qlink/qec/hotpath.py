@@ -1,4 +1,4 @@
-"""The QEC loop's native per-frame path over shared memory, and its control plane.
+"""The QEC loop's native per-frame path (over shm rings or a tcp socket), and its control plane.
 
 The per-frame work of both sides lives in C (``qlink.qec._hotcore``, built from
 ``setup.py``): on the service side frame ingest, validation, accumulation of a shot's
@@ -8,7 +8,11 @@ rows. The one Python call per shot is the decoder itself — for PyMatching the 
 graph's own call on the fired detectors' indices (no public-API wrapper, no array built
 per shot), for any other decoder its ``decode_shots_bit_packed`` on a preallocated row.
 This module is the control plane: it builds the cores from an shm endpoint's rings
-(:meth:`transports.shm.ShmEndpoint.native_rings`), looks at the peer whenever a core
+(:meth:`transports.shm.ShmEndpoint.native_rings`: no system call per frame) or a tcp
+endpoint's socket (:meth:`transports.tcp.TcpEndpoint.native_socket`: the same framing as
+the Python path, read in large chunks and parsed in place, answers and frames gathered and
+written when the side has nothing else to do, so a side that is behind writes several whole
+frames at once, each stamped at its own time), looks at the peer whenever a core
 comes back idle (a dead peer is reported within a second), and turns the rows into the
 same reports, histograms and per-shot records as the Python path
 (:mod:`qlink.qec.timeline`).
@@ -24,7 +28,9 @@ What the native service serves (the rest of the protocol: :mod:`qlink.qec.servic
   consuming it, ``reset=0`` peeking; ``NOT_READY`` while none is decoded.
 * ``reset_decoder``; every malformed frame is answered with its status where its header
   can be read, and counted by fault. Answers kept for retransmission (a qlink extension
-  for lossy transports) are not kept here: shared memory loses nothing.
+  for lossy transports) are not kept here: shm and tcp lose nothing. Over tcp a frame
+  whose header announces more than the input buffer (4 MiB) ends the session without
+  allocating anything for it; frames of other kinds (puts) are skipped and counted.
 
 >>> available() is None
 True
@@ -75,7 +81,10 @@ except ImportError as _e:  # not built: the Python path serves, and available() 
     _hotcore = None
     _WHY = f"qlink.qec._hotcore is not built ({_e}); run 'python setup.py build_ext --inplace' or reinstall qlink"
 else:
+    from transports._framing import native_layout as _stream_layout
+
     _hotcore.set_wire_layout(wire.native_layout())
+    _hotcore.set_stream_layout(_stream_layout())
     _WHY = None
 
 _CALL_FIRED, _CALL_PACKED = 0, 1
@@ -101,9 +110,21 @@ def native_rings(endpoint):
 
     get = getattr(endpoint, "native_rings", None)
     if get is None:
-        raise CapabilityError(f"the native QEC path runs over shm:// only; {type(endpoint).__name__} has no C rings "
-                              "(use the Python path: engine='python')")
+        raise CapabilityError(f"{type(endpoint).__name__} has no C rings: shm:// only")
     return get()
+
+
+def native_link(endpoint) -> tuple:
+    """What a native core moves frames through: an shm endpoint's ``(tx_ring, rx_ring)``, or
+    a tcp endpoint's ``(socket_fd, bytes_already_read)`` (``CapabilityError`` otherwise)."""
+    from qlink.errors import CapabilityError
+
+    if hasattr(endpoint, "native_rings"):
+        return endpoint.native_rings()
+    if hasattr(endpoint, "native_socket"):
+        return endpoint.native_socket()
+    raise CapabilityError(f"the native QEC path runs over shm:// and tcp://; {type(endpoint).__name__} offers neither "
+                          "(use the Python path: engine='python')")
 
 
 @dataclass(frozen=True)
@@ -181,7 +202,7 @@ def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_s
 # ------------------------------------------------------------------------ service
 
 class NativeDecoderService:
-    """The decoder service with its per-frame path in C, over shm (the interface of
+    """The decoder service with its per-frame path in C, over shm or tcp (the interface of
     :class:`qlink.qec.service.DecoderService`: ``serve``, ``report``).
 
     ``configs``: ``{decoder_id: DecoderConfig}``; ``keep_samples``: per-shot rows kept
@@ -212,14 +233,14 @@ class NativeDecoderService:
         self._extra: dict = {"peer_closed": 0, "serve_calls": 0, "oversized_frame": 0}
 
     def _make_core(self, endpoint) -> None:
-        tx, rx = native_rings(endpoint)
+        link = native_link(endpoint)
         keep: list = []
         decs = [_core_decoder_tuple(did, dec, frames_per_shot=cfg.frames_per_shot,
                                     capacity_shots=cfg.capacity_shots, keep=keep)
                 for did, (cfg, dec) in self._decoders.items()]
         if self._core is not None:
             self._fold_counts()
-        self._core = _hotcore.ServiceCore(rx, tx, decs, ack=_ACK[self.ack_enqueue],
+        self._core = _hotcore.ServiceCore(link, decs, ack=_ACK[self.ack_enqueue],
                                           rows=self._rows if len(self._rows) else None)
         self._keep = keep
 
@@ -373,7 +394,7 @@ def _build_frames(stream, layouts, *, decoder_id: int) -> tuple[np.ndarray, np.n
 
 
 class NativeController:
-    """The controller emulator with its emit / answer / apply loop in C, over shm.
+    """The controller emulator with its emit / answer / apply loop in C, over shm or tcp.
 
     Plays ``stream`` (a :class:`~qlink.qec.controller.SyndromeStream`) at ``cycle_ns``:
     each frame of a shot on the tick of its last round (``rounds_per_frame`` rounds per
@@ -399,7 +420,7 @@ class NativeController:
         self.cycle_ns = int(cycle_ns)
         self.lockstep = bool(lockstep or feed_forward_deadline_ns)
         self.deadline_ns = int(feed_forward_deadline_ns or 0)
-        tx, rx = native_rings(endpoint)
+        link = native_link(endpoint)
         self.layouts = stream.frames(rounds_per_frame=int(rounds_per_frame))
         frames, offs, lens = _build_frames(stream, self.layouts, decoder_id=self.decoder_id)
         S, F = stream.num_shots, len(self.layouts)
@@ -416,7 +437,7 @@ class NativeController:
         last_round = np.asarray([lay.last_round for lay in self.layouts], np.int64)
         self._keep = (frames, offs, lens, last_round, get)
         self._core = _hotcore.ControllerCore(
-            tx, rx, frames, offs, lens, last_round, get, self._rows, self._corr, num_shots=S, frames_per_shot=F,
+            link, frames, offs, lens, last_round, get, self._rows, self._corr, num_shots=S, frames_per_shot=F,
             rounds_per_shot=stream.num_rounds, obs_nbytes=nbo, cycle_ns=self.cycle_ns, gap_cycles=int(gap_cycles),
             lockstep=int(self.lockstep), deadline_ns=self.deadline_ns, counter_start=int(counter_start),
             request_id_start=int(request_id_start), get_request_id_start=int(get_request_id_start),

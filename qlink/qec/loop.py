@@ -242,7 +242,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     (``service`` is empty, and so are the stage shares that need the service's records).
 
     ``engine="native"`` runs both sides' per-frame work in C (:mod:`qlink.qec.hotpath`;
-    shm only, one shot per frame group, no ``max_in_flight_shots``): each round its own
+    shm and tcp, one shot per frame group, no ``max_in_flight_shots``): each round its own
     frame on the cycle (``rounds_per_frame``), the shot decoded the moment its last round
     lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
     ``"python"`` runs the Python service and controller (every transport and option);
@@ -376,7 +376,8 @@ def _native_fits(url: str, *, shots_per_frame, max_in_flight_shots, controller_q
                  controller_options) -> bool:
     from .hotpath import available
 
-    return (available() is None and url.startswith("shm://") and shots_per_frame == 1 and max_in_flight_shots is None
+    return (available() is None and url.startswith(("shm://", "tcp://")) and shots_per_frame == 1
+            and max_in_flight_shots is None
             and controller_query is None and service_url is None and not controller_options)
 
 
@@ -386,8 +387,8 @@ def _check_native(url: str, *, shots_per_frame: int, max_in_flight_shots, contro
     why = available()
     if why is not None:
         raise ValueError(f"engine='native' is not available here: {why}")
-    if not url.startswith("shm://"):
-        raise ValueError(f"engine='native' runs over shm:// only, got {url!r} (use engine='python' for it)")
+    if not url.startswith(("shm://", "tcp://")):
+        raise ValueError(f"engine='native' runs over shm:// and tcp:// only, got {url!r} (use engine='python' for it)")
     for name, v, ok in (("shots_per_frame", shots_per_frame, shots_per_frame == 1),
                         ("max_in_flight_shots", max_in_flight_shots, max_in_flight_shots is None),
                         ("controller_query", controller_query, controller_query is None),

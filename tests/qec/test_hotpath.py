@@ -48,13 +48,14 @@ class _Served:
     """A native service serving one shm connection from a thread of this process."""
 
     def __init__(self, dem, *, decoder="pymatching", frames_per_shot=None, capacity_shots=1024, keep=0,
-                 ack="errors"):
+                 ack="errors", scheme="shm"):
         import transports
 
         self.svc = NativeDecoderService({0: DecoderConfig(decoder=decoder, dem=dem, frames_per_shot=frames_per_shot,
                                                           capacity_shots=capacity_shots)},
                                         ack_enqueue=ack, keep_samples=keep)
-        self.lis = transports.listen(f"shm://qlink-hot-test-{os.getpid()}-{next(_ids)}")
+        url = f"shm://qlink-hot-test-{os.getpid()}-{next(_ids)}" if scheme == "shm" else "tcp://127.0.0.1:0"
+        self.lis = transports.listen(url)
         self.stop = threading.Event()
         self.report: dict = {}
         self.error: BaseException | None = None
@@ -84,10 +85,10 @@ class _Served:
 
 
 def _run(circuit, *, num_shots=300, seed=1, decoder="pymatching", lockstep=False, rounds_per_frame=1,
-         cycle_ns=1100):
+         cycle_ns=1100, scheme="shm"):
     stream, dem = _stream(circuit, num_shots, seed)
     F = len(stream.frames(rounds_per_frame=rounds_per_frame))
-    served = _Served(dem, decoder=decoder, frames_per_shot=F, keep=num_shots)
+    served = _Served(dem, decoder=decoder, frames_per_shot=F, keep=num_shots, scheme=scheme)
     try:
         res = NativeController(served.ep, stream, lockstep=lockstep, rounds_per_frame=rounds_per_frame,
                                cycle_ns=cycle_ns).run(timeout_s=60)
@@ -115,10 +116,12 @@ def test_surface_code_per_round_frames_bit_exact(basis, d, rounds):
     assert rep["faults"] == {}
 
 
-def test_lockstep_and_windows_of_rounds_bit_exact():
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_lockstep_and_windows_of_rounds_bit_exact(scheme):
     circuit = _surface("Z", 5, 5)
-    for lockstep, rpf in ((True, 1), (False, 2), (True, 3)):
-        stream, dem, res, _ = _run(circuit, num_shots=150, seed=7, lockstep=lockstep, rounds_per_frame=rpf)
+    for lockstep, rpf in ((True, 1), (False, 2), (True, 3), (False, 1)):
+        stream, dem, res, _ = _run(circuit, num_shots=150, seed=7, lockstep=lockstep, rounds_per_frame=rpf,
+                                   scheme=scheme)
         assert res.shots_ok == 150
         np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
         ok = res.reaction_ns[res.reaction_ns >= 0]
@@ -171,11 +174,12 @@ def _answers(ep, n):
     return [wire.decode_response(ep.recv(timeout_s=5)) for _ in range(n)]
 
 
-def test_bad_frames_get_their_status_and_the_service_keeps_serving():
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_bad_frames_get_their_status_and_the_service_keeps_serving(scheme):
     circuit = stim.Circuit.generated("repetition_code:memory", distance=3, rounds=2, after_clifford_depolarization=0.1)
     stream, dem = _stream(circuit, 40, 3)
     nd = dem.num_detectors
-    served = _Served(dem, frames_per_shot=1)
+    served = _Served(dem, frames_per_shot=1, scheme=scheme)
     ep = served.ep
     good = _frame_enqueue(1, 0, stream.detectors[0])
     bad_magic = bytearray(good)
@@ -255,7 +259,8 @@ def test_counter_gap_drops_exactly_the_shots_the_lost_frames_touched():
     assert rep["counts"]["frames_lost"] == 3 and rep["counts"]["shots_dropped"] == 2
 
 
-def test_a_killed_service_is_reported_within_a_second():
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_a_killed_service_is_reported_within_a_second(scheme):
     import signal
 
     import transports
@@ -265,7 +270,8 @@ def test_a_killed_service_is_reported_within_a_second():
     spec = source_spec(distance=3, p=0.001)
     src = build_source(spec)
     stream = sample_stream(src, num_shots=2_000_000 // 4, seed=1)
-    proc = start_service_process(f"shm://qlink-hot-kill-{os.getpid()}", {0: {"source": spec, "decoder": "pymatching"}},
+    url = f"shm://qlink-hot-kill-{os.getpid()}" if scheme == "shm" else "tcp://127.0.0.1:0"
+    proc = start_service_process(url, {0: {"source": spec, "decoder": "pymatching"}},
                                  service_options={"engine": "native"}, max_peers=1, timeout_s=60)
     try:
         ep = transports.connect(proc.url, timeout_s=10)
@@ -297,17 +303,18 @@ def test_run_loop_native_engine_reports_stages_that_add_up():
     total = sum(stages[k]["mean_us"] for k in ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply"))
     mean_reaction = float(np.mean(r.controller.reaction_ns[r.controller.reaction_ns >= 0])) / 1e3
     assert total == pytest.approx(mean_reaction, rel=1e-6)
-    with pytest.raises(ValueError, match="shm:// only"):
-        run_loop(transport="tcp", source=source_spec(distance=3), num_shots=10, engine="native")
+    with pytest.raises(ValueError, match="shm:// and tcp:// only"):
+        run_loop(transport="udp", source=source_spec(distance=3), num_shots=10, engine="native")
 
 
-@pytest.mark.parametrize("decoder", ["pymatching", "bposd"])
-def test_a_backlog_is_decoded_in_batches_bit_exact(decoder):
+@pytest.mark.parametrize("decoder,scheme", [("pymatching", "shm"), ("bposd", "shm"), ("pymatching", "tcp")])
+def test_a_backlog_is_decoded_in_batches_bit_exact(decoder, scheme):
     """Flat out (a 1 ns cycle) the service falls behind: waiting shots go to the decoder in one
     batch call, and every correction still equals the direct call's."""
     if decoder == "bposd":
         pytest.importorskip("ldpc")
-    stream, dem, res, rep = _run(_surface("Z", 3, 3), num_shots=3000, seed=9, decoder=decoder, cycle_ns=1)
+    stream, dem, res, rep = _run(_surface("Z", 3, 3), num_shots=3000, seed=9, decoder=decoder, cycle_ns=1,
+                                 scheme=scheme)
     assert res.shots_ok == 3000
     np.testing.assert_array_equal(res.corrections, _direct(decoder, dem, stream.detectors))
     batch = np.asarray(rep["shots"]["batch_shots"])

@@ -142,9 +142,10 @@ def test_frames_and_requests_lost_on_a_lossy_link_are_dropped_shots_never_wrong_
 
 def test_loop_result_reports_stages_backlog_and_ler_under_a_deadline():
     spec = source_spec(distance=3, rounds=3, p=0.01)
+    # the Python engine's report (its service stages: parse, residence ...); the native engine's: test_hotpath
     res = run_loop(transport="tcp", source=spec, num_shots=400, seed=2, rounds_per_frame=2, warmup_shots=20,
-                   timeout_s=120)
-    assert res.transport == "tcp" and res.num_shots == 400 and res.frames_per_shot == 2
+                   timeout_s=120, engine="python")
+    assert res.transport == "tcp" and res.num_shots == 400 and res.frames_per_shot == 2 and res.engine == "python"
     assert 0 < res.reaction_p50_ns <= res.reaction_p99_ns <= res.reaction_p999_ns
     shares = res.shares
     assert set(shares) == {"batch", "transport", "queue", "decode", "other"}
