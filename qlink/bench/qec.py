@@ -61,7 +61,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import time
 from typing import Callable, Iterable
 
 import numpy as np
@@ -102,12 +101,9 @@ def _available(transport: str) -> str | None:
 
 def offline_rounds_per_s(compiled, packed: np.ndarray, *, num_rounds: int, repeat: int = 3) -> float:
     """Rounds per second of one ``decode_shots_bit_packed`` call over all shots (best of ``repeat``)."""
-    best = math.inf
-    for _ in range(max(1, repeat)):
-        t0 = time.perf_counter_ns()
-        compiled.decode_shots_bit_packed(bit_packed_detection_event_data=packed)
-        best = min(best, time.perf_counter_ns() - t0)
-    return packed.shape[0] * num_rounds / (best / 1e9)
+    from qlink.qec.decoders import offline_throughput
+
+    return offline_throughput(compiled, packed, repeat=repeat) * num_rounds
 
 
 def _mean_batch(service_report: dict) -> float:
@@ -309,14 +305,15 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     quick = bool(getattr(args, "quick", False))
     out = Path(getattr(args, "out", "results/bench"))
     # the real-time path first: native, over shm, each figure beside its floor
-    hot_kw = dict(distances=(5, 7), cycle_rounds=100_000, lockstep_shots=3000, floor_round_trips=5000) if quick else {}
+    hot_kw = dict(distances=(5, 7), cycle_rounds=100_000, lockstep_shots=3000, floor_round_trips=5000,
+                  flat_rounds=100_000) if quick else {}
     given = getattr(args, "distances", None)
     if given:
         hot_kw["distances"] = tuple(int(x) for x in str(given).replace(" ", ",").split(",") if x.strip())
     hot = run_hot_bench(progress=say, trace_path=getattr(args, "trace", None), **hot_kw)
     write_results(hot["rows"], out_dir=out, name="qec_native", meta={"quick": quick})
     write_results(hot["goals"], out_dir=out, name="qec_goals", meta={"quick": quick})
-    print("\nReal-time path (native, shm, one frame per round): goals, each figure from this run")
+    print("\nReal-time path (native, shm and tcp, one frame per round): goals, each figure from this run")
     print(format_table(hot["goals"], columns=["goal", "figure_us", "target_us", "met", "floor"]))
     print(f"written: {out}/qec_native.{{json,csv}} (every figure), {out}/qec_goals.{{json,csv}}")
     if getattr(args, "native_only", False):

@@ -1,22 +1,27 @@
-"""The real-time figures of ``qlink bench qec``: the native per-frame path over shm against
-its floors, measured in one run.
+"""The real-time figures of ``qlink bench qec``: the native per-frame path over shm and tcp
+against its floors, measured in one run.
 
 Rows (each with the floor it is held to, measured beside it):
 
-* **wire floor** — the bare round trip of a 64-byte message over the same shm rings
-  through the same ring C API the native path uses (two processes, one per core,
-  warm, best of ``floor_rounds`` rounds of ``floor_round_trips``): p50 and p99.
+* **wire floor** — the bare round trip of a 64-byte message over the same link the native
+  path uses (shm: the rings through the ring C API; tcp: the socket in qlink's framing,
+  written at once), two processes, one per core, warm, the best of 3 rounds of
+  ``floor_round_trips``: p50 and p99.
 * **single-shot decode** — the decoder's fastest call on one shot, as the service makes
   it (PyMatching: its matching graph on the fired detectors' indices), timed per call in
   this process over the run's shots (p50, p99), beside the amortized figure of one
   ``decode_shots_bit_packed`` call over all of them divided by their number (labelled
   as such: that is not what a lock-step reaction pays).
-* **lock-step reaction** (d = ``distances[0]``): each round its own frame on the 1.1 µs
+* **lock-step reaction** (d = ``distances[0]``, over each transport): each round its own frame on the 1.1 µs
   clock, ``get_corrections`` after the last, the next shot only after the correction
   is applied: p50, p99, p99.9, and its stages, with the wire (the floor's p50) split
   from qlink's own software time.
 * **at the cycle**, one frame per round, shots back to back: keeps up (flat backlog and
-  ≥ 99 % of the cycle rate), the rate, reaction p50/p99 — for each distance.
+  ≥ 99 % of the cycle rate), the rate, reaction p50/p99 — for each distance over shm, and
+  at the first distance over tcp.
+* **flat out** (shm, the first two distances): one frame per shot at a 1 ns cycle, rounds
+  answered per second beside one offline ``decode_shots_bit_packed`` call on the same shots
+  (best of 3 each; goal ≥ 95 %).
 * the CPU floor of the run (two pinned busy loops: the share of wall time they ran) and
   the load average before and after.
 
@@ -37,7 +42,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["run_hot_bench", "ring_floor_ns", "single_shot_decode_ns", "GOALS", "goal_rows", "write_trace"]
+__all__ = ["run_hot_bench", "link_floor_ns", "single_shot_decode_ns", "GOALS", "goal_rows", "write_trace"]
 
 GOALS = {
     "lockstep_p50_le_3us": "lock-step reaction p50 at d=5 over shm <= 3 us",
@@ -46,6 +51,7 @@ GOALS = {
     "cycle_keeps_up": "one frame per round at 1.1 us keeps up (flat backlog, >= 99 % of the cycle rate)",
     "cycle_p50_le_10us": "at the cycle, reaction p50 <= 10 us (d=5)",
     "cycle_p99_le_100us": "at the cycle, reaction p99 <= 100 us (d=5)",
+    "flat_ge_95pct_offline": "flat-out wire throughput >= 95 % of offline decode_batch",
 }
 
 
@@ -53,27 +59,29 @@ def _echo_child(url: str, n: int) -> None:
     import transports
     from qlink.procs import die_with_parent, pin_to_cpu
 
-    from qlink.qec.hotpath import ring_round_trip_ns
+    from qlink.qec.hotpath import link_round_trip_ns
 
     die_with_parent()
     pin_to_cpu(1)
     ep = transports.connect(url, timeout_s=30)
     try:
-        ring_round_trip_ns(ep, num_round_trips=n, echo=True)
+        link_round_trip_ns(ep, num_round_trips=n, echo=True)
     finally:
         ep.close()
 
 
-def ring_floor_ns(*, num_round_trips: int = 20000, rounds: int = 3, nbytes: int = 64) -> np.ndarray:
-    """The bare round trip over shm rings through the ring C API, two processes pinned one
-    per core, warm; the round of the lowest p50 of ``rounds`` (ns per round trip)."""
+def link_floor_ns(scheme: str = "shm", *, num_round_trips: int = 20000, rounds: int = 3,
+                  nbytes: int = 64) -> np.ndarray:
+    """The bare round trip over the native link of ``scheme`` (``shm``, ``tcp``), two
+    processes pinned one per core, warm; the round of the lowest p50 of ``rounds``."""
     import transports
     from qlink.procs import pinned
 
-    from qlink.qec.hotpath import ring_round_trip_ns
+    from qlink.qec.hotpath import link_round_trip_ns
 
     warm = 2000
-    lis = transports.listen(f"shm://qlink-ring-floor-{os.getpid()}-{time.monotonic_ns()}")
+    url = f"shm://qlink-floor-{os.getpid()}-{time.monotonic_ns()}" if scheme == "shm" else "tcp://127.0.0.1:0"
+    lis = transports.listen(url)
     ctx = mp.get_context("spawn")
     child = ctx.Process(target=_echo_child, args=(lis.url, warm + rounds * num_round_trips), daemon=True)
     child.start()
@@ -81,10 +89,10 @@ def ring_floor_ns(*, num_round_trips: int = 20000, rounds: int = 3, nbytes: int 
         ep = lis.accept(timeout_s=60)
         try:
             with pinned(0):
-                ring_round_trip_ns(ep, num_round_trips=warm, nbytes=nbytes)
+                link_round_trip_ns(ep, num_round_trips=warm, nbytes=nbytes)
                 best = None
                 for _ in range(rounds):
-                    rt = ring_round_trip_ns(ep, num_round_trips=num_round_trips, nbytes=nbytes)
+                    rt = link_round_trip_ns(ep, num_round_trips=num_round_trips, nbytes=nbytes)
                     if best is None or np.median(rt) < np.median(best):
                         best = rt
         finally:
@@ -155,13 +163,15 @@ def _wire_split(res, floor_p50_ns: float) -> dict:
                                                                         "respond", "wire_out", "apply")}}
 
 
-def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), p: float = 0.001, cycle_ns: int = 1100,
-                  lockstep_shots: int = 20000, cycle_rounds: int = 1_000_000, floor_round_trips: int = 20000,
-                  decoder: str = "pymatching", seed: int = 1, trace_path=None,
-                  progress: Callable[[str], None] | None = None) -> dict:
-    """Measure the rows of the module docstring; returns ``{"rows": [...], "goals": [...]}``."""
+def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[str] = ("shm", "tcp"),
+                  p: float = 0.001, cycle_ns: int = 1100, lockstep_shots: int = 20000, cycle_rounds: int = 1_000_000,
+                  floor_round_trips: int = 20000, flat_rounds: int = 300_000, decoder: str = "pymatching",
+                  seed: int = 1, trace_path=None, progress: Callable[[str], None] | None = None) -> dict:
+    """Measure the rows of the module docstring; returns ``{"rows": [...], "goals": [...]}``.
+
+    One row per (transport, distance): every distance over shm, the first over tcp."""
     from qlink.qec.hotpath import available
-    from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
+    from qlink.qec.loop import build_source, sample_stream, source_spec
 
     from .floor import cpu_availability
 
@@ -170,60 +180,97 @@ def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), p: float = 0.001, cyc
     if why is not None:
         return {"rows": [{"row": "native path", "note": f"skipped: {why}"}], "goals": []}
     distances = tuple(int(d) for d in distances)
+    transports = tuple(transports)
     load0 = os.getloadavg()[0]
     avail = cpu_availability(duration_s=1.0, gap_ns=40_000)
     say(f"CPU floor: two pinned busy loops ran {avail['ran_share']:.0%} of wall time (load {load0:.2f})")
-    rt = ring_floor_ns(num_round_trips=floor_round_trips)
-    floor = {"p50_ns": float(np.median(rt)), "p99_ns": float(np.percentile(rt, 99)),
-             "p999_ns": float(np.percentile(rt, 99.9))}
-    say(f"bare shm round trip (ring C API, 64 B): p50 {floor['p50_ns'] / 1e3:.2f} us, p99 {floor['p99_ns'] / 1e3:.2f} us")
-    common = {"host_load_1m_before": load0, "cpu_floor_ran_share": avail["ran_share"],
-              "floor_rt_p50_us": floor["p50_ns"] / 1e3, "floor_rt_p99_us": floor["p99_ns"] / 1e3}
-    rows, goals = [], []
-    d0 = distances[0]
+    decode = {}
     for d in distances:
-        spec = source_spec(distance=d, p=p)
-        src = build_source(spec)
+        src = build_source(source_spec(distance=d, p=p))
         probe = sample_stream(src, num_shots=5000, seed=seed + 100 + d)
-        dec = single_shot_decode_ns(decoder, src.dem, probe.detectors)
-        say(f"d={d}: single-shot {dec['single_call']}: p50 {dec['single_p50_ns'] / 1e3:.2f} us "
-            f"(batch call, amortized per shot: {dec['batch_per_shot_ns'] / 1e3:.2f} us)")
-        row = {"row": f"d={d}", "d": d, "rounds": spec["rounds"], **common,
-               "decode_single_p50_us": dec["single_p50_ns"] / 1e3, "decode_single_p99_us": dec["single_p99_ns"] / 1e3,
-               "decode_batch_amortized_us": dec["batch_per_shot_ns"] / 1e3, "decode_single_call": dec["single_call"]}
-        if d == d0:
-            ff = run_loop(transport="shm", source=spec, decoder=decoder, engine="native", num_shots=lockstep_shots,
-                          feed_forward_deadline_ns=63_000, warmup_shots=500, pin_cpus=True, seed=seed,
-                          keep_samples=lockstep_shots, cycle_ns=cycle_ns, timeout_s=600)
-            row.update({"lockstep_p50_us": ff.reaction_p50_ns / 1e3, "lockstep_p99_us": ff.reaction_p99_ns / 1e3,
-                        "lockstep_p999_us": ff.reaction_p999_ns / 1e3, "lockstep_shots": ff.shots_ok,
-                        "lockstep_ler": ff.logical_error_rate, **_wire_split(ff, floor["p50_ns"])})
-            say(f"  lock-step (one frame per round): reaction p50 {row['lockstep_p50_us']:.2f} us, p99 "
-                f"{row['lockstep_p99_us']:.2f} us (wire {row.get('stage_wire_us', math.nan):.2f}, decode "
-                f"{row.get('stage_decode_us', math.nan):.2f}, qlink software {row.get('stage_software_us', math.nan):.2f})")
-            if trace_path is not None:
-                write_trace(ff, trace_path, max_shots=200)
-                say(f"  trace of the first 200 lock-step shots: {trace_path}")
-        shots = -(-int(cycle_rounds) // spec["rounds"])
-        cyc = run_loop(transport="shm", source=spec, decoder=decoder, engine="native", num_shots=shots,
-                       warmup_shots=500, pin_cpus=True, seed=seed + d, keep_samples=min(shots, 50_000),
-                       cycle_ns=cycle_ns, timeout_s=600)
-        row.update({"cycle_rounds": shots * spec["rounds"], "cycle_keeps_up": cyc.keeps_up,
-                    "cycle_backlog_flat": cyc.backlog_flat, "cycle_rounds_per_s": cyc.decoded_rounds_per_s,
-                    "cycle_rate_share": cyc.decoded_rounds_per_s * cycle_ns / 1e9,
-                    "cycle_p50_us": cyc.reaction_p50_ns / 1e3, "cycle_p99_us": cyc.reaction_p99_ns / 1e3,
-                    "cycle_p999_us": cyc.reaction_p999_ns / 1e3, "cycle_late_frames": cyc.late_frames,
-                    "cycle_backlog_max_rounds": cyc.backlog_max_rounds, "cycle_ler": cyc.logical_error_rate,
-                    "cycle_cpu_service": _ratio(cyc.service.get("serve_cpu_s"), cyc.service.get("serve_wall_s"))})
-        say(f"  at the {cycle_ns} ns cycle, one frame per round, {shots * spec['rounds']} rounds: keeps up "
-            f"{cyc.keeps_up} ({row['cycle_rate_share']:.1%} of the cycle rate), reaction p50 "
-            f"{row['cycle_p50_us']:.2f} us p99 {row['cycle_p99_us']:.2f} us")
-        rows.append(row)
+        decode[d] = single_shot_decode_ns(decoder, src.dem, probe.detectors)
+        say(f"d={d}: single-shot {decode[d]['single_call']}: p50 {decode[d]['single_p50_ns'] / 1e3:.2f} us "
+            f"(batch call, amortized per shot: {decode[d]['batch_per_shot_ns'] / 1e3:.2f} us)")
+    rows = []
+    d0 = distances[0]
+    for t in transports:
+        rt = link_floor_ns(t, num_round_trips=floor_round_trips)
+        floor = {"p50_ns": float(np.median(rt)), "p99_ns": float(np.percentile(rt, 99))}
+        say(f"bare {t} round trip (native link, 64 B): p50 {floor['p50_ns'] / 1e3:.2f} us, "
+            f"p99 {floor['p99_ns'] / 1e3:.2f} us")
+        for d in (distances if t == "shm" else distances[:1]):
+            dec = decode[d]
+            row = {"row": f"{t} d={d}", "transport": t, "d": d, "rounds": d, "host_load_1m_before": load0,
+                   "cpu_floor_ran_share": avail["ran_share"], "floor_rt_p50_us": floor["p50_ns"] / 1e3,
+                   "floor_rt_p99_us": floor["p99_ns"] / 1e3, "decode_single_p50_us": dec["single_p50_ns"] / 1e3,
+                   "decode_single_p99_us": dec["single_p99_ns"] / 1e3,
+                   "decode_batch_amortized_us": dec["batch_per_shot_ns"] / 1e3, "decode_single_call": dec["single_call"]}
+            row.update(_measure(t, d, p=p, decoder=decoder, cycle_ns=cycle_ns, seed=seed, floor=floor,
+                                lockstep_shots=lockstep_shots if d == d0 else 0, cycle_rounds=cycle_rounds,
+                                trace_path=trace_path if (t, d) == (transports[0], d0) else None, say=say))
+            if t == "shm" and d in distances[:2]:
+                row.update(_flat_out(t, d, p=p, decoder=decoder, seed=seed, flat_rounds=flat_rounds, say=say))
+            rows.append(row)
     load1 = os.getloadavg()[0]
     for r in rows:
         r["host_load_1m_after"] = load1
-    goals = goal_rows(rows, distance=d0)
-    return {"rows": rows, "goals": goals}
+    return {"rows": rows, "goals": goal_rows(rows, distance=d0)}
+
+
+def _flat_out(t: str, d: int, *, p: float, decoder: str, seed: int, flat_rounds: int, say) -> dict:
+    """Flat out (a 1 ns cycle), one frame per shot: rounds answered per second through the
+    wire, beside one offline ``decode_shots_bit_packed`` call on the same shots (best of 3)."""
+    from qlink.qec.decoders import compile_decoder, offline_throughput
+    from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
+
+    spec = source_spec(distance=d, p=p)
+    src = build_source(spec)
+    stream = sample_stream(src, num_shots=max(1000, int(flat_rounds) // (d + 1)), seed=seed + 7 * d)
+    packed = np.packbits(stream.detectors, axis=1, bitorder="little")
+    offline = offline_throughput(compile_decoder(decoder, src.dem), packed, repeat=3) * stream.num_rounds
+    runs = [run_loop(transport=t, source=spec, decoder=decoder, engine="native", stream=stream,
+                     num_shots=stream.num_shots, cycle_ns=1, rounds_per_frame=0, warmup_shots=500, pin_cpus=True,
+                     keep_samples=0, capacity_shots=4096, timeout_s=600) for _ in range(3)]
+    best = max(r.decoded_rounds_per_s for r in runs)
+    say(f"  {t} d={d} flat out, one frame per shot: {best / 1e6:.2f} M rounds/s = {best / offline:.0%} of offline "
+        f"decode_shots_bit_packed ({offline / 1e6:.2f} M rounds/s)")
+    return {"flat_rounds_per_s": best, "offline_rounds_per_s": offline, "flat_vs_offline": best / offline}
+
+
+def _measure(t: str, d: int, *, p: float, decoder: str, cycle_ns: int, seed: int, floor: dict, lockstep_shots: int,
+             cycle_rounds: int, trace_path, say) -> dict:
+    from qlink.qec.loop import run_loop, source_spec
+
+    spec = source_spec(distance=d, p=p)
+    row: dict = {}
+    if lockstep_shots:
+        ff = run_loop(transport=t, source=spec, decoder=decoder, engine="native", num_shots=lockstep_shots,
+                      feed_forward_deadline_ns=63_000, warmup_shots=500, pin_cpus=True, seed=seed,
+                      keep_samples=lockstep_shots, cycle_ns=cycle_ns, timeout_s=600)
+        row.update({"lockstep_p50_us": ff.reaction_p50_ns / 1e3, "lockstep_p99_us": ff.reaction_p99_ns / 1e3,
+                    "lockstep_p999_us": ff.reaction_p999_ns / 1e3, "lockstep_shots": ff.shots_ok,
+                    "lockstep_ler": ff.logical_error_rate, **_wire_split(ff, floor["p50_ns"])})
+        say(f"  {t} d={d} lock-step (one frame per round): reaction p50 {row['lockstep_p50_us']:.2f} us, p99 "
+            f"{row['lockstep_p99_us']:.2f} us (wire {row.get('stage_wire_us', math.nan):.2f}, decode "
+            f"{row.get('stage_decode_us', math.nan):.2f}, qlink software {row.get('stage_software_us', math.nan):.2f})")
+        if trace_path is not None:
+            write_trace(ff, trace_path, max_shots=200)
+            say(f"  trace of the first 200 lock-step shots: {trace_path}")
+    shots = -(-int(cycle_rounds) // (spec["rounds"] + 1))  # (rounds + 1 frames: the final readout too)
+    cyc = run_loop(transport=t, source=spec, decoder=decoder, engine="native", num_shots=shots,
+                   warmup_shots=500, pin_cpus=True, seed=seed + d, keep_samples=min(shots, 50_000),
+                   cycle_ns=cycle_ns, timeout_s=600)
+    row.update({"cycle_rounds": shots * cyc.num_rounds, "cycle_keeps_up": cyc.keeps_up,
+                "cycle_backlog_flat": cyc.backlog_flat, "cycle_rounds_per_s": cyc.decoded_rounds_per_s,
+                "cycle_rate_share": cyc.decoded_rounds_per_s * cycle_ns / 1e9,
+                "cycle_p50_us": cyc.reaction_p50_ns / 1e3, "cycle_p99_us": cyc.reaction_p99_ns / 1e3,
+                "cycle_p999_us": cyc.reaction_p999_ns / 1e3, "cycle_late_frames": cyc.late_frames,
+                "cycle_backlog_max_rounds": cyc.backlog_max_rounds, "cycle_ler": cyc.logical_error_rate,
+                "cycle_cpu_service": _ratio(cyc.service.get("serve_cpu_s"), cyc.service.get("serve_wall_s"))})
+    say(f"  {t} d={d} at the {cycle_ns} ns cycle, one frame per round, {row['cycle_rounds']} rounds: keeps up "
+        f"{cyc.keeps_up} ({row['cycle_rate_share']:.1%} of the cycle rate), reaction p50 "
+        f"{row['cycle_p50_us']:.2f} us p99 {row['cycle_p99_us']:.2f} us")
+    return row
 
 
 def _ratio(a, b) -> float:
@@ -233,7 +280,7 @@ def _ratio(a, b) -> float:
 def goal_rows(rows: list[dict], *, distance: int = 5) -> list[dict]:
     """One row per goal: the goal, the figure, the floor it is held to, met or not."""
     out = []
-    first = next((r for r in rows if r.get("d") == distance), None)
+    first = next((r for r in rows if r.get("d") == distance and r.get("transport", "shm") == "shm"), None)
     if first is not None and "lockstep_p50_us" in first:
         p50, p99 = first["lockstep_p50_us"], first["lockstep_p99_us"]
         bound = first["floor_rt_p50_us"] + first["decode_single_p50_us"] + 1.0
@@ -251,10 +298,16 @@ def goal_rows(rows: list[dict], *, distance: int = 5) -> list[dict]:
         ]
     for r in rows:
         if "cycle_keeps_up" in r:
-            out.append({"goal": f"{GOALS['cycle_keeps_up']}, d={r['d']}", "figure_us": math.nan,
+            out.append({"goal": f"{GOALS['cycle_keeps_up']}, {r.get('transport', 'shm')} d={r['d']}",
+                        "figure_us": math.nan,
                         "target_us": math.nan, "met": bool(r["cycle_keeps_up"]),
                         "floor": f"{r['cycle_rate_share']:.1%} of the cycle rate, backlog max "
                                  f"{r['cycle_backlog_max_rounds']} rounds"})
+    for r in rows:
+        if "flat_vs_offline" in r:
+            out.append({"goal": f"{GOALS['flat_ge_95pct_offline']}, {r['transport']} d={r['d']}",
+                        "figure_us": math.nan, "target_us": math.nan, "met": bool(r["flat_vs_offline"] >= 0.95),
+                        "floor": f"{r['flat_vs_offline']:.0%} of {r['offline_rounds_per_s'] / 1e6:.2f} M rounds/s"})
     for g in out:
         g.setdefault("floor", f"CPU floor {rows[0]['cpu_floor_ran_share']:.0%}")
     return out

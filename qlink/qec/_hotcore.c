@@ -1812,29 +1812,36 @@ static PyTypeObject ControllerCoreType = {
 
 /* ================================================================== floor */
 
-/* ring_round_trip(tx, rx, n, nbytes, echo, out) : the bare round trip of whole messages over
- * the same rings through the same C API (the floor of a frame and its answer). echo=1 on the
- * answering side (it returns after n messages). out: int64 per round trip (initiator). */
-static PyObject *mod_ring_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
-    PyObject *tx, *rx, *out;
+/* link_round_trip(link, n, nbytes, echo, out): the bare round trip of whole messages over
+ * the same link (rings or a stream socket) through the same I/O the cores use: the floor of
+ * a frame and its answer. echo=1 on the answering side (it returns after n messages). out:
+ * int64 per round trip (initiator). Each message goes out at once (no gathering). */
+static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *link, *out;
     long long n, nbytes;
     int echo;
-    if (!PyArg_ParseTuple(args, "OOLLpO", &tx, &rx, &n, &nbytes, &echo, &out))
-        return NULL;
-    if (get_ring(tx, "tx") || get_ring(rx, "rx"))
+    if (!PyArg_ParseTuple(args, "OLLpO", &link, &n, &nbytes, &echo, &out))
         return NULL;
     if (nbytes < 1 || nbytes > 4096) {
         PyErr_SetString(PyExc_ValueError, "nbytes in 1..4096");
         return NULL;
     }
+    Io io;
+    if (io_init(&io, link) < 0) {
+        io_free(&io);
+        return NULL;
+    }
     Py_buffer ob;
     int has_out = 0;
     if (!echo) {
-        if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            io_free(&io);
             return NULL;
+        }
         has_out = 1;
         if (ob.len < 8 * n) {
             PyBuffer_Release(&ob);
+            io_free(&io);
             PyErr_SetString(PyExc_ValueError, "out too small");
             return NULL;
         }
@@ -1845,7 +1852,7 @@ static PyObject *mod_ring_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     for (long long i = 0; i < n && code == 0; i++) {
         int64_t t0 = mono_ns();
-        if (!echo && RAPI->send(tx, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT) {
+        if (!echo && (io_send(&io, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT || io_flush(&io) < 0)) {
             code = -1;
             break;
         }
@@ -1853,10 +1860,10 @@ static PyObject *mod_ring_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
         uint32_t len;
         int64_t waited = 0;
         for (;;) {
-            int rc = RAPI->peek(rx, &d, &len);
+            int rc = io_peek(&io, &d, &len);
             if (rc == QLINK_RING_MSG)
                 break;
-            if (rc != QLINK_RING_EMPTY || ((++waited & 1023) == 0 && RAPI->peer_closed(rx, 1))) {
+            if (rc != QLINK_RING_EMPTY || ((++waited & 1023) == 0 && io_peer_closed(&io))) {
                 code = -1;
                 break;
             }
@@ -1864,17 +1871,20 @@ static PyObject *mod_ring_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
         }
         if (code)
             break;
-        RAPI->consume(rx);
+        io_consume(&io);
         if (echo) {
-            if (RAPI->send(tx, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT)
+            if (io_send(&io, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT || io_flush(&io) < 0)
                 code = -1;
         } else {
             ((int64_t *)ob.buf)[i] = mono_ns() - t0;
         }
     }
+    while (io_flush(&io) == 1) /* (a stream: what is left of the last answer) */
+        CPU_RELAX();
     Py_END_ALLOW_THREADS;
     if (has_out)
         PyBuffer_Release(&ob);
+    io_free(&io);
     return PyLong_FromLong(code);
 }
 
@@ -1882,8 +1892,8 @@ static PyMethodDef module_methods[] = {
     {"set_wire_layout", mod_set_wire_layout, METH_O, "set_wire_layout(dict): qlink.wire's numbers and struct formats"},
     {"set_stream_layout", mod_set_stream_layout, METH_O,
      "set_stream_layout(dict): the tcp framing of transports._framing (header format, kinds, payload cap)"},
-    {"ring_round_trip", mod_ring_round_trip, METH_VARARGS,
-     "ring_round_trip(tx, rx, n, nbytes, echo, out) -> 0, or -1 when the peer went away"},
+    {"link_round_trip", mod_link_round_trip, METH_VARARGS,
+     "link_round_trip(link, n, nbytes, echo, out) -> 0, or -1 when the peer went away"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -72,7 +72,7 @@ __all__ = [
     "SingleShotDecoder",
     "NativeDecoderService",
     "NativeController",
-    "ring_round_trip_ns",
+    "link_round_trip_ns",
 ]
 
 try:
@@ -413,7 +413,7 @@ class NativeController:
         from ._checks import knob
 
         knob("cycle_ns", cycle_ns, 1)
-        knob("rounds_per_frame", rounds_per_frame, 1)
+        knob("rounds_per_frame", rounds_per_frame, 0)  # 0: the whole shot in one frame
         self.endpoint = endpoint
         self.stream = stream
         self.decoder_id = int(decoder_id)
@@ -516,14 +516,15 @@ class NativeController:
         )
 
 
-def ring_round_trip_ns(endpoint, *, num_round_trips: int, nbytes: int = 64, echo: bool = False) -> np.ndarray:
-    """The bare round trip of ``nbytes`` messages over an shm endpoint's rings through the
-    same ring C API the native path uses (the floor under a frame and its answer). One
-    side calls it with ``echo=True`` (it answers ``num_round_trips`` messages), the other
-    without (it returns each round trip's ns)."""
+def link_round_trip_ns(endpoint, *, num_round_trips: int, nbytes: int = 64, echo: bool = False) -> np.ndarray:
+    """The bare round trip of ``nbytes`` messages over an endpoint's native link (shm rings
+    through the ring C API, or the tcp socket in its framing, written at once) — the floor
+    under a frame and its answer on the path the native cores use. One side calls it with
+    ``echo=True`` (it answers ``num_round_trips`` messages), the other without (it returns
+    each round trip's ns)."""
     _need()
-    tx, rx = native_rings(endpoint)
+    link = native_link(endpoint)
     out = np.zeros(num_round_trips, np.int64)
-    if _hotcore.ring_round_trip(tx, rx, int(num_round_trips), int(nbytes), bool(echo), out) != 0:
+    if _hotcore.link_round_trip(link, int(num_round_trips), int(nbytes), bool(echo), out) != 0:
         raise BrokenLinkError(f"{endpoint.url}: the peer went away during the round trips")
     return out

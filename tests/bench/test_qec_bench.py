@@ -56,8 +56,10 @@ def test_native_real_time_rows_and_goal_table(tmp_path):
         pytest.skip(available())
     trace = tmp_path / "trace.json"
     out = run_hot_bench(distances=(3,), cycle_rounds=3000, lockstep_shots=300, floor_round_trips=500,
-                        trace_path=trace)
-    (row,) = out["rows"]
+                        flat_rounds=20_000, trace_path=trace)
+    row, tcp_row = out["rows"]  # shm d=3, then tcp d=3
+    assert (row["transport"], tcp_row["transport"]) == ("shm", "tcp")
+    assert tcp_row["lockstep_shots"] == 300 and tcp_row["floor_rt_p50_us"] > 0
     assert row["lockstep_shots"] == 300 and row["floor_rt_p50_us"] > 0 and row["decode_single_p50_us"] > 0
     # the split adds up: wire + decode + software = the stages' p50 sum (by construction of the split)
     parts = sum(row[f"stage_{k}_us"] for k in ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply"))
@@ -65,5 +67,6 @@ def test_native_real_time_rows_and_goal_table(tmp_path):
     goals = {g["goal"] for g in out["goals"]}
     assert GOALS["lockstep_p50_le_3us"] in goals and any(g.startswith(GOALS["cycle_keeps_up"]) for g in goals)
     assert all(isinstance(g["met"], bool) for g in out["goals"])
+    assert row["offline_rounds_per_s"] > 0 and row["flat_vs_offline"] > 0  # flat out beside offline
     ev = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in ev if e["ph"] == "X"} >= {"reaction", "decode", "wire_in", "wire_out"}

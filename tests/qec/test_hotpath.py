@@ -105,10 +105,12 @@ def _direct(decoder, dem, detectors) -> np.ndarray:
                       np.uint8)
 
 
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
 @pytest.mark.parametrize("basis", ["Z", "X"])
 @pytest.mark.parametrize("d,rounds", [(3, 5), (5, 3), (7, 8), (9, 4)])
-def test_surface_code_per_round_frames_bit_exact(basis, d, rounds):
-    stream, dem, res, rep = _run(_surface(basis, d, rounds), num_shots=200 if d < 9 else 120, seed=d + rounds)
+def test_surface_code_per_round_frames_bit_exact(basis, d, rounds, scheme):
+    stream, dem, res, rep = _run(_surface(basis, d, rounds), num_shots=200 if d < 9 else 120, seed=d + rounds,
+                                 scheme=scheme)
     assert res.frames_per_shot == rounds + 1  # one frame per round (the last: the data qubits' readout)
     assert res.shots_ok == stream.num_shots
     np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
@@ -128,10 +130,11 @@ def test_lockstep_and_windows_of_rounds_bit_exact(scheme):
         assert len(ok) == 150 and np.all(ok > 0)
 
 
-def test_repetition_code_bit_exact_and_logical_errors_accounted():
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_repetition_code_bit_exact_and_logical_errors_accounted(scheme):
     circuit = stim.Circuit.generated("repetition_code:memory", distance=7, rounds=6, after_clifford_depolarization=0.05,
                                      before_measure_flip_probability=0.05)
-    stream, dem, res, _ = _run(circuit, num_shots=400, seed=11)
+    stream, dem, res, _ = _run(circuit, num_shots=400, seed=11, scheme=scheme)
     want = _direct("pymatching", dem, stream.detectors)
     np.testing.assert_array_equal(res.corrections, want)
     truth = np.packbits(stream.observables, axis=1, bitorder="little")
@@ -139,10 +142,11 @@ def test_repetition_code_bit_exact_and_logical_errors_accounted():
     assert res.logical_errors > 0  # p = 5 %: some shots are wrong, and they are counted as such
 
 
-def test_colour_code_with_bposd_bit_exact():
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_colour_code_with_bposd_bit_exact(scheme):
     pytest.importorskip("ldpc")
     circuit = stim.Circuit.generated("color_code:memory_xyz", distance=3, rounds=3, after_clifford_depolarization=0.01)
-    stream, dem, res, rep = _run(circuit, num_shots=80, seed=5, decoder="bposd")
+    stream, dem, res, rep = _run(circuit, num_shots=80, seed=5, decoder="bposd", scheme=scheme)
     np.testing.assert_array_equal(res.corrections, _direct("bposd", dem, stream.detectors))
     assert "decode_shots_bit_packed" in rep["decoders"]["0"]["single_shot_call"]
 
