@@ -40,6 +40,7 @@ from ._bposd import BpOsdDecoder
 from ._cudaq import CudaqDecoder
 from ._dem import DemGraph, DemMatrices, dem_to_graph, dem_to_matrices
 from ._matching import MatchingDecoder
+from ._measurement import MeasurementDecoder
 from .window import SlidingWindowDecoder, WindowStatistics
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "DemGraph",
     "SlidingWindowDecoder",
     "WindowStatistics",
+    "MeasurementDecoder",
 ]
 
 BUILT_IN_DECODERS: dict[str, Decoder] = {
