@@ -1,0 +1,149 @@
+"""CUDA-Q's realtime decoding beside qlink's decoder service, on the same measurement records.
+
+:func:`compare_with_cudaq` writes one ``multi_decoder_config`` file for a memory
+experiment, runs CUDA-Q's realtime kernel with decoders configured from it
+(:func:`qlink.qec.cudaq_realtime.run_cudaq_realtime`), then plays the very same
+measurement records through qlink's decoder service (a spawned
+:func:`~qlink.qec.service.start_service_process` configured from the same file, one
+``enqueue_syndromes`` frame per round, over each transport) and compares the
+corrections shot by shot. Figures (a dict, also what the bench writes):
+
+- CUDA-Q: wall time per shot of one launch looping over ``num_shots`` shots (the
+  launch's compile cost removed by a second, shorter launch: ``(t_N - t_n) / (N - n)``),
+  and the same for the circuit without the realtime calls (the simulation floor); their
+  difference is what the realtime decoding adds per shot in CUDA-Q's simulation path.
+- qlink, per transport: reaction time (last frame out -> correction applied) p50/p99,
+  the service's decode time per shot, and per shot of the whole run.
+- ``identical``: corrections equal shot by shot, and the logical error rates.
+
+>>> # figures = compare_with_cudaq(code="repetition", distance=5, rounds=5, num_shots=500)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["compare_with_cudaq", "serve_records"]
+
+
+def _layout(code: str, distance: int, rounds: int):
+    from qlink.qec.cudaq_realtime import repetition_layout, surface_layout
+
+    if code == "repetition":
+        return repetition_layout(distance=distance, rounds=rounds)
+    if code == "surface":
+        return surface_layout(distance=distance, rounds=rounds)
+    raise ValueError(f"code must be 'repetition' or 'surface', got {code!r}")
+
+
+def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray, round_of_measurement, *,
+                  transport: str = "shm", decoder_id: int = 0, cycle_ns: int = 20_000, timeout_s: float = 120.0,
+                  max_in_flight_shots: int | None = 1):
+    """Play measurement records through a qlink decoder service started from ``config_path``
+    (one frame per round; by default one shot in flight at a time, so the reaction time is a
+    shot's own, not a backlog's); returns ``(ControllerResult, service report)``."""
+    import transports
+
+    from qlink.qec.controller import Controller, SyndromeStream
+    from qlink.qec.cudaq_config import service_specs_from_cudaq
+    from qlink.qec.loop import resolve_url
+    from qlink.qec.service import start_service_process
+
+    specs = service_specs_from_cudaq(config_path)
+    stream = SyndromeStream(detectors=measurements, observables=true_flips, round_of_detector=round_of_measurement)
+    with start_service_process(resolve_url(transport), specs, max_peers=1, timeout_s=timeout_s + 30) as proc:
+        ep = transports.connect(proc.url, timeout_s=30)
+        try:
+            ctl = Controller(ep, stream, decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=1,
+                             max_in_flight_shots=max_in_flight_shots)
+            res = ctl.run(timeout_s=timeout_s)
+        finally:
+            ep.close()
+        report = proc.report(timeout_s=60)
+    return res, report
+
+
+def _per_shot_s(run_fn, n_small: int, n_large: int) -> tuple[float, object]:
+    """Per-shot seconds of a launch with the launch cost removed: two launches, the difference."""
+    small = run_fn(n_small)
+    large = run_fn(n_large)
+    return max(large.wall_s - small.wall_s, 0.0) / (n_large - n_small), large
+
+
+def compare_with_cudaq(*, code: str = "repetition", distance: int = 5, rounds: int | None = None, p: float = 0.01,
+                       num_shots: int = 1000, transports=("shm", "tcp"), seed: int = 1, decoder_type: str = "pymatching",
+                       cycle_ns: int = 20_000, config_path=None, say=None) -> dict:
+    """Run CUDA-Q's realtime decoding and qlink's service on the same records; a dict of figures."""
+    from qlink.qec.controller import wilson_interval
+    from qlink.qec.cudaq_config import dump_multi_decoder_config, stim_measurement_matrices
+    from qlink.qec.cudaq_realtime import config_for_layout, layout_stim_circuit, run_cudaq_realtime
+
+    say = say or (lambda msg: None)
+    rounds = int(rounds or distance)
+    layout = _layout(code, distance, rounds)
+    tmp = None
+    if config_path is None:
+        tmp = tempfile.TemporaryDirectory(prefix="qlink-cudaq-peer-")
+        config_path = Path(tmp.name) / "decoders.yaml"
+    try:
+        dump_multi_decoder_config(config_for_layout(layout, p=p, decoder_type=decoder_type), config_path)
+        n_small = max(1, num_shots // 10)
+        say(f"CUDA-Q realtime: {layout.name}, p={p}, {n_small} + {num_shots} shots in two launches")
+        per_shot, run = _per_shot_s(lambda n: run_cudaq_realtime(layout, p=p, num_shots=n, config=config_path,
+                                                                  seed=seed), n_small, num_shots)
+        floor, _ = _per_shot_s(lambda n: run_cudaq_realtime(layout, p=p, num_shots=n, decode=False, seed=seed),
+                               n_small, num_shots)
+        _, m2o = stim_measurement_matrices(layout_stim_circuit(layout, p=p))
+        flips = (np.asarray((m2o @ run.measurements.T.astype(np.int64)).T) & 1).astype(np.uint8)
+        cudaq_errors = int((flips ^ run.corrections).any(axis=1).sum())
+        out = {"code": code, "distance": distance, "rounds": rounds, "p": p, "num_shots": num_shots,
+               "decoder": decoder_type, "num_measurements": layout.num_measurements,
+               "cudaq_per_shot_us": per_shot * 1e6, "cudaq_simulation_floor_per_shot_us": floor * 1e6,
+               "cudaq_decoding_added_per_shot_us": (per_shot - floor) * 1e6,
+               "cudaq_launch_s": run.wall_s, "cudaq_logical_errors": cudaq_errors,
+               "cudaq_ler": cudaq_errors / num_shots, "cudaq_ler_interval": wilson_interval(cudaq_errors, num_shots),
+               "raw_flip_rate": float(flips.any(axis=1).mean()), "transports": {}}
+        rounds_of = layout.measurement_rounds()
+        identical_all = True
+        for tr in transports:
+            say(f"qlink service over {tr}: the same {num_shots} records, one frame per round")
+            t0 = time.perf_counter()
+            res, report = serve_records(config_path, run.measurements, flips, rounds_of, transport=tr,
+                                        cycle_ns=cycle_ns)
+            wall = time.perf_counter() - t0
+            corr = np.unpackbits(res.corrections, axis=1, count=1, bitorder="little")
+            answered = res.correct >= 0
+            identical = bool(answered.all() and np.array_equal(corr, run.corrections))
+            identical_all &= identical
+            p50, p99 = res.reaction_percentiles_ns((50, 99))
+            stages = report.get("stages", {})
+            dps = stages.get("decode_per_shot", {})
+            out["transports"][tr] = {
+                "identical": identical, "mismatches": int((corr != run.corrections).any(axis=1).sum()),
+                "unanswered": int((~answered).sum()), "logical_errors": int(res.logical_errors),
+                "reaction_p50_us": p50 / 1e3, "reaction_p99_us": p99 / 1e3,
+                "decode_per_shot_p50_us": _hist_p50_us(dps),
+                "run_per_shot_us": res.duration_ns / 1e3 / num_shots, "wall_s": wall,
+                "transport": report.get("transport", tr)}
+        out["identical"] = identical_all
+        out["host"] = os.uname().nodename
+        out["cpu_count"] = os.cpu_count()
+        out["load_avg_1m"] = os.getloadavg()[0]
+        return out
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _hist_p50_us(hist_dict) -> float:
+    if not hist_dict:
+        return float("nan")
+    from qlink.histogram import LatencyHistogram
+
+    h = LatencyHistogram.from_dict(hist_dict)
+    return h.percentiles([50])[0] / 1e3 if h.count else float("nan")
