@@ -25,7 +25,8 @@ _OPTIONAL = {
     "stim": "stim", "pymatching": "pymatching", "sinter": "sinter", "ldpc": "ldpc",
     "cudaq": "cuda-quantum-cu12", "cudaq_qec": "cudaq-qec-cu12", "ucxx": "ucxx-cu12",
     "nixl_cu12": "nixl-cu12", "cupy": "cupy-cuda12x", "dask.distributed": "dask[distributed]",
-    "nbclient": "nbclient",
+    "nbclient": "nbclient", "tesseract_decoder": "tesseract-decoder", "chromobius": "chromobius",
+    "fusion_blossom": "fusion-blossom",
 }
 
 

@@ -16,6 +16,12 @@ corrections shot by shot. Figures (a dict, also what the bench writes):
   the service's decode time per shot, and per shot of the whole run.
 - ``identical``: corrections equal shot by shot, and the logical error rates.
 
+:func:`cudaq_decoder_timings` reads CUDA-Q's own per-call decoder timings (its
+``[DecoderStats]`` log lines at ``CUDAQ_LOG_LEVEL=info``, in a child process: the
+logging slows the launch, so it is a run of its own). :func:`measurement_overhead`
+measures what measurement-level syndromes (``D_sparse``) cost qlink per shot beside
+detection events, offline and through the service, on the same shots.
+
 >>> # figures = compare_with_cudaq(code="repetition", distance=5, rounds=5, num_shots=500)
 """
 
@@ -28,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["compare_with_cudaq", "serve_records"]
+__all__ = ["compare_with_cudaq", "serve_records", "measurement_overhead", "cudaq_decoder_timings"]
 
 
 def _layout(code: str, distance: int, rounds: int):
@@ -147,3 +153,112 @@ def _hist_p50_us(hist_dict) -> float:
 
     h = LatencyHistogram.from_dict(hist_dict)
     return h.percentiles([50])[0] / 1e3 if h.count else float("nan")
+
+
+_DUR = None
+
+
+def cudaq_decoder_timings(*, code: str = "repetition", distance: int = 5, rounds: int | None = None,
+                          p: float = 0.01, num_shots: int = 200, seed: int = 1, timeout_s: float = 300.0) -> dict:
+    """CUDA-Q's in-kernel decoder timings per call, from its ``[DecoderStats]`` log lines:
+    ``map`` (measurements -> detectors through ``D_sparse``), ``decode``, ``corrections``
+    (observable flips accumulated), and their sum: from the last ``enqueue_syndromes`` of a
+    shot to its corrections being ready. p50/p99 in µs over ``num_shots`` calls."""
+    import re
+    import subprocess
+    import sys
+
+    global _DUR
+    _DUR = _DUR or re.compile(r"Dur1:([0-9.]+)us Dur2:([0-9.]+)us Dur3:([0-9.]+)us")
+    code_text = ("import sys; from qlink.qec.cudaq_realtime import *; "
+                 f"lay = {'repetition' if code == 'repetition' else 'surface'}_layout(distance={int(distance)}, "
+                 f"rounds={int(rounds or distance)}); "
+                 f"run_cudaq_realtime(lay, p={float(p)!r}, num_shots={int(num_shots)}, seed={int(seed)})")
+    env = dict(os.environ, CUDAQ_LOG_LEVEL="info")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code_text], env=env, capture_output=True, text=True,
+                         timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"the CUDA-Q timing run failed: {out.stderr[-2000:]}")
+    rows = np.array([[float(x) for x in m.groups()] for m in _DUR.finditer(out.stdout + out.stderr)])
+    if rows.size == 0:
+        raise RuntimeError("CUDA-Q printed no [DecoderStats] timings (is CUDAQ_LOG_LEVEL honoured by this build?)")
+    res = {"calls": int(len(rows))}
+    for name, col in (("map", rows[:, 0]), ("decode", rows[:, 1]), ("corrections", rows[:, 2]),
+                      ("total", rows.sum(axis=1))):
+        res[f"{name}_p50_us"] = float(np.percentile(col, 50))
+        res[f"{name}_p99_us"] = float(np.percentile(col, 99))
+    return res
+
+
+def _time_per_shot(fn, shots: np.ndarray, batch: int, repeat: int = 3) -> float:
+    """Best-of-``repeat`` µs per shot of ``fn`` called on consecutive slices of ``batch`` shots."""
+    best = float("inf")
+    n = (len(shots) // batch) * batch
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        for i in range(0, n, batch):
+            fn(shots[i:i + batch])
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1e3)
+    return best
+
+
+def measurement_overhead(*, distance: int = 5, p: float = 0.001, num_shots: int = 2000, batch_sizes=(1, 64),
+                         transports=("shm",), seed: int = 1, cycle_ns: int = 20_000, say=None) -> dict:
+    """What measurement-level syndromes cost qlink per shot beside detection events, on the same
+    shots of a stim surface-code memory (d rounds): offline (``decode_shots_bit_packed`` of the
+    measurement-level decoder vs the detector-level one, per batch size) and through the
+    service (one whole-shot frame per shot, one shot in flight), with the corrections of the
+    two paths compared shot by shot (``identical``)."""
+    import stim
+
+    from qlink.qec.cudaq_config import (compile_cudaq_entry, dump_multi_decoder_config,
+                                        multi_decoder_config_from_circuit)
+
+    say = say or (lambda msg: None)
+    circuit = stim.Circuit.generated("surface_code:rotated_memory_z", distance=distance, rounds=distance,
+                                     after_clifford_depolarization=p, after_reset_flip_probability=p,
+                                     before_measure_flip_probability=p, before_round_data_depolarization=p)
+    meas = circuit.compile_sampler(seed=seed).sample(num_shots)
+    dets, obs = circuit.compile_m2d_converter().convert(measurements=meas, separate_observables=True)
+    docs = {"measurements": multi_decoder_config_from_circuit(circuit),
+            "detectors": multi_decoder_config_from_circuit(circuit, measurement_level=False)}
+    inputs = {"measurements": meas.astype(np.uint8), "detectors": dets.astype(np.uint8)}
+    out = {"distance": distance, "rounds": distance, "p": p, "num_shots": num_shots,
+           "num_measurements": int(meas.shape[1]), "num_detectors": int(dets.shape[1]), "offline": {}, "service": {}}
+    compiled = {k: compile_cudaq_entry(d["decoders"][0]) for k, d in docs.items()}
+    packed = {k: np.packbits(v, axis=1, bitorder="little") for k, v in inputs.items()}
+    preds = {k: compiled[k].decode_shots_bit_packed(packed[k]) for k in docs}
+    out["identical_offline"] = bool(np.array_equal(preds["measurements"], preds["detectors"]))
+    for b in batch_sizes:
+        us = {k: _time_per_shot(compiled[k].decode_shots_bit_packed, packed[k], int(b)) for k in docs}
+        out["offline"][f"batch_{b}"] = {"detectors_us_per_shot": us["detectors"],
+                                        "measurements_us_per_shot": us["measurements"],
+                                        "added_us_per_shot": us["measurements"] - us["detectors"]}
+    identical = out["identical_offline"]
+    with tempfile.TemporaryDirectory(prefix="qlink-msyn-") as tmp:
+        for tr in transports:
+            row = {}
+            corr = {}
+            for k, doc in docs.items():
+                path = Path(tmp) / f"{k}.yaml"
+                dump_multi_decoder_config(doc, path)
+                say(f"measurement overhead: {k}-level syndromes over {tr}, {num_shots} shots")
+                res, report = serve_records(path, inputs[k], obs.astype(np.uint8),
+                                            np.zeros(inputs[k].shape[1], np.int64), transport=tr, cycle_ns=cycle_ns)
+                corr[k] = res.corrections
+                p50, p99 = res.reaction_percentiles_ns((50, 99))
+                row[f"{k}_reaction_p50_us"] = p50 / 1e3
+                row[f"{k}_reaction_p99_us"] = p99 / 1e3
+                row[f"{k}_decode_per_shot_p50_us"] = _hist_p50_us(report.get("stages", {}).get("decode_per_shot", {}))
+            row["added_reaction_p50_us"] = row["measurements_reaction_p50_us"] - row["detectors_reaction_p50_us"]
+            row["added_decode_per_shot_p50_us"] = (row["measurements_decode_per_shot_p50_us"]
+                                                   - row["detectors_decode_per_shot_p50_us"])
+            row["identical"] = bool(np.array_equal(corr["measurements"], corr["detectors"]))
+            identical &= row["identical"]
+            out["service"][tr] = row
+    out["identical"] = identical
+    out["load_avg_1m"] = os.getloadavg()[0]
+    out["cpu_count"] = os.cpu_count()
+    return out

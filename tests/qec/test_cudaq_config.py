@@ -214,8 +214,16 @@ def test_bad_text_is_a_typed_error(tmp_path):
 
 # ---------------------------------------------------------------------------- measurement-level decoding
 @pytest.mark.parametrize("max_table_nbytes", [16 << 20, 0])
-def test_measurement_decoder_matches_detector_level(max_table_nbytes):
-    c = _surface(d=5)
+@pytest.mark.parametrize("circuit", [
+    _surface(d=5),  # 120 detectors: 15 bytes, odd -> byte-wide table
+    _surface(d=3),  # 24 detectors: 3 bytes
+    stim.Circuit.generated("repetition_code:memory", distance=5, rounds=15,
+                           after_clifford_depolarization=0.02),  # 64 detectors: one 64-bit word
+    stim.Circuit.generated("repetition_code:memory", distance=5, rounds=3,
+                           after_clifford_depolarization=0.02),  # 16 detectors: 2 bytes
+], ids=["surface5", "surface3", "rep64", "rep16"])
+def test_measurement_decoder_matches_detector_level(max_table_nbytes, circuit):
+    c = circuit
     dem = c.detector_error_model(decompose_errors=True)
     m2d, _ = stim_measurement_matrices(c)
     inner = compile_decoder("pymatching", dem)
