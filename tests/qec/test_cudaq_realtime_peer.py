@@ -39,3 +39,27 @@ def test_cudaq_realtime_and_qlink_service_agree_shot_by_shot(tmp_path, layout, p
         got = np.unpackbits(res.corrections, axis=1, count=1, bitorder="little")
         assert np.array_equal(got, run.corrections), transport
         assert report["counts"]["shots_decoded"] == 300
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compare_with_cudaq_reports_both_paths():
+    from qlink.bench.cudaq_peer import compare_with_cudaq
+
+    res = compare_with_cudaq(code="repetition", distance=3, rounds=2, p=0.02, num_shots=100, transports=("shm",))
+    assert res["identical"] and res["transports"]["shm"]["identical"]
+    assert res["transports"]["shm"]["unanswered"] == 0
+    assert res["cudaq_launch_per_shot_us"] > 0 and res["transports"]["shm"]["reaction_p50_us"] > 0
+    # CUDA-Q's own per-call log: one decode per shot of the timing launch
+    assert res["cudaq_in_kernel"]["calls"] == 100
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_measurement_and_detector_level_service_give_the_same_corrections():
+    from qlink.bench.cudaq_peer import measurement_overhead
+
+    res = measurement_overhead(distance=3, p=0.004, num_shots=300, batch_sizes=(1, 16), transports=("shm",))
+    assert res["identical_offline"] and res["service"]["shm"]["identical"]
+    assert res["num_measurements"] > res["num_detectors"]
+    assert set(res["offline"]) == {"batch_1", "batch_16"}
