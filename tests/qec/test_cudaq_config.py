@@ -265,3 +265,43 @@ def test_cudaq_schema_errors_name_the_field():
         _check_cudaq_schema(_tiny(decoder_custom_args={"bogus_key": 1}), cudaq_json_schema())
     assert info.value.field == "decoders[0].decoder_custom_args.bogus_key"
     assert "CUDA-Q" in str(info.value)
+
+
+def test_chromobius_from_stim_dem_path_takes_measurement_records(tmp_path):
+    pytest.importorskip("chromobius")
+    import chromobius
+
+    from qlink.qec.decoders._chromobius import steane_color_code_circuit
+
+    c = steane_color_code_circuit(rounds=2, p=0.003)
+    c.detector_error_model().to_file(tmp_path / "colour.dem")
+    m2d, _ = stim_measurement_matrices(c)
+    rows = [m2d.indices[m2d.indptr[i]:m2d.indptr[i + 1]].tolist() for i in range(m2d.shape[0])]
+    path = tmp_path / "colour.yaml"
+    dump_multi_decoder_config({"decoders": [{"id": 4, "type": "chromobius", "stim_dem_path": "colour.dem",
+                                             "D_sparse": rows_to_sparse(rows)}]}, path)
+    served = decoder_configs_from_cudaq(path)[4].decoder
+    meas = c.compile_sampler(seed=2).sample(500)
+    dets = c.compile_m2d_converter().convert(measurements=meas, separate_observables=False)
+    direct = chromobius.compile_decoder_for_dem(c.detector_error_model()).predict_obs_flips_from_dets_bit_packed(
+        np.packbits(dets, axis=1, bitorder="little"))
+    assert np.array_equal(served.decode_shots_bit_packed(np.packbits(meas, axis=1, bitorder="little")), direct)
+
+
+def test_chromobius_without_coordinates_is_refused_by_field():
+    with pytest.raises(CudaqConfigError, match="stim_dem_path") as info:
+        decoder_configs_from_cudaq(_tiny(type="chromobius", decoder_custom_args={}))
+    assert info.value.field.endswith("stim_dem_path")
+
+
+def test_nv_qldpc_without_gpu_is_refused_with_the_reason():
+    from qlink.qec.decoders import BUILT_IN_DECODERS, DecoderUnavailableError
+
+    reason = BUILT_IN_DECODERS["cudaq-nv-qldpc-decoder"].unavailable_reason()
+    if reason is None:
+        pytest.skip("an NVIDIA GPU is present: nv-qldpc-decoder runs here")
+    if "cudaq-qec" in reason:
+        pytest.skip(reason)
+    with pytest.raises(DecoderUnavailableError, match="GPU") as info:
+        decoder_configs_from_cudaq(_tiny(type="nv-qldpc-decoder", decoder_custom_args={}))
+    assert "decoders[id=0].type" in str(info.value)

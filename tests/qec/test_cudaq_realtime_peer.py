@@ -15,13 +15,17 @@ from qlink.qec.cudaq_realtime import (config_for_layout, layout_stim_circuit, re
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout, p", [(repetition_layout(distance=5, rounds=5), 0.02),
-                                       (surface_layout(distance=3, rounds=3), 0.006)], ids=["repetition", "surface"])
-def test_cudaq_realtime_and_qlink_service_agree_shot_by_shot(tmp_path, layout, p):
+@pytest.mark.parametrize("layout, p, decoder_type", [
+    (repetition_layout(distance=5, rounds=5), 0.02, "pymatching"),
+    (surface_layout(distance=3, rounds=3), 0.006, "pymatching"),
+    (repetition_layout(distance=5, rounds=3), 0.02, "multi_error_lut"),
+], ids=["repetition", "surface", "repetition-lut"])
+def test_cudaq_realtime_and_qlink_service_agree_shot_by_shot(tmp_path, layout, p, decoder_type):
     from qlink.bench.cudaq_peer import serve_records
 
     path = tmp_path / "decoders.yaml"
-    dump_multi_decoder_config(config_for_layout(layout, p=p), path)
+    doc = config_for_layout(layout, p=p, decoder_type=decoder_type)
+    dump_multi_decoder_config(doc, path)
     run = run_cudaq_realtime(layout, p=p, num_shots=300, config=path, seed=7)
     _, m2o = stim_measurement_matrices(layout_stim_circuit(layout, p=p))
     flips = ((m2o @ run.measurements.T.astype(np.int64)).T & 1).astype(np.uint8)
@@ -30,7 +34,7 @@ def test_cudaq_realtime_and_qlink_service_agree_shot_by_shot(tmp_path, layout, p
     # CUDA-Q's corrections lower the error rate (the decoder really ran on these records)
     assert (flips ^ run.corrections).sum() < flips.sum()
     # qlink's decoder compiled from the same file, offline
-    offline = compile_cudaq_entry(config_for_layout(layout, p=p)["decoders"][0]).decode_batch(run.measurements)
+    offline = compile_cudaq_entry(doc["decoders"][0]).decode_batch(run.measurements)
     assert np.array_equal(offline, run.corrections)
     # and qlink's service, over shared memory and TCP, one frame per round
     for transport in ("shm", "tcp"):
