@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["compare_with_cudaq", "serve_records", "measurement_overhead", "cudaq_decoder_timings"]
+__all__ = ["compare_with_cudaq", "serve_records", "measurement_overhead", "cudaq_decoder_timings", "bench_rows"]
 
 
 def _layout(code: str, distance: int, rounds: int):
@@ -271,3 +271,37 @@ def measurement_overhead(*, distance: int = 5, p: float = 0.001, num_shots: int 
     out["load_avg_1m"] = os.getloadavg()[0]
     out["cpu_count"] = os.cpu_count()
     return out
+
+
+def bench_rows(*, quick: bool = False, transports=("shm", "tcp"), say=None) -> list[dict]:
+    """The rows ``qlink bench qec`` prints for this comparison, one per (code, path): CUDA-Q's
+    realtime simulation path and qlink's service per transport on the same records, then the
+    measurement-level overhead at d = 5. Needs cudaq-qec; each row says what it measured."""
+    shots = 300 if quick else 2000
+    rows: list[dict] = []
+    for code, d, p in (("repetition", 5, 0.01), ("surface", 5, 0.003)):
+        r = compare_with_cudaq(code=code, distance=d, p=p, num_shots=shots, transports=transports, say=say)
+        ik = r.get("cudaq_in_kernel", {})
+        rows.append({"code": code, "distance": d, "path": "CUDA-Q realtime (stim sim, in-process)",
+                     "shots": shots, "identical": r["identical"], "logical_errors": r["cudaq_logical_errors"],
+                     "per_shot_us": r["cudaq_per_shot_us"], "sim_floor_per_shot_us": r["cudaq_simulation_floor_per_shot_us"],
+                     "decode_p50_us": ik.get("decode_p50_us"), "last_syndrome_to_corrections_p50_us": ik.get("total_p50_us"),
+                     "last_syndrome_to_corrections_p99_us": ik.get("total_p99_us")})
+        for tr, t in r["transports"].items():
+            rows.append({"code": code, "distance": d, "path": f"qlink service over {t['transport']}", "shots": shots,
+                         "identical": t["identical"], "logical_errors": t["logical_errors"],
+                         "per_shot_us": t["run_per_shot_us"], "decode_p50_us": t["decode_per_shot_p50_us"],
+                         "last_syndrome_to_corrections_p50_us": t["reaction_p50_us"],
+                         "last_syndrome_to_corrections_p99_us": t["reaction_p99_us"]})
+    m = measurement_overhead(distance=5, num_shots=shots, transports=transports[:1], say=say)
+    for b, o in m["offline"].items():
+        rows.append({"code": "surface", "distance": 5, "path": f"D_sparse overhead offline, {b.replace('_', ' ')}",
+                     "shots": shots, "identical": m["identical_offline"],
+                     "per_shot_us": o["measurements_us_per_shot"], "added_per_shot_us": o["added_us_per_shot"]})
+    for tr, o in m["service"].items():
+        rows.append({"code": "surface", "distance": 5, "path": f"D_sparse overhead through the service ({tr})",
+                     "shots": shots, "identical": o["identical"],
+                     "decode_p50_us": o["measurements_decode_per_shot_p50_us"],
+                     "added_per_shot_us": o["added_decode_per_shot_p50_us"],
+                     "last_syndrome_to_corrections_p50_us": o["measurements_reaction_p50_us"]})
+    return rows

@@ -164,12 +164,13 @@ def decoder_configs_from_cudaq(source, *, capacity_shots: int = 1024, frames_per
     (a path, YAML/JSON text or a mapping; validated first). Each decoder is compiled
     here (see the module docstring); a relative ``stim_dem_path`` is read from the
     file's folder (or ``base_dir``)."""
-    from .cudaq_config import load_multi_decoder_config
+    from .cudaq_config import config_file, load_multi_decoder_config
     from .service import DecoderConfig
 
     doc = load_multi_decoder_config(source)
-    if base_dir is None and isinstance(source, (str, Path)) and Path(str(source)).is_file():
-        base_dir = Path(str(source)).resolve().parent
+    path = config_file(source)
+    if base_dir is None and path is not None:
+        base_dir = path.resolve().parent
     out = {}
     for entry in doc["decoders"]:
         compiled = compile_cudaq_entry(entry, base_dir=base_dir, measurement_level=measurement_level)
@@ -183,11 +184,12 @@ def service_specs_from_cudaq(source, *, capacity_shots: int = 1024, base_dir=Non
     """Plain-data decoder specs for :func:`qlink.qec.service.start_service_process`:
     ``{decoder_id: {"multi_decoder_config": <that decoder's document>, ...}}``; the child
     compiles each with :func:`decoder_config_from_spec`."""
-    from .cudaq_config import load_multi_decoder_config
+    from .cudaq_config import config_file, load_multi_decoder_config
 
     doc = load_multi_decoder_config(source)
-    if base_dir is None and isinstance(source, (str, Path)) and Path(str(source)).is_file():
-        base_dir = Path(str(source)).resolve().parent
+    path = config_file(source)
+    if base_dir is None and path is not None:
+        base_dir = path.resolve().parent
     return {int(e["id"]): {"multi_decoder_config": {"decoders": [e]}, "capacity_shots": int(capacity_shots),
                            "base_dir": None if base_dir is None else str(base_dir)}
             for e in doc["decoders"]}

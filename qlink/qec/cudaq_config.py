@@ -54,6 +54,7 @@ __all__ = [
     "sparse_to_rows",
     "rows_to_sparse",
     "cudaq_json_schema",
+    "config_file",
 ]
 
 MAX_REALTIME_DECODERS = 32  # the realtime RPC's decoder ids: 0..31
@@ -170,6 +171,17 @@ def _import_yaml():
 
 def _looks_like_path(source: str) -> bool:
     return "\n" not in source and not source.lstrip().startswith(("{", "decoders")) and len(source) < 4096
+
+
+def config_file(source) -> Path | None:
+    """The path ``source`` names when it is a path to an existing file, else None (text, a mapping)."""
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
+        try:
+            path = Path(source)
+            return path if path.is_file() else None
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def load_multi_decoder_config(source, *, validate: bool = True, use_cudaq_schema: bool | None = None) -> dict:

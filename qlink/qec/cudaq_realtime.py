@@ -20,14 +20,13 @@ measurement record to detectors. The same file configures CUDA-Q
 (9, 8, 4, 25)
 >>> c = layout_stim_circuit(lay, p=0.001)
 >>> c.num_detectors, c.num_observables
-(20, 1)
+(16, 1)
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -263,7 +262,7 @@ def run_cudaq_realtime(layout: MemoryLayout, *, p: float, num_shots: int, config
         import cudaq_qec
     except ImportError as exc:
         raise missing("cudaq-qec-cu12", extra="quantum", feature="CUDA-Q realtime decoding") from exc
-    from .cudaq_config import dump_multi_decoder_config, load_multi_decoder_config
+    from .cudaq_config import config_file, dump_multi_decoder_config, load_multi_decoder_config
 
     if num_shots < 1:
         raise ValueError(f"num_shots must be >= 1, got {num_shots}")
@@ -279,9 +278,10 @@ def run_cudaq_realtime(layout: MemoryLayout, *, p: float, num_shots: int, config
     if decode:
         if config is None:
             config = config_for_layout(layout, p=p, decoder_id=decoder_id)
-        if isinstance(config, (str, Path)) and Path(str(config)).is_file():
-            load_multi_decoder_config(config)  # checked by qlink too, so both sides refuse the same files
-            status = cudaq_qec.configure_decoders_from_file(str(config))
+        path = config_file(config)
+        if path is not None:
+            load_multi_decoder_config(path)  # checked by qlink too, so both sides refuse the same files
+            status = cudaq_qec.configure_decoders_from_file(str(path))
         else:
             status = cudaq_qec.configure_decoders_from_str(dump_multi_decoder_config(load_multi_decoder_config(config)))
         if status != 0:
