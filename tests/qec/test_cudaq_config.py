@@ -233,6 +233,11 @@ def test_measurement_decoder_matches_detector_level(max_table_nbytes, circuit):
     packed_m = np.packbits(meas, axis=1, bitorder="little")
     packed_d = np.packbits(dets, axis=1, bitorder="little")
     assert np.array_equal(wrap.detectors_bit_packed(packed_m), packed_d)
+    for k in (1, 3, 4, 5):  # a few shots per call take the Python-int path, more the NumPy one
+        for start in (0, 17, 1500):
+            assert np.array_equal(wrap.detectors_bit_packed(packed_m[start:start + k]), packed_d[start:start + k])
+            assert np.array_equal(wrap.decode_shots_bit_packed(packed_m[start:start + k]),
+                                  inner.decode_shots_bit_packed(packed_d[start:start + k]))
     assert np.array_equal(wrap.decode_shots_bit_packed(packed_m), inner.decode_shots_bit_packed(packed_d))
     assert np.array_equal(wrap.decode_batch(meas), inner.decode_batch(dets))
 

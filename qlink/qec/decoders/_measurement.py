@@ -8,11 +8,13 @@ so a service serves it unchanged with one "syndrome bit" per measurement.
 The map is linear over GF(2), so it is applied byte by byte on the bit-packed
 record: for byte position ``j`` of the record a table holds, for each of the 256
 byte values, the packed detector bits its set measurements flip. One shot's
-detection events are the XOR of ``ceil(num_measurements / 8)`` table rows, done
-for a whole batch in two NumPy calls (a gather and an XOR reduction over 64-bit
-words), with no unpacking. Tables are kept while they stay small
-(``max_table_nbytes``); past that the record is unpacked and each detector is the
-XOR of its (padded) measurement columns.
+detection events are the XOR of ``ceil(num_measurements / 8)`` table rows, with no
+unpacking. A batch takes two NumPy calls (a gather laid out bytes x shots x detector
+bytes, and an XOR reduction over its leading axis, up to 64 bits at a time); a call
+of a few shots (a service answering one shot at a time) XORs the same table held as
+Python ints, a few times cheaper than NumPy's per-call cost on arrays this small.
+Tables are kept while they stay small (``max_table_nbytes``); past that the record
+is unpacked and each detector is the XOR of its (padded) measurement columns.
 
 >>> import numpy as np, stim
 >>> from qlink.qec.decoders import compile_decoder
@@ -37,6 +39,7 @@ from ._base import CompiledDecoder
 __all__ = ["MeasurementDecoder"]
 
 _DEFAULT_TABLE_NBYTES = 16 << 20
+_FEW_SHOTS = 4  # up to this many shots per call: the Python-int loop (no NumPy call per byte)
 
 
 class MeasurementDecoder(CompiledDecoder):
@@ -69,6 +72,11 @@ class MeasurementDecoder(CompiledDecoder):
             item = next(k for k in (8, 4, 2, 1) if self._nbd % k == 0)
             self._table = np.ascontiguousarray(table).view(np.dtype(f"<u{item}"))
             self._offsets = (np.arange(self._nbm) * 256).astype(np.intp)[:, None]
+            # the same table as Python ints: a few shots are XORed in a Python loop, cheaper than
+            # NumPy's per-call cost on arrays this small
+            rows = self._table.view(np.uint8).reshape(self._nbm, 256, self._nbd)
+            self._int_table = [[int.from_bytes(rows[j, v].tobytes(), "little") for v in range(256)]
+                               for j in range(self._nbm)]
         else:  # a padded (nd, max weight) index matrix into the record, a zero column appended
             weights = np.diff(m2d.indptr)
             w = int(weights.max(initial=0))
@@ -98,6 +106,15 @@ class MeasurementDecoder(CompiledDecoder):
         """``(num_shots, ceil(num_measurements / 8))`` -> ``(num_shots, ceil(num_inner_detectors / 8))``,
         bit-packed little-endian on both sides."""
         meas = np.asarray(bit_packed_measurements, dtype=np.uint8)
+        if self._table is not None and meas.shape[0] <= _FEW_SHOTS:
+            out = bytearray()
+            nbd = self._nbd
+            for row in meas:
+                acc = 0
+                for t, b in zip(self._int_table, row.tobytes()):
+                    acc ^= t[b]
+                out += acc.to_bytes(nbd, "little")
+            return np.frombuffer(out, np.uint8).reshape(meas.shape[0], nbd)
         if self._table is not None:
             # gather (bytes, shots, words), XOR over the leading axis: NumPy's fastest reduction layout
             return np.bitwise_xor.reduce(self._table[meas.T + self._offsets], axis=0).view(np.uint8)
