@@ -36,6 +36,7 @@ qlink.qec.cudaq_config.CudaqConfigError: decoders[0].H_sparse: column index 5 in
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -261,8 +262,9 @@ def _plain(obj):
 
 
 # ----------------------------------------------------------------------------------- validation
+@functools.lru_cache(maxsize=1)
 def cudaq_json_schema() -> dict | None:
-    """``cudaq_qec.decoder_config_json_schema()`` as a dict, or None without cudaq-qec."""
+    """``cudaq_qec.decoder_config_json_schema()`` as a dict (read once), or None without cudaq-qec."""
     try:
         import cudaq_qec
     except ImportError:
