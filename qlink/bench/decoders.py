@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["run_decoder_bench", "main_from_cli"]
 
 # slow decoders get fewer shots (a fraction of num_shots), so a bench run stays minutes long
-_SLOW = {"tesseract": 0.2, "cudaq-multi_error_lut": 0.5, "bposd": 0.5}
+_SLOW = {"tesseract": 0.2, "cudaq-multi_error_lut": 0.5, "bposd": 0.1}
 
 
 def _surface(distance: int, p: float):
