@@ -42,6 +42,7 @@ from typing import Any, Mapping
 import numpy as np
 import scipy.sparse as sp
 
+from ._cudaq_config_check import sparse_to_rows
 from .decoders._base import CompiledDecoder
 
 __all__ = ["decoder_configs_from_cudaq", "compile_cudaq_entry", "decoder_config_from_spec",
@@ -125,6 +126,39 @@ def _sliding_window(dem, args: Mapping[str, Any], where: str):
                                                 commit_rounds=step))
 
 
+def _cudaq_table_or_bp(entry: Mapping[str, Any], dem, args: Mapping[str, Any], dtype: str):
+    """qlink's CUDA-Q decoder wrapper over exactly this entry: the entry's own check matrix (its
+    columns in its order) and exactly its custom arguments, none of qlink's defaults added (an
+    omitted ``lut_error_depth`` is CUDA-Q's default, as in CUDA-Q's realtime path)."""
+    from .decoders import get_decoder
+    from .decoders._base import DecoderUnavailableError
+    from .decoders._cudaq import CompiledCudaqDecoder, _gpu_present, _import_cudaq_qec
+    from .decoders._dem import DemMatrices, dem_to_matrices
+
+    registered = get_decoder(_QLINK_NAME[dtype])
+    reason = registered.unavailable_reason()
+    if reason is not None:
+        raise DecoderUnavailableError(reason)
+    qec = _import_cudaq_qec(f"the {registered.name} decoder")
+    if dtype == "nv-qldpc-decoder" and not _gpu_present():  # pragma: no cover - unavailable_reason says so
+        raise DecoderUnavailableError("nv-qldpc-decoder runs only on an NVIDIA GPU and none is available here")
+    if "H_sparse" in entry:
+        block = entry["block_size"]
+        rates = args.get("error_rate_vec")
+        mats = DemMatrices(check_matrix=_csc(sparse_to_rows(entry["H_sparse"]), block),
+                           observables_matrix=_csc(sparse_to_rows(entry["O_sparse"]), block),
+                           priors=np.full(block, _UNIT_WEIGHT_P) if rates is None else np.asarray(rates, float))
+    else:
+        mats = dem_to_matrices(dem)
+    try:
+        decoder = qec.get_decoder(dtype, mats.check_matrix.tocsr(), **dict(args))
+    except RuntimeError as exc:
+        if "GPU" in str(exc):
+            raise DecoderUnavailableError(str(exc)) from exc
+        raise
+    return CompiledCudaqDecoder(decoder, mats, name=registered.name)
+
+
 def compile_cudaq_entry(entry: Mapping[str, Any], *, base_dir=None, measurement_level: bool = True):
     """A compiled decoder (``decode_shots_bit_packed``) for one ``decoders`` entry; with
     ``measurement_level`` (default) it takes the measurement record through ``D_sparse``."""
@@ -146,9 +180,8 @@ def compile_cudaq_entry(entry: Mapping[str, Any], *, base_dir=None, measurement_
                                                              "coordinate (basis and colour): give stim_dem_path")
         inner = get_decoder("chromobius").compile_for_dem(dem)
     else:
-        options = {k: v for k, v in args.items() if k != "error_rate_vec"} if dtype.endswith("_lut") else args
         try:
-            inner = get_decoder(_QLINK_NAME[dtype]).compile_for_dem(dem, **options)
+            inner = _cudaq_table_or_bp(entry, dem, args, dtype)
         except DecoderUnavailableError as exc:
             raise DecoderUnavailableError(f"{where}.type {dtype!r}: {exc}") from exc
     if not measurement_level:
