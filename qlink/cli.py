@@ -137,9 +137,24 @@ def _cmd_serve(args) -> int:
     from .qec.cudaq_config import CudaqConfigError, service_specs_from_cudaq
     from .qec.service import run_service_process
 
+    source = args.decoder_config
     try:
-        specs = service_specs_from_cudaq(args.decoder_config, capacity_shots=args.capacity_shots)
-    except CudaqConfigError as e:
+        if args.stim:
+            import stim
+
+            from .qec.cudaq_config import dump_multi_decoder_config, multi_decoder_config_from_source
+
+            try:
+                circuit = stim.Circuit.from_file(args.stim)
+            except (OSError, ValueError) as e:
+                print(f"qlink serve: cannot read the stim circuit {args.stim}: {e}", file=sys.stderr)
+                return 2
+            source = multi_decoder_config_from_source(circuit, type=args.decoder_type)
+            if args.write_config:
+                dump_multi_decoder_config(source, args.write_config)
+                _say(f"wrote {args.write_config} (cudaq_qec.configure_decoders_from_file reads it too)")
+        specs = service_specs_from_cudaq(source, capacity_shots=args.capacity_shots)
+    except (CudaqConfigError, ValueError) as e:
         print(f"qlink serve: {e}", file=sys.stderr)
         return 2
 
@@ -147,7 +162,7 @@ def _cmd_serve(args) -> int:
         def put(self, msg):
             _say(f"decoder service: {msg}" if not msg.startswith("{") else f"session report: {msg[:400]}")
 
-    _say(f"serving decoders {sorted(specs)} of {args.decoder_config} on {args.url}")
+    _say(f"serving decoders {sorted(specs)} of {args.decoder_config or args.stim} on {args.url}")
     report = run_service_process(args.url, specs, ready_queue=_Say(), result_queue=_Say(),
                                  accept_timeout_s=args.accept_timeout_s,
                                  max_peers=None if args.max_peers == 0 else args.max_peers)
@@ -180,7 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     bu.set_defaults(func=_cmd_budget)
     sv = sub.add_parser("serve", help="serve the decoders of a CUDA-Q QEC multi_decoder_config (YAML/JSON) over a "
                                       "qlink transport, measurement-level syndromes mapped through D_sparse")
-    sv.add_argument("--decoder-config", required=True, metavar="FILE", help="a CUDA-Q QEC multi_decoder_config file")
+    what = sv.add_mutually_exclusive_group(required=True)
+    what.add_argument("--decoder-config", metavar="FILE", help="a CUDA-Q QEC multi_decoder_config file")
+    what.add_argument("--stim", metavar="FILE.stim", help="a stim circuit: its decoder (id 0) takes the circuit's "
+                      "measurement record, detectors as its DETECTOR instructions define them")
+    sv.add_argument("--decoder-type", default="pymatching", help="with --stim: the decoder type (default pymatching)")
+    sv.add_argument("--write-config", metavar="OUT.yaml", help="with --stim: also write the multi_decoder_config, "
+                    "so the same decoders can be configured in CUDA-Q")
     sv.add_argument("--url", default="tcp://127.0.0.1:0", help="where to listen (default tcp://127.0.0.1:0; "
                     "shm://NAME for shared memory)")
     sv.add_argument("--max-peers", type=int, default=1, help="controllers to serve one after another, then exit "

@@ -69,3 +69,21 @@ def test_serve_refuses_a_malformed_config(tmp_path):
                          capture_output=True, text=True, timeout=120, env=_env())
     assert out.returncode == 2
     assert "decoders[0].type" in out.stderr and "pymatching" in out.stderr
+
+
+def test_serve_from_a_stim_file_writes_the_config_it_serves(tmp_path):
+    c = stim.Circuit.generated("repetition_code:memory", distance=3, rounds=2, after_clifford_depolarization=0.02)
+    circuit_path = tmp_path / "memory.stim"
+    c.to_file(circuit_path)
+    out_cfg = tmp_path / "written.yaml"
+    # no controller comes: the service gives up accepting after a second, having written the config
+    out = subprocess.run([sys.executable, "-m", "qlink.cli", "serve", "--stim", str(circuit_path), "--write-config",
+                          str(out_cfg), "--accept-timeout-s", "1"], capture_output=True, text=True, timeout=120,
+                         env=_env())
+    from qlink.qec.cudaq_config import load_multi_decoder_config
+
+    assert load_multi_decoder_config(out_cfg) == multi_decoder_config_from_circuit(c)
+    assert "decoder service: tcp://" in out.stdout, out.stdout + out.stderr
+    bad = subprocess.run([sys.executable, "-m", "qlink.cli", "serve", "--stim", str(tmp_path / "none.stim")],
+                         capture_output=True, text=True, timeout=120, env=_env())
+    assert bad.returncode == 2 and "none.stim" in bad.stderr
