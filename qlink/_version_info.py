@@ -8,7 +8,8 @@ _DISTS = {
     "numpy": "numpy", "scipy": "scipy", "stim": "stim", "pymatching": "pymatching", "sinter": "sinter",
     "ldpc": "ldpc", "cudaq": "cuda-quantum-cu12", "cudaq_qec": "cudaq-qec-cu12", "ucxx": "ucxx-cu12",
     "nixl_cu12": "nixl-cu12", "cupy": "cupy-cuda12x", "dask.distributed": "distributed", "torch": "torch",
-    "nbclient": "nbclient", "qlink": "qlink",
+    "nbclient": "nbclient", "qlink": "qlink", "tesseract_decoder": "tesseract-decoder", "chromobius": "chromobius",
+    "fusion_blossom": "fusion-blossom",
 }
 
 

@@ -2,7 +2,8 @@
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
 ``qlink bench transport|qec|kv|soak|crosshost|gpu|all`` measures figures beside their floors and peers;
-``qlink info`` says which optional stacks are installed; ``qlink sweep qec|kv|speedup``
+``qlink serve --decoder-config FILE`` serves the decoders of a CUDA-Q QEC
+``multi_decoder_config``; ``qlink info`` says which optional stacks are installed; ``qlink sweep qec|kv|speedup``
 runs parameter sweeps on Dask into a resumable sinter CSV.
 
 >>> from qlink.cli import build_parser
@@ -24,7 +25,8 @@ _OPTIONAL = {
     "stim": "stim", "pymatching": "pymatching", "sinter": "sinter", "ldpc": "ldpc",
     "cudaq": "cuda-quantum-cu12", "cudaq_qec": "cudaq-qec-cu12", "ucxx": "ucxx-cu12",
     "nixl_cu12": "nixl-cu12", "cupy": "cupy-cuda12x", "dask.distributed": "dask[distributed]",
-    "nbclient": "nbclient",
+    "nbclient": "nbclient", "tesseract_decoder": "tesseract-decoder", "chromobius": "chromobius",
+    "fusion_blossom": "fusion-blossom",
 }
 
 
@@ -131,6 +133,42 @@ def _cmd_sweep(args) -> int:
     return run_from_cli(args, say=_say)
 
 
+def _cmd_serve(args) -> int:
+    from .qec.cudaq_config import CudaqConfigError, service_specs_from_cudaq
+    from .qec.service import run_service_process
+
+    source = args.decoder_config
+    try:
+        if args.stim:
+            import stim
+
+            from .qec.cudaq_config import dump_multi_decoder_config, multi_decoder_config_from_source
+
+            try:
+                circuit = stim.Circuit.from_file(args.stim)
+            except (OSError, ValueError) as e:
+                print(f"qlink serve: cannot read the stim circuit {args.stim}: {e}", file=sys.stderr)
+                return 2
+            source = multi_decoder_config_from_source(circuit, type=args.decoder_type)
+            if args.write_config:
+                dump_multi_decoder_config(source, args.write_config)
+                _say(f"wrote {args.write_config} (cudaq_qec.configure_decoders_from_file reads it too)")
+        specs = service_specs_from_cudaq(source, capacity_shots=args.capacity_shots)
+    except (CudaqConfigError, ValueError) as e:
+        print(f"qlink serve: {e}", file=sys.stderr)
+        return 2
+
+    class _Say:  # the service's ready / report queue, printed
+        def put(self, msg):
+            _say(f"decoder service: {msg}" if not msg.startswith("{") else f"session report: {msg[:400]}")
+
+    _say(f"serving decoders {sorted(specs)} of {args.decoder_config or args.stim} on {args.url}")
+    report = run_service_process(args.url, specs, ready_queue=_Say(), result_queue=_Say(),
+                                 accept_timeout_s=args.accept_timeout_s,
+                                 max_peers=None if args.max_peers == 0 else args.max_peers)
+    return 1 if "error" in report else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qlink", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -142,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "[run] seed, scenarios")
     r.set_defaults(func=_cmd_run)
     b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV")
-    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "gpu", "all"])
+    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "gpu", "decoders", "all"])
     b.add_argument("--out", default="results/bench", help="output directory (default: results/bench)")
     b.add_argument("--quick", action="store_true", help="fewer samples (for a smoke run)")
     b.add_argument("--distances", default=None, metavar="D,D,...",
@@ -159,6 +197,23 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--transports", default="shm,tcp,ucx", help="comma-separated (default: shm,tcp,ucx)")
     bu.add_argument("--quick", action="store_true", help="d=5 and Llama-3-8B only, fewer shots")
     bu.set_defaults(func=_cmd_budget)
+    sv = sub.add_parser("serve", help="serve the decoders of a CUDA-Q QEC multi_decoder_config (YAML/JSON) over a "
+                                      "qlink transport, measurement-level syndromes mapped through D_sparse")
+    what = sv.add_mutually_exclusive_group(required=True)
+    what.add_argument("--decoder-config", metavar="FILE", help="a CUDA-Q QEC multi_decoder_config file")
+    what.add_argument("--stim", metavar="FILE.stim", help="a stim circuit: its decoder (id 0) takes the circuit's "
+                      "measurement record, detectors as its DETECTOR instructions define them")
+    sv.add_argument("--decoder-type", default="pymatching", help="with --stim: the decoder type (default pymatching)")
+    sv.add_argument("--write-config", metavar="OUT.yaml", help="with --stim: also write the multi_decoder_config, "
+                    "so the same decoders can be configured in CUDA-Q")
+    sv.add_argument("--url", default="tcp://127.0.0.1:0", help="where to listen (default tcp://127.0.0.1:0; "
+                    "shm://NAME for shared memory)")
+    sv.add_argument("--max-peers", type=int, default=1, help="controllers to serve one after another, then exit "
+                    "(0: until stopped; default 1)")
+    sv.add_argument("--capacity-shots", type=int, default=1024, help="each decoder's queue of shots (default 1024)")
+    sv.add_argument("--accept-timeout-s", type=float, default=300.0,
+                    help="how long to wait for the first controller (default 300)")
+    sv.set_defaults(func=_cmd_serve)
     i = sub.add_parser("info", help="which optional stacks are installed")
     i.set_defaults(func=_cmd_info)
     s = sub.add_parser("sweep", help="parameter sweeps on Dask into a resumable sinter CSV (qec, kv) or the "

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-PACKAGES = ["qlink", "transports", "qlink.qec", "qlink.qec.decoders", "qlink.ai", "qlink.wire", "qlink.budget",
+PACKAGES = ["qlink", "transports", "qlink.qec", "qlink.qec.decoders", "qlink.qec.cudaq_config",
+            "qlink.qec.cudaq_realtime", "qlink.bench.cudaq_peer", "qlink.bench.decoders", "qlink.ai", "qlink.wire", "qlink.budget",
             "qlink.links", "qlink.histogram", "qlink.clock", "qlink.memory", "qlink.errors"]
 
 

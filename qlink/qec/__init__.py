@@ -5,9 +5,12 @@
 24
 """
 
+from .cudaq_config import (CudaqConfigError, decoder_configs_from_cudaq, dump_multi_decoder_config,
+                           load_multi_decoder_config, multi_decoder_config_from_source,
+                           validate_multi_decoder_config)
 from .controller import (Controller, ControllerResult, FrameTooLargeError, SyndromeStream, ler_under_deadline,
                          wilson_interval)
-from .decoders import BUILT_IN_DECODERS, SlidingWindowDecoder, compile_decoder, get_decoder
+from .decoders import BUILT_IN_DECODERS, MeasurementDecoder, SlidingWindowDecoder, compile_decoder, get_decoder
 from .loop import LoopResult, build_source, run_loop, source_spec
 from .service import DecoderConfig, DecoderService, run_service_process, start_service_process
 from .sources import CircuitError, CudaqSource, StimSource, SyndromeBatch
@@ -21,6 +24,7 @@ __all__ = [
     "get_decoder",
     "compile_decoder",
     "SlidingWindowDecoder",
+    "MeasurementDecoder",
     "DecoderConfig",
     "DecoderService",
     "run_service_process",
@@ -35,4 +39,10 @@ __all__ = [
     "LoopResult",
     "source_spec",
     "build_source",
+    "CudaqConfigError",
+    "load_multi_decoder_config",
+    "dump_multi_decoder_config",
+    "validate_multi_decoder_config",
+    "multi_decoder_config_from_source",
+    "decoder_configs_from_cudaq",
 ]

@@ -70,7 +70,7 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
         pin_to_cpu(pin_cpu)
 
     try:
-        configs = {int(k): DecoderConfig.from_spec(v) for k, v in configs_spec.items()}
+        configs = {int(k): _config_from_spec(v, DecoderConfig) for k, v in configs_spec.items()}
         service = make_service(configs, service_options)
         listener = transports.listen(url)
     except Exception as exc:
@@ -112,6 +112,17 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     finally:
         listener.close()
     return report
+
+
+def _config_from_spec(spec: Mapping[str, Any], config_cls):
+    """A decoder spec: a source spec (``DecoderConfig.from_spec``) or one decoder of a CUDA-Q
+    ``multi_decoder_config`` (``{"multi_decoder_config": ...}``, see
+    :func:`qlink.qec.cudaq_config.service_specs_from_cudaq`)."""
+    if "multi_decoder_config" in spec:
+        from .cudaq_config import decoder_config_from_spec
+
+        return decoder_config_from_spec(spec)
+    return config_cls.from_spec(spec)
 
 
 def _check_max_peers(max_peers) -> None:

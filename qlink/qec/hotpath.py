@@ -155,15 +155,19 @@ class SingleShotDecoder:
         return np.unpackbits(packed, count=self.num_observables, bitorder="little")
 
 
-def single_shot_decoder(decoder: Any, dem: Any) -> SingleShotDecoder:
+def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = None,
+                        num_observables: int | None = None) -> SingleShotDecoder:
     """Prepare ``decoder`` (a name, decoder object or compiled decoder) for one shot per call.
 
     PyMatching decodes through its matching graph's own call on the fired detectors (what
     ``Matching.decode`` does after converting its input); every other decoder through its
-    compiled ``decode_shots_bit_packed`` on one row.
+    compiled ``decode_shots_bit_packed`` on one row. ``num_detectors`` / ``num_observables``
+    give the shot's shape where it is not the DEM's (a compiled decoder that takes
+    measurement records, say; ``dem`` may then be None).
     """
-    nd, no = int(dem.num_detectors), int(dem.num_observables)
-    if decoder == "pymatching":
+    nd = int(num_detectors if num_detectors is not None else dem.num_detectors)
+    no = int(num_observables if num_observables is not None else dem.num_observables)
+    if decoder == "pymatching" and dem is not None and nd == dem.num_detectors:
         import pymatching
 
         graph = pymatching.Matching.from_detector_error_model(dem)._matching_graph
@@ -221,9 +225,8 @@ class NativeDecoderService:
         for did, cfg in configs.items():
             if not isinstance(did, int) or not 0 <= did < wire.MAX_DECODERS:
                 raise ValueError(f"decoder ids must be ints in [0, {wire.MAX_DECODERS}), got {did!r}")
-            if cfg.dem is None:
-                raise ValueError(f"decoder {did}: the native path needs the DEM (dem=)")
-            self._decoders[did] = (cfg, single_shot_decoder(cfg.decoder, cfg.dem))
+            self._decoders[did] = (cfg, single_shot_decoder(cfg.decoder, cfg.dem, num_detectors=cfg.num_detectors,
+                                                            num_observables=cfg.num_observables))
         self._rows = np.zeros(max(0, int(keep_samples)), _SVC_DTYPE)
         self._core = None
         self._served = None

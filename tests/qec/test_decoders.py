@@ -42,6 +42,24 @@ def _two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> float:
 _SOURCE = StimSource.surface_code(distance=3, rounds=3, p=0.003)
 _BATCH = _SOURCE.sample(400, seed=2024)
 _COMPILED: dict[str, object] = {}
+# decoders that need a code of their own: chromobius decodes colour codes (4th detector coordinate)
+_SOURCES: dict[str, object] = {}
+
+
+def _src(name: str):
+    if name != "chromobius":
+        return _SOURCE
+    if name not in _SOURCES:
+        from qlink.qec.decoders._chromobius import steane_color_code_circuit
+
+        c = steane_color_code_circuit(rounds=3, p=0.003)
+        rounds = [int(v[2]) for _, v in sorted(c.get_detector_coordinates().items())]
+        _SOURCES[name] = StimSource(c, detector_rounds=rounds)
+    return _SOURCES[name]
+
+
+def _batch(name: str):
+    return _BATCH if _src(name) is _SOURCE else _src(name).sample(400, seed=2024)
 
 
 def _compiled(name: str):
@@ -49,7 +67,7 @@ def _compiled(name: str):
     if reason:
         pytest.skip(f"{name}: {reason}")
     if name not in _COMPILED:
-        _COMPILED[name] = compile_decoder(name, _SOURCE.detector_error_model())
+        _COMPILED[name] = compile_decoder(name, _src(name).detector_error_model())
     return _COMPILED[name]
 
 
@@ -59,9 +77,9 @@ def _compiled(name: str):
 @pytest.mark.parametrize("name", ALL_DECODERS)
 def test_shapes_and_widths(name):
     dec = _compiled(name)
-    assert dec.num_detectors == _SOURCE.num_detectors and dec.num_observables == 1
-    pred = dec.decode_batch(_BATCH.detection_events)
-    assert pred.shape == (_BATCH.num_shots, 1) and pred.dtype == np.uint8
+    assert dec.num_detectors == _src(name).num_detectors and dec.num_observables == 1
+    pred = dec.decode_batch(_batch(name).detection_events)
+    assert pred.shape == (_batch(name).num_shots, 1) and pred.dtype == np.uint8
     assert set(np.unique(pred).tolist()) <= {0, 1}
     assert dec.decode_batch(np.zeros((0, dec.num_detectors), np.uint8)).shape == (0, 1)
     assert dec.decode(np.zeros(dec.num_detectors, np.uint8)).tolist() == [0]
@@ -71,7 +89,7 @@ def test_shapes_and_widths(name):
 @pytest.mark.parametrize("name", ALL_DECODERS)
 def test_decode_and_decode_batch_agree(name):
     dec = _compiled(name)
-    dets = _BATCH.detection_events[:60]
+    dets = _batch(name).detection_events[:60]
     batch = dec.decode_batch(dets)
     single = np.array([dec.decode(row) for row in dets])
     assert (batch == single).all()
@@ -81,7 +99,7 @@ def test_decode_and_decode_batch_agree(name):
 @pytest.mark.parametrize("name", ALL_DECODERS)
 def test_bit_packed_and_unpacked_agree(name):
     dec = _compiled(name)
-    dets = _BATCH.detection_events
+    dets = _batch(name).detection_events
     packed = np.packbits(dets, axis=1, bitorder="little")
     plain = dec.decode_batch(dets)
     assert (dec.decode_batch(packed, bit_packed=True) == plain).all()
@@ -89,7 +107,7 @@ def test_bit_packed_and_unpacked_agree(name):
     assert out.shape == (len(dets), 1) and out.dtype == np.uint8
     assert (np.unpackbits(out, axis=1, count=1, bitorder="little") == plain).all()
     # sinter's spelling, so the decoder also plugs into sinter.collect(custom_decoders=...)
-    via_sinter = BUILT_IN_DECODERS[name].compile_decoder_for_dem(dem=_SOURCE.detector_error_model())
+    via_sinter = BUILT_IN_DECODERS[name].compile_decoder_for_dem(dem=_src(name).detector_error_model())
     assert (via_sinter.decode_shots_bit_packed(bit_packed_detection_event_data=packed) == out).all()
 
 
@@ -97,9 +115,9 @@ def test_bit_packed_and_unpacked_agree(name):
 @pytest.mark.parametrize("name", ALL_DECODERS)
 def test_deterministic(name):
     dec = _compiled(name)
-    first = dec.decode_batch(_BATCH.detection_events)
-    again = dec.decode_batch(_BATCH.detection_events)
-    fresh = compile_decoder(name, _SOURCE.detector_error_model()).decode_batch(_BATCH.detection_events)
+    first = dec.decode_batch(_batch(name).detection_events)
+    again = dec.decode_batch(_batch(name).detection_events)
+    fresh = compile_decoder(name, _src(name).detector_error_model()).decode_batch(_batch(name).detection_events)
     assert (first == again).all() and (first == fresh).all()
 
 
@@ -125,7 +143,7 @@ def test_corrects_most_logical_flips(name):
     nothing leaves all of them; the single-error LUT, which only knows single faults,
     leaves about a third, matching about a tenth)."""
     dec = _compiled(name)
-    batch = _SOURCE.sample(3000, seed=7)
+    batch = _src(name).sample(3000, seed=7)
     raw = int(batch.observable_flips.sum())
     left = int(np.count_nonzero(dec.decode_batch(batch.detection_events) != batch.observable_flips))
     assert raw > 50

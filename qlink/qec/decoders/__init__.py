@@ -10,13 +10,20 @@ out, the hot path). Names:
 - ``"cudaq-nv-qldpc-decoder"``: CUDA-Q QEC GPU BP(+OSD); needs an NVIDIA GPU.
 - ``"bposd"``: ldpc's BP+OSD.
 - ``"qlink-bp"``: qlink's batched min-sum BP (NumPy, or CuPy on a GPU).
+- ``"tesseract"``: Tesseract search decoder, the accuracy reference (slow).
+- ``"chromobius"``: Möbius colour-code decoder (needs the 4th detector coordinate).
+- ``"fusion-blossom"``: fusion-blossom MWPM (through sinter's wrapper).
+
+:class:`MeasurementDecoder` wraps any of them to take raw measurement records
+(CUDA-Q realtime's ``D_sparse``). ``sinter_decoders()`` gives them all as sinter
+``custom_decoders``.
 
 :class:`SlidingWindowDecoder` streams long experiments round by round.
 
 >>> import stim
 >>> from qlink.qec.decoders import BUILT_IN_DECODERS, compile_decoder
 >>> sorted(BUILT_IN_DECODERS)[:3]
-['bposd', 'cudaq-multi_error_lut', 'cudaq-nv-qldpc-decoder']
+['bposd', 'chromobius', 'cudaq-multi_error_lut']
 >>> circuit = stim.Circuit.generated("surface_code:rotated_memory_z", distance=3, rounds=3,
 ...                                  after_clifford_depolarization=0.001)
 >>> dem = circuit.detector_error_model(decompose_errors=True)
@@ -39,7 +46,11 @@ from ._bp import BeliefPropagationDecoder
 from ._bposd import BpOsdDecoder
 from ._cudaq import CudaqDecoder
 from ._dem import DemGraph, DemMatrices, dem_to_graph, dem_to_matrices
+from ._chromobius import ChromobiusDecoder
+from ._fusion import FusionBlossomDecoder
 from ._matching import MatchingDecoder
+from ._measurement import MeasurementDecoder
+from ._tesseract import TesseractDecoder
 from .window import SlidingWindowDecoder, WindowStatistics
 
 __all__ = [
@@ -56,6 +67,8 @@ __all__ = [
     "DemGraph",
     "SlidingWindowDecoder",
     "WindowStatistics",
+    "MeasurementDecoder",
+    "sinter_decoders",
 ]
 
 BUILT_IN_DECODERS: dict[str, Decoder] = {
@@ -67,8 +80,26 @@ BUILT_IN_DECODERS: dict[str, Decoder] = {
         CudaqDecoder("nv-qldpc-decoder"),
         BpOsdDecoder(),
         BeliefPropagationDecoder(),
+        TesseractDecoder(),
+        ChromobiusDecoder(),
+        FusionBlossomDecoder(),
     )
 }
+
+
+def sinter_decoders(*, available_only: bool = True) -> dict[str, Decoder]:
+    """qlink's decoders as a ``sinter.collect(custom_decoders=...)`` mapping (each has sinter's
+    ``compile_decoder_for_dem``), names prefixed ``qlink-`` where sinter has its own of that name.
+
+    >>> "qlink-pymatching" in sinter_decoders() and "tesseract" in sinter_decoders(available_only=False)
+    True
+    """
+    out = {}
+    for name, dec in BUILT_IN_DECODERS.items():
+        if available_only and dec.unavailable_reason() is not None:
+            continue
+        out[name if name.startswith("qlink-") or name not in {"pymatching"} else f"qlink-{name}"] = dec
+    return out
 
 
 def get_decoder(name: str) -> Decoder:
@@ -77,7 +108,7 @@ def get_decoder(name: str) -> Decoder:
     >>> get_decoder("nope")
     Traceback (most recent call last):
     ...
-    ValueError: unknown decoder 'nope'; known decoders: bposd, cudaq-multi_error_lut, ...
+    ValueError: unknown decoder 'nope'; known decoders: bposd, chromobius, cudaq-multi_error_lut, ...
     """
     try:
         return BUILT_IN_DECODERS[name]

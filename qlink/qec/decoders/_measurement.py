@@ -1,0 +1,135 @@
+"""Measurement-level syndromes: a compiled decoder that takes raw measurement records.
+
+CUDA-Q's realtime ``enqueue_syndromes`` sends measurements, not detection events;
+its decoder config's ``D_sparse`` says which measurements XOR into each detector.
+:class:`MeasurementDecoder` wraps a detector-level compiled decoder with that map,
+so a service serves it unchanged with one "syndrome bit" per measurement.
+
+The map is linear over GF(2), so it is applied byte by byte on the bit-packed
+record: for byte position ``j`` of the record a table holds, for each of the 256
+byte values, the packed detector bits its set measurements flip. One shot's
+detection events are the XOR of ``ceil(num_measurements / 8)`` table rows, with no
+unpacking. A batch takes two NumPy calls (a gather laid out bytes x shots x detector
+bytes, and an XOR reduction over its leading axis, up to 64 bits at a time); a call
+of a few shots (a service answering one shot at a time) XORs the same table held as
+Python ints, a few times cheaper than NumPy's per-call cost on arrays this small.
+Tables are kept while they stay small (``max_table_nbytes``); past that the record
+is unpacked and each detector is the XOR of its (padded) measurement columns.
+
+>>> import numpy as np, stim
+>>> from qlink.qec.decoders import compile_decoder
+>>> dem = stim.DetectorErrorModel("error(0.1) D0 L0\\nerror(0.1) D0 D1\\nerror(0.1) D1")
+>>> m2d = np.array([[1, 1, 0], [0, 1, 1]])        # D0 = m0 ^ m1, D1 = m1 ^ m2
+>>> dec = MeasurementDecoder(compile_decoder("pymatching", dem), m2d)
+>>> dec.num_detectors, dec.num_observables        # the service's shot width: measurements
+(3, 1)
+>>> dec.detectors_bit_packed(np.packbits([[1, 0, 0]], axis=1, bitorder="little")).tolist()
+[[1]]
+>>> dec.decode([1, 0, 0]).tolist()                # D0 alone: the L0 edge
+[1]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+from ._base import CompiledDecoder
+
+__all__ = ["MeasurementDecoder"]
+
+_DEFAULT_TABLE_NBYTES = 16 << 20
+_FEW_SHOTS = 4  # up to this many shots per call: the Python-int loop (no NumPy call per byte)
+
+
+class MeasurementDecoder(CompiledDecoder):
+    """``inner`` (a compiled decoder over detectors) behind ``measurement_to_detectors``
+    (detectors x measurements, 0/1, dense or scipy sparse). ``num_detectors`` is the
+    number of measurements (what one shot carries); predictions are ``inner``'s."""
+
+    def __init__(self, inner, measurement_to_detectors, *, max_table_nbytes: int = _DEFAULT_TABLE_NBYTES):
+        m2d = sp.csr_matrix(measurement_to_detectors, dtype=np.uint8)
+        m2d.data &= 1
+        m2d.eliminate_zeros()
+        nd, nm = m2d.shape
+        if nd != inner.num_detectors:
+            raise ValueError(f"measurement_to_detectors has {nd} rows; the decoder takes {inner.num_detectors} "
+                             "detectors (one row per detector)")
+        if nm < 1:
+            raise ValueError("measurement_to_detectors has no measurement columns")
+        self.inner = inner
+        self.m2d = m2d
+        self.num_detectors = nm  # the shot width the service sees: one bit per measurement
+        self.num_observables = inner.num_observables
+        self.num_inner_detectors = nd
+        self._nbm, self._nbd = (nm + 7) // 8, (nd + 7) // 8
+        self._words = (self._nbd + 7) // 8
+        self._table = None
+        if self._nbm * 256 * self._words * 8 <= max_table_nbytes:
+            # flat (bytes x 256, detector bytes): row 256 j + v is byte j holding value v, viewed as the
+            # widest integer that divides the detector bytes exactly (no copy to trim the result)
+            table = self._build_table().reshape(self._nbm * 256, self._words).view(np.uint8)[:, :self._nbd]
+            item = next(k for k in (8, 4, 2, 1) if self._nbd % k == 0)
+            self._table = np.ascontiguousarray(table).view(np.dtype(f"<u{item}"))
+            self._offsets = (np.arange(self._nbm) * 256).astype(np.intp)[:, None]
+            # the same table as Python ints: a few shots are XORed in a Python loop, cheaper than
+            # NumPy's per-call cost on arrays this small
+            rows = self._table.view(np.uint8).reshape(self._nbm, 256, self._nbd)
+            self._int_table = [[int.from_bytes(rows[j, v].tobytes(), "little") for v in range(256)]
+                               for j in range(self._nbm)]
+        else:  # a padded (nd, max weight) index matrix into the record, a zero column appended
+            weights = np.diff(m2d.indptr)
+            w = int(weights.max(initial=0))
+            idx = np.full((nd, max(w, 1)), nm, dtype=np.int64)
+            for i in range(nd):
+                cols = m2d.indices[m2d.indptr[i]:m2d.indptr[i + 1]]
+                idx[i, :len(cols)] = cols
+            self._idx = idx
+
+    def _build_table(self) -> np.ndarray:
+        """(bytes of the record, 256, 64-bit words of packed detectors)."""
+        nm = self.num_detectors
+        cols = self.m2d.T.tocsr()  # per measurement: the detectors it feeds
+        col_bits = np.zeros((self._nbm * 8, self._words * 64), dtype=np.uint8)
+        for m in range(nm):
+            col_bits[m, cols.indices[cols.indptr[m]:cols.indptr[m + 1]]] = 1
+        col_packed = np.packbits(col_bits, axis=1, bitorder="little").view(np.uint64)  # (nbm*8, words)
+        col_packed = col_packed.reshape(self._nbm, 8, self._words)
+        values = np.arange(256, dtype=np.uint8)
+        bits = np.unpackbits(values[:, None], axis=1, bitorder="little").astype(bool)  # (256, 8)
+        table = np.zeros((self._nbm, 256, self._words), dtype=np.uint64)
+        for k in range(8):  # XOR in bit k's column wherever byte value has bit k
+            table[:, bits[:, k], :] ^= col_packed[:, k, None, :]
+        return table
+
+    def detectors_bit_packed(self, bit_packed_measurements) -> np.ndarray:
+        """``(num_shots, ceil(num_measurements / 8))`` -> ``(num_shots, ceil(num_inner_detectors / 8))``,
+        bit-packed little-endian on both sides."""
+        meas = np.asarray(bit_packed_measurements, dtype=np.uint8)
+        if self._table is not None and meas.shape[0] <= _FEW_SHOTS:
+            out = bytearray()
+            nbd = self._nbd
+            for row in meas:
+                acc = 0
+                for t, b in zip(self._int_table, row.tobytes()):
+                    acc ^= t[b]
+                out += acc.to_bytes(nbd, "little")
+            return np.frombuffer(out, np.uint8).reshape(meas.shape[0], nbd)
+        if self._table is not None:
+            # gather (bytes, shots, words), XOR over the leading axis: NumPy's fastest reduction layout
+            return np.bitwise_xor.reduce(self._table[meas.T + self._offsets], axis=0).view(np.uint8)
+        bits = np.unpackbits(meas, axis=1, count=self.num_detectors, bitorder="little")
+        bits = np.concatenate([bits, np.zeros((bits.shape[0], 1), np.uint8)], axis=1)
+        dets = np.bitwise_xor.reduce(bits[:, self._idx], axis=2)
+        return np.packbits(dets, axis=1, bitorder="little")
+
+    def _decode_unpacked(self, meas: np.ndarray) -> np.ndarray:
+        dets = np.asarray((self.m2d @ meas.T.astype(np.int32)).T & 1, dtype=np.uint8)
+        return self.inner.decode_batch(dets)
+
+    def decode_shots_bit_packed(self, bit_packed_detection_event_data) -> np.ndarray:
+        meas = np.asarray(bit_packed_detection_event_data)
+        if meas.ndim != 2:
+            raise ValueError(f"expected a 2-D (num_shots, bytes) array, got shape {meas.shape}")
+        self._check_width(meas.shape[1], bit_packed=True)
+        return self.inner.decode_shots_bit_packed(self.detectors_bit_packed(meas))
