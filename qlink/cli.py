@@ -32,6 +32,17 @@ def _say(msg: str) -> None:
     print(f"[qlink {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _begin_conditions():
+    """Measure the host's load and CPU floor before a measuring command (one warning line when busy)."""
+    from .bench.conditions import begin
+
+    return begin(warn=lambda m: _say(m))
+
+
+def _end_conditions(cond) -> None:
+    print(cond.summary())
+
+
 def _cmd_info(args) -> int:
     from ._version_info import versions
 
@@ -78,12 +89,14 @@ def _bench_module(name: str, args):
 
 def _cmd_bench(args) -> int:
     which = ["transport", "qec", "kv"] if args.what == "all" else [args.what]
+    cond = _begin_conditions()
     for w in which:
         _say(f"bench {w}")
         if w == "transport":
             _bench_transport(args)
         else:
             _bench_module(w, args)
+    _end_conditions(cond)
     return 0
 
 
@@ -93,6 +106,7 @@ def _cmd_budget(args) -> int:
     from .run import print_cross_domain_tables
 
     transports = tuple(args.transports.split(","))
+    cond = _begin_conditions()
     res = run_cross_domain(transports=transports, distances=(5,) if args.quick else (5, 11),
                            presets=("llama-3-8b",) if args.quick else ("llama-3-8b", "llama-3-70b"),
                            num_shots=500 if args.quick else 2000, say=_say)
@@ -102,6 +116,7 @@ def _cmd_budget(args) -> int:
     png = plot_cross_domain(rows, out / "cross_domain.png")
     print_cross_domain_tables(rows, notes=res.notes)
     print(f"\nwritten: {out}/cross_domain.{{json,csv}}, {png}")
+    _end_conditions(cond)
     return 0
 
 
@@ -116,7 +131,10 @@ def _cmd_run(args) -> int:
     except ConfigError as e:
         print(f"qlink run: {e}", file=sys.stderr)
         return 2
-    return main_job(out_dir=Path(args.out), config=config, say=_say)
+    cond = _begin_conditions()
+    rc = main_job(out_dir=Path(args.out), config=config, say=_say)
+    _end_conditions(cond)
+    return rc
 
 
 def _cmd_paper(args) -> int:

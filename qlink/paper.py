@@ -425,6 +425,9 @@ def build(*, out_dir=DEFAULT_OUT_DIR, quick: bool = False, seed: int = 1, profil
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     out = Path(out_dir).resolve()
     _prepare(out)
+    from .bench.conditions import begin as _begin_conditions
+
+    conditions = _begin_conditions(warn=say)
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     a = _Artifact(out, seed, say)
@@ -450,7 +453,8 @@ def build(*, out_dir=DEFAULT_OUT_DIR, quick: bool = False, seed: int = 1, profil
     wall_s = round(time.monotonic() - t0, 2)
     env_line = (f"Built with profile `{profile}`, seed {seed}, on {env['cpu_model']} ({env['num_cpus']} CPUs), "
                 f"GPU: {env['gpu_model']}; qlink commit `{env['git']['commit'][:12]}`"
-                f"{' (with local changes)' if env['git']['dirty'] else ''}; {wall_s:.0f} s.")
+                f"{' (with local changes)' if env['git']['dirty'] else ''}; {wall_s:.0f} s. "
+                f"{conditions.summary().replace('conditions: ', 'Conditions: ')}.")
     paper = _render_paper(a, env_line)
     invocation = command or (f"python -c 'import qlink.paper as p; p.build(out_dir={str(out)!r}, "
                              f"profile={profile!r}, seed={seed}, steps={list(steps)!r})'")
@@ -464,7 +468,7 @@ def build(*, out_dir=DEFAULT_OUT_DIR, quick: bool = False, seed: int = 1, profil
         "commands": {"invocation": invocation, "argv": list(sys.argv),
                      "steps": {k: {"call": v.get("call"), "equivalent_cli": v.get("equivalent_cli")}
                                for k, v in records.items()}},
-        "steps": records, "environment": env,
+        "steps": records, "environment": env, "conditions": conditions.as_dict(),
         "tables": a.tables, "figures": a.figures, "paper": "paper.md" if paper else None,
         "deterministic_tables": sorted(k for k in a.tables if k not in timing),
         "timing_dependent_tables": timing,

@@ -118,8 +118,10 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
+        from qlink.bench.conditions import current
+
         with open(out / "realtime_loop.json", "w") as f:
-            json.dump(report, f, indent=1, default=float)
+            json.dump({**report, "conditions": current().as_dict()}, f, indent=1, default=float)
         _plots(results, report, out)
     report["results"] = results
     return report
