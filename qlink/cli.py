@@ -293,12 +293,24 @@ def build_parser() -> Parser:
     return p
 
 
+# commands that start processes: they run under a supervisor that stops them cleanly (qlink._supervise)
+_SUPERVISED = {"run", "bench", "budget", "paper"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``qlink`` with ``argv``; returns the exit status."""
     from .errors import ConfigError, MissingDependencyError
 
+    from ._supervise import WORKER_ENV, become_worker, supervise
+
     args = build_parser().parse_args(argv)  # bad input: one line, exit 2, before anything starts
     prog = f"qlink {args.cmd}"
+    if os.environ.get(WORKER_ENV):
+        become_worker()
+    elif argv is None and args.cmd in _SUPERVISED:
+        rc = supervise(sys.argv[1:], prog=prog)  # the command runs in a worker; Ctrl-C stops it cleanly
+        if rc >= 0:
+            return rc
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:  # a bad value found after parsing (a config file, a grid)
