@@ -98,7 +98,10 @@ def _bench_module(name: str, args, failures: list[str]):
                                for k, v in vars(args).items()})
     rows = mod.main_from_cli(ns, say=_say)
     for r in rows if isinstance(rows, list) else ():
-        err = r.get("error") if isinstance(r, dict) else None
+        if not isinstance(r, dict):
+            continue
+        note = str(r.get("note") or "")
+        err = r.get("error") or (note if note.startswith("error") else None)
         if err:
             what = ", ".join(str(r[k]) for k in ("transport", "case", "distance", "d") if r.get(k) is not None)
             failures.append(f"bench {name} ({what}): {err}")
@@ -248,8 +251,11 @@ def build_parser() -> Parser:
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 5,7,11,17; --quick 5,7)")
             bb.add_argument("--transports", action=ListAction, default=None, metavar="T",
-                            check=lambda v, where: checks.list_of(checks.transport, v, where=where),
-                            help=f"of {','.join(checks.QEC_TRANSPORTS)} (default shm,tcp,ucx,udp)")
+                            check=lambda v, where: checks.list_of(
+                                lambda x, where: checks.transport(x, where=where,
+                                                                  choices=checks.ROUND_TRIP_TRANSPORTS),
+                                v, where=where),
+                            help=f"of {','.join(checks.ROUND_TRIP_TRANSPORTS)} (default shm,tcp,ucx,udp)")
         bb.set_defaults(func=_cmd_bench)
 
     bu = sub.add_parser("budget", help="the cross-domain budget table and its plot",

@@ -27,7 +27,7 @@ CASES = [
     # unknown names: the valid ones and the nearest match
     (QLINK + ["bnch"], "did you mean 'bench'"),
     (QLINK + ["bench", "transport", "--transports", "shmm"], "did you mean 'shm'"),
-    (QLINK + ["bench", "qec", "--transports", "tcp,shmm"], "valid: shm, tcp, ucx, udp, inproc"),
+    (QLINK + ["bench", "qec", "--transports", "tcp,shmm"], "valid: shm, tcp, ucx, udp"),
     (QLINK + ["budget", "--transports", "uxc"], "did you mean 'ucx'"),
     (QLINK + ["sweep", "qec", "--decoders", "pymatchng"], "did you mean 'pymatching'"),
     (QLINK + ["sweep", "kv", "--preset", "llama-3-7b"], "KV preset"),
