@@ -17,6 +17,8 @@ qlink.checks.UsageError: --distance must be odd (a rotated surface code distance
 Traceback (most recent call last):
 ...
 qlink.checks.UsageError: --transports: unknown transport 'shmm'; valid: shm, tcp, ucx (did you mean 'shm'?)
+>>> transport("emulated+tcp://127.0.0.1:0?link=ib-ndr", where="--transport", urls=True)
+'emulated+tcp://127.0.0.1:0?link=ib-ndr'
 >>> probability(0.5, where="--p")
 Traceback (most recent call last):
 ...
@@ -199,8 +201,9 @@ def transport(value, *, where: str, choices: Iterable[str] = QEC_TRANSPORTS, url
     if urls and isinstance(value, str) and "://" in value:
         import transports as _transports
 
-        scheme = value.split("://", 1)[0]
-        one_of(scheme, _transports.schemes(), what="URL scheme", where=where)
+        scheme = value.split("://", 1)[0].lower()
+        inner = scheme.removeprefix("emulated+")  # emulated+<scheme>: a link model over a real transport
+        one_of(inner, _transports.schemes(), what="URL scheme", where=where)
         return value
     return one_of(value, choices, what="transport", where=where)
 

@@ -172,7 +172,7 @@ def _cmd_run(args) -> int:
     rc = main_job(out_dir=Path(args.out), config=config, say=_say, failures=failures,
                   keep_going=args.keep_going)
     _end_conditions(cond)
-    return rc or _finish("qlink run", failures, args.keep_going)
+    return max(rc, _finish("qlink run", failures, args.keep_going))
 
 
 def _cmd_paper(args) -> int:
