@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from . import checks
 
-__all__ = ["Parser", "ListAction", "CheckedAction", "typed"]
+__all__ = ["Parser", "ListAction", "CheckedAction", "typed", "run_main"]
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -43,6 +44,9 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, examples: str | None = None, **kw):
         kw.setdefault("formatter_class", _Formatter)
         kw.setdefault("allow_abbrev", False)
+        d = kw.get("description")
+        if d and "\n" not in d:  # kept as written (for the examples' sake), so wrapped here
+            kw["description"] = textwrap.fill(d, 78)
         if examples:
             kw["epilog"] = "examples:\n" + "\n".join(f"  {ln}" for ln in examples.strip().splitlines())
         super().__init__(*args, **kw)

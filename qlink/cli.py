@@ -213,11 +213,14 @@ _BENCH = {
 
 def build_parser() -> Parser:
     """The ``qlink`` argument parser."""
-    p = Parser(prog="qlink", description=__doc__.split("\n\n")[0],
-               examples="qlink run --quick                 # about a minute: QEC loop + KV transfer + budget table\n"
-                        "qlink doctor                      # what is installed, what to install\n"
-                        "qlink bench qec --quick\n"
-                        "qlink paper build --quick          # paper.pdf, figures, tables, manifest")
+    p = Parser(prog="qlink",
+               description="qlink: a quantum-classical interconnect sandbox. QEC decoder loops and KV-cache\n"
+                           "movement on one transport core, each figure against its own budget.\n"
+                           "Bad input is one line and exit status 2; Ctrl-C stops a run cleanly (exit 130).",
+               examples="qlink run --quick              # about a minute: QEC loop + KV transfer + budget table\n"
+                        "qlink doctor                   # what is installed, what to install\n"
+                        "qlink bench qec --quick        # the decoder service vs the 1.1 us cycle\n"
+                        "qlink paper build --quick      # paper.pdf, figures, tables, manifest")
     p.add_argument("--version", action="version",
                    version=f"qlink {__version__} (Python {sys.version.split()[0]})")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

@@ -103,7 +103,10 @@ def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[
             failures.append(f"scenario {name}: {type(e).__name__}: {e}")
             if not keep_going:
                 break
+    from .bench.conditions import current
+
     summary = {"seconds": round(time.monotonic() - t0, 1), "cross_domain_png": str(png),
+               "conditions": current().as_dict(), "failures": list(failures),
                "files": sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())}
     (out_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
     say(f"done in {summary['seconds']} s; plots and tables under {out_dir}/")
