@@ -183,8 +183,13 @@ def _cmd_paper(args) -> int:
 
 def _cmd_sweep(args) -> int:
     from .sweep._cli import run_from_cli
+    from .sweep._csv import SweepError
 
-    return run_from_cli(args, say=_say)
+    try:
+        return run_from_cli(args, say=_say)
+    except SweepError as e:  # the CSV: another sweep's, not a sinter CSV, a damaged row
+        print(f"qlink sweep: error: {e}", file=sys.stderr)
+        return 2
 
 
 # ----- the parser ----------------------------------------------------------------------------

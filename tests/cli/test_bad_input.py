@@ -64,6 +64,9 @@ CASES = [
     (_scenario("fabric_scale") + ["--service-json", "nope.json"], "does not exist"),
     # a bad config file: its checks, the same rules
     (QLINK + ["run", "--config", "bad.toml"], "must be odd"),
+    # a sweep CSV that is not one
+    (QLINK + ["sweep", "qec", "--distances", "3", "--ps", "0.01", "--csv", "bad.csv", "--no-progress"],
+     "is not a sinter CSV"),
 ]
 
 
@@ -71,6 +74,7 @@ CASES = [
 def test_bad_input_is_one_line_and_exit_2(argv, phrase, tmp_path):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "bad.toml").write_text("[qec]\ndistances = [4]\n")
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
     r = _run(argv, tmp_path)
     assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
