@@ -47,7 +47,7 @@ def _escape(text: str) -> str:
     return _ESCAPE.sub(r"\\\1", text)
 
 
-def _lead(markup: str) -> str:
+def _escape_start(markup: str) -> str:
     """Escape what would start a heading, list or numbered item at the start of a block."""
     m = re.match(r"^(\d+)\.", markup)
     if m:
@@ -153,7 +153,7 @@ def markdown_to_typst(text: str, *, base: Path | None = None) -> str:
                 else:
                     items[-1] += " " + lines[i].strip()
                 i += 1
-            blocks.append("\n".join(f"- {_lead(_inline(it))}" for it in items))
+            blocks.append("\n".join(f"- {_escape_start(_inline(it))}" for it in items))
         else:
             para = []
             while (i < len(lines) and lines[i].strip() and not lines[i].startswith("#")
@@ -161,7 +161,7 @@ def markdown_to_typst(text: str, *, base: Path | None = None) -> str:
                    and not _LIST.match(lines[i])):
                 para.append(lines[i].strip())
                 i += 1
-            blocks.append(_lead(_inline(" ".join(para))))
+            blocks.append(_escape_start(_inline(" ".join(para))))
     return "\n\n".join(blocks)
 
 

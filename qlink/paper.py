@@ -519,6 +519,10 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> int:
         failed["paper.pdf"] = man["paper_pdf_error"]
     print(f"  manifest  {man_path}  (SHA-256 of {len(man['files'])} files; timing-dependent tables: "
           f"{', '.join(man['timing_dependent_tables']) or 'none'})")
+    c = man.get("conditions") or {}
+    if c:
+        print(f"  conditions load {c['load_before'][0]:.2f} at start, {c['load_after'][0]:.2f} at the end; CPU floor "
+              f"{c['cpu_floor_pct']} %{' (BUSY: timing figures not comparable with an idle host)' if c['busy'] else ''}")
     for k, e in failed.items():
         print(f"  step {k} FAILED: {e}")
     return 1 if failed else 0

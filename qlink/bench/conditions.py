@@ -114,7 +114,7 @@ class RunConditions:
         floor = f"{self.floor_pct:.0f} %" if self.cpu_floor else f"not measured ({self.floor_error})"
         now = load_average()[0]
         return (f"conditions: {self.host.get('cpu_model')}, {self.host.get('usable_cpus')} CPUs; load "
-                f"{self.load_before[0]:.2f} at start, now {now:.2f}; CPU floor {floor}"
+                f"{self.load_before[0]:.2f} at start, {now:.2f} at the end; CPU floor {floor}"
                 f"{' (BUSY: figures not comparable)' if self.busy else ''}")
 
     def as_dict(self, *, load_after: tuple | None = None) -> dict:
