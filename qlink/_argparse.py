@@ -116,10 +116,23 @@ def typed(check, **kw):
 
 def run_main(main, argv=None) -> int:
     """Run ``main(argv)`` for a script: a :class:`qlink.checks.UsageError` (or ConfigError) is one line
-    and exit 2; Ctrl-C is one line and exit 130."""
+    and exit 2; Ctrl-C is one line and exit 130.
+
+    Run as a program (``argv`` None), the script runs as a worker under :mod:`qlink._supervise`,
+    so SIGINT/SIGTERM end every process it started and exit 130/143.
+    """
+    import os
+
+    from ._supervise import WORKER_ENV, become_worker, supervise
     from .errors import ConfigError
 
     prog = sys.argv[0].rsplit("/", 1)[-1]
+    if os.environ.get(WORKER_ENV):
+        become_worker()
+    elif argv is None and sys.argv[0].endswith(".py") and os.path.isfile(sys.argv[0]):
+        rc = supervise(sys.argv[1:], prog=prog, command=[sys.executable, os.path.abspath(sys.argv[0])])
+        if rc >= 0:
+            return rc
     try:
         return int(main(argv) or 0)
     except ConfigError as e:

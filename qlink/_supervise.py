@@ -1,4 +1,5 @@
-"""Clean stops for long commands: ``qlink run``, ``qlink bench``, ``qlink budget``, ``qlink paper``.
+"""Clean stops for long commands: ``qlink run``, ``qlink bench``, ``qlink budget``, ``qlink paper``
+and the ``scenarios/*.py`` scripts.
 
 The command runs as a worker process in a session of its own, under a small supervisor
 (the process the user started). The terminal's Ctrl-C reaches the supervisor only, so
@@ -178,8 +179,9 @@ def _remove(paths: set[str], *, sockets: bool) -> int:
     return n
 
 
-def supervise(argv: list[str], *, prog: str) -> int:
-    """Run ``python -m qlink.cli argv`` as a worker and stop it cleanly on SIGINT/SIGTERM."""
+def supervise(argv: list[str], *, prog: str, command: list[str] | None = None) -> int:
+    """Run ``command + argv`` (default ``python -m qlink.cli``) as a worker and stop it cleanly on
+    SIGINT/SIGTERM; returns its exit status (or 128 + the signal), or -1 where it cannot supervise."""
     if not os.path.isdir("/proc/self"):
         return -1  # cannot supervise here: the caller runs the command itself
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -197,7 +199,8 @@ def supervise(argv: list[str], *, prog: str) -> int:
         # warns about each (noise after the one line the stop prints)
         env["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
                                                        "ignore:resource_tracker:UserWarning"]))
-        proc = subprocess.Popen([sys.executable, "-m", "qlink.cli", *argv], env=env, start_new_session=True)
+        cmd = list(command) if command else [sys.executable, "-m", "qlink.cli"]
+        proc = subprocess.Popen([*cmd, *argv], env=env, start_new_session=True)
         while not got:
             try:
                 rc = proc.wait(timeout=0.1)
@@ -215,7 +218,7 @@ def supervise(argv: list[str], *, prog: str) -> int:
         t0 = time.monotonic()
         n, shm, socks = _end_all(proc.pid, proc)
         n_shm, n_sock = _remove(shm, sockets=False), _remove(socks, sockets=True)
-        print(f"{prog}: stopped by {signal.Signals(signum).name}: ended {n} process{'es' if n != 1 else ''} in "
+        print(f"\n{prog}: stopped by {signal.Signals(signum).name}: ended {n} process{'es' if n != 1 else ''} in "
               f"{time.monotonic() - t0:.1f} s; removed {n_shm} /dev/shm entr{'ies' if n_shm != 1 else 'y'} and "
               f"{n_sock} socket file{'s' if n_sock != 1 else ''}", file=sys.stderr, flush=True)
         return 128 + signum

@@ -137,3 +137,33 @@ def test_a_finished_command_keeps_its_status_and_bad_input_is_not_supervised(tmp
     r = subprocess.run([sys.executable, "-m", "qlink.cli", "bench", "qec", "--distances", "4"], cwd=tmp_path,
                        env=ENV, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_scenario_script_stops_cleanly_too(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scenarios" / "realtime_loop.py"), "--quick", "--out",
+                             str(tmp_path / "out")], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        worker = None
+        while time.monotonic() < deadline and worker is None:
+            kids = _children(proc.pid)
+            worker = kids[0] if kids else None
+            time.sleep(0.05)
+        assert worker is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_session(worker)) < 2:  # the decoder service is up
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out[-2000:], err[-2000:])
+    assert _session(worker) == []
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("realtime_loop.py: stopped by SIGINT")
