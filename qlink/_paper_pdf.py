@@ -103,13 +103,31 @@ def _cells(line: str) -> list[str]:
     return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", body)]
 
 
+_SCI = re.compile(r"^(-?\d(?:\.\d+)?)e([+-]\d+)$")
+
+
+def _cell(text: str) -> str:
+    """A table cell; a number markdown wrote as ``1.016e+05`` is set as 101,600 (or m × 10^e when tiny or huge).
+
+    >>> _cell("1.016e+05"), _cell("-9.19e-11"), _cell("0.5")
+    ('101,600', '$-9.19 times 10^(-11)$', '0.5')
+    """
+    m = _SCI.match(text.strip())
+    if not m:
+        return _inline(text)
+    v = float(text)
+    if 1e4 <= abs(v) < 1e9:
+        return f"{round(v):,}"
+    return f"${m.group(1)} times 10^({int(m.group(2))})$"
+
+
 def _table(lines: list[str]) -> str:
     head = _cells(lines[0])
     rule = _cells(lines[1]) if len(lines) > 1 and set(lines[1].replace("|", "").strip()) <= set("-: ") else None
     rows = [_cells(ln) for ln in lines[(2 if rule else 1):]]
     n = len(head)
     align = ["right" if rule and i < len(rule) and rule[i].endswith(":") else "left" for i in range(n)]
-    cells = lambda r: ", ".join(f"[{_inline(c)}]" for c in (r + [""] * n)[:n])  # noqa: E731
+    cells = lambda r: ", ".join(f"[{_cell(c)}]" for c in (r + [""] * n)[:n])  # noqa: E731
     out = [f"#text(size: 7pt)[#table(columns: {n}, align: ({', '.join(align)}), stroke: 0.4pt + luma(180), "
            f"inset: 3pt,", f"  table.header({', '.join(f'[*{_inline(h)}*]' for h in head)}),"]
     out += [f"  {cells(r)}," for r in rows]
