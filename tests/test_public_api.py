@@ -8,7 +8,8 @@ import sys
 import pytest
 
 PACKAGES = ["qlink", "transports", "qlink.qec", "qlink.qec.decoders", "qlink.ai", "qlink.wire", "qlink.budget",
-            "qlink.links", "qlink.histogram", "qlink.clock", "qlink.memory", "qlink.errors"]
+            "qlink.links", "qlink.histogram", "qlink.clock", "qlink.memory", "qlink.errors", "qlink.checks",
+            "qlink.bench.conditions", "qlink.doctor"]
 
 
 @pytest.mark.parametrize("name", PACKAGES)
