@@ -34,8 +34,9 @@ bench: $(STAMP)
 paper: $(STAMP)
 	$(VENV)/bin/qlink paper build $(if $(QUICK),--quick)
 
+# Jupyter refuses to run as root unless told; containers often are root
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -59,6 +59,30 @@ def _tex(s: str) -> str:
     return "".join(_TEX_ESCAPES.get(c, c) for c in s)
 
 
+def _tex_cell(v, float_format: str) -> str:
+    r"""A cell for LaTeX: integers with thin-space thousands (``20\,730``), floats to the format's
+    significant digits written out in full below 10^9, and ``$m\times10^{e}$`` for the very small.
+
+    >>> print(" ".join(_tex_cell(x, "{:.4g}") for x in (20733.1, 123456789, 0.001234, -9.19e-11, 3, True, "a_b")))
+    20\,730 123\,456\,789 0.001234 $-9.19\times10^{-11}$ 3 yes a\_b
+    """
+    v = _py(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _tex(_text(v, float_format))
+    if isinstance(v, int):
+        return f"{v:,}".replace(",", r"\,")
+    if not math.isfinite(v):
+        return "--" if math.isnan(v) else (r"$\infty$" if v > 0 else r"$-\infty$")
+    s = float_format.format(v)
+    if "e" not in s:
+        return s
+    r = float(s)
+    if 1e4 <= abs(r) < 1e9:
+        return f"{round(r):,}".replace(",", r"\,")
+    mant, exp = s.split("e")
+    return rf"${mant}\times10^{{{int(exp)}}}$"
+
+
 def _numeric(rows: list[dict], col: str) -> bool:
     vals = [_py(r.get(col)) for r in rows if r.get(col) is not None]
     return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
@@ -73,7 +97,7 @@ def to_latex(rows: list[dict], *, columns: Iterable[str] | None = None, caption:
     align = "".join("r" if _numeric(rows, c) else "l" for c in cols)
     lines = [r"\begin{table}[ht]", r"\centering", r"\small", rf"\begin{{tabular}}{{{align}}}", r"\toprule",
              " & ".join(_tex(c) for c in cols) + r" \\", r"\midrule"]
-    lines += [" & ".join(_tex(_text(r.get(c), float_format)) for c in cols) + r" \\" for r in rows]
+    lines += [" & ".join(_tex_cell(r.get(c), float_format) for c in cols) + r" \\" for r in rows]
     lines += [r"\bottomrule", r"\end{tabular}"]
     if caption:
         lines.append(rf"\caption{{{_tex(caption)}}}")

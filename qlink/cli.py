@@ -2,60 +2,75 @@
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
 ``qlink bench transport|qec|kv|soak|crosshost|gpu|all`` measures figures beside their floors and peers;
-``qlink serve --decoder-config FILE`` serves the decoders of a CUDA-Q QEC
-``multi_decoder_config``; ``qlink info`` says which optional stacks are installed; ``qlink sweep qec|kv|speedup``
-runs parameter sweeps on Dask into a resumable sinter CSV.
+``qlink budget`` draws the cross-domain budget table; ``qlink serve --decoder-config FILE`` serves the
+decoders of a CUDA-Q QEC ``multi_decoder_config``; ``qlink doctor`` says what is installed
+and what to install; ``qlink sweep qec|kv|speedup`` runs parameter sweeps on Dask into a
+resumable sinter CSV; ``qlink paper build`` builds the paper (PDF, figures, tables, manifest).
+
+Every value is checked before anything runs (:mod:`qlink.checks`): a bad one is one line
+on stderr and exit status 2. Ctrl-C (SIGINT) or SIGTERM stops a command within seconds,
+ends its child processes, and exits 130 or 143.
 
 >>> from qlink.cli import build_parser
 >>> build_parser().parse_args(["bench", "transport", "--quick"]).quick
 True
+>>> build_parser().parse_args(["bench", "qec", "--distances", "5", "7"]).distances
+(5, 7)
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
+import os
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "build_parser"]
+from . import __version__, checks
+from ._argparse import CheckedAction, ListAction, Parser
 
-_OPTIONAL = {
-    "stim": "stim", "pymatching": "pymatching", "sinter": "sinter", "ldpc": "ldpc",
-    "cudaq": "cuda-quantum-cu12", "cudaq_qec": "cudaq-qec-cu12", "ucxx": "ucxx-cu12",
-    "nixl_cu12": "nixl-cu12", "cupy": "cupy-cuda12x", "dask.distributed": "dask[distributed]",
-    "nbclient": "nbclient", "tesseract_decoder": "tesseract-decoder", "chromobius": "chromobius",
-    "fusion_blossom": "fusion-blossom",
-}
+__all__ = ["main", "build_parser"]
 
 
 def _say(msg: str) -> None:
     print(f"[qlink {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _begin_conditions():
+    """Measure the host's load and CPU floor before a measuring command (one warning line when busy)."""
+    from .bench.conditions import begin
+
+    return begin(warn=lambda m: _say(m))
+
+
+def _end_conditions(cond) -> None:
+    print(cond.summary())
+
+
+def _out(value, *, where):
+    return str(checks.out_dir(value, where=where))
+
+
+def _in_file(value, *, where):
+    return str(checks.in_file(value, where=where))
+
+
+# ----- commands ------------------------------------------------------------------------------
+
+
 def _cmd_info(args) -> int:
-    from ._version_info import versions
+    from .doctor import report
 
-    for mod, pkg in _OPTIONAL.items():
-        v = versions().get(mod)
-        print(f"{pkg:22s} {v if v else 'not installed'}")
-    try:
-        import transports._ringc  # noqa: F401
-
-        print("shm ring accelerator   C extension built")
-    except ImportError:
-        print("shm ring accelerator   not built (pure-Python ring in use)")
-    return 0
+    return report(full=bool(getattr(args, "doctor", False)))
 
 
-def _bench_transport(args) -> dict:
+def _bench_transport(args, failures: list[str]) -> dict:
     from .bench._report import format_table, write_results
     from .bench.transport import run_transport_bench
 
     n = 5000 if args.quick else 50000
     sizes = (4 << 10, 1 << 20, 16 << 20) if args.quick else (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
-    res = run_transport_bench(num_round_trips=n, put_sizes=sizes, progress=_say)
+    schemes = tuple(getattr(args, "transports", None) or ("shm", "tcp", "ucx"))
+    res = run_transport_bench(schemes=schemes, num_round_trips=n, put_sizes=sizes, progress=_say)
     out = Path(args.out)
     write_results(res["round_trip"], out_dir=out, name="transport_round_trip", meta={"num_round_trips": n})
     write_results(res["bandwidth"], out_dir=out, name="transport_bandwidth", meta={"sizes": list(sizes)})
@@ -68,25 +83,63 @@ def _bench_transport(args) -> dict:
     print(format_table(res["goals"]))
     for e in res["errors"]:
         print(f"  not measured: {e}")
+        failures.append(f"bench transport: {e}")
     print(f"\nwritten: {out}/transport_round_trip.{{json,csv}}, {out}/transport_bandwidth.{{json,csv}}, "
           f"{out}/transport_goals.{{json,csv}}")
     return res
 
 
-def _bench_module(name: str, args):
+def _bench_module(name: str, args, failures: list[str]):
+    import argparse
+    import importlib
+
     mod = importlib.import_module(f"qlink.bench.{name}")
-    return mod.main_from_cli(args, say=_say)
+    # the bench modules read lists as comma-separated text
+    ns = argparse.Namespace(**{k: (",".join(map(str, v)) if isinstance(v, tuple) else v)
+                               for k, v in vars(args).items()})
+    rows = mod.main_from_cli(ns, say=_say)
+    for r in rows if isinstance(rows, list) else ():
+        if not isinstance(r, dict):
+            continue
+        note = str(r.get("note") or "")
+        err = r.get("error") or (note if note.startswith("error") else None)
+        if err:
+            what = ", ".join(str(r[k]) for k in ("transport", "case", "distance", "d") if r.get(k) is not None)
+            failures.append(f"bench {name} ({what}): {err}")
+    return rows
+
+
+def _finish(cmd: str, failures: list[str], keep_going: bool) -> int:
+    """Exit status of a measuring command: 0, or 1 when a measurement failed (listed)."""
+    if not failures:
+        return 0
+    print(f"\n{cmd}: {len(failures)} measurement(s) failed{' (--keep-going)' if keep_going else ''}:",
+          file=sys.stderr)
+    for f in failures:
+        print(f"  - {f}", file=sys.stderr)
+    return 1
 
 
 def _cmd_bench(args) -> int:
     which = ["transport", "qec", "kv"] if args.what == "all" else [args.what]
+    cond = _begin_conditions()
+    failures: list[str] = []
     for w in which:
         _say(f"bench {w}")
-        if w == "transport":
-            _bench_transport(args)
-        else:
-            _bench_module(w, args)
-    return 0
+        n_before = len(failures)
+        try:
+            if w == "transport":
+                _bench_transport(args, failures)
+            else:
+                _bench_module(w, args, failures)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - one failed bench is reported; --keep-going runs the next
+            failures.append(f"bench {w}: {type(e).__name__}: {e}")
+        if len(failures) > n_before and not args.keep_going:
+            break
+    _end_conditions(cond)
+    return _finish(f"qlink bench {args.what}", failures, args.keep_going)
 
 
 def _cmd_budget(args) -> int:
@@ -94,8 +147,8 @@ def _cmd_budget(args) -> int:
     from .crossdomain import plot_cross_domain, run_cross_domain
     from .run import print_cross_domain_tables
 
-    transports = tuple(args.transports.split(","))
-    res = run_cross_domain(transports=transports, distances=(5,) if args.quick else (5, 11),
+    cond = _begin_conditions()
+    res = run_cross_domain(transports=tuple(args.transports), distances=(5,) if args.quick else (5, 11),
                            presets=("llama-3-8b",) if args.quick else ("llama-3-8b", "llama-3-70b"),
                            num_shots=500 if args.quick else 2000, say=_say)
     rows = res.rows()
@@ -104,21 +157,24 @@ def _cmd_budget(args) -> int:
     png = plot_cross_domain(rows, out / "cross_domain.png")
     print_cross_domain_tables(rows, notes=res.notes)
     print(f"\nwritten: {out}/cross_domain.{{json,csv}}, {png}")
-    return 0
+    _end_conditions(cond)
+    # "not measured (Error: ...)" is a measurement that failed; a size skipped on purpose says why
+    failures = [f"qlink budget: {n}" for n in res.notes if "not measured (" in n]
+    return _finish("qlink budget", failures, args.keep_going)
 
 
 def _cmd_run(args) -> int:
     from .config import RunConfig, load_run_config
-    from .errors import ConfigError
     from .run import main_job
 
     base = RunConfig.quick() if args.quick else RunConfig()
-    try:
-        config = load_run_config(args.config, base=base) if args.config else base
-    except ConfigError as e:
-        print(f"qlink run: {e}", file=sys.stderr)
-        return 2
-    return main_job(out_dir=Path(args.out), config=config, say=_say)
+    config = load_run_config(args.config, base=base) if args.config else base  # ConfigError: exit 2
+    cond = _begin_conditions()
+    failures: list[str] = []
+    rc = main_job(out_dir=Path(args.out), config=config, say=_say, failures=failures,
+                  keep_going=args.keep_going)
+    _end_conditions(cond)
+    return max(rc, _finish("qlink run", failures, args.keep_going))
 
 
 def _cmd_paper(args) -> int:
@@ -129,8 +185,13 @@ def _cmd_paper(args) -> int:
 
 def _cmd_sweep(args) -> int:
     from .sweep._cli import run_from_cli
+    from .sweep._csv import SweepError
 
-    return run_from_cli(args, say=_say)
+    try:
+        return run_from_cli(args, say=_say)
+    except SweepError as e:  # the CSV: another sweep's, not a sinter CSV, a damaged row
+        print(f"qlink sweep: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _cmd_serve(args) -> int:
@@ -169,74 +230,181 @@ def _cmd_serve(args) -> int:
     return 1 if "error" in report else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qlink", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="the default end-to-end scenario (QEC loop + KV transfer + budget table)")
-    r.add_argument("--out", default="results/run", help="output directory (default: results/run)")
-    r.add_argument("--quick", action="store_true", help="smaller settings (about a minute)")
-    r.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file over the defaults "
-                   "(or over --quick's): [qec] transports, distances, num_shots; [kv] presets, tokens; "
-                   "[run] seed, scenarios")
+# ----- the parser ----------------------------------------------------------------------------
+
+
+def _add_common_measure(p: Parser, *, out: str, quick_help: str) -> None:
+    p.add_argument("--out", default=out, action=CheckedAction, check=_out, help="output directory")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--keep-going", action="store_true",
+                   help="when a measurement fails, go on with the others and list the failures at the end "
+                        "(the exit status is still 1)")
+
+
+_BENCH = {
+    "transport": ("64-byte round trip and one-sided put bandwidth beside the shared-memory spin and memcpy floors",
+                  "qlink bench transport --quick\nqlink bench transport --transports shm,tcp"),
+    "qec": ("the decoder service over the wire vs the 1.1 us cycle and offline decode_batch",
+            "qlink bench qec --quick\nqlink bench qec --distances 5,7 --transports shm"),
+    "kv": ("KV-cache block transfers beside memcpy and modeled links", "qlink bench kv --quick"),
+    "soak": ("faults injected and detected, fuzzing, and a soak run", "qlink bench soak --quick"),
+    "crosshost": ("the loop across two network namespaces (needs root)", "qlink bench crosshost --quick"),
+    "gpu": ("GPU paths (CuPy; NumPy stand-ins on a CPU)", "qlink bench gpu --quick"),
+    "decoders": ("every registered decoder beside PyMatching on the same shots: LER with Wilson intervals, us/shot",
+                 "qlink bench decoders --quick"),
+    "all": ("transport, qec and kv in turn", "qlink bench all --quick --keep-going"),
+}
+
+
+def build_parser() -> Parser:
+    """The ``qlink`` argument parser."""
+    p = Parser(prog="qlink",
+               description="qlink: a quantum-classical interconnect sandbox. QEC decoder loops and KV-cache\n"
+                           "movement on one transport core, each figure against its own budget.\n"
+                           "Bad input is one line and exit status 2; Ctrl-C stops a run cleanly (exit 130).",
+               examples="qlink run --quick              # about a minute: QEC loop + KV transfer + budget table\n"
+                        "qlink doctor                   # what is installed, what to install\n"
+                        "qlink bench qec --quick        # the decoder service vs the 1.1 us cycle\n"
+                        "qlink paper build --quick      # paper.pdf, figures, tables, manifest")
+    p.add_argument("--version", action="version",
+                   version=f"qlink {__version__} (Python {sys.version.split()[0]})")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="the default end-to-end scenario (QEC loop + KV transfer + budget table)",
+                       description="The main job: the QEC closed loop and the KV transfers on the same transports, "
+                                   "the cross-domain budget table, then the quick scenarios.",
+                       examples="qlink run --quick\nqlink run --config scenarios/run.toml --out results/mine")
+    _add_common_measure(r, out="results/run", quick_help="smaller settings (about a minute)")
+    r.add_argument("--config", metavar="FILE.toml", action=CheckedAction, check=_in_file,
+                   help="settings from a TOML file over the defaults (or over --quick's): [qec] transports, "
+                        "distances, num_shots; [kv] presets, tokens; [run] seed, scenarios")
     r.set_defaults(func=_cmd_run)
-    b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV")
-    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "gpu", "decoders", "all"])
-    b.add_argument("--out", default="results/bench", help="output directory (default: results/bench)")
-    b.add_argument("--quick", action="store_true", help="fewer samples (for a smoke run)")
-    b.add_argument("--distances", default=None, metavar="D,D,...",
-                   help="qec: code distances (default 5,7,11,17; --quick 5,7)")
-    b.add_argument("--transports", default=None, metavar="T,T,...", help="qec: transports (default shm,tcp,ucx,udp)")
-    b.add_argument("--trace", default=None, metavar="FILE.json",
-                   help="qec: write the native lock-step run's first 200 shots as a Chrome/Perfetto trace")
-    b.add_argument("--native-only", action="store_true",
-                   help="qec: only the native real-time rows and their goal table (skip the per-transport table)")
-    b.set_defaults(func=_cmd_bench)
-    bu = sub.add_parser("budget", help="the cross-domain budget table: QEC and KV figures on the same transports, "
-                                      "each against its own budget (measured and modeled apart); writes a plot")
-    bu.add_argument("--out", default="results/budget", help="output directory (default: results/budget)")
-    bu.add_argument("--transports", default="shm,tcp,ucx", help="comma-separated (default: shm,tcp,ucx)")
-    bu.add_argument("--quick", action="store_true", help="d=5 and Llama-3-8B only, fewer shots")
+
+    b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV",
+                       description="Measure figures beside their floors and peers; each writes JSON and CSV "
+                                   "with the host, load and CPU floor of the run.",
+                       examples="\n".join(e.split("\n")[0] for _, e in _BENCH.values()))
+    bsub = b.add_subparsers(dest="what", required=True, metavar="WHAT")
+    for name, (helptext, examples) in _BENCH.items():
+        bb = bsub.add_parser(name, help=helptext, description=helptext, examples=examples)
+        _add_common_measure(bb, out="results/bench", quick_help="fewer samples (a smoke run)")
+        if name == "transport":
+            bb.add_argument("--transports", action=ListAction, default=("shm", "tcp", "ucx"), metavar="T",
+                            check=lambda v, where: checks.list_of(
+                                lambda x, where: checks.transport(x, where=where,
+                                                                  choices=checks.ROUND_TRIP_TRANSPORTS),
+                                v, where=where),
+                            help=f"round-trip transports, of {','.join(checks.ROUND_TRIP_TRANSPORTS)}")
+        if name == "qec":
+            bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
+                            help="code distances, odd >= 3 (default 5,7,11,17; --quick 5,7)")
+            bb.add_argument("--transports", action=ListAction, default=None, metavar="T",
+                            check=lambda v, where: checks.list_of(
+                                lambda x, where: checks.transport(x, where=where,
+                                                                  choices=checks.ROUND_TRIP_TRANSPORTS),
+                                v, where=where),
+                            help=f"of {','.join(checks.ROUND_TRIP_TRANSPORTS)} (default shm,tcp,ucx,udp)")
+            bb.add_argument("--trace", default=None, metavar="FILE.json",
+                            help="write the native lock-step run's first 200 shots as a Chrome/Perfetto trace")
+            bb.add_argument("--native-only", action="store_true",
+                            help="only the native real-time rows and their goal table (skip the per-transport table)")
+        bb.set_defaults(func=_cmd_bench)
+
+    bu = sub.add_parser("budget", help="the cross-domain budget table and its plot",
+                        description="QEC and KV figures on the same transports, each against its own budget "
+                                    "(measured and modeled apart); writes a plot.",
+                        examples="qlink budget --quick\nqlink budget --transports shm,tcp")
+    _add_common_measure(bu, out="results/budget", quick_help="d=5 and Llama-3-8B only, fewer shots")
+    bu.add_argument("--transports", action=ListAction, default=("shm", "tcp", "ucx"), metavar="T",
+                    check=lambda v, where: checks.list_of(
+                        lambda x, where: checks.transport(x, where=where, choices=("shm", "tcp", "ucx")),
+                        v, where=where),
+                    help="transports, of shm,tcp,ucx")
     bu.set_defaults(func=_cmd_budget)
+
+    for name, full in (("doctor", True), ("info", False)):
+        d = sub.add_parser(name, help="versions, CPU, load, GPU, accelerators and optional stacks; what to install"
+                           if full else "which optional stacks are installed (qlink doctor says more)",
+                           examples=f"qlink {name}")
+        d.set_defaults(func=_cmd_info, doctor=full)
+
     sv = sub.add_parser("serve", help="serve the decoders of a CUDA-Q QEC multi_decoder_config (YAML/JSON) over a "
-                                      "qlink transport, measurement-level syndromes mapped through D_sparse")
+                                      "qlink transport, measurement-level syndromes mapped through D_sparse",
+                        examples="qlink serve --decoder-config decoders.yaml --url tcp://127.0.0.1:5000
+"
+                                 "qlink serve --stim memory.stim --write-config decoders.yaml")
     what = sv.add_mutually_exclusive_group(required=True)
     what.add_argument("--decoder-config", metavar="FILE", help="a CUDA-Q QEC multi_decoder_config file")
     what.add_argument("--stim", metavar="FILE.stim", help="a stim circuit: its decoder (id 0) takes the circuit's "
                       "measurement record, detectors as its DETECTOR instructions define them")
-    sv.add_argument("--decoder-type", default="pymatching", help="with --stim: the decoder type (default pymatching)")
+    sv.add_argument("--decoder-type", default="pymatching", help="with --stim: the decoder type")
     sv.add_argument("--write-config", metavar="OUT.yaml", help="with --stim: also write the multi_decoder_config, "
                     "so the same decoders can be configured in CUDA-Q")
-    sv.add_argument("--url", default="tcp://127.0.0.1:0", help="where to listen (default tcp://127.0.0.1:0; "
-                    "shm://NAME for shared memory)")
+    sv.add_argument("--url", default="tcp://127.0.0.1:0", help="where to listen (shm://NAME for shared memory)")
     sv.add_argument("--max-peers", type=int, default=1, help="controllers to serve one after another, then exit "
-                    "(0: until stopped; default 1)")
-    sv.add_argument("--capacity-shots", type=int, default=1024, help="each decoder's queue of shots (default 1024)")
+                    "(0: until stopped)")
+    sv.add_argument("--capacity-shots", type=int, default=1024, help="each decoder's queue of shots")
     sv.add_argument("--accept-timeout-s", type=float, default=300.0,
-                    help="how long to wait for the first controller (default 300)")
+                    help="how long to wait for the first controller")
     sv.set_defaults(func=_cmd_serve)
-    i = sub.add_parser("info", help="which optional stacks are installed")
-    i.set_defaults(func=_cmd_info)
+
     s = sub.add_parser("sweep", help="parameter sweeps on Dask into a resumable sinter CSV (qec, kv) or the "
-                                     "1-vs-2-worker timing (speedup)")
+                                     "1-vs-2-worker timing (speedup)",
+                       examples="qlink sweep qec --distances 3,5 --ps 0.001,0.002\n"
+                                "qlink sweep kv --tokens 512,4096 --transports shm,tcp")
     from .sweep._cli import add_arguments
 
     add_arguments(s)
     s.set_defaults(func=_cmd_sweep)
-    pp = sub.add_parser("paper", help="build the cross-domain latency paper's artifact: figures (PNG, PDF), tables "
-                                      "(CSV, LaTeX) and a manifest with hashes")
+
+    pp = sub.add_parser("paper", help="build the cross-domain latency paper: paper.pdf, figures (PNG, PDF), tables "
+                                      "(CSV, LaTeX) and a manifest with hashes",
+                        examples="qlink paper build --quick\nqlink paper build --profile test --out /tmp/paper")
     pp.add_argument("action", choices=["build"])
     pp.add_argument("--quick", action="store_true", help="smaller settings (a few minutes on 2 cores)")
     pp.add_argument("--profile", choices=["test", "quick", "full"], default=None,
                     help="settings by name (overrides --quick; default full, or quick with --quick)")
-    pp.add_argument("--out", default=None, help="output directory (default: papers/cross-domain-latency/build)")
-    pp.add_argument("--seed", type=int, default=1, help="seed of every scenario (default 1)")
+    pp.add_argument("--out", default=None, action=CheckedAction, check=_out,
+                    help="output directory (default: papers/cross-domain-latency/build)")
+    pp.add_argument("--seed", type=int, default=1, help="seed of every scenario")
     pp.set_defaults(func=_cmd_paper)
     return p
 
 
+# commands that start processes: they run under a supervisor that stops them cleanly (qlink._supervise)
+_SUPERVISED = {"run", "bench", "budget", "paper"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run ``qlink`` with ``argv``; returns the exit status."""
+    from .errors import ConfigError, MissingDependencyError
+
+    from ._supervise import WORKER_ENV, become_worker, supervise
+
+    args = build_parser().parse_args(argv)  # bad input: one line, exit 2, before anything starts
+    prog = f"qlink {args.cmd}"
+    if os.environ.get(WORKER_ENV):
+        become_worker()
+    elif argv is None and args.cmd in _SUPERVISED:
+        rc = supervise(sys.argv[1:], prog=prog)  # the command runs in a worker; Ctrl-C stops it cleanly
+        if rc >= 0:
+            return rc
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:  # a bad value found after parsing (a config file, a grid)
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except MissingDependencyError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback; QLINK_TRACEBACK=1 shows it
+        if os.environ.get("QLINK_TRACEBACK"):
+            raise
+        print(f"{prog}: failed: {type(e).__name__}: {e} (QLINK_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

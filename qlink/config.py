@@ -29,12 +29,13 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from . import checks
 from .errors import ConfigError
 
 __all__ = ["RunConfig", "load_run_config", "parse_run_config", "MAX_CONFIG_NBYTES"]
 
 MAX_CONFIG_NBYTES = 1 << 20  # a run configuration is a few lines; a larger file is refused unread
-_TRANSPORTS = ("shm", "tcp", "ucx", "udp", "inproc")
+_TRANSPORTS = checks.QEC_TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,9 @@ def _list_of(item_check, *, max_len: int = 64):
 
 def _one_of(choices):
     def check(where: str, v):
-        if not isinstance(v, str) or v not in choices:
+        if not isinstance(v, str):
             raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {_show(v)}")
-        return v
+        return checks.one_of(v, choices, what="value", where=where)  # names the nearest valid one
     return check
 
 
@@ -93,10 +94,9 @@ def _bool(where: str, v):
 
 
 def _odd_distance(where: str, v):
-    v = _int_in(3, 31)(where, v)
-    if v % 2 == 0:
-        raise ConfigError(f"{where} must be odd (a rotated surface code distance), got {v}")
-    return v
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{where} must be an integer, got {_show(v)}")
+    return checks.distance(v, where=where)  # the same rule as the command line and the scenarios
 
 
 def _presets():

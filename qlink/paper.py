@@ -8,7 +8,10 @@
 * ``data/`` — the raw reports behind the tables (JSON, the sinter CSV of the LER runs);
 * ``paper.md`` — ``papers/cross-domain-latency/paper.md`` with every
   ``<!-- table:NAME -->`` marker filled in from the tables of this build;
-* ``manifest.json`` — package versions, CPU and GPU model, git commit and a dirty
+* ``paper.pdf`` — that text typeset with its figures and tables by Typst (``paper.typ``
+  is its source), see :mod:`qlink._paper_pdf`;
+* ``manifest.json`` — package versions, CPU and GPU model, the run's conditions (load
+  before and after, CPU floor; :mod:`qlink.bench.conditions`), git commit and a dirty
   flag, seeds, the exact commands, wall times, the SHA-256 of every file written, and
   which tables depend on timing.
 
@@ -397,7 +400,7 @@ def _prepare(out: Path) -> None:
             raise ValueError(f"{out} is not empty and holds no earlier paper build; give a new or empty directory")
         for sub in ("figures", "tables", "data"):
             shutil.rmtree(out / sub, ignore_errors=True)
-        for f in ("manifest.json", "paper.md"):
+        for f in ("manifest.json", "paper.md", "paper.typ", "paper.pdf"):
             (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / _MARK_FILE).write_text("written by qlink paper build\n")
@@ -425,6 +428,9 @@ def build(*, out_dir=DEFAULT_OUT_DIR, quick: bool = False, seed: int = 1, profil
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     out = Path(out_dir).resolve()
     _prepare(out)
+    from .bench.conditions import begin as _begin_conditions
+
+    conditions = _begin_conditions(warn=say)
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     a = _Artifact(out, seed, say)
@@ -450,8 +456,19 @@ def build(*, out_dir=DEFAULT_OUT_DIR, quick: bool = False, seed: int = 1, profil
     wall_s = round(time.monotonic() - t0, 2)
     env_line = (f"Built with profile `{profile}`, seed {seed}, on {env['cpu_model']} ({env['num_cpus']} CPUs), "
                 f"GPU: {env['gpu_model']}; qlink commit `{env['git']['commit'][:12]}`"
-                f"{' (with local changes)' if env['git']['dirty'] else ''}; {wall_s:.0f} s.")
+                f"{' (with local changes)' if env['git']['dirty'] else ''}; {wall_s:.0f} s. "
+                f"{conditions.summary().replace('conditions: ', 'Conditions: ')}.")
     paper = _render_paper(a, env_line)
+    pdf, pdf_error = None, None
+    if paper is not None:
+        say("paper: typesetting paper.pdf (Typst)")
+        try:
+            from ._paper_pdf import build_pdf
+
+            pdf = build_pdf(paper, out / "paper.pdf")
+        except Exception as e:  # recorded in the manifest; the rest of the artifact stands
+            pdf_error = f"{type(e).__name__}: {e}"
+            say(f"  paper.pdf not written: {pdf_error}")
     invocation = command or (f"python -c 'import qlink.paper as p; p.build(out_dir={str(out)!r}, "
                              f"profile={profile!r}, seed={seed}, steps={list(steps)!r})'")
     timing = sorted(k for k, v in a.tables.items() if v["timing_dependent"])
@@ -464,8 +481,9 @@ def build(*, out_dir=DEFAULT_OUT_DIR, quick: bool = False, seed: int = 1, profil
         "commands": {"invocation": invocation, "argv": list(sys.argv),
                      "steps": {k: {"call": v.get("call"), "equivalent_cli": v.get("equivalent_cli")}
                                for k, v in records.items()}},
-        "steps": records, "environment": env,
+        "steps": records, "environment": env, "conditions": conditions.as_dict(),
         "tables": a.tables, "figures": a.figures, "paper": "paper.md" if paper else None,
+        "paper_pdf": "paper.pdf" if pdf else None, "paper_pdf_error": pdf_error,
         "deterministic_tables": sorted(k for k in a.tables if k not in timing),
         "timing_dependent_tables": timing,
         "files": {},
@@ -495,8 +513,16 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> int:
     print(f"  data      {out / 'data'}/")
     if man["paper"]:
         print(f"  paper     {out / man['paper']}")
+    if man.get("paper_pdf"):
+        print(f"  pdf       {out / man['paper_pdf']}")
+    elif man.get("paper_pdf_error"):
+        failed["paper.pdf"] = man["paper_pdf_error"]
     print(f"  manifest  {man_path}  (SHA-256 of {len(man['files'])} files; timing-dependent tables: "
           f"{', '.join(man['timing_dependent_tables']) or 'none'})")
+    c = man.get("conditions") or {}
+    if c:
+        print(f"  conditions load {c['load_before'][0]:.2f} at start, {c['load_after'][0]:.2f} at the end; CPU floor "
+              f"{c['cpu_floor_pct']} %{' (BUSY: timing figures not comparable with an idle host)' if c['busy'] else ''}")
     for k, e in failed.items():
         print(f"  step {k} FAILED: {e}")
     return 1 if failed else 0

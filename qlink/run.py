@@ -52,9 +52,16 @@ def print_cross_domain_tables(rows: list[dict], *, notes: list[str] = ()) -> Non
         print(f"  note: {n}")
 
 
-def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[str], None] = print) -> int:
+def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[str], None] = print,
+             failures: list[str] | None = None, keep_going: bool = True) -> int:
     """Run the main job with ``config`` (a :class:`qlink.config.RunConfig`; default: the
-    full settings, or the quick ones with ``quick=True``)."""
+    full settings, or the quick ones with ``quick=True``).
+
+    Each measurement that fails is appended to ``failures`` (when given); with
+    ``keep_going=False`` the job stops after step 2 when one did (the table and its files
+    are still written), and skips the scenarios.
+    """
+    failures = [] if failures is None else failures
     from .config import RunConfig
     from .crossdomain import plot_cross_domain, run_cross_domain
 
@@ -74,6 +81,11 @@ def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[
     write_results(res.kv, out_dir=out_dir, name="kv_transfer")
     png = plot_cross_domain(rows, out_dir / "cross_domain.png")
     print_cross_domain_tables(rows, notes=res.notes)
+    # "not measured (Error: ...)" is a measurement that failed; a size skipped on purpose says why
+    failures.extend(n for n in res.notes if "not measured (" in n)
+    if failures and not keep_going:
+        say(f"stopping: {len(failures)} measurement(s) failed (--keep-going runs the scenarios anyway)")
+        return 1
     say("step 3/3: scenarios (quick): real-time QEC loop, disaggregated KV serving"
         if cfg.scenarios else "step 3/3: scenarios skipped ([run] scenarios = false)")
     steps = (("realtime_loop", ["--quick", "--transport", "shm", "--out", str(out_dir / "realtime_loop")]),
@@ -84,10 +96,18 @@ def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[
             say(f"  {name}: scenarios/ not found next to the package; skipped")
             continue
         try:
-            mod.main(args)
+            rc = mod.main(args)
+            if rc:
+                raise RuntimeError(f"exit status {rc}")
         except Exception as e:  # the table above stands on its own
             say(f"  {name}: failed: {type(e).__name__}: {e}")
+            failures.append(f"scenario {name}: {type(e).__name__}: {e}")
+            if not keep_going:
+                break
+    from .bench.conditions import current
+
     summary = {"seconds": round(time.monotonic() - t0, 1), "cross_domain_png": str(png),
+               "conditions": current().as_dict(), "failures": list(failures),
                "files": sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())}
     (out_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
     say(f"done in {summary['seconds']} s; plots and tables under {out_dir}/")

@@ -19,7 +19,6 @@ decoders' queue over time at the largest N) into ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -85,9 +84,15 @@ def run(*, out: str | Path | None = "results/fabric_scale", quick: bool = False,
     from qlink.fabric import FabricConfig, simulate
     from qlink.links import link
 
+    from qlink import checks
+
     preset = QUICK if quick else FULL
-    rounds = int(rounds or distance)
-    shots = int(shots or preset["shots"])
+    # None means "the default" (rounds: the distance); 0 is refused, never taken for it
+    distance = checks.distance(distance, where="distance")
+    rounds = checks.count(distance if rounds is None else rounds, where="rounds")
+    shots = checks.count(preset["shots"] if shots is None else shots, where="shots")
+    p = checks.probability(p, where="p")
+    decoder = checks.decoder(decoder, where="decoder")
     svc = _load_service(service, distance=distance, rounds=rounds, p=p, decoder=decoder,
                         repeats=preset["repeats"], seed=seed)
     validation = None
@@ -201,37 +206,64 @@ def _summary(rows: list[dict]) -> str:
     return format_table(table, columns=_SUMMARY_COLUMNS)
 
 
+def _decoder_spec(value, *, where):
+    from qlink import checks
+
+    try:
+        decoders_for(value, 1)
+    except ValueError as e:
+        raise checks.UsageError(f"{where}: {e}") from None
+    return str(value).strip()
+
+
+def _fabric(value, *, where):
+    from qlink import checks
+    from qlink.links import LINKS
+
+    return checks.one_of(value, tuple(LINKS), what="link", where=where)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/fabric_scale", help="output directory (CSV, JSON, PNGs)")
+    from qlink import checks
+    from qlink._argparse import CheckedAction, ListAction, Parser
+
+    def checked(check, **kw):
+        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
+
+    def listed(check):
+        return dict(action=ListAction, check=lambda v, where: checks.list_of(check, v, where=where))
+
+    ap = Parser(description=__doc__.split("\n\n")[0],
+                examples="python scenarios/fabric_scale.py --quick\n"
+                         "python scenarios/fabric_scale.py --fabrics nvqlink,ib-ndr --controllers 10,100 --decoders N/4")
+    ap.add_argument("--out", default="results/fabric_scale", help="output directory (CSV, JSON, PNGs)",
+                    **checked(checks.out_dir))
     ap.add_argument("--quick", action="store_true", help=f"{QUICK['shots']} shots per controller (< 1 min)")
-    ap.add_argument("--fabrics", default=",".join(FABRICS), help="comma-separated link names from qlink.links")
-    ap.add_argument("--controllers", default=",".join(map(str, CONTROLLERS)), help="comma-separated N values")
-    ap.add_argument("--decoders", default=",".join(DECODERS),
-                    help="comma-separated decoder counts: a number (a fixed pool) or N/k (one per k qubits)")
-    ap.add_argument("--distance", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=None, help="QEC rounds per shot (default: the distance)")
-    ap.add_argument("--p", type=float, default=0.001)
-    ap.add_argument("--cycle-ns", type=float, default=1100.0)
-    ap.add_argument("--rounds-per-frame", type=int, default=1, help="rounds per frame (0: the whole shot)")
-    ap.add_argument("--batch-size", type=int, default=256, help="most shots one decoder call takes")
-    ap.add_argument("--shots", type=int, default=None, help="shots per controller")
-    ap.add_argument("--decoder", default="pymatching")
-    ap.add_argument("--service-json", default=None, help="decode-time table from an earlier run (service_times.json)")
+    ap.add_argument("--fabrics", default=FABRICS, metavar="LINK", help="link names from qlink.links",
+                    **listed(_fabric))
+    ap.add_argument("--controllers", default=CONTROLLERS, metavar="N", help="controller counts", **listed(checks.count))
+    ap.add_argument("--decoders", default=DECODERS, metavar="SPEC",
+                    help="decoder counts: a number (a fixed pool) or N/k (one per k qubits)", **listed(_decoder_spec))
+    ap.add_argument("--distance", default=5, help="code distance, odd >= 3", **checked(checks.distance))
+    ap.add_argument("--rounds", default=None, help="QEC rounds per shot (default: the distance)",
+                    **checked(checks.count))
+    ap.add_argument("--p", default=0.001, help="physical error rate, in (0, 0.5)", **checked(checks.probability))
+    ap.add_argument("--cycle-ns", default=1100.0, help="syndrome cycle", **checked(checks.number, lo=0, lo_open=True))
+    ap.add_argument("--rounds-per-frame", default=1, help="rounds per frame (0: the whole shot)",
+                    **checked(checks.non_negative))
+    ap.add_argument("--batch-size", default=256, help="most shots one decoder call takes", **checked(checks.count))
+    ap.add_argument("--shots", default=None, help=f"shots per controller (default {FULL['shots']})",
+                    **checked(checks.count))
+    ap.add_argument("--decoder", default="pymatching", help="a decoder of qlink.qec.decoders.BUILT_IN_DECODERS",
+                    **checked(checks.decoder))
+    ap.add_argument("--service-json", default=None, help="decode-time table from an earlier run (service_times.json)",
+                    **checked(checks.in_file))
     ap.add_argument("--phase", default="random", choices=("random", "cycle", "aligned"),
                     help="controllers' clocks: independent (random), skewed within one cycle, or in step")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-validate", action="store_true", help="skip the check against the real loop")
     args = ap.parse_args(argv)
-    from qlink.links import link
-
-    fabrics = [s.strip() for s in args.fabrics.split(",") if s.strip()]
-    for f in fabrics:
-        link(f)  # unknown names fail here, listing the known ones
-    controllers = [int(s) for s in args.controllers.split(",") if s.strip()]
-    decoders = [s.strip() for s in args.decoders.split(",") if s.strip()]
-    for spec in decoders:
-        decoders_for(spec, 1)
+    fabrics, controllers, decoders = list(args.fabrics), list(args.controllers), list(args.decoders)
     rep = run(out=args.out, quick=args.quick, fabrics=fabrics, controllers=controllers, decoders=decoders,
               distance=args.distance, rounds=args.rounds, p=args.p, cycle_ns=args.cycle_ns,
               rounds_per_frame=args.rounds_per_frame, batch_size=args.batch_size, shots=args.shots,
@@ -252,4 +284,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qlink._argparse import run_main
+
+    sys.exit(run_main(main))

@@ -39,7 +39,6 @@ labeled *modeled*, the exposed time the same layer schedule would leave over NVL
 
 from __future__ import annotations
 
-import argparse
 import collections
 import csv
 import os
@@ -215,7 +214,14 @@ def run(*, transport: str = "shm", num_requests: int | None = None, seed: int = 
     from qlink.budget import BUDGETS
     from qlink.links import LINKS
 
+    from qlink import checks
+    from qlink.ai import PRESETS
+
     mfu = _check_mfu(mfu)
+    transport = _kv_transport(transport, where="transport")
+    preset = checks.one_of(preset, tuple(PRESETS), what="KV preset", where="preset")
+    if num_requests is not None:
+        num_requests = checks.count(num_requests, where="num_requests")
     cfg = dict(QUICK if quick else FULL)
     for k, v in (("num_requests", num_requests), ("prompt_median_tokens", prompt_median_tokens),
                  ("max_prompt_tokens", max_prompt_tokens), ("rate_per_s", rate_per_s), ("pool_tokens", pool_tokens)):
@@ -410,20 +416,41 @@ def _summary(rows: list[dict]) -> str:
             f"within SLO {np.mean(t <= 250):.0%}; every block verified: {ok}")
 
 
+def _kv_transport(value, *, where: str) -> str:
+    """shm, tcp, ucx, nixl or a URL of a transport that crosses processes (UsageError otherwise)."""
+    from qlink import checks
+
+    if value == "inproc" or str(value).startswith("inproc://"):
+        raise checks.UsageError(f"{where}: transport 'inproc' cannot cross processes; use shm, tcp, ucx or nixl")
+    return checks.transport(value, where=where, choices=checks.KV_TRANSPORTS, urls=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transport", default="shm", help="shm, tcp, ucx, nixl, or a full URL (default: shm)")
-    p.add_argument("--num-requests", type=int, default=None, help="requests in the stream (quick: 16, full: 200)")
-    p.add_argument("--out", default="results/kv_disagg", help="output directory for the CSV and the plot")
+    from qlink import checks
+    from qlink._argparse import CheckedAction, Parser
+    from qlink.ai import PRESETS
+
+    def checked(check, **kw):
+        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
+
+    p = Parser(description=__doc__.split("\n\n")[0],
+               examples="python scenarios/kv_disagg.py --quick\n"
+                        "python scenarios/kv_disagg.py --transport tcp --preset llama-3-70b --num-requests 50")
+    p.add_argument("--transport", default="shm", help="shm, tcp, ucx, nixl, or a full URL",
+                   **checked(_kv_transport))
+    p.add_argument("--num-requests", default=None, help="requests in the stream (quick: 16, full: 200)",
+                   **checked(checks.count))
+    p.add_argument("--out", default="results/kv_disagg", help="output directory for the CSV and the plot",
+                   **checked(checks.out_dir))
     p.add_argument("--seed", type=int, default=0, help="seed of the request stream and the caches")
     p.add_argument("--quick", action="store_true", help="small settings (well under a minute)")
-    p.add_argument("--preset", default="llama-3-8b", help="KV layout preset (llama-3-8b, llama-3-70b, tiny)")
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                   help=f"prefill model FLOPs utilization to assume for the modeled H100 (default {DEFAULT_MFU}, "
-                        "an assumption; recorded in the CSV and the plot)")
+    p.add_argument("--preset", default="llama-3-8b", help=f"KV layout preset, of {', '.join(PRESETS)}",
+                   **checked(checks.one_of, choices=tuple(PRESETS), what="KV preset"))
+    p.add_argument("--mfu", default=DEFAULT_MFU,
+                   help="prefill model FLOPs utilization to assume for the modeled H100, in (0, 1] (an assumption; "
+                        "recorded in the CSV and the plot)",
+                   **checked(checks.number, lo=0, hi=1, lo_open=True))
     args = p.parse_args(argv)
-    if not 0 < args.mfu <= 1:
-        p.error(f"--mfu must be in (0, 1], got {args.mfu}")
     rows = run(transport=args.transport, num_requests=args.num_requests, seed=args.seed, quick=args.quick,
                out_dir=args.out, preset=args.preset, mfu=args.mfu)
     print(_summary(rows))
@@ -432,5 +459,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from qlink._argparse import run_main
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    sys.exit(run_main(main))

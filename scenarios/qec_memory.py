@@ -17,7 +17,6 @@ skips the tasks the CSV already holds.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import math
@@ -71,10 +70,16 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/qec_memory"
     from qlink.qec.decoders import compile_decoder
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
 
+    from qlink import checks
+
     preset = QUICK if quick else FULL
-    distances = tuple(distances or preset["distances"])
-    ps = tuple(ps or preset["ps"])
-    num_shots = int(num_shots or preset["num_shots"])
+    # None means "the preset's"; an empty list or 0 is refused, never taken for the default
+    distances = checks.distances(preset["distances"] if distances is None else distances, where="distances")
+    ps = checks.list_of(checks.probability, preset["ps"] if ps is None else ps, where="ps")
+    num_shots = checks.count(preset["num_shots"] if num_shots is None else num_shots, where="num_shots")
+    decoder = checks.decoder(decoder, where="decoder")
+    transport = checks.transport(transport, where="transport", urls=True)
+    rounds_per_frame = checks.non_negative(rounds_per_frame, where="rounds_per_frame")
     csv_path = None
     done: dict = {}
     if out is not None:
@@ -193,16 +198,32 @@ def plot_threshold(rows: list[dict], path, *, transport: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--transport", default="shm", help="shm, tcp, ucx, inproc or a URL (default shm)")
-    ap.add_argument("--out", default="results/qec_memory", help="output directory (CSV + PNG)")
+    from qlink import checks
+    from qlink._argparse import CheckedAction, ListAction, Parser
+
+    def checked(check, **kw):
+        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
+
+    ap = Parser(description=__doc__.split("\n\n")[0],
+                examples="python scenarios/qec_memory.py --quick\n"
+                         "python scenarios/qec_memory.py --distances 3,5,7 --ps 0.002,0.005 --shots 5000")
+    ap.add_argument("--transport", default="shm", help="shm, tcp, ucx, udp, inproc or a URL",
+                    **checked(checks.transport, urls=True))
+    ap.add_argument("--out", default="results/qec_memory", help="output directory (CSV + PNG)",
+                    **checked(checks.out_dir))
     ap.add_argument("--quick", action="store_true", help="d=3,5 and three p values, 2000 shots (< 1 min)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--shots", type=int, default=None, help="shots per task")
-    ap.add_argument("--distances", type=int, nargs="+", default=None)
-    ap.add_argument("--ps", type=float, nargs="+", default=None)
-    ap.add_argument("--decoder", default="pymatching")
-    ap.add_argument("--rounds-per-frame", type=int, default=0, help="rounds per frame (0: a whole shot)")
+    ap.add_argument("--shots", default=None, help=f"shots per task (default {FULL['num_shots']})",
+                    **checked(checks.count))
+    ap.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
+                    help=f"odd distances >= 3, '3,5' or '3 5' (default {','.join(map(str, FULL['distances']))})")
+    ap.add_argument("--ps", action=ListAction, metavar="P", default=None,
+                    check=lambda v, where: checks.list_of(checks.probability, v, where=where),
+                    help=f"physical error rates in (0, 0.5) (default {','.join(map(str, FULL['ps']))})")
+    ap.add_argument("--decoder", default="pymatching", help="a decoder of qlink.qec.decoders.BUILT_IN_DECODERS",
+                    **checked(checks.decoder))
+    ap.add_argument("--rounds-per-frame", default=0, help="rounds per frame (0: a whole shot)",
+                    **checked(checks.non_negative))
     args = ap.parse_args(argv)
     rows = run(transport=args.transport, out=args.out, distances=args.distances, ps=args.ps, num_shots=args.shots,
                seed=args.seed, decoder=args.decoder, quick=args.quick, rounds_per_frame=args.rounds_per_frame)
@@ -213,4 +234,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qlink._argparse import run_main
+
+    sys.exit(run_main(main))

@@ -21,7 +21,6 @@ separately as *modeled*.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -76,10 +75,17 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
     """
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
 
+    from qlink import checks
+
     preset = QUICK if quick else FULL
-    distance = int(distance or preset["distance"])
-    rounds = int(rounds or preset["rounds"])
-    num_shots = int(num_shots or preset["num_shots"])
+    # None means "the preset's"; 0 is refused, never taken for the default
+    distance = checks.distance(preset["distance"] if distance is None else distance, where="distance")
+    rounds = checks.count(preset["rounds"] if rounds is None else rounds, where="rounds")
+    num_shots = checks.count(preset["num_shots"] if num_shots is None else num_shots, where="num_shots")
+    p = checks.probability(p, where="p")
+    decoder = checks.decoder(decoder, where="decoder")
+    if service_url is None:
+        transport = checks.transport(transport, where="transport", urls=True)
     spec = source_spec(distance=distance, rounds=rounds, p=p)
     stream = sample_stream(build_source(spec), num_shots=num_shots, seed=seed)
     modes = [("streaming", None)] + ([("feed_forward", deadline_ns)] if feed_forward and service_url is None else [])
@@ -118,8 +124,10 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
+        from qlink.bench.conditions import current
+
         with open(out / "realtime_loop.json", "w") as f:
-            json.dump(report, f, indent=1, default=float)
+            json.dump({**report, "conditions": current().as_dict()}, f, indent=1, default=float)
         _plots(results, report, out)
     report["results"] = results
     return report
@@ -179,29 +187,47 @@ def _plots(results: dict, report: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--transport", default="shm", help="shm, tcp, ucx, inproc or a URL (default shm)")
-    ap.add_argument("--out", default="results/realtime_loop", help="output directory (JSON + PNGs)")
-    ap.add_argument("--quick", action="store_true", help="2000 shots (< 1 min)")
+    from qlink import checks
+    from qlink._argparse import CheckedAction, Parser
+
+    def checked(check, **kw):
+        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
+
+    ap = Parser(description=__doc__.split("\n\n")[0],
+                examples="python scenarios/realtime_loop.py --quick\n"
+                         "python scenarios/realtime_loop.py --transport tcp --distance 7 --shots 5000")
+    ap.add_argument("--transport", default="shm", help="shm, tcp, ucx, udp, inproc or a URL",
+                    **checked(checks.transport, urls=True))
+    ap.add_argument("--out", default="results/realtime_loop", help="output directory (JSON + PNGs)",
+                    **checked(checks.out_dir))
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK['num_shots']} shots (< 1 min)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--distance", type=int, default=None)
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per shot")
-    ap.add_argument("--p", type=float, default=0.001)
-    ap.add_argument("--shots", type=int, default=None)
-    ap.add_argument("--cycle-ns", type=int, default=1100)
-    ap.add_argument("--rounds-per-frame", type=int, default=0, help="rounds per frame (0: the whole shot)")
-    ap.add_argument("--shots-per-frame", type=int, default=1,
+    ap.add_argument("--distance", default=None, help=f"code distance, odd >= 3 (default {FULL['distance']})",
+                    **checked(checks.distance))
+    ap.add_argument("--rounds", default=None, help=f"rounds per shot (default {FULL['rounds']})",
+                    **checked(checks.count))
+    ap.add_argument("--p", default=0.001, help="physical error rate, in (0, 0.5)", **checked(checks.probability))
+    ap.add_argument("--shots", default=None, help=f"shots (default {FULL['num_shots']}; --quick {QUICK['num_shots']})",
+                    **checked(checks.count))
+    ap.add_argument("--decoder", default="pymatching", help="a decoder of qlink.qec.decoders.BUILT_IN_DECODERS",
+                    **checked(checks.decoder))
+    ap.add_argument("--cycle-ns", default=1100, help="syndrome cycle", **checked(checks.count))
+    ap.add_argument("--rounds-per-frame", default=0, help="rounds per frame (0: the whole shot)",
+                    **checked(checks.non_negative))
+    ap.add_argument("--shots-per-frame", default=1, **checked(checks.count),
                     help="whole shots per frame and per answer (throughput for reaction time)")
-    ap.add_argument("--deadline-us", type=float, default=DEFAULT_DEADLINE_NS / 1e3)
+    ap.add_argument("--deadline-us", default=DEFAULT_DEADLINE_NS / 1e3, help="feed-forward deadline",
+                    **checked(checks.number, lo=0, lo_open=True))
     ap.add_argument("--no-feed-forward", action="store_true", help="only the streaming loop")
     ap.add_argument("--service-url", default=None,
                     help="drive a decoder server already running there (any CUDA-Q realtime RPC server, "
-                         "e.g. udp://host:port) instead of starting qlink's; streaming loop only")
+                         "e.g. udp://host:port) instead of starting qlink's; streaming loop only",
+                    **checked(checks.transport, choices=(), urls=True))
     args = ap.parse_args(argv)
     rep = run(transport=args.transport, out=args.out, distance=args.distance, rounds=args.rounds, p=args.p,
               num_shots=args.shots, cycle_ns=args.cycle_ns, rounds_per_frame=args.rounds_per_frame,
               shots_per_frame=args.shots_per_frame,
-              deadline_ns=int(args.deadline_us * 1e3), seed=args.seed, quick=args.quick,
+              deadline_ns=int(args.deadline_us * 1e3), seed=args.seed, quick=args.quick, decoder=args.decoder,
               feed_forward=not args.no_feed_forward, service_url=args.service_url)
     for name, s in rep["modes"].items():
         print(f"[{name}] reaction p50 {s['reaction_p50_us']:.1f} us, p99 {s['reaction_p99_us']:.1f} us, "
@@ -215,4 +241,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qlink._argparse import run_main
+
+    sys.exit(run_main(main))

@@ -147,3 +147,42 @@ def test_cli_parser_has_paper_build():
     assert (args.action, args.quick, args.seed, args.out, args.profile) == ("build", True, 5, "x", None)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["paper", "publish"])
+
+
+def _pdf_text(path: Path) -> str:
+    pypdf = pytest.importorskip("pypdf")
+    return "\n".join(p.extract_text() for p in pypdf.PdfReader(str(path)).pages)
+
+
+@pytest.mark.timeout(300)
+def test_the_build_writes_a_pdf_holding_its_own_numbers(first_build):
+    out, proc = first_build
+    pytest.importorskip("typst")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["paper_pdf"] == "paper.pdf" and man["paper_pdf_error"] is None
+    assert "paper.pdf" in man["files"] and paper.verify(out / "manifest.json") == []
+    assert (out / "paper.pdf").read_bytes()[:5] == b"%PDF-"
+    assert f"pdf       {out / 'paper.pdf'}" in proc.stdout
+    text = " ".join(_pdf_text(out / "paper.pdf").split())
+    assert "One interconnect, two budgets" in text
+    # numbers of this build's tables, as the paper's tables print them (4 significant digits; 1.016e+05 set as
+    # 101,600, and a tiny or huge one as m x 10^e, whose mantissa is what the text shows)
+    import csv
+
+    from qlink._paper_pdf import _cell
+    from qlink._paper_tables import _text
+
+    def as_shown(v: float) -> str:
+        s = _text(v, "{:.4g}")
+        c = _cell(s)
+        return s.split("e")[0].lstrip("-") if c.startswith("$") else c
+
+    with open(out / "tables" / "budgets.csv") as f:
+        limits = [as_shown(float(r["limit_us"])) for r in csv.DictReader(f)]
+    assert limits and [v for v in limits if v not in text] == []
+    with open(out / "tables" / "headline.csv") as f:
+        shown = [as_shown(float(r["value"])) for r in csv.DictReader(f) if r["value"] not in ("", "nan")]
+    assert shown and [v for v in shown if v not in text] == []
+    # the conditions of the run are stated in the PDF and the manifest
+    assert "CPU floor" in text
+    assert man["conditions"]["cpu_floor_pct"] is not None and len(man["conditions"]["load_after"]) == 3

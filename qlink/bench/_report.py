@@ -75,21 +75,35 @@ def environment() -> dict:
     }
 
 
-def write_results(rows: list[dict], *, out_dir, name: str, meta: dict | None = None) -> tuple[Path, Path]:
-    """Write ``<out_dir>/<name>.json`` (rows + environment + meta) and ``<name>.csv``."""
+def write_results(rows: list[dict], *, out_dir, name: str, meta: dict | None = None,
+                  conditions=None) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<name>.json`` (rows + environment + conditions + meta) and ``<name>.csv``.
+
+    ``conditions`` (a :class:`qlink.bench.conditions.RunConditions`; default: the current
+    run's, measured now if no command began one) goes into the JSON as ``conditions`` and
+    into every CSV row as the ``host_cpu``, ``host_cpus``, ``load_before_1m``,
+    ``load_after_1m``, ``cpu_floor_pct`` and ``run_busy`` columns (after the row's own).
+    """
+    from .conditions import current, load_average
+
+    cond = conditions if conditions is not None else current()
+    after = load_average()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath, cpath = out / f"{name}.json", out / f"{name}.csv"
     with open(jpath, "w") as f:
-        json.dump({"name": name, "environment": environment(), "meta": meta or {}, "rows": rows}, f, indent=2, default=str)
+        json.dump({"name": name, "environment": environment(), "conditions": cond.as_dict(load_after=after),
+                   "meta": meta or {}, "rows": rows}, f, indent=2, default=str)
+    extra = cond.csv_columns(load_after=after)
     columns: list[str] = []
     for r in rows:
         for k in r:
             if k not in columns:
                 columns.append(k)
+    columns += [k for k in extra if k not in columns]
     with open(cpath, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
-            w.writerow(r)
+            w.writerow({**extra, **r})
     return jpath, cpath

@@ -1,8 +1,8 @@
 """``qlink sweep qec|kv|speedup``: the sweep command line.
 
->>> import argparse
->>> p = argparse.ArgumentParser(); add_arguments(p)
->>> a = p.parse_args(["qec", "--distances", "3,5", "--ps", "0.001,0.002", "--transports", "offline,tcp"])
+>>> from qlink._argparse import Parser
+>>> p = Parser(prog="qlink sweep"); add_arguments(p)
+>>> a = p.parse_args(["qec", "--distances", "3,5", "--ps", "0.001", "0.002", "--transports", "offline,tcp"])
 >>> a.distances, a.ps, a.transports, a.csv
 ((3, 5), (0.001, 0.002), ('offline', 'tcp'), None)
 """
@@ -16,51 +16,87 @@ from typing import Callable
 __all__ = ["add_arguments", "run_from_cli"]
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _qec_transport(value, *, where):
+    from qlink import checks
+
+    from ._grid import QEC_TRANSPORTS
+
+    return checks.one_of(value, QEC_TRANSPORTS, what="transport", where=where)
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+def _kv_transport(value, *, where):
+    from qlink import checks
+
+    from ._grid import KV_TRANSPORTS
+
+    return checks.one_of(value, KV_TRANSPORTS, what="transport", where=where)
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+def _preset(value, *, where):
+    from qlink import checks
+    from qlink.ai import PRESETS
+
+    return checks.one_of(value, tuple(PRESETS), what="KV preset", where=where)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add the ``sweep`` arguments to ``p``."""
-    p.add_argument("what", choices=["qec", "kv", "speedup"],
-                   help="qec: distance x p x decoder x transport; kv: prompt tokens x transport; "
-                        "speedup: time one CPU-bound grid on 1 and 2 workers")
+def _list(check):
+    from qlink import checks
+
+    return lambda v, where: checks.list_of(check, v, where=where)
+
+
+def _common(p) -> None:
+    from qlink import checks
+    from qlink._argparse import CheckedAction
+
     p.add_argument("--csv", default=None, help="sinter CSV to append to and resume from "
                                                "(default: results/sweep/<what>.csv)")
     p.add_argument("--scheduler", default=None, help="Dask scheduler address (default: start a LocalCluster)")
-    p.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes (default: 2)")
-    p.add_argument("--max-chunks", type=int, default=None, help="stop after this many chunks (resume later)")
+    p.add_argument("--workers", default=2, action=CheckedAction, check=checks.count,
+                   help="LocalCluster worker processes")
+    p.add_argument("--max-chunks", default=None, action=CheckedAction, check=checks.count,
+                   help="stop after this many chunks (resume later)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    q = p.add_argument_group("qec")
-    q.add_argument("--distances", type=_ints, default=(3, 5))
-    q.add_argument("--ps", type=_floats, default=(0.001, 0.002, 0.004))
-    q.add_argument("--decoders", type=_names, default=("pymatching",))
-    q.add_argument("--transports", type=_names, default=None,
-                   help="qec: offline and/or shm,tcp,ucx,inproc (default offline); kv: shm,tcp,ucx,inproc,nixl "
-                        "(default shm,tcp)")
-    q.add_argument("--rounds", type=int, default=None, help="rounds per shot (default: the distance)")
-    q.add_argument("--shots", type=int, default=10_000, help="shots per grid point (whole chunks)")
-    q.add_argument("--chunk-shots", type=int, default=1_000)
-    k = p.add_argument_group("kv")
-    k.add_argument("--tokens", type=_ints, default=(512, 4096))
-    k.add_argument("--preset", default="llama-3-8b")
-    k.add_argument("--transfers", type=int, default=20, help="transfers per grid point")
-    k.add_argument("--chunk-transfers", type=int, default=5)
-    k.add_argument("--budget-ms", type=float, default=30.0, help="a transfer slower than this counts as an error")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``sweep`` subcommands (``qec``, ``kv``, ``speedup``) and their options to ``p``.
+
+    Each subcommand takes only its own options; lists are written ``3,5`` or ``3 5``.
+    """
+    from qlink import checks
+    from qlink._argparse import CheckedAction, ListAction
+
+    sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    q = sub.add_parser("qec", help="distance x p x decoder x transport")
+    _common(q)
+    q.add_argument("--distances", action=ListAction, check=checks.distances, default=(3, 5), metavar="D")
+    q.add_argument("--ps", action=ListAction, check=_list(checks.probability), default=(0.001, 0.002, 0.004),
+                   metavar="P", help="physical error rates, each in (0, 0.5)")
+    q.add_argument("--decoders", action=ListAction, check=_list(checks.decoder), default=("pymatching",),
+                   metavar="NAME", help="decoders of qlink.qec.decoders.BUILT_IN_DECODERS")
+    q.add_argument("--transports", action=ListAction, check=_list(_qec_transport), default=("offline",),
+                   metavar="T", help="offline and/or shm,tcp,ucx,inproc")
+    q.add_argument("--rounds", default=None, action=CheckedAction, check=checks.count,
+                   help="rounds per shot (default: the distance)")
+    q.add_argument("--shots", default=10_000, action=CheckedAction, check=checks.count,
+                   help="shots per grid point (whole chunks)")
+    q.add_argument("--chunk-shots", default=1_000, action=CheckedAction, check=checks.count)
+    k = sub.add_parser("kv", help="prompt tokens x transport")
+    _common(k)
+    k.add_argument("--tokens", action=ListAction, check=_list(checks.count), default=(512, 4096), metavar="N")
+    k.add_argument("--transports", action=ListAction, check=_list(_kv_transport), default=("shm", "tcp"),
+                   metavar="T", help="of shm,tcp,ucx,inproc,nixl")
+    k.add_argument("--preset", default="llama-3-8b", action=CheckedAction, check=_preset,
+                   help="KV layout preset of qlink.ai.PRESETS")
+    k.add_argument("--transfers", default=20, action=CheckedAction, check=checks.count,
+                   help="transfers per grid point")
+    k.add_argument("--chunk-transfers", default=5, action=CheckedAction, check=checks.count)
+    k.add_argument("--budget-ms", default=30.0, action=CheckedAction,
+                   check=lambda v, where: checks.number(v, where=where, lo=0, lo_open=True),
+                   help="a transfer slower than this counts as an error")
+    sp = sub.add_parser("speedup", help="time one CPU-bound grid on 1 and 2 workers")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_from_cli(args, *, say: Callable[[str], None] = print) -> int:
@@ -74,10 +110,10 @@ def run_from_cli(args, *, say: Callable[[str], None] = print) -> int:
         return 0
     if args.what == "qec":
         grid = QecGrid(distances=args.distances, ps=args.ps, decoders=args.decoders,
-                       transports=args.transports or ("offline",), rounds=args.rounds, num_shots=args.shots,
+                       transports=args.transports, rounds=args.rounds, num_shots=args.shots,
                        chunk_shots=args.chunk_shots)
     else:
-        grid = KvGrid(tokens=args.tokens, transports=args.transports or ("shm", "tcp"), preset=args.preset,
+        grid = KvGrid(tokens=args.tokens, transports=args.transports, preset=args.preset,
                       num_transfers=args.transfers, chunk_transfers=args.chunk_transfers, budget_ms=args.budget_ms)
     csv_path = args.csv or f"results/sweep/{args.what}.csv"
     res = run_sweep(grid, csv_path=csv_path, scheduler=args.scheduler, num_workers=args.workers,

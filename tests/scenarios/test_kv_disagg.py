@@ -58,11 +58,14 @@ def test_prefill_cost_and_modeled_exposure():
     assert slow > 7 * LINKS["ib-ndr"].transfer_time_ns(1 << 20) - 8e3
 
 
-def test_the_cli_takes_mfu_and_refuses_one_outside_0_1():
+def test_the_cli_takes_mfu_and_refuses_one_outside_0_1(capsys):
     with pytest.raises(SystemExit):
-        kv_disagg.main(["--mfu", "0", "--transport", "inproc"])
-    with pytest.raises(ValueError, match="cannot cross processes"):  # --mfu parsed and passed on, then refused
+        kv_disagg.main(["--mfu", "0", "--transport", "shm"])
+    assert "--mfu must be a number in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --mfu parsed, then the transport refused before anything runs
         kv_disagg.main(["--mfu", "0.4", "--transport", "inproc"])
+    err = capsys.readouterr().err
+    assert "cannot cross processes" in err and "--mfu" not in err
 
 
 def test_inproc_is_refused():
