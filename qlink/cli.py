@@ -330,8 +330,7 @@ def build_parser() -> Parser:
 
     sv = sub.add_parser("serve", help="serve the decoders of a CUDA-Q QEC multi_decoder_config (YAML/JSON) over a "
                                       "qlink transport, measurement-level syndromes mapped through D_sparse",
-                        examples="qlink serve --decoder-config decoders.yaml --url tcp://127.0.0.1:5000
-"
+                        examples="qlink serve --decoder-config decoders.yaml --url tcp://127.0.0.1:5000\n"
                                  "qlink serve --stim memory.stim --write-config decoders.yaml")
     what = sv.add_mutually_exclusive_group(required=True)
     what.add_argument("--decoder-config", metavar="FILE", help="a CUDA-Q QEC multi_decoder_config file")
