@@ -31,6 +31,9 @@ decode engine through ``SamplingParams(extra_args={"kv_transfer_params": …})``
   ``get_block_ids_with_load_errors``; vLLM's ``kv_load_failure_policy`` then recomputes
   the request (``"recompute"``) or fails it with an error (``"fail"``, vLLM's default).
 
+A request whose transfer params carry ``qlink_perturb_block: i`` has its ``i``-th loaded
+block changed after it landed (a control for tests: the output then differs).
+
 Extra config: ``url`` (required for a producer; a decode engine learns the URL from the
 transfer params), ``checksum`` (bool, CRC-32 per part), ``load_timeout_s``,
 ``offer_ttl_s``.
@@ -131,6 +134,7 @@ class _LoadSpec:
     xfer_id: int
     src: list
     dst: list
+    perturb_block: int | None = None
 
 
 @dataclass
@@ -153,7 +157,6 @@ class QlinkConnector(KVConnectorBase_V1):
         self._checksum = bool(extra.get("checksum", False))
         self._load_timeout_s = float(extra.get("load_timeout_s", 30.0))
         self._offer_ttl_s = float(extra.get("offer_ttl_s", 120.0))
-        self._perturb = extra.get("perturb_loaded_block")  # a control for tests: change one landed block
         self._is_producer = cfg.is_kv_producer
         self._is_consumer = cfg.is_kv_consumer
         if self._is_producer and not self._url:
@@ -175,6 +178,7 @@ class QlinkConnector(KVConnectorBase_V1):
         self._sent_not_seen: set[str] = set()
         self._load_errors: set[int] = set()
         self._applied_meta = None
+        self._perturb: dict[str, int] = {}
         self.load_log: list = []  # LoadResult of every load (for benchmarks)
 
     # ================================ worker side ===================================
@@ -190,14 +194,20 @@ class QlinkConnector(KVConnectorBase_V1):
             log.info("qlink KV: prefill server on %s (%s)", self._server.url, self._cache.spec)
         if self._is_consumer:
             self._client = DecodeClient(self._cache, load_timeout_s=self._load_timeout_s,
-                                        after_land=self._after_land if self._perturb is not None else None)
+                                        after_land=self._after_land)
 
     def _after_land(self, key: str, dst: tuple) -> None:
-        """The test control: add 1.0 to every element of one landed block, layer 0."""
-        i = int(self._perturb)
-        if i < len(dst):
+        """The control of the tests: a request whose transfer params carry
+        ``qlink_perturb_block: i`` gets 1.0 added to every element of its ``i``-th landed
+        block in layer 0 (so its output shows whether decode really read the moved KV)."""
+        with self._lock:
+            i = self._perturb.pop(key, None)
+        if i is not None and 0 <= i < len(dst):
             layer = self._cache.layers[0]
-            layer[dst[i]] += 1  # (planes=1: one block is layer[b]; planes=2: layer[:, b])
+            if self._cache.spec.num_planes == 1:
+                layer[dst[i]] += 1
+            else:
+                layer[:, dst[i]] += 1
 
     def _apply_meta(self) -> None:
         if not self.has_connector_metadata():
@@ -213,6 +223,9 @@ class QlinkConnector(KVConnectorBase_V1):
                 self._server.offer(xfer_id, block_ids, key=req_id)
         if self._client is not None:
             for ld in meta.loads:
+                if ld.perturb_block is not None:
+                    with self._lock:
+                        self._perturb[ld.req_id] = int(ld.perturb_block)
                 self._client.load(ld.req_id, url=ld.url, xfer_id=ld.xfer_id, src_block_ids=ld.src,
                                   dst_block_ids=ld.dst)
 
@@ -290,7 +303,8 @@ class QlinkConnector(KVConnectorBase_V1):
         if n <= 0:
             return
         self._pending_loads.append(_LoadSpec(request.request_id, p["remote_url"], int(p["remote_xfer_id"]),
-                                             remote[skip:skip + n], all_ids[skip:skip + n]))
+                                             remote[skip:skip + n], all_ids[skip:skip + n],
+                                             p.get("qlink_perturb_block")))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = QlinkConnectorMetadata(loads=self._pending_loads, offers=self._pending_offers)

@@ -64,7 +64,7 @@ def connector_config(role: str, *, url: str = "", connector: str = "QlinkConnect
 
 
 def engine_kwargs(model_dir: str, *, kv_transfer_config: dict | None = None, block_size: int = 32,
-                  max_model_len: int = 4096, num_blocks: int | None = None, seed: int = 0) -> dict:
+                  max_model_len: int = 4096, num_blocks: int | None = 512, seed: int = 0) -> dict:
     """Arguments for ``vllm.LLM`` (float32, token ids in, no tokenizer)."""
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
               max_model_len=max_model_len, enforce_eager=True, seed=seed, max_num_seqs=8,
