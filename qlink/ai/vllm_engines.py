@@ -64,11 +64,13 @@ def connector_config(role: str, *, url: str = "", connector: str = "QlinkConnect
 
 
 def engine_kwargs(model_dir: str, *, kv_transfer_config: dict | None = None, block_size: int = 32,
-                  max_model_len: int = 4096, num_blocks: int | None = 512, seed: int = 0) -> dict:
-    """Arguments for ``vllm.LLM`` (float32, token ids in, no tokenizer)."""
+                  max_model_len: int = 4096, num_blocks: int | None = 512, seed: int = 0,
+                  prefix_caching: bool = False) -> dict:
+    """Arguments for ``vllm.LLM`` (float32, token ids in, no tokenizer; no prefix cache
+    unless asked, so a prompt seen before is computed or moved again, never reused)."""
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
               max_model_len=max_model_len, enforce_eager=True, seed=seed, max_num_seqs=8,
-              max_num_batched_tokens=max_model_len)
+              max_num_batched_tokens=max_model_len, enable_prefix_caching=prefix_caching)
     if num_blocks is not None:
         kw["num_gpu_blocks_override"] = num_blocks
     if kv_transfer_config is not None:
@@ -127,12 +129,15 @@ def _serve_engine(conn, model_dir: str, kw: dict, env: dict) -> None:
                 conn.send(("ok", dict(wall_s=wall_s, outputs=[
                     dict(token_ids=list(o.outputs[0].token_ids), kv_transfer_params=o.kv_transfer_params,
                          finish_reason=o.outputs[0].finish_reason) for o in outs])))
-            elif op == "loads":  # the decode connector's load log: (key, ok, error, asked_ns, done_ns, nbytes)
+            elif op == "loads":  # the decode connector's loads since the last call (then forgotten)
                 from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
                 c = get_kv_transfer_group()
-                log = [(r.key, r.ok, r.error, r.asked_ns, r.done_ns, r.nbytes) for r in getattr(c, "load_log", [])]
-                conn.send(("ok", log))
+                log = getattr(c, "load_log", [])
+                out = [dict(key=r.key, ok=r.ok, error=r.error, asked_ns=r.asked_ns, done_ns=r.done_ns, nbytes=r.nbytes)
+                       for r in log]
+                del log[:len(out)]
+                conn.send(("ok", out))
             else:
                 conn.send(("err", f"unknown command {op!r}"))
         except Exception as e:  # noqa: BLE001 - reported to the parent, the loop goes on

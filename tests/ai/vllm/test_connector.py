@@ -1,0 +1,98 @@
+"""vLLM with the qlink KV connector, on a CPU: a prefill engine and a decode engine in
+separate processes, a tiny random Llama (float32, 4 layers, 4 heads of 64, block size 32).
+
+The decode engine's greedy tokens must equal its own single-engine run (the same engine
+given the prompt without transfer params computes the prefill itself), the decode side
+must have loaded every block (the load log says how many bytes landed), and changing one
+loaded block must change the output: together they prove the decode side reads the moved
+KV and that it is bit-exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qlink.ai._peer import transport_unavailable
+from qlink.ai.vllm_engines import prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+BLOCK = 32
+NUM_LAYERS, KV_HEADS, HEAD = 4, 4, 64
+BLOCK_NBYTES = KV_HEADS * BLOCK * 2 * HEAD * 4  # one K+V slab, float32
+
+
+def _reference(decode, ps, max_tokens):
+    return [o["token_ids"] for o in decode.generate(ps, dict(max_tokens=max_tokens))["outputs"]]
+
+
+def _disaggregated(prefill, decode, ps, max_tokens, **extra_params):
+    outs = prefill.generate(ps, dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))["outputs"]
+    params = [dict(o["kv_transfer_params"], **extra_params) for o in outs]
+    assert all(p and p["remote_url"] and p["remote_block_ids"] for p in params), params
+    res = decode.generate(ps, [dict(max_tokens=max_tokens, kv_transfer_params=p) for p in params])
+    return [o["token_ids"] for o in res["outputs"]], params
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp", "ucx"])
+def test_decode_equals_single_engine(scheme, decode, prefill_engines):
+    why = transport_unavailable(scheme)
+    if why:
+        pytest.skip(why)
+    prefill = prefill_engines(scheme)
+    lengths = [100, 32, 257, 64]  # 100 and 257 are not multiples of the block size
+    ps = prompts(lengths, seed=11)
+    ref = _reference(decode, ps, 12)
+    decode.call("loads")  # forget earlier loads
+    got, params = _disaggregated(prefill, decode, ps, 12)  # all four requests in flight together
+    assert got == ref
+    loads = decode.call("loads")
+    assert len(loads) == len(ps) and all(ld["ok"] for ld in loads), loads
+    want = sorted(math.ceil(n / BLOCK) * NUM_LAYERS * BLOCK_NBYTES for n in lengths)
+    assert sorted(ld["nbytes"] for ld in loads) == want  # every block of every layer moved, none recomputed
+    # one at a time too, a prompt of one token past a block boundary
+    ps1 = prompts([33], seed=12)
+    assert _disaggregated(prefill, decode, ps1, 6)[0] == _reference(decode, ps1, 6)
+
+
+def test_changed_block_changes_output(decode, prefill_engines):
+    prefill = prefill_engines("tcp")
+    ps = prompts([96, 96], seed=21)
+    ref = _reference(decode, ps, 10)
+    decode.call("loads")
+    same, _ = _disaggregated(prefill, decode, ps[:1], 10)
+    changed, _ = _disaggregated(prefill, decode, ps[1:], 10, qlink_perturb_block=1)
+    assert same == ref[:1]
+    assert changed != ref[1:], "changing a loaded block did not change the output: decode did not read the moved KV"
+    assert all(ld["ok"] for ld in decode.call("loads"))
+
+
+def test_prefill_killed_request_is_recomputed_and_next_served(decode, model_dir):
+    """A prefill engine dies (SIGKILL) after handing out transfer params, with the decode
+    side's link to it open: the decode side reports the load failed, vLLM recomputes the
+    request (kv_load_failure_policy="recompute") and the next request is served."""
+    from qlink.ai._peer import url_for
+    from qlink.ai.vllm_engines import EngineProcess, connector_config
+
+    doomed = EngineProcess(model_dir, kv_transfer_config=connector_config("kv_producer", url=url_for("tcp")))
+    try:
+        ps = prompts([70, 90, 50], seed=31)
+        ref = _reference(decode, ps, 8)
+        decode.call("loads")
+        assert _disaggregated(doomed, decode, ps[:1], 8)[0] == ref[:1]  # the link is open now
+        outs = doomed.generate(ps[1:2], dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        params = outs["outputs"][0]["kv_transfer_params"]
+        doomed.kill()
+        res = decode.generate(ps[1:2], [dict(max_tokens=8, kv_transfer_params=params)], timeout_s=120)
+        assert [o["token_ids"] for o in res["outputs"]] == ref[1:2]  # recomputed, same tokens
+        loads = decode.call("loads")
+        assert loads[0]["ok"] and not loads[1]["ok"], loads
+        assert "went away" in loads[1]["error"] or "cannot pull" in loads[1]["error"], loads[1]["error"]
+        # the next request, to a prefill engine that is gone before any link opened
+        res = decode.generate(ps[2:], [dict(max_tokens=8, kv_transfer_params=dict(params, remote_xfer_id=77))],
+                              timeout_s=120)
+        assert [o["token_ids"] for o in res["outputs"]] == ref[2:]
+        assert not decode.call("loads")[0]["ok"]
+    finally:
+        doomed.close()
