@@ -169,6 +169,7 @@ class QlinkConnector(KVConnectorBase_V1):
         self._pending_loads: list[_LoadSpec] = []
         self._pending_offers: dict[str, tuple[int, list]] = {}
         self._unsent: set[str] = set()  # offered, not yet reported sent
+        self.bad_params = 0  # requests whose transfer params were malformed (computed locally)
         # worker side
         self._cache: KVCache | None = None
         self._server = None
@@ -276,18 +277,37 @@ class QlinkConnector(KVConnectorBase_V1):
             self._server = None
 
     # =============================== scheduler side =================================
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _remote_of(self, request: "Request") -> dict | None:
+        """The request's transfer params when they ask for a remote prefill and are well
+        formed; malformed ones are counted, logged and ignored (the prompt is computed here)."""
         p = request.kv_transfer_params
-        if p and p.get("do_remote_prefill") and p.get("remote_url") and p.get("remote_block_ids"):
-            count = min(int(p.get("remote_num_tokens") or 0), len(request.prompt_token_ids or ())) \
-                - num_computed_tokens
+        if not p or not p.get("do_remote_prefill"):
+            return None
+        url, xfer, ids, n = (p.get("remote_url"), p.get("remote_xfer_id"), p.get("remote_block_ids"),
+                             p.get("remote_num_tokens"))
+        ok = (isinstance(url, str) and "://" in url and isinstance(xfer, int) and 0 <= xfer < 2**32
+              and isinstance(ids, (list, tuple)) and ids and all(isinstance(b, int) and b >= 0 for b in ids)
+              and isinstance(n, int) and n >= 0)
+        if not ok:
+            self.bad_params += 1
+            p["do_remote_prefill"] = False
+            log.warning("qlink KV: request %s has malformed kv_transfer_params (need remote_url 'scheme://…', "
+                        "remote_xfer_id u32, remote_block_ids [int…], remote_num_tokens int); computing its "
+                        "prompt here instead: %r", request.request_id, p)
+            return None
+        return p
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        p = self._remote_of(request)
+        if p is not None:
+            count = min(p["remote_num_tokens"], len(request.prompt_token_ids or ())) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int):
-        p = request.kv_transfer_params
-        if not p or not p.get("do_remote_prefill"):
+        p = self._remote_of(request)
+        if p is None:
             return
         p["do_remote_prefill"] = False  # one transfer per request
         if num_external_tokens <= 0:

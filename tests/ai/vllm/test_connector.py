@@ -96,3 +96,28 @@ def test_prefill_killed_request_is_recomputed_and_next_served(decode, model_dir)
         assert not decode.call("loads")[0]["ok"]
     finally:
         doomed.close()
+
+
+def test_fail_policy_fails_the_request_clearly_and_serves_the_next(model_dir):
+    """With vLLM's kv_load_failure_policy="fail", a load from a prefill engine that is not
+    there ends that request with finish_reason "error" (the load log says why); the next
+    request is served, and malformed transfer params are computed locally, not crashed on."""
+    from qlink.ai.vllm_engines import EngineProcess, connector_config
+
+    dec = EngineProcess(model_dir, kv_transfer_config=connector_config(
+        "kv_consumer", extra={"load_timeout_s": 5}, kv_load_failure_policy="fail"))
+    try:
+        ps = prompts([90, 40, 40], seed=41)
+        ref = _reference(dec, ps[1:], 4)
+        gone = {"do_remote_prefill": True, "remote_url": "tcp://127.0.0.1:9", "remote_xfer_id": 1,
+                "remote_block_ids": [1, 2, 3], "remote_num_tokens": 90}
+        out = dec.generate(ps[:1], [dict(max_tokens=8, kv_transfer_params=gone)], timeout_s=120)["outputs"][0]
+        assert out["finish_reason"] == "error" and out["token_ids"] == []
+        (ld,) = dec.call("loads")
+        assert not ld["ok"] and "tcp://127.0.0.1:9" in ld["error"] and "connection refused" in ld["error"]
+        bad = {"do_remote_prefill": True, "remote_url": 42, "remote_block_ids": "x"}
+        outs = dec.generate(ps[1:], [dict(max_tokens=4), dict(max_tokens=4, kv_transfer_params=bad)])["outputs"]
+        assert [o["token_ids"] for o in outs] == ref
+        assert dec.call("loads") == []
+    finally:
+        dec.close()
