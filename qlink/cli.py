@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "[run] seed, scenarios")
     r.set_defaults(func=_cmd_run)
     b = sub.add_parser("bench", help="measure figures beside their floors and peers; writes JSON/CSV")
-    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "gpu", "all"])
+    b.add_argument("what", choices=["transport", "qec", "kv", "soak", "crosshost", "gpu", "vllm", "all"])
     b.add_argument("--out", default="results/bench", help="output directory (default: results/bench)")
     b.add_argument("--quick", action="store_true", help="fewer samples (for a smoke run)")
     b.add_argument("--distances", default=None, metavar="D,D,...",

@@ -50,6 +50,7 @@ FN_PULL = wire.register_function("kv_pull", min_payload_nbytes=_PULL.size - fr.H
                                  max_payload_nbytes=_PULL.size - fr.HEADER.size + 8 * _MAX_PULL_BLOCKS)
 _ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered
 _IDLE_SLEEP_MAX_S = 2e-4
+_ENGINE_POLLS_S = 2e-3  # poll() called this recently: the client's own thread stands by
 
 
 def pack_pull(request_id: int, *, xfer_id: int, src_block_ids, dst_block_ids) -> bytes:
@@ -319,6 +320,8 @@ class DecodeClient:
         self._results: list[LoadResult] = []
         self._links: dict[str, tuple] = {}  # url -> (endpoint, receiver)
         self._inflight: dict[int, _Load] = {}
+        self._work = threading.Lock()  # held by whoever does the client's work (its thread or poll())
+        self._polled = 0.0  # when poll() was last called
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="qlink-kv-load", daemon=True)
         self._thread.start()
@@ -342,6 +345,10 @@ class DecodeClient:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        with self._work:
+            self._close_links()
+
+    def _close_links(self) -> None:
         for ep, rx in self._links.values():
             rx.close()
             ep.close()
@@ -382,27 +389,49 @@ class DecodeClient:
             rx.close()
             ep.close()
 
+    def poll(self) -> bool:
+        """Do the client's work once in the calling thread (the engine's, between its steps:
+        no thread switch on the way), unless its own thread is at it; True if anything moved."""
+        self._polled = time.monotonic()
+        if not self._work.acquire(blocking=False):
+            return False
+        try:
+            return self._step()
+        finally:
+            self._work.release()
+
     def _loop(self) -> None:
         backoff = _Backoff()
         while not self._stop.is_set():
-            with self._lock:
-                queue, self._queue = self._queue, []
-            busy = bool(queue)
-            for ld in queue:
-                self._start(ld)
-            for url in list(self._links):
-                busy |= self._poll(url)
-            now = time.monotonic()
-            for rid, ld in list(self._inflight.items()):
-                if now > ld.deadline:
-                    del self._inflight[rid]
-                    self._links[ld.url][1].release(rid)
-                    self._finish(ld, ok=False, error=f"KV of transfer {ld.xfer_id} from {ld.url} did not land "
-                                                     f"within load_timeout_s={self.load_timeout_s}")
+            if time.monotonic() - self._polled < _ENGINE_POLLS_S:
+                time.sleep(_ENGINE_POLLS_S)  # the engine's thread is doing the work: do not contend for the GIL
+                continue
+            with self._work:
+                busy = self._step()
             if busy:
                 backoff.reset()
             else:
                 backoff.idle()
+
+    def _step(self) -> bool:
+        with self._lock:
+            queue, self._queue = self._queue, []
+        busy = bool(queue)
+        for ld in queue:
+            self._start(ld)
+        for url in list(self._links):
+            busy |= self._poll(url)
+        if self._inflight:
+            now = time.monotonic()
+            for rid, ld in list(self._inflight.items()):
+                if now > ld.deadline:
+                    del self._inflight[rid]
+                    link = self._links.get(ld.url)
+                    if link is not None:
+                        link[1].release(rid)
+                    self._finish(ld, ok=False, error=f"KV of transfer {ld.xfer_id} from {ld.url} did not land "
+                                                     f"within load_timeout_s={self.load_timeout_s}")
+        return busy
 
     def _start(self, ld: _Load) -> None:
         ld.asked_ns = time.monotonic_ns()

@@ -36,7 +36,10 @@ block changed after it landed (a control for tests: the output then differs).
 
 Extra config: ``url`` (required for a producer; a decode engine learns the URL from the
 transfer params), ``checksum`` (bool, CRC-32 per part), ``load_timeout_s``,
-``offer_ttl_s``.
+``offer_ttl_s``, ``shared_kv_memory`` (default true: vLLM's KV cache is allocated in
+memfd-backed memory through ``get_mem_pool_context``, so over ``shm://`` the decode side
+copies the blocks straight out of the prefill engine's cache, one copy; false: vLLM's own
+allocation, and ``shm://`` stages the blocks through its ring).
 
 The KV layout is vLLM's CPU layout ``[num_blocks, kv_heads, block_size, 2 * head_size]``
 (``num_planes=1``) or the GPU layout ``[2, num_blocks, block_size, kv_heads, head_size]``.
@@ -44,6 +47,7 @@ The KV layout is vLLM's CPU layout ``[num_blocks, kv_heads, block_size, 2 * head
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
@@ -68,7 +72,7 @@ from .kv import KVCache, KVCacheSpec
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["QlinkConnector", "QlinkConnectorMetadata", "cache_from_vllm"]
+__all__ = ["QlinkConnector", "QlinkConnectorMetadata", "cache_from_vllm", "shared_kv_allocation"]
 
 log = logging.getLogger("qlink.vllm")
 
@@ -127,6 +131,42 @@ def cache_from_vllm(kv_caches: dict[str, "torch.Tensor"], *, block_size: int | N
     return KVCache(spec, layers, device="cpu"), names
 
 
+@contextlib.contextmanager
+def shared_kv_allocation(*, min_nbytes: int = 1 << 20):
+    """Inside this context, a 1-D int8 ``torch.zeros`` on the CPU of at least ``min_nbytes``
+    (how vLLM allocates the KV cache's one backing buffer) comes from
+    :func:`qlink.memory.alloc`: memfd-backed memory another process can map, so ``shm://``
+    puts land in it with one copy and deferred puts are copied straight out of it. vLLM
+    asks a connector for this context (``get_mem_pool_context``) around that allocation
+    only; PyTorch has no pluggable CPU allocator to hand it instead.
+
+    >>> import torch
+    >>> with shared_kv_allocation(min_nbytes=8):
+    ...     t = torch.zeros(64, dtype=torch.int8)
+    >>> from qlink.memory import shared_fd_of
+    >>> shared_fd_of(t.numpy()) is not None, int(t.abs().sum())
+    (True, 0)
+    """
+    import numpy as np
+
+    from qlink.memory import alloc
+
+    zeros = torch.zeros
+
+    def shared_zeros(*size, dtype=None, device=None, **kw):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        if (dtype == torch.int8 and len(shape) == 1 and int(shape[0]) >= min_nbytes and not kw
+                and (device is None or torch.device(device).type == "cpu")):
+            return torch.from_numpy(alloc(int(shape[0]), dtype=np.int8))
+        return zeros(*size, dtype=dtype, device=device, **kw)
+
+    torch.zeros = shared_zeros
+    try:
+        yield
+    finally:
+        torch.zeros = zeros
+
+
 @dataclass
 class _LoadSpec:
     req_id: str
@@ -157,6 +197,7 @@ class QlinkConnector(KVConnectorBase_V1):
         self._checksum = bool(extra.get("checksum", False))
         self._load_timeout_s = float(extra.get("load_timeout_s", 30.0))
         self._offer_ttl_s = float(extra.get("offer_ttl_s", 120.0))
+        self._shared_kv_memory = bool(extra.get("shared_kv_memory", True))
         self._is_producer = cfg.is_kv_producer
         self._is_consumer = cfg.is_kv_consumer
         if self._is_producer and not self._url:
@@ -183,6 +224,13 @@ class QlinkConnector(KVConnectorBase_V1):
         self.load_log: list = []  # LoadResult of every load (for benchmarks)
 
     # ================================ worker side ===================================
+    def get_mem_pool_context(self):
+        """vLLM allocates its KV cache inside this: in shared (memfd) memory, unless the
+        extra config says ``"shared_kv_memory": false``."""
+        if not self._shared_kv_memory:
+            return None
+        return shared_kv_allocation()
+
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         from ._vllm_link import DecodeClient, PrefillServer
 
@@ -232,6 +280,8 @@ class QlinkConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._apply_meta()
+        if self._client is not None:
+            self._client.poll()  # send the pulls now, from the engine's thread
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request is scheduled only once all its layers landed
@@ -252,6 +302,7 @@ class QlinkConnector(KVConnectorBase_V1):
             self._sent_not_seen -= sending
             self._seen_finished -= sending
         if self._client is not None:
+            self._client.poll()  # progress the links from the engine's thread, once per step
             for r in self._client.take_results():
                 self.load_log.append(r)
                 recving.add(r.key)

@@ -70,7 +70,7 @@ def engine_kwargs(model_dir: str, *, kv_transfer_config: dict | None = None, blo
     unless asked, so a prompt seen before is computed or moved again, never reused)."""
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
               max_model_len=max_model_len, enforce_eager=True, seed=seed, max_num_seqs=8,
-              max_num_batched_tokens=max_model_len, enable_prefix_caching=prefix_caching)
+              max_num_batched_tokens=max_model_len, enable_prefix_caching=prefix_caching, disable_log_stats=False)
     if num_blocks is not None:
         kw["num_gpu_blocks_override"] = num_blocks
     if kv_transfer_config is not None:
@@ -98,15 +98,24 @@ def greedy(max_tokens: int, *, kv_transfer_params: dict | None = None):
                           detokenize=False)
 
 
-def _serve_engine(conn, model_dir: str, kw: dict, env: dict) -> None:
-    """The body of an :class:`EngineProcess`: one LLM, commands from ``conn``."""
+def _serve_engine(conn, model_dir: str, kw: dict, env: dict, setup: str | None = None) -> None:
+    """The body of an :class:`EngineProcess`: one LLM, commands from ``conn``. ``setup``
+    (``"module:function"``) runs before the engine is made; what it returns, if callable,
+    runs after."""
+    import importlib
     import time
 
     os.environ.update(env)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
+        after = None
+        if setup:
+            mod, fn = setup.split(":")
+            after = getattr(importlib.import_module(mod), fn)()
         llm = make_llm(model_dir, **kw)
+        if callable(after):
+            after()
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
@@ -128,7 +137,8 @@ def _serve_engine(conn, model_dir: str, kw: dict, env: dict) -> None:
                 wall_s = time.perf_counter() - t0
                 conn.send(("ok", dict(wall_s=wall_s, outputs=[
                     dict(token_ids=list(o.outputs[0].token_ids), kv_transfer_params=o.kv_transfer_params,
-                         finish_reason=o.outputs[0].finish_reason) for o in outs])))
+                         finish_reason=o.outputs[0].finish_reason,
+                         ttft_s=getattr(o.metrics, "first_token_latency", None) or None) for o in outs])))
             elif op == "loads":  # the decode connector's loads since the last call (then forgotten)
                 from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
@@ -141,7 +151,10 @@ def _serve_engine(conn, model_dir: str, kw: dict, env: dict) -> None:
             else:
                 conn.send(("err", f"unknown command {op!r}"))
         except Exception as e:  # noqa: BLE001 - reported to the parent, the loop goes on
-            conn.send(("err", f"{type(e).__name__}: {e}"))
+            import traceback
+
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            conn.send(("err", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"))
 
 
 class EngineProcess:
@@ -150,12 +163,14 @@ class EngineProcess:
     token-id prompts and :func:`greedy` keyword dicts and returns one dict per output
     (``token_ids``, ``kv_transfer_params``, ``finish_reason``)."""
 
-    def __init__(self, model_dir: str, *, env: dict | None = None, start_timeout_s: float = 300.0, **kw):
+    def __init__(self, model_dir: str, *, env: dict | None = None, setup: str | None = None,
+                 start_timeout_s: float = 300.0, **kw):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve_engine, args=(child, model_dir, kw, dict(env or {})), daemon=True)
+        self.proc = ctx.Process(target=_serve_engine, args=(child, model_dir, kw, dict(env or {}), setup),
+                                daemon=True)
         self.proc.start()
         child.close()
         if not self.conn.poll(start_timeout_s):
