@@ -1,7 +1,7 @@
 """The ``qlink`` command line.
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
-``qlink bench transport|qec|kv|soak|crosshost|gpu|all`` measures figures beside their floors and peers;
+``qlink bench transport|qec|kv|soak|crosshost|gpu|vllm|all`` measures figures beside their floors and peers;
 ``qlink info`` says which optional stacks are installed; ``qlink sweep qec|kv|speedup``
 runs parameter sweeps on Dask into a resumable sinter CSV.
 

