@@ -285,6 +285,7 @@ class LoadResult:
     done_ns: int
     error: str = ""
     nbytes: int = 0
+    reported_ns: int = 0  # when the engine was told (set by the connector)
 
 
 @dataclass

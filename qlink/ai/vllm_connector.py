@@ -48,10 +48,12 @@ The KV layout is vLLM's CPU layout ``[num_blocks, kv_heads, block_size, 2 * head
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +85,7 @@ _BOUND_URLS: dict[str, str] = {}  # engine id -> the URL the prefill server real
 # once, without waiting for a next engine step to carry the offer to the worker.
 _SERVERS: dict[str, Any] = {}
 _LAYER_RE = re.compile(r"\.(\d+)\.")
+_MAX_REMEMBERED = 100_000  # finished-request ids and load records kept at most
 
 
 def cache_from_vllm(kv_caches: dict[str, "torch.Tensor"], *, block_size: int | None = None) -> tuple[KVCache, list]:
@@ -216,7 +219,7 @@ class QlinkConnector(KVConnectorBase_V1):
         self._server = None
         self._client = None
         self._lock = threading.Lock()
-        self._seen_finished: set[str] = set()
+        self._seen_finished: dict[str, None] = {}  # an ordered set
         self._sent_not_seen: set[str] = set()
         self._load_errors: set[int] = set()
         self._applied_meta = None
@@ -296,15 +299,23 @@ class QlinkConnector(KVConnectorBase_V1):
         sending: set[str] = set()
         recving: set[str] = set()
         if self._server is not None:
-            self._seen_finished |= finished_req_ids
+            # report a request sent only once vLLM has told this worker it finished
+            for r in finished_req_ids:
+                self._seen_finished[r] = None
+            while len(self._seen_finished) > _MAX_REMEMBERED:  # finished requests that were never offered
+                del self._seen_finished[next(iter(self._seen_finished))]
             self._sent_not_seen.update(self._server.take_done())
-            sending = self._sent_not_seen & self._seen_finished
+            sending = {r for r in self._sent_not_seen if r in self._seen_finished}
             self._sent_not_seen -= sending
-            self._seen_finished -= sending
+            for r in sending:
+                del self._seen_finished[r]
         if self._client is not None:
             self._client.poll()  # progress the links from the engine's thread, once per step
+            now = time.monotonic_ns()
             for r in self._client.take_results():
-                self.load_log.append(r)
+                self.load_log.append(dataclasses.replace(r, reported_ns=now))
+                if len(self.load_log) > _MAX_REMEMBERED:
+                    del self.load_log[:len(self.load_log) - _MAX_REMEMBERED]
                 recving.add(r.key)
                 if not r.ok:
                     log.error("qlink KV: load of request %s failed: %s", r.key, r.error)

@@ -138,16 +138,28 @@ def _serve_engine(conn, model_dir: str, kw: dict, env: dict, setup: str | None =
                 conn.send(("ok", dict(wall_s=wall_s, outputs=[
                     dict(token_ids=list(o.outputs[0].token_ids), kv_transfer_params=o.kv_transfer_params,
                          finish_reason=o.outputs[0].finish_reason,
-                         ttft_s=getattr(o.metrics, "first_token_latency", None) or None) for o in outs])))
+                         ttft_s=getattr(o.metrics, "first_token_latency", None) or None,
+                         queued_s=getattr(o.metrics, "queued_ts", None),
+                         first_token_s=getattr(o.metrics, "first_token_ts", None)) for o in outs])))
             elif op == "loads":  # the decode connector's loads since the last call (then forgotten)
                 from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
                 c = get_kv_transfer_group()
                 log = getattr(c, "load_log", [])
-                out = [dict(key=r.key, ok=r.ok, error=r.error, asked_ns=r.asked_ns, done_ns=r.done_ns, nbytes=r.nbytes)
-                       for r in log]
+                out = [dict(key=r.key, ok=r.ok, error=r.error, asked_ns=r.asked_ns, done_ns=r.done_ns, nbytes=r.nbytes,
+                            reported_ns=r.reported_ns) for r in log]
                 del log[:len(out)]
                 conn.send(("ok", out))
+            elif op == "connector":  # what the connector made of vLLM's KV cache
+                from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+                from qlink.memory import shared_fd_of
+
+                c = get_kv_transfer_group()
+                cache = getattr(c, "_cache", None)
+                conn.send(("ok", None if cache is None else dict(
+                    spec=cache.spec.to_bytes(), shared_memory=shared_fd_of(cache.layers[0]) is not None,
+                    url=getattr(getattr(c, "_server", None), "url", None))))
             else:
                 conn.send(("err", f"unknown command {op!r}"))
         except Exception as e:  # noqa: BLE001 - reported to the parent, the loop goes on

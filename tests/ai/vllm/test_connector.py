@@ -41,6 +41,14 @@ def test_decode_equals_single_engine(scheme, decode, prefill_engines):
     if why:
         pytest.skip(why)
     prefill = prefill_engines(scheme)
+    from qlink.ai import KVCacheSpec
+
+    for eng in (prefill, decode):  # vLLM's own tensors, in memfd memory, in vLLM's CPU layout
+        info = eng.call("connector")
+        spec = KVCacheSpec.from_bytes(info["spec"])
+        assert info["shared_memory"] and spec.num_planes == 1
+        assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.block_size) == (NUM_LAYERS, KV_HEADS, HEAD,
+                                                                                        BLOCK)
     lengths = [100, 32, 257, 64]  # 100 and 257 are not multiples of the block size
     ps = prompts(lengths, seed=11)
     ref = _reference(decode, ps, 12)
