@@ -43,10 +43,10 @@ run: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
-	$(VLLM_PY) -m pytest -q tests/ai/vllm
+	$(VLLM_PY) -m pytest -q tests/ai/vllm qlink/ai/vllm_connector.py
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/ai/vllm
+	$(VLLM_PY) -m pytest -q tests/ai/vllm qlink/ai/vllm_connector.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -104,104 +104,122 @@ def _one_token_ttft_ms(decode, repeats: int) -> float:
     return 1e3 * statistics.median(walls[1:])
 
 
-def _measure(case, prefill, decode, ps_by_len, *, floor_ms: float, repeats: int, say) -> list[dict]:
-    from qlink.ai.vllm_engines import prompts
-
-    rows = []
-    remote = case != "recompute"
-    # a warm-up request opens links, maps memory, fills caches
-    warm = prompts([64], seed=999)
-    if remote:
-        o = prefill.generate(warm, dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))["outputs"]
-        decode.generate(warm, [dict(max_tokens=1, kv_transfer_params=o[0]["kv_transfer_params"])])
-    else:
-        decode.generate(warm, dict(max_tokens=1))
+def _one_request(case: str, prefill, decode, p) -> dict:
+    """One prompt through ``case``: prefill (if any), then decode with the KV moved."""
+    if case == "recompute":
+        d = decode.generate([p], dict(max_tokens=1))
+        return dict(pre=_ttft_s(d), ttft=_ttft_s(d), ok=d["outputs"][0]["finish_reason"] == "length")
+    r = prefill.generate([p], dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    params = r["outputs"][0]["kv_transfer_params"]
+    d = decode.generate([p], [dict(max_tokens=1, kv_transfer_params=params)])
+    out = dict(pre=_ttft_s(r), ttft=_ttft_s(d), ok=d["outputs"][0]["finish_reason"] == "length", xfer=None)
     if case.startswith("qlink-"):
-        decode.call("loads")
-    for n, ps in ps_by_len.items():
-        pre_ms, ttft_ms, xfer_ms, tok_ok = [], [], [], []
-        for p in ps:
-            if remote:
-                r = prefill.generate([p], dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
-                pre_ms.append(1e3 * _ttft_s(r))
-                params = r["outputs"][0]["kv_transfer_params"]
-                d = decode.generate([p], [dict(max_tokens=1, kv_transfer_params=params)])
+        loads = decode.call("loads")
+        if loads and all(ld["ok"] for ld in loads):
+            out["xfer"] = (loads[-1]["done_ns"] - loads[-1]["asked_ns"]) / 1e9
+        else:
+            out["ok"] = False
+    return out
+
+
+def _start_engines(cases, model: str, tmp: str, errors: list, say) -> dict:
+    """case -> (prefill, decode); one qlink decode engine serves recompute and every qlink case."""
+    from qlink.ai._peer import transport_unavailable
+    from qlink.ai.vllm_engines import EngineProcess, connector_config
+
+    engines: dict = {}
+    qlink_decode = None
+    for case in cases:
+        if case.startswith("qlink-"):
+            why = transport_unavailable(case[6:])
+            if why:
+                errors.append(f"{case}: {why}")
+                continue
+        say(f"vllm bench: starting {case}")
+        try:
+            if case == "recompute" or case.startswith("qlink-"):
+                if qlink_decode is None:
+                    qlink_decode = EngineProcess(model, kv_transfer_config=connector_config(
+                        "kv_consumer", kv_load_failure_policy="fail"))
+                prefill = None if case == "recompute" else EngineProcess(model, **_engines_for(case, model, tmp, 0)[0])
+                engines[case] = (prefill, qlink_decode)
             else:
-                d = decode.generate([p], dict(max_tokens=1))
-                pre_ms.append(1e3 * _ttft_s(d))
-            ttft_ms.append(1e3 * _ttft_s(d))
-            tok_ok.append(d["outputs"][0]["finish_reason"] == "length")
-            if case.startswith("qlink-"):
-                loads = decode.call("loads")
-                ok = [ld for ld in loads if ld["ok"]]
-                xfer_ms.append((ok[-1]["done_ns"] - ok[-1]["asked_ns"]) / 1e6 if ok and len(ok) == len(loads) else None)
-        row = dict(case=case, prompt_tokens=n, requests=len(ps), prefill_ms=_median(pre_ms),
-                   decode_ttft_ms=_median(ttft_ms),
-                   exposed_ms=None if not remote else max(0.0, _median(ttft_ms) - floor_ms),
-                   transfer_ms=_median(xfer_ms), decode_floor_ms=floor_ms, all_answered=all(tok_ok))
-        if remote and row["prefill_ms"]:
-            row["exposed_x_prefill"] = row["exposed_ms"] / row["prefill_ms"]
-        rows.append(row)
-        say(f"  {case} {n} tokens: decode TTFT {row['decode_ttft_ms']:.1f} ms")
-    return rows
+                pk, dk = _engines_for(case, model, tmp, 5600 + 20 * CASES.index(case))
+                prefill = EngineProcess(model, **pk)
+                engines[case] = (prefill, EngineProcess(model, **dk))
+        except (RuntimeError, TimeoutError, OSError) as e:
+            errors.append(f"{case}: {type(e).__name__}: {e}")
+    return engines
+
+
+def _close_engines(engines: dict) -> None:
+    seen = set()
+    for pair in engines.values():
+        for e in pair:
+            if e is not None and id(e) not in seen:
+                seen.add(id(e))
+                e.close()
 
 
 def run_vllm_bench(*, lengths=(128, 512, 2048), repeats: int = 3, cases=CASES,
                    progress: Callable[[str], None] = print) -> dict:
-    """Run every case in ``cases`` on the same prompts; return ``{"rows", "notes", "errors"}``."""
-    from qlink.ai._peer import transport_unavailable
-    from qlink.ai.vllm_engines import EngineProcess, connector_config, prompts, tiny_llama
+    """Run every case in ``cases`` on the same prompts, all engines up at once and the cases
+    interleaved (the order rotates every round, so load from elsewhere falls on all of them
+    alike); return ``{"rows", "notes", "errors"}``."""
+    from qlink.ai.vllm_engines import prompts, tiny_llama
 
     rows, errors = [], []
-    floor = None
     notes = [f"NixlConnector: agent progress thread delay {NIXL_PROGRESS_DELAY_US} us (NIXL's Python API "
              "starts it with none); the engine's CPU affinity restored after NIXL's worker pinned it to the last "
              "core; kv_buffer_device=cpu, UCX backend, UCX choosing its transports",
              "TTFT is the engine's own (request arrival -> first token); exposed_ms = decode-side TTFT minus "
              "the TTFT of a 1-token prompt on the same model's decode engine (same run, no connector work)",
              "ExampleConnector cannot serve two different 1-token prompts (both map to its empty-prefix file), so "
-             "that floor is measured on the qlink decode engine with requests that carry no transfer params"]
+             "that floor is measured on the qlink decode engine with requests that carry no transfer params",
+             "all engines run at once and the cases take turns, request by request, in an order that rotates"]
     ps_by_len = {n: prompts([n] * repeats, seed=100 + n) for n in lengths}
+    samples: dict = {}
+    floor_ms = None
     with tempfile.TemporaryDirectory(prefix="qlink-bench-vllm-") as tmp:
         model = tiny_llama(os.path.join(tmp, "model"))
-        qlink_decode = None
+        engines = _start_engines(cases, model, tmp, errors, progress)
         try:
-            for case in cases:
-                progress(f"vllm bench: {case}")
-                if case.startswith("qlink-"):
-                    why = transport_unavailable(case[6:])
-                    if why:
-                        errors.append(f"{case}: {why}")
-                        continue
-                prefill = decode = None
+            live = [c for c in cases if c in engines]
+            warm = prompts([64], seed=999)[0]
+            for c in list(live):  # opens links, maps memory, fills caches
                 try:
-                    if case == "recompute" or case.startswith("qlink-"):
-                        if qlink_decode is None:
-                            qlink_decode = EngineProcess(model, kv_transfer_config=connector_config(
-                                "kv_consumer", kv_load_failure_policy="fail"))
-                        decode = qlink_decode
-                        if case != "recompute":
-                            prefill = EngineProcess(model, **_engines_for(case, model, tmp, 0)[0])
-                    else:
-                        pk, dk = _engines_for(case, model, tmp, 5600 + 20 * CASES.index(case))
-                        prefill = EngineProcess(model, **pk)
-                        decode = EngineProcess(model, **dk)
-                    if floor is None:  # measured once, on the plain decode engine (a prompt with no params)
-                        if qlink_decode is None:
-                            qlink_decode = EngineProcess(model, kv_transfer_config=connector_config(
-                                "kv_consumer", kv_load_failure_policy="fail"))
-                        floor = _one_token_ttft_ms(qlink_decode, repeats)
-                    rows += _measure(case, prefill, decode, ps_by_len, floor_ms=floor, repeats=repeats, say=progress)
+                    _one_request(c, *engines[c], warm)
                 except (RuntimeError, TimeoutError, OSError) as e:
-                    errors.append(f"{case}: {type(e).__name__}: {e}")
-                finally:
-                    if prefill is not None:
-                        prefill.close()
-                    if decode is not None and decode is not qlink_decode:
-                        decode.close()
+                    errors.append(f"{c}: warm-up failed: {type(e).__name__}: {e}")
+                    live.remove(c)
+            plain = [c for c in live if c == "recompute" or c.startswith("qlink-")]
+            if plain:
+                floor_ms = _one_token_ttft_ms(engines[plain[0]][1], repeats)
+            samples = {(c, n): [] for c in live for n in lengths}
+            for n, ps in ps_by_len.items():
+                for i, p in enumerate(ps):
+                    order = live[i % len(live):] + live[:i % len(live)] if live else []
+                    for c in order:
+                        try:
+                            samples[(c, n)].append(_one_request(c, *engines[c], p))
+                        except (RuntimeError, TimeoutError, OSError) as e:
+                            errors.append(f"{c} {n} tokens: {type(e).__name__}: {e}")
+                progress(f"vllm bench: {n}-token prompts done")
         finally:
-            if qlink_decode is not None:
-                qlink_decode.close()
+            _close_engines(engines)
+    for (c, n), xs in samples.items():
+        if not xs:
+            continue
+        ttft = 1e3 * _median([x["ttft"] for x in xs])
+        pre = 1e3 * _median([x["pre"] for x in xs])
+        xf = _median([x.get("xfer") for x in xs])
+        row = dict(case=c, prompt_tokens=n, requests=len(xs), prefill_ms=pre, decode_ttft_ms=ttft,
+                   exposed_ms=None if c == "recompute" or floor_ms is None else max(0.0, ttft - floor_ms),
+                   transfer_ms=None if xf is None else 1e3 * xf, decode_floor_ms=floor_ms,
+                   all_answered=all(x["ok"] for x in xs))
+        if row["exposed_ms"] is not None and pre:
+            row["exposed_x_prefill"] = row["exposed_ms"] / pre
+        rows.append(row)
     _add_ratios(rows)
     return dict(rows=rows, notes=notes, errors=errors)
 
