@@ -133,7 +133,7 @@ class PrefillServer:
         self._done: list[str] = []
         self._new_links: list[_Link] = []
         self._links: list[_Link] = []
-        self.pushed = self.refused = self.expired = 0
+        self.pushed = self.refused = self.expired = self.failed = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="qlink-kv-accept", daemon=True)
@@ -255,11 +255,15 @@ class PrefillServer:
         try:
             link.sender.send_request(rid, src, dst, timeout_s=self.push_timeout_s)
             link.sender.flush(timeout_s=self.push_timeout_s)
+            self.pushed += 1
         except BrokenLinkError:
             raise
-        except QlinkError as e:  # e.g. BlockIdError: the sender already sent a kv_abort
+        except QlinkError as e:  # e.g. BlockIdError (nothing sent): say so, so the decode side does not wait
+            self.failed += 1
             self.errors.append(f"push of transfer {xfer_id}: {type(e).__name__}: {e}")
-        self.pushed += 1
+            link.endpoint.send(fr.pack_abort(rid, status=_ABORT_REFUSED, layer=0,
+                                             reason=f"push of transfer {xfer_id} failed: {type(e).__name__}: {e}"),
+                               timeout_s=5)
         with self._lock:
             self._offers.pop(xfer_id, None)
             self._done.append(offer.key)

@@ -212,3 +212,20 @@ def test_prefill_process_dies_mid_transfer():
         good.close()
         if proc.is_alive():
             proc.kill()
+
+
+def test_pull_into_blocks_the_decode_cache_lacks_fails_at_once():
+    src = KVCache.allocate(SPEC, shared=False)
+    dst = KVCache.allocate(SPEC.with_blocks(8), shared=False)
+    server = PrefillServer(url_for("tcp"), src)
+    client = DecodeClient(dst, load_timeout_s=20)
+    try:
+        server.offer(1, [3], key="a")
+        t0 = time.monotonic()
+        client.load("a", url=server.url, xfer_id=1, src_block_ids=[3], dst_block_ids=[12])  # dst has 8 blocks
+        r = _results(client, 1)["a"]
+        assert not r.ok and "BlockIdError" in r.error and time.monotonic() - t0 < 10, r
+        assert server.failed == 1
+    finally:
+        client.close()
+        server.close()
