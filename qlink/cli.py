@@ -1,7 +1,7 @@
 """The ``qlink`` command line.
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
-``qlink bench transport|qec|kv|soak|crosshost|gpu|all`` measures figures beside their floors and peers;
+``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|vllm|all`` measures figures beside their floors and peers;
 ``qlink budget`` draws the cross-domain budget table; ``qlink serve --decoder-config FILE`` serves the
 decoders of a CUDA-Q QEC ``multi_decoder_config``; ``qlink doctor`` says what is installed
 and what to install; ``qlink sweep qec|kv|speedup`` runs parameter sweeps on Dask into a
@@ -252,6 +252,8 @@ _BENCH = {
     "gpu": ("GPU paths (CuPy; NumPy stand-ins on a CPU)", "qlink bench gpu --quick"),
     "decoders": ("every registered decoder beside PyMatching on the same shots: LER with Wilson intervals, us/shot",
                  "qlink bench decoders --quick"),
+    "vllm": ("vLLM decode-side TTFT and exposed KV transfer: the qlink connector over shm/tcp/ucx beside vLLM's "
+             "ExampleConnector, NixlConnector and recompute (needs vLLM: make bench-vllm)", "qlink bench vllm --quick"),
     "all": ("transport, qec and kv in turn", "qlink bench all --quick --keep-going"),
 }
 

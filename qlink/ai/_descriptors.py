@@ -5,7 +5,8 @@ plane ``k`` (0 = K, 1 = V) starts at byte ``(k * num_blocks + b) * block_nbytes`
 maps source block ``src[i]`` to destination block ``dst[i]``; the pairs are sorted by
 destination and consecutive pairs whose source *and* destination offsets both advance by
 one block are merged into one descriptor. The plan is the same for every layer, so it is
-computed once per request.
+computed once per request. With ``num_planes=1`` (vLLM's CPU layout, one K+V slab per
+block) block ``b`` starts at ``b * block_nbytes`` and there is no second plane.
 
 >>> p = plan_transfer([4, 5, 6, 9], [0, 1, 2, 3], src_num_blocks=16, dst_num_blocks=8, block_nbytes=64)
 >>> p.num_descs, p.src_offsets.tolist(), p.dst_offsets.tolist(), p.nbytes.tolist()
@@ -39,6 +40,7 @@ class TransferPlan:
     nbytes: np.ndarray       # int64, per descriptor
     num_blocks: int          # blocks per plane in the request
     block_nbytes: int
+    num_planes: int = 2      # 2: K and V planes; 1: one K+V slab per block
 
     @property
     def num_descs(self) -> int:
@@ -47,11 +49,11 @@ class TransferPlan:
     @property
     def layer_nbytes(self) -> int:
         """Bytes moved per layer (K and V)."""
-        return 2 * self.num_blocks * self.block_nbytes
+        return self.num_planes * self.num_blocks * self.block_nbytes
 
     def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Every block moved (K plane, then V plane) as a row index of the source and of the
-        destination layer seen as rows of ``block_nbytes`` (``2 * num_blocks`` rows), in
+        destination layer seen as rows of ``block_nbytes`` (``num_planes * num_blocks`` rows), in
         descriptor order (int64; NumPy, no per-block loop).
 
         >>> p = plan_transfer([4, 5, 9], [0, 1, 2], src_num_blocks=16, dst_num_blocks=8, block_nbytes=64)
@@ -74,11 +76,15 @@ def _ids(name: str, ids) -> np.ndarray:
 
 
 def plan_transfer(src_block_ids, dst_block_ids, *, src_num_blocks: int, dst_num_blocks: int, block_nbytes: int,
-                  max_desc_nbytes: int | None = None) -> TransferPlan:
+                  max_desc_nbytes: int | None = None, num_planes: int = 2) -> TransferPlan:
     """Validate the block lists and merge contiguous runs (see the module docstring).
 
     ``max_desc_nbytes`` splits longer runs (whole blocks per piece) for transports with a
-    message size limit.
+    message size limit. ``num_planes=1``: one slab per block, no V plane.
+
+    >>> plan_transfer([1, 2, 5], [0, 1, 2], src_num_blocks=8, dst_num_blocks=4, block_nbytes=64,
+    ...               num_planes=1).src_offsets.tolist()
+    [64, 320]
 
     >>> plan_transfer([0, 1], [0], src_num_blocks=4, dst_num_blocks=4, block_nbytes=8)
     Traceback (most recent call last):
@@ -103,8 +109,13 @@ def plan_transfer(src_block_ids, dst_block_ids, *, src_num_blocks: int, dst_num_
         raise BlockIdError(f"dst_block_ids names block {dup} more than once; each destination block takes one source")
     s_sorted = src[order]
     bn = int(block_nbytes)
-    s = np.concatenate([s_sorted, s_sorted + src_num_blocks]) * bn
-    d = np.concatenate([d_sorted, d_sorted + dst_num_blocks]) * bn
+    if num_planes not in (1, 2):
+        raise ValueError(f"num_planes must be 1 or 2, got {num_planes!r}")
+    if num_planes == 2:
+        s = np.concatenate([s_sorted, s_sorted + src_num_blocks]) * bn
+        d = np.concatenate([d_sorted, d_sorted + dst_num_blocks]) * bn
+    else:
+        s, d = s_sorted * bn, d_sorted * bn
     brk = (np.diff(s) != bn) | (np.diff(d) != bn)
     starts = np.flatnonzero(np.concatenate([[True], brk]))
     lengths = np.diff(np.concatenate([starts, [s.size]])) * bn
@@ -121,4 +132,5 @@ def plan_transfer(src_block_ids, dst_block_ids, *, src_num_blocks: int, dst_num_
             s0, d0 = s0[idx] + off, d0[idx] + off
             lengths = np.minimum(cap, lengths[idx] - off)
     return TransferPlan(src_offsets=s0.astype(np.int64), dst_offsets=d0.astype(np.int64),
-                        nbytes=lengths.astype(np.int64), num_blocks=int(src.size), block_nbytes=bn)
+                        nbytes=lengths.astype(np.int64), num_blocks=int(src.size), block_nbytes=bn,
+                        num_planes=int(num_planes))

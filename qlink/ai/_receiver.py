@@ -380,10 +380,10 @@ class KVReceiver(_ReceiverBase):
             tr.on_abort(rid, 2, layer, f"kv_rows payload of {n} B where the frame announced {need} B")
             return
         rows = buf[:tab].view("<u4")
-        if int(rows.max()) >= 2 * spec.num_blocks:
+        if int(rows.max()) >= spec.num_planes * spec.num_blocks:
             tr.bad_frames += 1
             tr.on_abort(rid, 2, layer, f"kv_rows names row {int(rows.max())}, outside the layer's "
-                                       f"{2 * spec.num_blocks} rows")
+                                       f"{spec.num_planes * spec.num_blocks} rows")
             return
         body = buf[tab:]
         if self._crc32 and not self._crc_ok(rid, layer, frame, body):

@@ -179,7 +179,7 @@ class KVSendRequest:
 
     def record(self) -> SubmitRecord:
         n = len(self._sent)
-        nblocks = 2 * self.plan.num_blocks * max(n, 1)
+        nblocks = self.plan.num_planes * self.plan.num_blocks * max(n, 1)
         total_us = (self._plan_ns + self._submit_ns_total) / 1e3
         return SubmitRecord(
             request_id=self.request_id, nbytes=self.plan.layer_nbytes * n, num_descs=self.plan.num_descs * n,
@@ -277,6 +277,7 @@ class KVSender:
         t0 = time.perf_counter_ns()
         plan = plan_transfer(src_block_ids, dst_block_ids, src_num_blocks=self.spec.num_blocks,
                              dst_num_blocks=self._peer.spec.num_blocks, block_nbytes=self.spec.block_nbytes,
+                             num_planes=self.spec.num_planes,
                              max_desc_nbytes=self._max_desc_nbytes)
         return KVSendRequest(self, request_id, plan, layer_range, time.perf_counter_ns() - t0)
 

@@ -5,6 +5,10 @@ plane 0 holds the keys, plane 1 the values, and a *block* is ``block_size`` toke
 one plane. A request owns a list of block ids; moving a request moves those blocks of
 both planes in every layer.
 
+``num_planes=1`` is the layout of vLLM's CPU attention backend: per layer
+``(num_blocks, num_kv_heads, block_size, 2 * head_size)``, one contiguous slab per block
+holding its keys and values, so a *block* is both K and V of ``block_size`` tokens.
+
 ``bfloat16`` is stored as ``uint16`` (NumPy has no bfloat16): the bits are kept exactly
 and moved exactly, and :attr:`KVCacheSpec.dtype_name` says how to read them. Every other
 dtype is stored as itself.
@@ -54,11 +58,12 @@ _DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
 _DTYPE_NAMES = {i: name for name, i in _DTYPE_CODES.items()}
 
 # magic, num_layers, num_kv_heads, head_size, block_size, num_blocks, dtype code
-_SPEC = struct.Struct("<4sIIIIQB3x")
+# (then num_planes: 0 on the wire means 2, so a two-plane spec keeps its old bytes)
+_SPEC = struct.Struct("<4sIIIIQBB2x")
 _SPEC_MAGIC = b"QLKV"
 
 # Fields both sides of a transfer must agree on (num_blocks may differ).
-_MATCH_FIELDS = ("num_layers", "num_kv_heads", "head_size", "block_size", "dtype_name")
+_MATCH_FIELDS = ("num_layers", "num_kv_heads", "head_size", "block_size", "dtype_name", "num_planes")
 
 
 class LayoutMismatchError(QlinkError, ValueError):
@@ -91,6 +96,7 @@ class KVCacheSpec:
     block_size: int = 16
     dtype_name: str = "bfloat16"
     num_blocks: int = 0
+    num_planes: int = 2  # 2: separate K and V planes; 1: one K+V slab per block (vLLM CPU)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -101,6 +107,9 @@ class KVCacheSpec:
             raise ValueError(f"num_blocks must be a non-negative integer, got {self.num_blocks!r}")
         if self.dtype_name not in DTYPES:
             raise ValueError(f"dtype_name must be one of {sorted(DTYPES)}, got {self.dtype_name!r}")
+        if self.num_planes not in (1, 2):
+            raise ValueError(f"num_planes must be 2 (K and V planes) or 1 (one K+V slab per block), "
+                             f"got {self.num_planes!r}")
 
     # ----- sizes ---------------------------------------------------------------
     @property
@@ -119,16 +128,25 @@ class KVCacheSpec:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block of one plane (K or V) of one layer."""
-        return self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+        """Bytes of one block of one plane (K or V) of one layer; with ``num_planes=1``,
+        of one block's K and V together."""
+        return (2 // self.num_planes) * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
 
     @property
-    def layer_shape(self) -> tuple[int, int, int, int, int]:
+    def layer_shape(self) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, heads, head_size)``; with ``num_planes=1``
+        ``(num_blocks, heads, block_size, 2 * head_size)``.
+
+        >>> preset("tiny", num_blocks=3, num_planes=1).layer_shape
+        (3, 2, 4, 32)
+        """
+        if self.num_planes == 1:
+            return (self.num_blocks, self.num_kv_heads, self.block_size, 2 * self.head_size)
         return (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
 
     @property
     def layer_nbytes(self) -> int:
-        return 2 * self.num_blocks * self.block_nbytes
+        return self.num_planes * self.num_blocks * self.block_nbytes
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +189,7 @@ class KVCacheSpec:
     # ----- wire form -----------------------------------------------------------
     def to_bytes(self) -> bytes:
         return _SPEC.pack(_SPEC_MAGIC, self.num_layers, self.num_kv_heads, self.head_size, self.block_size,
-                          self.num_blocks, _DTYPE_CODES[self.dtype_name])
+                          self.num_blocks, _DTYPE_CODES[self.dtype_name], 0 if self.num_planes == 2 else self.num_planes)
 
     @classmethod
     def from_bytes(cls, data) -> "KVCacheSpec":
@@ -179,14 +197,14 @@ class KVCacheSpec:
         mv = memoryview(data).cast("B")
         if len(mv) != _SPEC.size:
             raise LayoutMismatchError(f"KV spec must be {_SPEC.size} bytes, got {len(mv)}", field="encoding")
-        magic, nl, nh, hs, bs, nb, code = _SPEC.unpack_from(mv, 0)
+        magic, nl, nh, hs, bs, nb, code, planes = _SPEC.unpack_from(mv, 0)
         if magic != _SPEC_MAGIC:
             raise LayoutMismatchError(f"KV spec has bad magic {magic!r}, expected {_SPEC_MAGIC!r}", field="encoding")
         if code not in _DTYPE_NAMES:
             raise LayoutMismatchError(f"KV spec has unknown dtype code {code}", field="dtype_name")
         try:
             return cls(num_layers=nl, num_kv_heads=nh, head_size=hs, block_size=bs, dtype_name=_DTYPE_NAMES[code],
-                       num_blocks=nb)
+                       num_blocks=nb, num_planes=planes or 2)
         except ValueError as e:
             raise LayoutMismatchError(f"KV spec from peer is invalid: {e}", field="encoding") from None
 
@@ -201,7 +219,7 @@ PRESETS: dict[str, tuple[int, int, int, str, int]] = {
 }
 
 
-def preset(name: str, *, num_blocks: int = 0, block_size: int | None = None) -> KVCacheSpec:
+def preset(name: str, *, num_blocks: int = 0, block_size: int | None = None, num_planes: int = 2) -> KVCacheSpec:
     """A named layout (``PRESETS``) with ``num_blocks`` blocks.
 
     >>> preset("llama-3-70b", num_blocks=2).layer_shape
@@ -212,7 +230,7 @@ def preset(name: str, *, num_blocks: int = 0, block_size: int | None = None) -> 
     except KeyError:
         raise ValueError(f"unknown KV preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
     return KVCacheSpec(num_layers=nl, num_kv_heads=nh, head_size=hs, block_size=bs if block_size is None else block_size,
-                       dtype_name=dt, num_blocks=num_blocks)
+                       dtype_name=dt, num_blocks=num_blocks, num_planes=num_planes)
 
 
 def _cupy():
@@ -280,7 +298,7 @@ class KVCache:
                 flat[...] = _cupy().asarray(rng.integers(0, 256, size=flat.size, dtype=np.uint8))
 
     def block_checksums(self, block_ids, *, layers=None) -> np.ndarray:
-        """CRC-32 of every (layer, plane, block): shape ``(len(layers), 2, len(block_ids))``.
+        """CRC-32 of every (layer, plane, block): shape ``(len(layers), num_planes, len(block_ids))``.
 
         Compare the sender's checksums of its source blocks with the receiver's of the
         destination blocks to check a transfer bit for bit.
@@ -291,12 +309,13 @@ class KVCache:
         if ids.size and (ids.min() < 0 or ids.max() >= self.spec.num_blocks):
             raise IndexError(f"block ids must be in [0, {self.spec.num_blocks}), got range [{ids.min()}, {ids.max()}]")
         layer_ids = range(self.spec.num_layers) if layers is None else list(layers)
-        out = np.zeros((len(layer_ids), 2, ids.size), dtype=np.uint32)
+        planes = self.spec.num_planes
+        out = np.zeros((len(layer_ids), planes, ids.size), dtype=np.uint32)
         for li, layer in enumerate(layer_ids):
             a = self.layers[layer]
             if self.device != "cpu":
                 a = a.get()
-            for kind in (0, 1):
+            for kind in range(planes):
                 for j, b in enumerate(ids):
-                    out[li, kind, j] = zlib.crc32(a[kind, b].tobytes())
+                    out[li, kind, j] = zlib.crc32((a[kind, b] if planes == 2 else a[b]).tobytes())
         return out

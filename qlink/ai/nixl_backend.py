@@ -351,7 +351,8 @@ class NixlKVReceiver(_ReceiverBase):
         rng = _layers_of(layers, self.spec.num_layers)
         t0 = time.monotonic_ns()
         plan = plan_transfer(src_block_ids, dst_block_ids, src_num_blocks=self._peer.spec.num_blocks,
-                             dst_num_blocks=self.spec.num_blocks, block_nbytes=self.spec.block_nbytes)
+                             dst_num_blocks=self.spec.num_blocks, block_nbytes=self.spec.block_nbytes,
+                             num_planes=self.spec.num_planes)
         nx = self._nx
         handles = []
         try:

