@@ -95,16 +95,36 @@ def as_byte_view(obj) -> memoryview:
 
 _shared_lock = threading.Lock()
 _shared_blocks: dict[int, tuple[int, int]] = {}  # base address -> (memfd, nbytes)
+# Blocks whose memory is gone, not yet forgotten. A block is released by a weakref finalizer,
+# which the garbage collector may run in any thread at any allocation -- also in a thread
+# that holds _shared_lock (inside shared_fd_of, say): waiting for the lock there would
+# deadlock that thread. So the finalizer only notes the address (list.append is atomic) and
+# forgets the block itself only if it gets the lock at once; otherwise the next holder does.
+_released: list[tuple[int, int]] = []  # (base address, memfd)
 
 
-def _release_block(address: int) -> None:
-    with _shared_lock:
-        entry = _shared_blocks.pop(address, None)
-    if entry is not None:
+def _forget_released() -> None:
+    """Close the memfds of released blocks (the caller holds _shared_lock). A block is
+    forgotten only if its entry still names that memfd: the address may already belong
+    to a newer block (the memfd, still open until here, cannot)."""
+    while _released:
+        address, fd = _released.pop()
+        entry = _shared_blocks.get(address)
+        if entry is not None and entry[0] == fd:
+            del _shared_blocks[address]
         try:
-            os.close(entry[0])
+            os.close(fd)
         except OSError:
             pass
+
+
+def _release_block(address: int, fd: int) -> None:
+    _released.append((address, fd))
+    if _shared_lock.acquire(blocking=False):
+        try:
+            _forget_released()
+        finally:
+            _shared_lock.release()
 
 
 def alloc(shape, dtype=np.uint8) -> np.ndarray:
@@ -129,8 +149,9 @@ def alloc(shape, dtype=np.uint8) -> np.ndarray:
     base = np.frombuffer(mm, dtype=np.uint8)
     address = base.ctypes.data
     with _shared_lock:
+        _forget_released()  # (a block released earlier may have had this very address)
         _shared_blocks[address] = (fd, nbytes)
-    weakref.finalize(mm, _release_block, address)
+    weakref.finalize(mm, _release_block, address, fd)
     return base[:nbytes].view(dtype).reshape(shape)
 
 
@@ -141,6 +162,7 @@ def shared_fd_of(array) -> tuple[int, int, int] | None:
     addr = array.__array_interface__["data"][0]
     nbytes = array.nbytes
     with _shared_lock:
+        _forget_released()
         blocks = list(_shared_blocks.items())
     for base, (fd, size) in blocks:
         if base <= addr and addr + nbytes <= base + max(size, 1):
