@@ -297,6 +297,9 @@ def build_parser() -> Parser:
                                                                   choices=checks.ROUND_TRIP_TRANSPORTS),
                                 v, where=where),
                             help=f"round-trip transports, of {','.join(checks.ROUND_TRIP_TRANSPORTS)}")
+        if name == "decoders":
+            bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
+                            help="code distances, odd >= 3 (default 3,5; --quick 3)")
         if name == "qec":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 5,7,11,17; --quick 5,7)")

@@ -39,6 +39,7 @@ import copy
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -93,7 +94,9 @@ def _import_yaml():
 
 
 def _looks_like_path(source: str) -> bool:
-    return "\n" not in source and not source.lstrip().startswith(("{", "decoders")) and len(source) < 4096
+    """One line that is not a YAML/JSON document (a file may well be called decoders.yaml)."""
+    return ("\n" not in source and len(source) < 4096 and not source.lstrip().startswith("{")
+            and re.match(r"\s*decoders\s*:", source) is None)
 
 
 def config_file(source) -> Path | None:
