@@ -13,9 +13,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
@@ -57,20 +54,14 @@ def format_table(rows: list[dict], *, columns: list[str] | None = None) -> str:
 
 def environment() -> dict:
     """Facts about the machine a result was measured on (for the JSON header)."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    cpu = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from .conditions import host_facts
+
+    host = host_facts()
     return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "num_cpus": os.cpu_count(),
+        "python": host["python"],
+        "platform": host["platform"],
+        "cpu": host["cpu_model"],
+        "num_cpus": host["num_cpus"],
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
