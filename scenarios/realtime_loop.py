@@ -57,14 +57,14 @@ def _mode_summary(res, *, deadline_ns: int) -> dict:
 
 def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_loop", distance: int | None = None,
         rounds: int | None = None, p: float = 0.001, num_shots: int | None = None, cycle_ns: int = 1100,
-        rounds_per_frame: int = 0, shots_per_frame: int = 1, deadline_ns: int = DEFAULT_DEADLINE_NS, seed: int = 1,
+        rounds_per_frame: int = 1, shots_per_frame: int = 1, deadline_ns: int = DEFAULT_DEADLINE_NS, seed: int = 1,
         quick: bool = False,
         decoder: str = "pymatching", feed_forward: bool = True, progress: bool = True,
         service_url: str | None = None) -> dict:
     """Run the streaming loop (and the feed-forward loop); return their summaries and traces.
 
-    ``rounds_per_frame`` 0 sends each shot's rounds in one frame after its last
-    round; 1 streams round by round; ``shots_per_frame`` > 1 batches whole shots. With ``out`` writes ``realtime_loop.json`` and
+    ``rounds_per_frame`` 1 (the default) streams round by round, each round its own frame on its
+    tick, as a QPU controller does; 0 sends each shot's rounds in one frame after its last round; ``shots_per_frame`` > 1 batches whole shots. With ``out`` writes ``realtime_loop.json`` and
     ``backlog.png``, ``ler_deadline.png``, ``reaction_cdf.png`` there.
 
     ``service_url`` drives a decoder server that is already running (any server speaking
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decoder", default="pymatching", help="a decoder of qlink.qec.decoders.BUILT_IN_DECODERS",
                     **checked(checks.decoder))
     ap.add_argument("--cycle-ns", default=1100, help="syndrome cycle", **checked(checks.count))
-    ap.add_argument("--rounds-per-frame", default=0, help="rounds per frame (0: the whole shot)",
+    ap.add_argument("--rounds-per-frame", default=1, help="rounds per frame (0: the whole shot)",
                     **checked(checks.non_negative))
     ap.add_argument("--shots-per-frame", default=1, **checked(checks.count),
                     help="whole shots per frame and per answer (throughput for reaction time)")

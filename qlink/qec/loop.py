@@ -341,7 +341,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
                 counter, rid, get_rid = warm.counter, warm.next_request_id, warm.next_get_request_id
             if engine == "native":
                 ctl = make(ep, stream, counter_start=counter, request_id_start=rid, get_request_id_start=get_rid,
-                           **ctl_kw)
+                           keep_lag_frames=min(stream.num_shots * frames_per_shot, 4_000_000), **ctl_kw)
             else:
                 ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
                                  request_id_start=rid, get_request_id_start=get_rid, **ctl_kw)
