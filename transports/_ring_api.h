@@ -14,6 +14,15 @@
 #define QLINK_RING_API_H
 #include <stdint.h>
 
+/* a polite busy-wait step, for the spin loops of the ring and of the code that uses it */
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
 #define QLINK_RING_API_CAPSULE "transports._ringc._C_API"
 #define QLINK_RING_API_VERSION 1
 

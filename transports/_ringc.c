@@ -23,14 +23,6 @@
 #error "the qlink ring layout is little-endian; this build target is not"
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
-
 #define HEADER_NBYTES 512
 #define REC_HDR 16
 #define MIN_DATA_NBYTES 1024ULL

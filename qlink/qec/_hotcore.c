@@ -36,14 +36,6 @@
 #error "the CUDA-Q realtime wire is little-endian; this build target is not"
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
-
 static qlink_ring_api *RAPI;
 
 static inline int64_t mono_ns(void) {
