@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import QlinkError
 
-__all__ = ["Decoder", "CompiledDecoder", "DecoderUnavailableError"]
+__all__ = ["Decoder", "CompiledDecoder", "PackedCompiledDecoder", "DecoderUnavailableError"]
 
 
 class DecoderUnavailableError(QlinkError):
@@ -86,6 +86,32 @@ class CompiledDecoder(abc.ABC):
         ``(num_shots, ceil(num_detectors / 8))`` uint8 -> ``(num_shots, ceil(num_observables / 8))``."""
         pred = self.decode_batch(bit_packed_detection_event_data, bit_packed=True)
         return np.packbits(pred, axis=1, bitorder="little")
+
+
+class PackedCompiledDecoder(CompiledDecoder):
+    """A compiled decoder whose library decodes bit-packed shots itself: subclasses implement
+    ``_decode_packed(rows)`` (``(num_shots, ceil(D/8))`` uint8, C-contiguous, at least one
+    shot -> ``(num_shots, ceil(O/8))`` packed flips); the checks, the empty batch and the
+    unpacked entry points are shared here."""
+
+    @abc.abstractmethod
+    def _decode_packed(self, dets: np.ndarray) -> np.ndarray:
+        """(num_shots, ceil(num_detectors/8)) uint8 -> (num_shots, ceil(num_observables/8)) uint8."""
+
+    def decode_shots_bit_packed(self, bit_packed_detection_event_data) -> np.ndarray:
+        dets = np.asarray(bit_packed_detection_event_data)
+        if dets.ndim != 2:
+            raise ValueError(f"expected a 2-D (num_shots, bytes) array, got shape {dets.shape}")
+        self._check_width(dets.shape[1], bit_packed=True)
+        nbo = (self.num_observables + 7) // 8
+        if dets.shape[0] == 0:
+            return np.zeros((0, nbo), np.uint8)
+        pred = self._decode_packed(np.ascontiguousarray(dets, dtype=np.uint8))
+        return np.asarray(pred, dtype=np.uint8).reshape(dets.shape[0], nbo)
+
+    def _decode_unpacked(self, dets: np.ndarray) -> np.ndarray:
+        packed = self.decode_shots_bit_packed(np.packbits(dets, axis=1, bitorder="little"))
+        return np.unpackbits(packed, axis=1, count=self.num_observables, bitorder="little")
 
 
 class Decoder(abc.ABC):

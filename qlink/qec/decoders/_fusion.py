@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import missing
-from ._base import CompiledDecoder, Decoder
+from ._base import Decoder, PackedCompiledDecoder
 
 __all__ = ["FusionBlossomDecoder", "CompiledFusionBlossomDecoder"]
 
@@ -32,28 +32,15 @@ def _sinter_fusion():
     return sinter.BUILT_IN_DECODERS["fusion_blossom"]
 
 
-class CompiledFusionBlossomDecoder(CompiledDecoder):
+class CompiledFusionBlossomDecoder(PackedCompiledDecoder):
     """sinter's compiled fusion-blossom decoder for ``dem``."""
 
     def __init__(self, dem):
         self.num_detectors, self.num_observables = dem.num_detectors, dem.num_observables
         self.decoder = _sinter_fusion().compile_decoder_for_dem(dem=dem)
 
-    def decode_shots_bit_packed(self, bit_packed_detection_event_data) -> np.ndarray:
-        dets = np.asarray(bit_packed_detection_event_data)
-        if dets.ndim != 2:
-            raise ValueError(f"expected a 2-D (num_shots, bytes) array, got shape {dets.shape}")
-        self._check_width(dets.shape[1], bit_packed=True)
-        nbo = (self.num_observables + 7) // 8
-        if dets.shape[0] == 0:
-            return np.zeros((0, nbo), np.uint8)
-        pred = self.decoder.decode_shots_bit_packed(
-            bit_packed_detection_event_data=np.ascontiguousarray(dets, dtype=np.uint8))
-        return np.asarray(pred, dtype=np.uint8).reshape(dets.shape[0], nbo)
-
-    def _decode_unpacked(self, dets: np.ndarray) -> np.ndarray:
-        packed = self.decode_shots_bit_packed(np.packbits(dets, axis=1, bitorder="little"))
-        return np.unpackbits(packed, axis=1, count=self.num_observables, bitorder="little")
+    def _decode_packed(self, dets: np.ndarray) -> np.ndarray:
+        return self.decoder.decode_shots_bit_packed(bit_packed_detection_event_data=dets)
 
 
 class FusionBlossomDecoder(Decoder):
