@@ -22,7 +22,7 @@ import textwrap
 
 from . import checks
 
-__all__ = ["Parser", "ListAction", "CheckedAction", "typed", "run_main"]
+__all__ = ["Parser", "ListAction", "CheckedAction", "checked", "typed", "run_main"]
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -89,6 +89,12 @@ class CheckedAction(argparse.Action):
             setattr(namespace, self.dest, self.check(values, where=option_string or self.dest))
         except checks.UsageError as e:
             parser.error(str(e))
+
+
+def checked(check, **options) -> dict:
+    """``add_argument`` keywords that check a value with ``check(value, where=..., **options)``
+    (one of :mod:`qlink.checks`) as it is parsed."""
+    return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **options))
 
 
 class ListAction(CheckedAction):

@@ -225,10 +225,7 @@ def _fabric(value, *, where):
 
 def main(argv: list[str] | None = None) -> int:
     from qlink import checks
-    from qlink._argparse import CheckedAction, ListAction, Parser
-
-    def checked(check, **kw):
-        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
+    from qlink._argparse import ListAction, Parser, checked
 
     def listed(check):
         return dict(action=ListAction, check=lambda v, where: checks.list_of(check, v, where=where))

@@ -494,11 +494,8 @@ def _kv_transport(value, *, where: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from qlink import checks
-    from qlink._argparse import CheckedAction, Parser
+    from qlink._argparse import Parser, checked
     from qlink.ai import PRESETS
-
-    def checked(check, **kw):
-        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
 
     p = Parser(description=__doc__.split("\n\n")[0],
                examples="python scenarios/kv_disagg.py --quick\n"

@@ -199,10 +199,7 @@ def plot_threshold(rows: list[dict], path, *, transport: str = "") -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from qlink import checks
-    from qlink._argparse import CheckedAction, ListAction, Parser
-
-    def checked(check, **kw):
-        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
+    from qlink._argparse import ListAction, Parser, checked
 
     ap = Parser(description=__doc__.split("\n\n")[0],
                 examples="python scenarios/qec_memory.py --quick\n"

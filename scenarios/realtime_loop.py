@@ -188,10 +188,7 @@ def _plots(results: dict, report: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from qlink import checks
-    from qlink._argparse import CheckedAction, Parser
-
-    def checked(check, **kw):
-        return dict(action=CheckedAction, check=lambda v, where: check(v, where=where, **kw))
+    from qlink._argparse import Parser, checked
 
     ap = Parser(description=__doc__.split("\n\n")[0],
                 examples="python scenarios/realtime_loop.py --quick\n"
