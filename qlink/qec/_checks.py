@@ -29,5 +29,3 @@ def knob(name: str, value, minimum: float, *, above: bool = False, or_none: bool
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return value
 
-
-_knob = knob  # the name its callers use

@@ -104,16 +104,6 @@ def _need() -> None:
         raise QlinkError(_WHY)
 
 
-def native_rings(endpoint):
-    """The C rings of an shm endpoint (``CapabilityError`` for any other endpoint)."""
-    from qlink.errors import CapabilityError
-
-    get = getattr(endpoint, "native_rings", None)
-    if get is None:
-        raise CapabilityError(f"{type(endpoint).__name__} has no C rings: shm:// only")
-    return get()
-
-
 def native_link(endpoint) -> tuple:
     """What a native core moves frames through: an shm endpoint's ``(tx_ring, rx_ring)``, or
     a tcp endpoint's ``(socket_fd, bytes_already_read)`` (``CapabilityError`` otherwise)."""
@@ -357,7 +347,8 @@ class NativeDecoderService:
             "serve_busy_s": float(np.sum(ok["out_ns"] - ok["in_last_ns"])) / 1e9 if len(ok) else 0.0,
             "decoders": {str(did): {"num_detectors": dec.num_detectors, "num_observables": dec.num_observables,
                                     "capacity_shots": cfg.capacity_shots, "frames_per_shot": cfg.frames_per_shot,
-                                    "single_shot_call": dec.label}
+                                    "single_shot_call": dec.label,
+                                    "backlog_shots": self._core.backlog(did) if self._core is not None else 0}
                          for did, (cfg, dec) in self._decoders.items()},
             "first_decoder_error": self._core.first_error if self._core is not None else None,
         }

@@ -261,13 +261,12 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     url = resolve_url(transport if service_url is None else service_url)
     if engine not in ("auto", "python", "native"):
         raise ValueError(f"engine must be 'auto', 'python' or 'native', got {engine!r}")
-    if engine == "auto":
-        engine = "native" if rounds_per_frame >= 1 and _native_fits(url, shots_per_frame=shots_per_frame,
-                                          max_in_flight_shots=max_in_flight_shots, controller_query=controller_query,
-                                          service_url=service_url, controller_options=controller_options) else "python"
-    if engine == "native":
-        _check_native(url, shots_per_frame=shots_per_frame, max_in_flight_shots=max_in_flight_shots,
-                      controller_query=controller_query, service_url=service_url)
+    refusal = _native_refusal(url, shots_per_frame=shots_per_frame, max_in_flight_shots=max_in_flight_shots,
+                              controller_query=controller_query, service_url=service_url)
+    if engine == "auto":  # (the Python engine's own controller options and whole-shot frames keep it)
+        engine = "native" if refusal is None and rounds_per_frame >= 1 and not controller_options else "python"
+    if engine == "native" and refusal is not None:
+        raise ValueError(refusal)
     spec = _check_spec(source)
     src = build_source(spec)
     if stream is None:
@@ -372,29 +371,22 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
                      rounds_per_frame=rounds_per_frame, shots_per_frame=shots_per_frame, engine=engine)
 
 
-def _native_fits(url: str, *, shots_per_frame, max_in_flight_shots, controller_query, service_url,
-                 controller_options) -> bool:
-    from .hotpath import available
-
-    return (available() is None and url.startswith(("shm://", "tcp://")) and shots_per_frame == 1
-            and max_in_flight_shots is None
-            and controller_query is None and service_url is None and not controller_options)
-
-
-def _check_native(url: str, *, shots_per_frame: int, max_in_flight_shots, controller_query, service_url) -> None:
+def _native_refusal(url: str, *, shots_per_frame, max_in_flight_shots, controller_query, service_url) -> str | None:
+    """Why the native engine cannot serve this run (None: it can)."""
     from .hotpath import available
 
     why = available()
     if why is not None:
-        raise ValueError(f"engine='native' is not available here: {why}")
+        return f"engine='native' is not available here: {why}"
     if not url.startswith(("shm://", "tcp://")):
-        raise ValueError(f"engine='native' runs over shm:// and tcp:// only, got {url!r} (use engine='python' for it)")
+        return f"engine='native' runs over shm:// and tcp:// only, got {url!r} (use engine='python' for it)"
     for name, v, ok in (("shots_per_frame", shots_per_frame, shots_per_frame == 1),
                         ("max_in_flight_shots", max_in_flight_shots, max_in_flight_shots is None),
                         ("controller_query", controller_query, controller_query is None),
                         ("service_url", service_url, service_url is None)):
         if not ok:
-            raise ValueError(f"engine='native' does not take {name}={v!r} (the Python engine does)")
+            return f"engine='native' does not take {name}={v!r} (the Python engine does)"
+    return None
 
 
 def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: str, decoder: str, spec: dict,
