@@ -494,7 +494,8 @@ def backpressure_run(*, transport: str = "tcp", capacity_shots: int = 32, num_sh
     # only drain, and a controller held back by a full transport makes that tail long
     emitting = bt <= num_shots * stream.num_rounds * cycle_ns
     bl_e, bt_e = (bl[emitting], bt[emitting]) if emitting.sum() > 3 else (bl, bt)
-    return {"shots": num_shots, "capacity_shots": capacity_shots, "decoded": res.shots_ok,
+    return {"shots": num_shots, "emitted_rounds": num_shots * stream.num_rounds,
+            "capacity_shots": capacity_shots, "decoded": res.shots_ok,
             "reported_lost": res.shots_dropped, "failed": res.shots_failed,
             "busy_answers": res.statuses.get("enqueue.BUSY", 0), "max_decode_batch": max(seen) if seen else 0,
             "decode_calls": len(seen), "backlog_max_rounds": int(bl.max()) if bl.size else 0,

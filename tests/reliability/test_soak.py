@@ -18,7 +18,10 @@ def test_a_decoder_slower_than_the_cycle_meets_a_bounded_queue(transport):
     assert r["busy_answers"] == r["service_queue_full"] == r["reported_lost"]  # ... and each refused shot is reported
     assert r["max_decode_batch"] <= r["capacity_shots"]  # never more queued than the bound
     assert r["accounted_pct"] == 100.0 and r["decoded"] + r["reported_lost"] == r["shots"]
-    assert r["backlog_max_rounds"] > 10 * r["backlog_first_rounds"] and r["backlog_slope_rounds_per_s"] > 0
+    # the backlog grows while the QPU emits: it ends above half of all emitted rounds, whatever it
+    # was at the first sample (a loaded host can take that sample hundreds of rounds in)
+    assert r["backlog_max_rounds"] > max(r["backlog_first_rounds"], r["emitted_rounds"] // 2)
+    assert r["backlog_slope_rounds_per_s"] > 0
     assert r["rss_growth_kib"] < 64 * 1024
 
 
