@@ -10,6 +10,18 @@ polled until done. The receiver polls ``get_new_notifs`` and reports layers exac
 as :class:`~qlink.ai.KVReceiver` does. READ (the decode side pulls) works too:
 :meth:`NixlKVReceiver.read_request`.
 
+Agents are set up the way vLLM's ``NixlConnector`` runs them: UCX chooses its own
+transports (qlink sets no ``UCX_TLS`` for NIXL), one registered region per layer cache,
+and NIXL's progress thread on. NIXL's Python API starts that thread with no delay
+between progress calls (``pthrDelay=0``), so an idle agent busy-polls a whole core;
+``progress_delay_us`` (default :data:`PROGRESS_DELAY_US`, 100 µs) gives it a pause
+instead. NIXL's start-up pins the calling thread to one core; the affinity the thread
+had before is restored once the agent is up. :meth:`NixlKVReceiver.read_request` pulls
+a whole request the way vLLM's decode side does: descriptor lists of every (layer,
+plane, block) prepared once per agent pair (``prep_xfer_dlist``), then ONE
+``make_prepped_xfer("READ", ...)`` per request over all its layers, with a
+notification to the sender when it is done.
+
 NIXL's status strings become :class:`XferState`; its failures become qlink errors:
 ``"ERR"`` or a remote disconnect -> :class:`~qlink.errors.BrokenLinkError`, an address
 outside registered memory -> :class:`~qlink.errors.RegistrationError`, anything else
@@ -25,6 +37,7 @@ import enum
 import itertools
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -55,9 +68,14 @@ from ._receiver import _ReceiverBase
 from .engine import KVSender, KVSendRequest
 from .kv import KVCache, KVCacheSpec
 
-__all__ = ["NixlKVSender", "NixlKVReceiver", "XferState", "NixlError", "nixl_available"]
+__all__ = ["NixlKVSender", "NixlKVReceiver", "XferState", "NixlError", "nixl_available", "PROGRESS_DELAY_US"]
 
 _names = itertools.count()
+#: Pause between two progress calls of NIXL's progress thread (µs); NIXL's Python API uses 0.
+PROGRESS_DELAY_US = 100
+#: UCX worker threads of an agent: vLLM's NixlConnector default (its extra config "num_threads").
+NUM_THREADS = 4
+_CONFIG_LOCK = threading.Lock()
 
 
 class NixlError(QlinkError):
@@ -126,19 +144,71 @@ def _check(state: str, what: str) -> XferState:
     return st
 
 
-class _Agent:
-    """One NIXL agent with the cache's layers registered as DRAM."""
+def _make_agent(name: str, *, backends: list[str], progress_thread: bool, progress_delay_us: int | None,
+                num_threads: int = 0):
+    """``nixl_agent(name, ...)`` with the progress thread pausing ``progress_delay_us``
+    between progress calls (None: NIXL's own 0), and the calling thread's CPU affinity
+    as it was before (NIXL's start-up pins it to one core)."""
+    nixl_agent, nixl_agent_config = _nixl()
+    from nixl_cu12 import _api
 
-    def __init__(self, cache: KVCache, *, name: str | None, backends: tuple[str, ...], progress_thread: bool = True):
+    conf = nixl_agent_config(backends=backends, enable_prog_thread=progress_thread, num_threads=int(num_threads))
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        if progress_delay_us is None:
+            return nixl_agent(name, conf)
+        with _CONFIG_LOCK:
+            real = _api.nixlBind
+            _api.nixlBind = _BindWithDelay(real, int(progress_delay_us))
+            try:
+                return nixl_agent(name, conf)
+            finally:
+                _api.nixlBind = real
+    finally:
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+
+
+class _BindWithDelay:
+    """NIXL's bindings module, except that an agent config made through it keeps a
+    progress-thread delay of at least ``delay_us`` (NIXL's Python API sets 0)."""
+
+    def __init__(self, real, delay_us: int):
+        base = real.nixlAgentConfig
+
+        class Config(base):
+            @property
+            def pthrDelay(self):  # noqa: N802 - NIXL's name
+                return base.pthrDelay.__get__(self)
+
+            @pthrDelay.setter
+            def pthrDelay(self, value):  # noqa: N802
+                base.pthrDelay.__set__(self, max(int(value), delay_us))
+
+        self._real = real
+        self.nixlAgentConfig = Config
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _Agent:
+    """One NIXL agent with the cache's layers registered as DRAM, one region per layer."""
+
+    def __init__(self, cache: KVCache, *, name: str | None, backends: tuple[str, ...], progress_thread: bool = True,
+                 progress_delay_us: int | None = PROGRESS_DELAY_US, num_threads: int = NUM_THREADS):
         if cache.device != "cpu":
             raise CapabilityError("the NIXL backend here registers host (DRAM) caches only; use device='cpu'")
-        nixl_agent, nixl_agent_config = _nixl()
         self.name = name or f"qlink-kv-{os.getpid()}-{next(_names)}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends),
-                                                                  enable_prog_thread=progress_thread))
+            self.agent = _make_agent(self.name, backends=list(backends), progress_thread=progress_thread,
+                                     progress_delay_us=progress_delay_us, num_threads=num_threads)
+        except QlinkError:
+            raise
         except Exception as e:  # noqa: BLE001 - NIXL raises plain exceptions
             raise _as_qlink(e, "creating the agent") from e
+        self.spec = cache.spec
+        self._prepped: dict = {}  # peer name -> (local handle, remote handle)
         self.addrs = np.array([a.ctypes.data for a in cache.layers], dtype=np.uint64)
         self.layer_nbytes = cache.spec.layer_nbytes
         regs = np.stack([self.addrs, np.full_like(self.addrs, self.layer_nbytes), np.zeros_like(self.addrs)], axis=1)
@@ -170,6 +240,42 @@ class _Agent:
         arr[:, 2] = 0
         return self.agent.get_xfer_descs(arr, "DRAM")
 
+    def block_descs(self, addrs: np.ndarray) -> np.ndarray:
+        """Nx3 ``[addr, nbytes, 0]`` of every (layer, plane, block) of a cache whose layers
+        start at ``addrs``, in that order (index = (layer * planes + plane) * blocks + block)."""
+        spec = self.spec
+        bn = spec.block_nbytes
+        plane = np.arange(spec.num_planes, dtype=np.uint64)[:, None] * np.uint64(spec.num_blocks * bn)
+        block = np.arange(spec.num_blocks, dtype=np.uint64)[None, :] * np.uint64(bn)
+        offs = (plane + block).ravel()
+        arr = np.empty((addrs.size * offs.size, 3), dtype=np.uint64)
+        arr[:, 0] = (addrs.astype(np.uint64)[:, None] + offs[None, :]).ravel()
+        arr[:, 1] = bn
+        arr[:, 2] = 0
+        return arr
+
+    def prepped(self, peer: str, peer_addrs: np.ndarray, peer_num_blocks: int):
+        """Prepared descriptor lists (local, remote) for transfers with ``peer``, made once."""
+        if peer not in self._prepped:
+            if peer_num_blocks != self.spec.num_blocks:
+                raise CapabilityError("prepared NIXL descriptor lists need caches of the same num_blocks on both "
+                                      f"sides (here {self.spec.num_blocks}, peer {peer_num_blocks})")
+            try:
+                local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.block_descs(self.addrs), "DRAM")
+                remote = self.agent.prep_xfer_dlist(peer, self.block_descs(peer_addrs), "DRAM")
+            except Exception as e:  # noqa: BLE001
+                raise _as_qlink(e, "preparing descriptor lists") from e
+            self._prepped[peer] = (local, remote)
+        return self._prepped[peer]
+
+    def block_indices(self, block_ids: np.ndarray, layers: range) -> np.ndarray:
+        """Indices into :meth:`block_descs` of ``block_ids`` in every plane of ``layers``."""
+        spec = self.spec
+        rows = (np.arange(layers.start, layers.stop, dtype=np.int64)[:, None] * spec.num_planes
+                + np.arange(spec.num_planes, dtype=np.int64)[None, :]).ravel()
+        return (rows[:, None] * spec.num_blocks + np.asarray(block_ids, dtype=np.int64)[None, :]).ravel().astype(
+            np.int32)
+
     def start(self, op: str, local, remote, peer: str, notif: bytes, what: str):
         try:
             h = self.agent.initialize_xfer(op, local, remote, peer, notif)
@@ -184,6 +290,13 @@ class _Agent:
         return h
 
     def close(self) -> None:
+        for local, remote in self._prepped.values():
+            for h in (local, remote):
+                try:
+                    h.release()
+                except Exception:  # noqa: BLE001 - best effort on shutdown
+                    pass
+        self._prepped.clear()
         try:
             self.agent.deregister_memory(self.reg)
         except Exception:  # noqa: BLE001 - best effort on shutdown
@@ -198,10 +311,12 @@ class NixlKVSender(KVSender):
     :meth:`flush` waits for them."""
 
     def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",),
-                 progress_thread: bool = True):
+                 progress_thread: bool = True, progress_delay_us: int | None = PROGRESS_DELAY_US,
+                 num_threads: int = NUM_THREADS):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread)
+        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread,
+                          progress_delay_us=progress_delay_us, num_threads=num_threads)
         self.endpoint = endpoint
         self.cache = cache
         self.spec = cache.spec
@@ -291,10 +406,12 @@ class NixlKVReceiver(_ReceiverBase):
     sender's notifications arrive, and can pull (READ) blocks itself."""
 
     def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",),
-                 progress_thread: bool = True, max_requests: int = 65536):
+                 progress_thread: bool = True, progress_delay_us: int | None = PROGRESS_DELAY_US,
+                 num_threads: int = NUM_THREADS, max_requests: int = 65536):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread)
+        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread,
+                          progress_delay_us=progress_delay_us, num_threads=num_threads)
         self.endpoint = endpoint
         self.cache = cache
         self.spec = cache.spec
@@ -344,8 +461,11 @@ class NixlKVReceiver(_ReceiverBase):
     def read_request(self, request_id: int, src_block_ids, dst_block_ids, *, layers="all",
                      timeout_s: float | None = 10.0) -> TransferRecord:
         """READ: pull the sender's blocks ``src_block_ids`` into this cache's
-        ``dst_block_ids``, one NIXL transfer per layer, all in flight at once; returns when
-        all are DONE (layers reported in order)."""
+        ``dst_block_ids`` as vLLM's NixlConnector does: ONE prepared transfer over every
+        (layer, plane, block) of the request, indices into descriptor lists prepared once
+        per peer, the request id as the notification the sender receives when it is done.
+        Where the two caches differ in ``num_blocks`` (no shared list shape), one transfer
+        per layer from per-request descriptor lists instead. Returns when all is DONE."""
         request_id = _check_request_id(request_id)
         self.handshake(timeout_s=timeout_s)
         rng = _layers_of(layers, self.spec.num_layers)
@@ -354,29 +474,46 @@ class NixlKVReceiver(_ReceiverBase):
                              dst_num_blocks=self.spec.num_blocks, block_nbytes=self.spec.block_nbytes,
                              num_planes=self.spec.num_planes)
         nx = self._nx
+        what = f"READ of request {request_id}"
         handles = []
         try:
-            for layer in rng:
-                local = nx.descs(int(nx.addrs[layer]), plan.dst_offsets, plan.nbytes)
-                remote = nx.descs(int(self._peer_addrs[layer]), plan.src_offsets, plan.nbytes)
-                handles.append(nx.start("READ", local, remote, self._peer_name, b"",
-                                        f"READ of layer {layer} of request {request_id}"))
+            if self._peer.spec.num_blocks == self.spec.num_blocks:
+                local, remote = nx.prepped(self._peer_name, self._peer_addrs, self._peer.spec.num_blocks)
+                src = np.asarray(src_block_ids, dtype=np.int64).ravel()
+                dst = np.asarray(dst_block_ids, dtype=np.int64).ravel()
+                try:
+                    h = nx.agent.make_prepped_xfer("READ", local, nx.block_indices(dst, rng), remote,
+                                                   nx.block_indices(src, rng), str(request_id).encode())
+                    _check(nx.agent.transfer(h), what)
+                except QlinkError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    raise _as_qlink(e, what) from e
+                handles.append((rng, h))
+                num_descs = int(src.size) * self.spec.num_planes * len(rng)
+            else:
+                for layer in rng:
+                    local = nx.descs(int(nx.addrs[layer]), plan.dst_offsets, plan.nbytes)
+                    remote = nx.descs(int(self._peer_addrs[layer]), plan.src_offsets, plan.nbytes)
+                    handles.append((range(layer, layer + 1),
+                                    nx.start("READ", local, remote, self._peer_name, b"", f"{what}, layer {layer}")))
+                num_descs = plan.num_descs * len(rng)
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             ready = []
-            for layer, h in zip(rng, handles):
-                while not _check(nx.agent.check_xfer_state(h), f"READ of layer {layer} of request {request_id}").done:
+            for covered, h in handles:
+                while not _check(nx.agent.check_xfer_state(h), what).done:
                     if deadline is not None and time.monotonic() > deadline:
-                        raise QlinkTimeoutError(f"READ of request {request_id} not DONE within timeout_s={timeout_s}")
-                ready.append(time.monotonic_ns())
+                        raise QlinkTimeoutError(f"{what} not DONE within timeout_s={timeout_s}")
+                ready.extend([time.monotonic_ns()] * len(covered))
         finally:
-            for h in handles:
+            for _, h in handles:
                 try:
                     h.release()
                 except Exception:  # noqa: BLE001
                     pass
         rel = (np.array(ready, dtype=np.int64) - t0) / 1e3
         return TransferRecord(request_id=request_id, nbytes=plan.layer_nbytes * len(rng),
-                              num_descs=plan.num_descs * len(rng), num_layers=len(rng), transport=self.transport,
+                              num_descs=num_descs, num_layers=len(rng), transport=self.transport,
                               mode="nixl-read", submit_to_last_us=float(rel.max()),
                               layer_ready_us=tuple(float(x) for x in rel))
 

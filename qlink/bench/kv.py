@@ -12,14 +12,22 @@ in one run:
   receiver copies the blocks out of the sender's cache while it waits for them
   (``moved_by`` says which side copied: the receiver's ``pulled_bytes`` grew by the
   request's bytes, or not);
-* **NIXL** — the same blocks moved by NIXL's UCX backend between two processes
-  (:mod:`qlink.ai.nixl_backend`, its own process pair after the others);
-* **floor** — a NumPy copy of the same bytes here, layer by layer between distinct
-  memfd-backed buffers (one layer's K+V per copy, as the engine moves them; at most
-  ``FLOOR_NBYTES`` of buffers, cycled when a request is larger, each layer still far
-  beyond any CPU cache then), timed in the receiving process right before every transfer
-  round, so a busy machine slows both alike: each measured row's ``x_memcpy`` is the median
-  of its rounds' ratios, and the floor row the median of every round's copy;
+* **NIXL** — the same blocks moved by NIXL's UCX backend between two processes, set up
+  as vLLM's ``NixlConnector`` runs it (:mod:`qlink.ai.nixl_backend`): UCX choosing its own
+  transports, one registered region per layer cache, descriptor lists of every block
+  prepared once, the decode side pulling a whole request with ONE prepared ``READ``
+  (``make_prepped_xfer``) and a notification, the progress thread pausing 100 µs between
+  progress calls (NIXL's Python API busy-polls a core with 0) and the thread's CPU
+  affinity restored after NIXL's start-up pinned it; the moved bytes are checked;
+* **Mooncake** — the Mooncake Transfer Engine over TCP with ``P2PHANDSHAKE`` metadata,
+  one ``batch_transfer_sync_write`` of the request's merged block runs, at its default
+  TCP slice size (64 KiB) and at the 1 MiB its users set (:mod:`._kv_mooncake`); skipped,
+  with the reason, where it cannot run (it needs libibverbs1, libnl-3-200 and
+  libnl-route-3-200);
+* **floor** — the same pieces (merged descriptors, same block layout) copied inside the
+  receiver's warm cache, one C loop per layer with glibc's ``memcpy`` and with a streaming
+  copy, the faster of the two, best of every round (one right before each transfer round
+  of every backend): a busy moment never lowers it;
 * **overhead** — ``zlib.crc32`` over the same per-layer buffers: what end-to-end
   checksums (``KVSender(checksum=True)``) add on each side, beside the memcpy floor;
 * **modeled** — the same bytes over NVLink 4, PCIe 5 x16 and a 400 Gb/s NIC from
@@ -30,22 +38,23 @@ permutation: one descriptor per block and plane), so the per-block cost of descr
 preparation and submission shows (``prep_us_per_block``, ``submit_us_per_block``:
 amortized over layers x planes x blocks; submission is what the sender's thread spends
 issuing the layers: with a copy at submission it includes the copy, with deferred puts
-and NIXL it does not). Every measured row also carries its ratio to the memcpy floor of
-the same size.
+it does not). Every measured row carries its ratio to the floor of the same tokens and
+pattern (``x_memcpy``), every qlink row its ratio to NIXL (``x_nixl``) and to Mooncake's
+faster slice size (``x_mooncake``), all from the same run.
 
 **Goals** (:func:`kv_goals`, one row each: ``goal``, ``measured``, ``target``, ``met``; the
 CLI prints them and writes ``kv_goals.{json,csv}``): at each token count and block pattern,
-qlink over ``shm`` at least ``GOAL_SHM_X_MEMCPY`` (0.8) x the memcpy of the same bytes and
-at least NIXL's UCX backend moving the same blocks (``measured`` = shm / NIXL bandwidth,
-target 1), and descriptor preparation + submission over ``shm`` at most
-``GOAL_PREP_SUBMIT_US_PER_BLOCK`` (1 us) per block, amortized. ``met`` is None where a
-figure is missing (NIXL not installed, a transport skipped).
+qlink over ``shm`` at least ``GOAL_SHM_X_MEMCPY`` (0.9) x the warm memcpy floor; qlink over
+``ucx`` at least NIXL's UCX backend moving the same blocks between the same two processes;
+qlink over ``tcp`` at least ``GOAL_TCP_X_MOONCAKE`` (2) x Mooncake over TCP; descriptor
+preparation + submission over ``shm`` at most ``GOAL_PREP_SUBMIT_US_PER_BLOCK`` (1 us)
+per block, amortized. ``met`` is None where a figure is missing (a peer not installed,
+a transport skipped).
 
 Memory: each of the two processes holds one cache sized for the largest N that fits
-``memory_budget_nbytes`` (both caches together); a larger N is reported as skipped. The
-floor's buffers (``FLOOR_NBYTES``, 1 GiB at most) come on top, in the receiving process.
+``memory_budget_nbytes`` (both caches together); a larger N is reported as skipped.
 32,768 tokens of Llama-3-8B need 4 GiB per process, 8 GiB in all: inside the default
-10 GiB budget, 9 GiB with the floor, inside a 24 GiB machine with room to spare.
+10 GiB budget and a 24 GiB machine.
 
 On a 2-core machine the sender and the receiver each busy-poll a core during a transfer.
 """
@@ -60,48 +69,81 @@ import numpy as np
 from ._stats import ratio
 
 __all__ = ["run_kv_bench", "kv_goals", "memcpy_layers_s", "crc32_layers_s", "modeled_rows", "main_from_cli",
-           "LINK_NAMES", "FLOOR_NBYTES", "GOAL_SHM_X_MEMCPY", "GOAL_SHM_X_NIXL", "GOAL_PREP_SUBMIT_US_PER_BLOCK"]
+           "LINK_NAMES", "GOAL_SHM_X_MEMCPY", "GOAL_UCX_X_NIXL", "GOAL_TCP_X_MOONCAKE",
+           "GOAL_PREP_SUBMIT_US_PER_BLOCK"]
 
 # Modeled links, from the cited catalog in qlink.links: NVLink 4 (900 GB/s bidirectional,
 # 450 GB/s per direction), PCIe 5.0 x16 (~64 GB/s per direction), a 400 Gb/s NIC (50 GB/s).
 LINK_NAMES = {"nvlink4": "NVLink 4 (modeled)", "pcie5-x16": "PCIe 5 x16 (modeled)", "ib-ndr": "400 Gb/s NIC (modeled)"}
 
 #: What qlink's KV movement aims for (see the module docstring).
-GOAL_SHM_X_MEMCPY = 0.8
-GOAL_SHM_X_NIXL = 1.0
+GOAL_SHM_X_MEMCPY = 0.9
+GOAL_UCX_X_NIXL = 1.0
+GOAL_TCP_X_MOONCAKE = 2.0
 GOAL_PREP_SUBMIT_US_PER_BLOCK = 1.0
-#: Source and destination buffers of the memcpy floor together, at most.
-FLOOR_NBYTES = 1 << 30
 
 
-class _MemcpyFloor:
-    """Layer-sized NumPy copies between distinct memfd-backed buffers, for timing beside
-    each transfer round: two buffers of ``FLOOR_NBYTES / 2`` carved into layer slots (as
-    many distinct slots as fit, up to one per layer; cycled when the request is larger)."""
+class _Floor:
+    """The memcpy floor of a request: the same pieces (the request's merged descriptors, the
+    same block layout) copied inside one warm cache of the receiving process, each layer's
+    pieces out of another layer of that cache (a distinct source region per layer, no
+    cache-hot reuse) into this layer's destination pieces, in one C loop per layer
+    (``transports._ringc.copy_pieces``) with glibc's ``memcpy`` and with the streaming
+    (non-temporal) copy qlink's shm target uses: the floor is the faster of the two, best
+    of every round (``best[(tokens, pattern)]``), so a busy moment never lowers it."""
 
-    def __init__(self, *, max_layer_nbytes: int, num_layers: int, total_nbytes: int = FLOOR_NBYTES):
-        from qlink.memory import alloc
+    def __init__(self):
+        self.best: dict[tuple, tuple[float, str]] = {}  # (tokens, pattern) -> (seconds, copy kind)
+        self.rounds: dict[tuple, int] = {}
+        self._shadow = None
 
-        side = max(max_layer_nbytes, min(num_layers * max_layer_nbytes, total_nbytes // 2))
-        self.src = alloc(side, dtype=np.uint8)
-        self.dst = alloc(side, dtype=np.uint8)
-        self.src.fill(1)  # fault every page in before timing
-        self.dst.fill(0)
+    def copy_s(self, cache, plan, *, key: tuple) -> float:
+        """Seconds of the faster copy of ``plan``'s pieces in every layer of ``cache``;
+        recorded under ``key`` when it beats the best so far.
 
-    def copy_s(self, *, layer_nbytes: int, num_layers: int) -> float:
-        """Seconds to copy ``num_layers`` layers of ``layer_nbytes``, one NumPy copy each.
-
-        >>> f = _MemcpyFloor(max_layer_nbytes=1 << 16, num_layers=4)
-        >>> f.copy_s(layer_nbytes=1 << 12, num_layers=4) > 0
-        True
+        >>> from qlink.ai import KVCache, preset
+        >>> from qlink.ai._descriptors import plan_transfer
+        >>> spec = preset("tiny", num_blocks=8)
+        >>> cache = KVCache.allocate(spec)
+        >>> plan = plan_transfer([0, 3], [5, 1], src_num_blocks=8, dst_num_blocks=8, block_nbytes=spec.block_nbytes)
+        >>> f = _Floor()
+        >>> f.copy_s(cache, plan, key=(8, "scattered")) > 0, f.rounds[(8, "scattered")]
+        (True, 1)
         """
-        slots = max(1, min(num_layers, self.src.size // layer_nbytes))
-        src, dst = self.src, self.dst
-        t0 = time.perf_counter_ns()
-        for k in range(num_layers):
-            at = (k % slots) * layer_nbytes
-            np.copyto(dst[at:at + layer_nbytes], src[at:at + layer_nbytes])
-        return (time.perf_counter_ns() - t0) / 1e9
+        layers = [a.view(np.uint8).reshape(-1) for a in cache.layers]
+        if len(layers) == 1:  # no other layer to copy from: one more buffer like it
+            from qlink.memory import alloc
+
+            if self._shadow is None or self._shadow.size != layers[0].size:
+                self._shadow = alloc(layers[0].size, dtype=np.uint8)
+                self._shadow.fill(1)
+            srcs = [self._shadow]
+        else:
+            srcs = layers[1:] + layers[:1]
+        so = np.ascontiguousarray(plan.src_offsets, dtype=np.int64)
+        do = np.ascontiguousarray(plan.dst_offsets, dtype=np.int64)
+        ln = np.ascontiguousarray(plan.nbytes, dtype=np.int64)
+        times = {}
+        for kind in ("memcpy", "streamed"):
+            t0 = time.perf_counter_ns()
+            for src, dst in zip(srcs * len(layers), layers):
+                _copy_pieces(dst, src, so, do, ln, kind == "streamed")
+            times[kind] = (time.perf_counter_ns() - t0) / 1e9
+        kind = min(times, key=times.get)
+        self.rounds[key] = self.rounds.get(key, 0) + 1
+        if key not in self.best or times[kind] < self.best[key][0]:
+            self.best[key] = (times[kind], kind)
+        return times[kind]
+
+
+def _copy_pieces(dst, src, so, do, ln, streaming: bool) -> None:
+    try:
+        from transports._ringc import copy_pieces
+    except ImportError:  # no C extension built: NumPy per piece (slower: the floor is then lower)
+        for a, b, n in zip(so.tolist(), do.tolist(), ln.tolist()):
+            np.copyto(dst[b:b + n], src[a:a + n])
+        return
+    copy_pieces(dst, src, so, do, ln, streaming)
 
 
 def memcpy_layers_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3) -> float:
@@ -172,53 +214,94 @@ def _blocks(pattern: str, nblocks: int, capacity: int, rng) -> tuple[np.ndarray,
 
 
 def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repeats: int, say,
-                     floor: _MemcpyFloor, copies_s: dict) -> list[dict]:
-    """Transfer rounds of one backend, each right after a memcpy of the same bytes here
-    (its seconds go into ``copies_s[tokens]``)."""
+                     floor: _Floor) -> list[dict]:
+    """Transfer rounds of one backend, each right after a floor copy of the same pieces in
+    the receiver's cache. qlink: the peer sends, the receiver here waits for the last layer;
+    NIXL: the receiver here pulls the request with one prepared READ (vLLM's way)."""
+    from qlink.ai._descriptors import plan_transfer
     from qlink.ai._peer import open_link
 
     rows = []
     rng = np.random.default_rng(7)
+    nixl = backend == "nixl"
     with open_link(scheme, spec, seed=0, backend=backend, fill="touch") as (rx, cache, peer):
         for a in cache.layers:  # fault the receiver's pages in before any timing
             a.view(np.uint8).fill(0)
         rid = 0
         for n_tokens in token_list:
             nblocks = spec.blocks_for(num_tokens=n_tokens)
-            layer_nbytes = 2 * nblocks * spec.block_nbytes
             for pattern in patterns:
                 src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
-                times_us, subs, pulled, ratios, copy_gbps = [], [], [], [], []
+                plan = plan_transfer(src, dst, src_num_blocks=spec.num_blocks, dst_num_blocks=spec.num_blocks,
+                                     block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+                times_us, subs, pulled = [], [], []
                 for rep in range(repeats + 1):  # the first is a warm-up
                     rid += 1
-                    copy_s = floor.copy_s(layer_nbytes=layer_nbytes, num_layers=spec.num_layers)
+                    floor.copy_s(cache, plan, key=(n_tokens, pattern))
                     before = _pulled_bytes(rx)
-                    sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=600)
+                    if nixl:
+                        sub, rec = None, rx.read_request(rid, src, dst, timeout_s=600)
+                    else:
+                        sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=600)
                     if rep:
                         times_us.append(rec.submit_to_last_us)
                         subs.append(sub)
                         pulled.append(_pulled_bytes(rx) - before >= rec.nbytes)
-                        copies_s.setdefault(n_tokens, []).append(copy_s)
-                        copy_gbps.append(rec.nbytes / copy_s / 1e9)
-                        ratios.append((rec.nbytes / (rec.submit_to_last_us * 1e3)) / copy_gbps[-1])
+                if nixl:  # the bytes really moved: the sender fills layer k with k % 251 + 1
+                    _check_landed(cache, plan)
                 nbytes = rec.nbytes
                 t_us = float(np.median(times_us))
                 gbps = nbytes / (t_us * 1e3)
                 blocks = 2 * nblocks * spec.num_layers
-                label = "NIXL UCX" if backend == "nixl" else f"qlink {scheme} {sub.mode}"
+                label = "NIXL UCX READ" if nixl else f"qlink {scheme} {sub.mode}"
                 rows.append({
                     "case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
                     "p50_ms": float(f"{t_us / 1e3:.4g}"), "GBps": float(f"{gbps:.4g}"),
-                    "x_memcpy": float(f"{np.median(ratios):.3g}"),
-                    "memcpy_GBps": float(f"{np.median(copy_gbps):.4g}"),
                     "num_descs": rec.num_descs, "transport": rec.transport,
-                    "moved_by": "NIXL" if backend == "nixl" else "receiver" if all(pulled) else "sender",
-                    "prep_us_per_block": round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
-                    "submit_us_per_block": round(float(np.median([s.submit_us for s in subs])) / blocks, 4),
+                    "moved_by": "NIXL" if nixl else "receiver" if all(pulled) else "sender",
+                    "prep_us_per_block": None if nixl else
+                    round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
+                    "submit_us_per_block": None if nixl else
+                    round(float(np.median([s.submit_us for s in subs])) / blocks, 4),
                     "repeats": repeats,
                 })
-                say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s  {rec.num_descs} descriptors  "
-                    f"x{np.median(ratios):.2f} memcpy")
+                say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s  {rec.num_descs} descriptors")
+    return rows
+
+
+def _check_landed(cache, plan) -> None:
+    for k, a in enumerate(cache.layers):
+        v = a.view(np.uint8).reshape(-1)
+        if np.any(v[plan.dst_offsets] != k % 251 + 1):
+            raise RuntimeError(f"layer {k}: the moved blocks do not hold the sender's bytes")
+
+
+def _measure_mooncake(spec, token_list, patterns, repeats: int, say) -> list[dict]:
+    """Mooncake TE over TCP, one process pair per slice size (see :mod:`._kv_mooncake`)."""
+    from qlink.ai._descriptors import plan_transfer
+
+    from ._kv_mooncake import SLICE_SIZES, MooncakePair
+
+    rows = []
+    for slice_nbytes in SLICE_SIZES:
+        rng = np.random.default_rng(7)
+        label = f"Mooncake TE TCP, slice {slice_nbytes // 1024} KiB"
+        with MooncakePair(spec, slice_nbytes=slice_nbytes) as pair:
+            for n_tokens in token_list:
+                nblocks = spec.blocks_for(num_tokens=n_tokens)
+                for pattern in patterns:
+                    src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
+                    plan = plan_transfer(src, dst, src_num_blocks=spec.num_blocks, dst_num_blocks=spec.num_blocks,
+                                         block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+                    secs = [pair.write(plan, range(spec.num_layers)) for _ in range(repeats + 1)][1:]
+                    nbytes = plan.layer_nbytes * spec.num_layers
+                    t = float(np.median(secs))
+                    rows.append({"case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes,
+                                 "pattern": pattern, "p50_ms": float(f"{t * 1e3:.4g}"),
+                                 "GBps": float(f"{nbytes / t / 1e9:.4g}"),
+                                 "num_descs": plan.num_descs * spec.num_layers, "transport": "mooncake-tcp",
+                                 "moved_by": "Mooncake", "repeats": repeats, "slice_nbytes": slice_nbytes})
+                    say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {nbytes / t / 1e9:7.2f} GB/s")
     return rows
 
 
@@ -230,13 +313,15 @@ def _pulled_bytes(rx) -> int:
 
 def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: Iterable[int] = (512, 4096, 32768),
                  preset: str = "llama-3-8b", repeats: int = 3, patterns: Iterable[str] = ("contiguous", "scattered"),
-                 nixl: bool = True, memory_budget_nbytes: int = 10 << 30,
+                 nixl: bool = True, mooncake: bool = True, memory_budget_nbytes: int = 10 << 30,
                  progress: Callable[[str], None] = print) -> list[dict]:
     """Measure KV transfers of ``tokens``-token requests (see the module docstring); one dict per row.
 
     Rows carry ``case``, ``basis`` (measured / floor / overhead / modeled / skipped / error), ``tokens``,
     ``nbytes``, ``pattern``, ``p50_ms``, ``GBps``, ``x_memcpy`` and, when measured,
-    ``num_descs``, ``transport``, ``moved_by``, ``prep_us_per_block``, ``submit_us_per_block``.
+    ``num_descs``, ``transport``, ``moved_by``, ``prep_us_per_block``, ``submit_us_per_block``;
+    qlink rows also ``x_nixl`` and ``x_mooncake`` (its bandwidth over that peer's, same
+    tokens and pattern; Mooncake at its faster slice size).
     """
     from qlink.ai import preset as _preset
     from qlink.ai._peer import transport_unavailable
@@ -263,9 +348,9 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
     backends = [(s, "transport") for s in transports]
     if nixl:
         backends.append((None, "nixl"))
-    floor = _MemcpyFloor(max_layer_nbytes=base.kv_nbytes(num_tokens=fits[-1]) // spec.num_layers,
-                         num_layers=spec.num_layers)
-    copies_s: dict[int, list[float]] = {}
+    if mooncake:
+        backends.append((None, "mooncake"))
+    floor = _Floor()
     measured: list[dict] = []
     for scheme, backend in backends:
         if backend == "nixl":
@@ -274,7 +359,11 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
             scheme = next((s for s in ("shm", "tcp") if not transport_unavailable(s)), None)
             why = None if nixl_available() else "nixl-cu12 is not installed"
             why = why or (None if scheme else "no shm/tcp transport to carry the NIXL handshake")
-            name = "NIXL UCX"
+            name = "NIXL UCX READ"
+        elif backend == "mooncake":
+            from ._kv_mooncake import mooncake_unavailable
+
+            why, name = mooncake_unavailable(), "Mooncake TE TCP"
         else:
             why = transport_unavailable(scheme)
             name = f"qlink {scheme}"
@@ -282,34 +371,69 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
             measured.append({"case": name, "basis": "skipped", "note": why})
             progress(f"  {name}: skipped ({why})")
             continue
-        progress(f"{name}: {', '.join(map(str, fits))} tokens, {repeats} repeats + 1 warm-up, each beside a memcpy")
+        progress(f"{name}: {', '.join(map(str, fits))} tokens, {repeats} repeats + 1 warm-up")
         try:
-            measured.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, floor,
-                                             copies_s))
+            if backend == "mooncake":
+                measured.extend(_measure_mooncake(spec, fits, patterns, repeats, progress))
+            else:
+                measured.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, floor))
         except Exception as e:  # a failing backend is reported in the rows, the others still run
             measured.append({"case": name, "basis": "error", "note": f"{type(e).__name__}: {e}"})
             progress(f"  {name}: error {type(e).__name__}: {e}")
 
+    if not floor.best:  # nothing measured beside it: the floor alone, in a cache of its own
+        from qlink.ai import KVCache
+        from qlink.ai._descriptors import plan_transfer
+
+        cache = KVCache.allocate(spec)
+        for a in cache.layers:
+            a.view(np.uint8).fill(1)
+        rng = np.random.default_rng(7)
+        for t in fits:
+            for pattern in patterns:
+                src, dst = _blocks(pattern, spec.blocks_for(num_tokens=t), spec.num_blocks, rng)
+                plan = plan_transfer(src, dst, src_num_blocks=spec.num_blocks, dst_num_blocks=spec.num_blocks,
+                                     block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+                for _ in range(max(repeats, 3)):
+                    floor.copy_s(cache, plan, key=(t, pattern))
+        del cache
+    floor_gbps = {}
+    for (t, pattern), (s, kind) in sorted(floor.best.items()):
+        nb = base.kv_nbytes(num_tokens=t)
+        floor_gbps[(t, pattern)] = nb / s / 1e9
+        rows.append({"case": "memcpy floor (warm, same blocks)", "basis": "floor", "tokens": t, "nbytes": nb,
+                     "pattern": pattern, "p50_ms": round(s * 1e3, 3), "GBps": round(nb / s / 1e9, 3),
+                     "x_memcpy": 1.0, "repeats": floor.rounds[(t, pattern)],
+                     "note": f"best of {floor.rounds[(t, pattern)]} rounds, {kind} copy"})
+    _add_ratios(measured, floor_gbps)
     for t in fits:
         nb = base.kv_nbytes(num_tokens=t)
-        layer_nbytes = nb // spec.num_layers
-        samples = copies_s.get(t) or [floor.copy_s(layer_nbytes=layer_nbytes, num_layers=spec.num_layers)
-                                      for _ in range(max(repeats, 3))]  # nothing measured: the floor alone
-        s = float(np.median(samples))
-        memcpy_GBps = nb / s / 1e9
-        rows.append({"case": "numpy memcpy", "basis": "floor", "tokens": t, "nbytes": nb, "pattern": "per layer",
-                     "p50_ms": round(s * 1e3, 3), "GBps": round(memcpy_GBps, 3), "x_memcpy": 1.0,
-                     "repeats": len(samples)})
-    del floor  # its buffers go before the checksum buffers come
-    for t in fits:
-        nb = base.kv_nbytes(num_tokens=t)
-        memcpy_GBps = next(r["GBps"] for r in rows if r["basis"] == "floor" and r["tokens"] == t)
+        memcpy_GBps = max((g for (tt, _), g in floor_gbps.items() if tt == t), default=None)
         c = crc32_layers_s(layer_nbytes=nb // spec.num_layers, num_layers=spec.num_layers, repeats=max(repeats, 3))
         rows.append({"case": "CRC-32 (checksum=True, each side)", "basis": "overhead", "tokens": t, "nbytes": nb,
                      "pattern": "per layer", "p50_ms": round(c * 1e3, 3), "GBps": round(nb / c / 1e9, 3),
-                     "x_memcpy": ratio(nb / c / 1e9, memcpy_GBps)})
+                     "x_memcpy": ratio(nb / c / 1e9, memcpy_GBps) if memcpy_GBps else None})
         rows.extend(modeled_rows(nb, tokens=t, memcpy_GBps=memcpy_GBps))
     return rows + measured
+
+
+def _add_ratios(measured: list[dict], floor_gbps: dict) -> None:
+    """Each measured row's ``x_memcpy`` (over the floor of its tokens and pattern) and each
+    qlink row's ``x_nixl`` / ``x_mooncake`` (over that peer's best row of its tokens and pattern)."""
+    def peer(prefix: str, t, pattern):
+        g = [r["GBps"] for r in measured if r.get("basis") == "measured" and r["case"].startswith(prefix)
+             and r["tokens"] == t and r["pattern"] == pattern]
+        return max(g) if g else None
+
+    for r in measured:
+        if r.get("basis") != "measured":
+            continue
+        f = floor_gbps.get((r["tokens"], r["pattern"]))
+        r["x_memcpy"] = float(f"{r['GBps'] / f:.3g}") if f else None
+        if r["case"].startswith("qlink"):
+            for key, prefix in (("x_nixl", "NIXL"), ("x_mooncake", "Mooncake")):
+                g = peer(prefix, r["tokens"], r["pattern"])
+                r[key] = float(f"{r['GBps'] / g:.3g}") if g else None
 
 
 def kv_goals(rows: list[dict]) -> list[dict]:
@@ -317,11 +441,16 @@ def kv_goals(rows: list[dict]) -> list[dict]:
     and whether it was met (None where a figure is missing).
 
     >>> rows = [{"case": "qlink shm put", "basis": "measured", "tokens": 512, "pattern": "scattered",
-    ...          "GBps": 9.0, "x_memcpy": 0.85, "prep_us_per_block": 0.01, "submit_us_per_block": 0.02},
-    ...         {"case": "NIXL UCX", "basis": "measured", "tokens": 512, "pattern": "scattered", "GBps": 6.0}]
+    ...          "GBps": 9.0, "x_memcpy": 0.95, "prep_us_per_block": 0.01, "submit_us_per_block": 0.02},
+    ...         {"case": "qlink ucx put", "basis": "measured", "tokens": 512, "pattern": "scattered", "GBps": 4.0},
+    ...         {"case": "qlink tcp put", "basis": "measured", "tokens": 512, "pattern": "scattered", "GBps": 3.0},
+    ...         {"case": "NIXL UCX READ", "basis": "measured", "tokens": 512, "pattern": "scattered", "GBps": 5.0},
+    ...         {"case": "Mooncake TE TCP, slice 1024 KiB", "basis": "measured", "tokens": 512,
+    ...          "pattern": "scattered", "GBps": 1.0}]
     >>> [(g["goal"], g["measured"], g["met"]) for g in kv_goals(rows)]  # doctest: +NORMALIZE_WHITESPACE
-    [('shm >= 0.8 x memcpy at 512 tokens (scattered)', 0.85, True),
-     ('shm >= NIXL UCX at 512 tokens (scattered)', 1.5, True),
+    [('shm >= 0.9 x memcpy at 512 tokens (scattered)', 0.95, True),
+     ('ucx >= NIXL UCX at 512 tokens (scattered)', 0.8, False),
+     ('tcp >= 2 x Mooncake TCP at 512 tokens (scattered)', 3.0, True),
      ('shm prep + submit <= 1 us/block at 512 tokens (scattered)', 0.03, True)]
     """
     out: list[dict] = []
@@ -331,18 +460,22 @@ def kv_goals(rows: list[dict]) -> list[dict]:
         met = None if not ok else (measured >= target if higher_is_better else measured <= target)
         out.append({"goal": goal, "measured": measured if ok else None, "target": target, "met": met})
 
-    def find(case_start: str, t, pattern):
-        return next((r for r in rows if r.get("basis") == "measured" and r["case"].startswith(case_start)
-                     and r.get("tokens") == t and r.get("pattern") == pattern), None)
+    def best(case_start: str, t, pattern):
+        found = [r for r in rows if r.get("basis") == "measured" and r["case"].startswith(case_start)
+                 and r.get("tokens") == t and r.get("pattern") == pattern]
+        return max(found, key=lambda r: r["GBps"]) if found else None
 
     keys = sorted({(r["tokens"], r["pattern"]) for r in rows
                    if r.get("basis") == "measured" and r.get("pattern") and r.get("tokens") is not None})
     for t, pattern in keys:
-        shm, nixl = find("qlink shm", t, pattern), find("NIXL", t, pattern)
+        shm, ucx, tcp = best("qlink shm", t, pattern), best("qlink ucx", t, pattern), best("qlink tcp", t, pattern)
+        nixl, moon = best("NIXL", t, pattern), best("Mooncake", t, pattern)
         where = f"at {t} tokens ({pattern})"
         add(f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy {where}", shm and shm.get("x_memcpy"), GOAL_SHM_X_MEMCPY, True)
-        add(f"shm >= NIXL UCX {where}", ratio(shm["GBps"], nixl["GBps"]) if shm and nixl else None,
-            GOAL_SHM_X_NIXL, True)
+        add(f"ucx >= NIXL UCX {where}", ratio(ucx["GBps"], nixl["GBps"]) if ucx and nixl else None,
+            GOAL_UCX_X_NIXL, True)
+        add(f"tcp >= {GOAL_TCP_X_MOONCAKE:g} x Mooncake TCP {where}",
+            ratio(tcp["GBps"], moon["GBps"]) if tcp and moon else None, GOAL_TCP_X_MOONCAKE, True)
         per_block = None if shm is None else round(shm["prep_us_per_block"] + shm["submit_us_per_block"], 4)
         add(f"shm prep + submit <= {GOAL_PREP_SUBMIT_US_PER_BLOCK:g} us/block {where}", per_block,
             GOAL_PREP_SUBMIT_US_PER_BLOCK, False)
@@ -364,8 +497,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     meta = {"tokens": list(tokens), "repeats": repeats, "preset": "llama-3-8b"}
     write_results(rows, out_dir=out, name="kv", meta=meta)
     write_results(goals, out_dir=out, name="kv_goals", meta=meta)
-    cols = ["case", "basis", "tokens", "pattern", "GBps", "x_memcpy", "p50_ms", "num_descs", "moved_by",
-            "prep_us_per_block", "submit_us_per_block", "note"]
+    cols = ["case", "basis", "tokens", "pattern", "GBps", "x_memcpy", "x_nixl", "x_mooncake", "p50_ms",
+            "num_descs", "moved_by", "prep_us_per_block", "submit_us_per_block", "note"]
     print("\nKV-cache transfer, Llama-3-8B layout, two processes (modeled rows are link models, not measurements)")
     print(format_table(rows, columns=cols))
     print("\nKV goals (measured in this run; met is empty where a figure is missing)")

@@ -70,6 +70,28 @@ def test_read_pulls_the_senders_blocks(nixl_link):
         rx.read_request(201, [0], [RX_BLOCKS])
 
 
+def test_prepared_read_of_a_whole_request_is_bit_exact_and_notifies_the_sender():
+    """Caches of one shape: the pull is ONE prepared READ over every (layer, plane, block)
+    (vLLM's way), bit-exact for scattered blocks and a layer subset; the thread's CPU
+    affinity is what it was before the agent started."""
+    import os
+
+    before = os.sched_getaffinity(0)
+    with open_link(_control_scheme(), _spec(RX_BLOCKS), seed=SEED, backend="nixl") as (rx, cache, peer):
+        assert os.sched_getaffinity(0) == before
+        rng = np.random.default_rng(11)
+        src, dst = rng.permutation(RX_BLOCKS)[:13], rng.permutation(RX_BLOCKS)[:13]
+        rec = rx.read_request(400, src, dst, timeout_s=30)
+        assert rec.mode == "nixl-read" and rec.num_descs == 13 * cache.spec.num_planes * cache.spec.num_layers
+        assert (cache.block_checksums(dst) == peer.call("checksums", src, None)).all()
+        untouched = [b for b in range(RX_BLOCKS) if b not in set(dst.tolist())][:2]
+        was = cache.block_checksums(untouched, layers=range(0, 1))
+        rec = rx.read_request(401, [3, 4], untouched, layers=range(1, 3), timeout_s=30)
+        assert rec.num_layers == 2
+        assert (cache.block_checksums(untouched, layers=range(1, 3)) == peer.call("checksums", [3, 4], range(1, 3))).all()
+        assert (cache.block_checksums(untouched, layers=range(0, 1)) == was).all()  # layer 0 not pulled
+
+
 def test_layer_subset(nixl_link):
     rx, cache, peer = nixl_link
     before = cache.block_checksums([36, 37])

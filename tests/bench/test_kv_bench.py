@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from qlink.ai._peer import transport_unavailable
-from qlink.bench.kv import GOAL_PREP_SUBMIT_US_PER_BLOCK, GOAL_SHM_X_MEMCPY, kv_goals, modeled_rows, run_kv_bench
+from qlink.bench.kv import (
+    GOAL_PREP_SUBMIT_US_PER_BLOCK,
+    GOAL_SHM_X_MEMCPY,
+    GOAL_TCP_X_MOONCAKE,
+    kv_goals,
+    modeled_rows,
+    run_kv_bench,
+)
 
 
 @pytest.mark.timeout(120)
@@ -15,7 +22,7 @@ def test_kv_bench_rows_on_a_tiny_layout():
     if scheme is None:
         pytest.skip("no cross-process transport (shm, tcp) available")
     rows = run_kv_bench(transports=(scheme, "nosuch"), tokens=(16, 64, 1 << 20), preset="tiny", repeats=1,
-                        nixl=False, memory_budget_nbytes=1 << 20, progress=lambda _: None)
+                        nixl=False, mooncake=False, memory_budget_nbytes=1 << 20, progress=lambda _: None)
     by_basis = {}
     for r in rows:
         by_basis.setdefault(r["basis"], []).append(r)
@@ -26,16 +33,19 @@ def test_kv_bench_rows_on_a_tiny_layout():
         assert r["nbytes"] == r["tokens"] * 512 and r["GBps"] > 0 and r["num_descs"] >= 4
         assert r["x_memcpy"] > 0 and r["prep_us_per_block"] >= 0 and r["submit_us_per_block"] > 0
         assert r["moved_by"] == ("receiver" if scheme == "shm" else "sender")  # shm defers the copy to the receiver
-        assert r["memcpy_GBps"] > 0  # the floor timed beside this row's rounds
-    floor = {r["tokens"]: r for r in by_basis["floor"]}
-    assert set(floor) == {16, 64}
-    assert all(r["repeats"] == 2 for r in floor.values())  # one memcpy per timed round: two patterns x 1 repeat
+        assert r["x_nixl"] is None and r["x_mooncake"] is None  # no peer ran: no ratio against one
+    floor = {(r["tokens"], r["pattern"]): r for r in by_basis["floor"]}
+    assert set(floor) == {(t, p) for t in (16, 64) for p in ("contiguous", "scattered")}
+    assert all(r["repeats"] == 2 for r in floor.values())  # one floor copy per round: warm-up + 1 repeat
+    for r in measured:  # each row's ratio is over the floor of its own tokens and pattern
+        f = floor[(r["tokens"], r["pattern"])]["GBps"]
+        assert r["x_memcpy"] == pytest.approx(r["GBps"] / f, rel=0.02, abs=1e-3)
     goals = kv_goals(rows)
-    assert len(goals) == 2 * 2 * 3  # token counts x patterns x (memcpy, NIXL, per-block cost)
+    assert len(goals) == 2 * 2 * 4  # token counts x patterns x (memcpy, NIXL, Mooncake, per-block cost)
     for g in goals:
         assert set(g) == {"goal", "measured", "target", "met"}
-        if "NIXL" in g["goal"]:
-            assert g["measured"] is None and g["met"] is None  # nixl=False: no verdict without the figure
+        if "NIXL" in g["goal"] or "Mooncake" in g["goal"]:
+            assert g["measured"] is None and g["met"] is None  # peers off: no verdict without the figure
         elif scheme == "shm":
             assert g["measured"] > 0 and isinstance(g["met"], bool)
     crc = by_basis["overhead"]  # what checksum=True adds per side, beside the memcpy floor
@@ -58,18 +68,24 @@ def test_goal_verdicts_follow_the_figures():
         return {"case": case, "basis": "measured", "tokens": tokens, "pattern": "scattered", "GBps": gbps, **kw}
 
     rows = [row("qlink shm put", 512, 8.0, x_memcpy=0.9, prep_us_per_block=0.2, submit_us_per_block=0.7),
-            row("NIXL UCX", 512, 10.0),
+            row("qlink ucx put", 512, 4.0), row("NIXL UCX READ", 512, 5.0),
+            row("qlink tcp put", 512, 3.0),
+            row("Mooncake TE TCP, slice 64 KiB", 512, 1.0), row("Mooncake TE TCP, slice 1024 KiB", 512, 2.0),
             row("qlink shm put", 4096, 12.0, x_memcpy=0.7, prep_us_per_block=0.5, submit_us_per_block=0.6),
-            row("NIXL UCX", 4096, 6.0),
+            row("qlink ucx put", 4096, 6.0), row("NIXL UCX READ", 4096, 6.0),
             row("qlink tcp put", 4096, 1.0, x_memcpy=0.1, prep_us_per_block=9.0, submit_us_per_block=9.0),
-            {"case": "numpy memcpy", "basis": "floor", "tokens": 512, "pattern": "per layer", "GBps": 9.0}]
+            {"case": "memcpy floor (warm, same blocks)", "basis": "floor", "tokens": 512, "pattern": "scattered",
+             "GBps": 9.0}]
     got = {g["goal"]: (g["measured"], g["met"]) for g in kv_goals(rows)}
+    mc = f"{GOAL_TCP_X_MOONCAKE:g} x Mooncake TCP"
     assert got == {
         f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy at 512 tokens (scattered)": (0.9, True),
-        "shm >= NIXL UCX at 512 tokens (scattered)": (0.8, False),
+        "ucx >= NIXL UCX at 512 tokens (scattered)": (0.8, False),
+        f"tcp >= {mc} at 512 tokens (scattered)": (1.5, False),  # against Mooncake's faster slice size
         f"shm prep + submit <= {GOAL_PREP_SUBMIT_US_PER_BLOCK:g} us/block at 512 tokens (scattered)": (0.9, True),
         f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy at 4096 tokens (scattered)": (0.7, False),
-        "shm >= NIXL UCX at 4096 tokens (scattered)": (2.0, True),
+        "ucx >= NIXL UCX at 4096 tokens (scattered)": (1.0, True),
+        f"tcp >= {mc} at 4096 tokens (scattered)": (None, None),  # no Mooncake figure: no verdict
         f"shm prep + submit <= {GOAL_PREP_SUBMIT_US_PER_BLOCK:g} us/block at 4096 tokens (scattered)": (1.1, False),
     }
 
@@ -86,5 +102,5 @@ def test_the_cli_path_writes_rows_and_goals(tmp_path, monkeypatch):
     rows = kv.main_from_cli(SimpleNamespace(quick=True, out=str(tmp_path)), say=lambda _: None)
     assert rows == fake
     goals = json.loads((tmp_path / "kv_goals.json").read_text())["rows"]
-    assert [g["met"] for g in goals] == [True, None, True]
+    assert [g["met"] for g in goals] == [True, None, None, True]
     assert (tmp_path / "kv_goals.csv").read_text().startswith("goal,measured,target,met")

@@ -1,0 +1,32 @@
+"""The Mooncake peer of ``qlink bench kv`` moves the request's pieces between its two
+processes and catches pieces that did not land. Skipped where Mooncake cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qlink.ai import plan_transfer, preset
+from qlink.bench._kv_mooncake import MooncakePair, mooncake_unavailable
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(mooncake_unavailable() is not None, reason=str(mooncake_unavailable()))]
+
+
+def test_a_batch_write_lands_and_a_missing_piece_is_caught():
+    spec = preset("tiny", num_blocks=32)
+    plan = plan_transfer([3, 9, 10, 11, 30], [0, 5, 6, 7, 31], src_num_blocks=32, dst_num_blocks=32,
+                         block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+    with MooncakePair(spec, slice_nbytes=65536) as pair:
+        assert pair.write(plan, range(spec.num_layers)) > 0
+        # a piece the initiator never wrote (its layers moved, this one's offset not): caught
+        wrong = plan_transfer([3], [20], src_num_blocks=32, dst_num_blocks=32, block_nbytes=spec.block_nbytes,
+                              num_planes=spec.num_planes)
+        lying = type(plan)(src_offsets=wrong.src_offsets, dst_offsets=wrong.dst_offsets + spec.block_nbytes,
+                           nbytes=wrong.nbytes, num_blocks=1, block_nbytes=spec.block_nbytes,
+                           num_planes=spec.num_planes)
+        pair._i.send(("write", wrong.src_offsets, wrong.dst_offsets, wrong.nbytes, (0,)))
+        pair._answer(pair._i)
+        pair._t.send(("check", lying.dst_offsets, (0,), 0))
+        _, bad = pair._answer(pair._t)
+        assert bad == int(np.asarray(lying.dst_offsets).size)
