@@ -17,12 +17,23 @@ The protocol is push on request (vLLM's NIXL "push" flow, over qlink transports)
    :class:`~qlink.ai.KVSender`, layer by layer; a pull it refuses is answered with a
    ``kv_abort`` frame naming why, which fails that request on the decode side.
 
+Push during the forward pass (when the decode engine has the request first): the decode
+engine sends a ``kv_expect`` frame (:func:`pack_expect`: a transfer id both engines
+were given, how many leading blocks it already holds, its destination blocks) before
+the prefill engine computes the prompt. The prefill engine then *streams* the request
+(:meth:`PrefillServer.begin_stream`, :meth:`~PrefillServer.stream_layer` as each layer's
+KV is written, :meth:`~PrefillServer.end_streams` when the forward pass ends): every
+layer leaves while the next ones are computed. An expectation that arrives too late for
+the forward pass is served from the offer afterwards, as a pull.
+
 >>> f = pack_pull(7, xfer_id=3, src_block_ids=[5, 6], dst_block_ids=[0, 1])
 >>> unpack_pull(f)
 (7, 3, [5, 6], [0, 1])
 >>> from qlink import wire
 >>> wire.decode_request(f).function
 'kv_pull'
+>>> unpack_expect(pack_expect(8, xfer_id=9, skip_blocks=1, dst_block_ids=[4, 2]))
+(8, 9, 1, [4, 2])
 """
 
 from __future__ import annotations
@@ -42,12 +53,16 @@ from qlink.errors import BrokenLinkError, QlinkError, QlinkTimeoutError, WireErr
 from . import _frames as fr
 from ._tracker import TransferAbortedError
 
-__all__ = ["PrefillServer", "DecodeClient", "LoadResult", "pack_pull", "unpack_pull", "FN_PULL"]
+__all__ = ["PrefillServer", "DecodeClient", "LoadResult", "pack_pull", "unpack_pull", "pack_expect", "unpack_expect",
+           "FN_PULL", "FN_EXPECT"]
 
 _PULL = struct.Struct("<IIIIQ" + "II")  # header, then xfer_id, num_blocks; then 2 * num_blocks u32
 _MAX_PULL_BLOCKS = 1 << 16
 FN_PULL = wire.register_function("kv_pull", min_payload_nbytes=_PULL.size - fr.HEADER.size,
                                  max_payload_nbytes=_PULL.size - fr.HEADER.size + 8 * _MAX_PULL_BLOCKS)
+_EXPECT = struct.Struct("<IIIIQ" + "III")  # header, then xfer_id, skip_blocks, num_blocks; then num_blocks u32
+FN_EXPECT = wire.register_function("kv_expect", min_payload_nbytes=_EXPECT.size - fr.HEADER.size,
+                                   max_payload_nbytes=_EXPECT.size - fr.HEADER.size + 4 * _MAX_PULL_BLOCKS)
 _ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered
 _IDLE_SLEEP_MAX_S = 2e-4
 _ENGINE_POLLS_S = 2e-3  # poll() called this recently: the client's own thread stands by
@@ -77,6 +92,28 @@ def unpack_pull(frame) -> tuple[int, int, list[int], list[int]]:
     return rid, xfer_id, ids[:n].tolist(), ids[n:].tolist()
 
 
+def pack_expect(request_id: int, *, xfer_id: int, skip_blocks: int, dst_block_ids) -> bytes:
+    """A ``kv_expect`` frame: push transfer ``xfer_id``'s blocks, after its first
+    ``skip_blocks``, into my ``dst_block_ids`` under ``request_id`` as they are computed."""
+    dst = np.asarray(dst_block_ids, dtype="<u4")
+    if dst.ndim != 1 or not 0 < dst.size <= _MAX_PULL_BLOCKS or skip_blocks < 0:
+        raise ValueError(f"an expectation names 1 to {_MAX_PULL_BLOCKS} destination blocks and skip_blocks >= 0, "
+                         f"got {dst.size} and {skip_blocks}")
+    head = _EXPECT.pack(fr.MAGIC_REQUEST, FN_EXPECT, _EXPECT.size - fr.HEADER.size + 4 * dst.size, request_id, 0,
+                        xfer_id, skip_blocks, dst.size)
+    return head + dst.tobytes()
+
+
+def unpack_expect(frame) -> tuple[int, int, int, list[int]]:
+    """``(request_id, xfer_id, skip_blocks, dst_block_ids)``; WireError when malformed."""
+    if fr.function_of(frame) != FN_EXPECT or len(frame) < _EXPECT.size:
+        raise WireError(f"not a kv_expect frame ({len(frame)} B)")
+    _, _, _, rid, _, xfer_id, skip, n = _EXPECT.unpack_from(frame, 0)
+    if n < 1 or len(frame) != _EXPECT.size + 4 * n:
+        raise WireError(f"kv_expect announces {n} blocks but carries {len(frame) - _EXPECT.size} B of block ids")
+    return rid, xfer_id, skip, np.frombuffer(frame, dtype="<u4", count=n, offset=_EXPECT.size).tolist()
+
+
 class _Backoff:
     """Spin a little, then sleep with a doubling pause (an idle link costs no core)."""
 
@@ -86,11 +123,16 @@ class _Backoff:
     def reset(self) -> None:
         self.spins, self.sleep_s = 0, 1e-5
 
-    def idle(self) -> None:
+    def idle(self, wake: threading.Event | None = None) -> None:
         if self.spins < 200:
             self.spins += 1
             return
-        time.sleep(self.sleep_s)
+        if wake is None:
+            time.sleep(self.sleep_s)
+        elif wake.wait(self.sleep_s):
+            wake.clear()
+            self.reset()
+            return
         self.sleep_s = min(self.sleep_s * 2, _IDLE_SLEEP_MAX_S)
 
 
@@ -106,6 +148,29 @@ class _Link:
     endpoint: object
     sender: object
     pending: deque = field(default_factory=deque)  # pulls that arrived before their offer
+
+
+@dataclass
+class _Expect:
+    link: _Link
+    rid: int
+    skip: int
+    dst: list
+
+
+@dataclass
+class _Stream:
+    """A request whose layers go out during the forward pass (see :meth:`PrefillServer.begin_stream`)."""
+
+    xfer_id: int
+    key: str
+    src: list
+    begun_ns: int
+    expect: _Expect | None = None
+    req: object = None
+    missed: bool = False  # no expectation when its first layer was written: served from the offer
+    sent_ns: list = field(default_factory=list)  # (layer, time.monotonic_ns() when it left)
+    ended_ns: int = 0
 
 
 class PrefillServer:
@@ -134,7 +199,14 @@ class PrefillServer:
         self._new_links: list[_Link] = []
         self._links: list[_Link] = []
         self.pushed = self.refused = self.expired = self.failed = 0
+        self.streamed = 0  # requests whose every layer left during the forward pass
         self.errors: list[str] = []
+        self._cmds: deque = deque()  # stream commands from the engine's thread, done by the serve thread
+        self._expects: dict[int, _Expect] = {}
+        self._streams: dict[int, _Stream] = {}  # begun, not yet ended
+        self._streamed: dict[int, _Stream] = {}  # every layer out, its offer not yet seen
+        self.stream_log: deque = deque(maxlen=1024)  # dicts: key, xfer_id, begun_ns, sent_ns, ended_ns
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="qlink-kv-accept", daemon=True)
         self._serve_thread = threading.Thread(target=self._serve_loop, name="qlink-kv-serve", daemon=True)
@@ -153,6 +225,28 @@ class PrefillServer:
         with self._lock:
             done, self._done = self._done, []
         return done
+
+    def begin_stream(self, xfer_id: int, block_ids, *, key: str) -> None:
+        """The forward pass about to run computes all of request ``key``'s prompt into
+        ``block_ids``: push its layers as :meth:`stream_layer` says they are written,
+        to the decode engine that sent a ``kv_expect`` for ``xfer_id``."""
+        self._cmds.append(("begin", int(xfer_id), [int(b) for b in block_ids], key, time.monotonic_ns()))
+        self._wake.set()
+
+    def stream_layer(self, layer: int) -> None:
+        """Layer ``layer`` of every begun stream is written (called from the forward pass)."""
+        self._cmds.append(("layer", int(layer)))
+        self._wake.set()
+
+    def end_streams(self) -> None:
+        """The forward pass ended: the begun streams have all their layers."""
+        self._cmds.append(("end", time.monotonic_ns()))
+        self._wake.set()
+
+    @property
+    def num_expected(self) -> int:
+        """Expectations received and not yet served."""
+        return len(self._expects)
 
     def close(self) -> None:
         self._stop.set()
@@ -200,12 +294,15 @@ class PrefillServer:
                     self._links.extend(self._new_links)
                     self._new_links.clear()
             busy = False
-            for link in list(self._links):
+            for link in list(self._links):  # first: expectations that arrived before a stream's first layer
                 try:
                     busy |= self._serve_link(link, mv)
                 except BrokenLinkError:
                     self._links.remove(link)  # that decode engine is gone; others go on
+                    self._drop_expects(link)
                     link.endpoint.close()
+            busy |= self._run_commands()
+            busy |= self._resolve()
             now = time.monotonic()
             if now >= next_expiry:
                 self._expire(now)
@@ -213,7 +310,104 @@ class PrefillServer:
             if busy:
                 backoff.reset()
             else:
-                backoff.idle()
+                backoff.idle(self._wake)
+
+    # ----- streams (push during the forward pass) ---------------------------------------
+    def _run_commands(self) -> bool:
+        busy = False
+        while self._cmds:
+            busy = True
+            cmd = self._cmds.popleft()
+            if cmd[0] == "begin":
+                _, xfer_id, src, key, t = cmd
+                self._streams[xfer_id] = _Stream(xfer_id, key, src, t)
+            elif cmd[0] == "layer":
+                for st in list(self._streams.values()):
+                    self._stream_layer(st, cmd[1])
+            else:
+                for st in self._streams.values():
+                    st.ended_ns = cmd[1]
+                    self._end_stream(st)
+                self._streams.clear()
+        return busy
+
+    def _stream_layer(self, st: _Stream, layer: int) -> None:
+        if st.missed:
+            return
+        if st.req is None:
+            ex = self._expects.pop(st.xfer_id, None)
+            if ex is None or layer != 0:  # too late for this forward pass: the offer serves it
+                st.missed = True
+                if ex is not None:
+                    self._expects[st.xfer_id] = ex
+                return
+            src = st.src[ex.skip:ex.skip + len(ex.dst)]
+            st.expect = ex
+            if len(src) != len(ex.dst):
+                self._refuse(ex.link, ex.rid, f"expectation for {len(ex.dst)} blocks after {ex.skip}, but transfer "
+                                              f"{st.xfer_id} computes {len(st.src)}")
+                st.missed, st.expect = True, None
+                return
+            try:
+                st.req = ex.link.sender.begin_request(ex.rid, src, ex.dst, timeout_s=self.push_timeout_s)
+            except QlinkError as e:
+                self._refuse(ex.link, ex.rid, f"push of transfer {st.xfer_id} failed: {type(e).__name__}: {e}")
+                st.missed, st.expect = True, None
+                return
+        try:
+            st.req.send_layer(layer, timeout_s=self.push_timeout_s)
+            st.sent_ns.append((layer, time.monotonic_ns()))
+        except QlinkError as e:
+            self.failed += 1
+            self.errors.append(f"stream of transfer {st.xfer_id}, layer {layer}: {type(e).__name__}: {e}")
+            st.missed, st.req = True, None  # the decode side times out or sees the broken link
+
+    def _end_stream(self, st: _Stream) -> None:
+        self.stream_log.append(dict(key=st.key, xfer_id=st.xfer_id, begun_ns=st.begun_ns, sent_ns=list(st.sent_ns),
+                                    ended_ns=st.ended_ns, streamed=st.req is not None and not st.missed))
+        if st.req is None or st.missed:
+            return
+        try:
+            st.expect.link.sender.flush(timeout_s=self.push_timeout_s)
+        except QlinkError as e:
+            self.failed += 1
+            self.errors.append(f"stream of transfer {st.xfer_id}: {type(e).__name__}: {e}")
+        self.streamed += 1
+        self._streamed[st.xfer_id] = st
+
+    def _resolve(self) -> bool:
+        """Offers whose request streamed are done; expectations whose offer is here (and
+        whose request is not streaming) are pushed from the offer."""
+        busy = False
+        with self._lock:
+            ready = [(x, self._offers[x]) for x in list(self._streamed) if x in self._offers]
+            for x, offer in ready:
+                del self._offers[x]
+                del self._streamed[x]
+                self._done.append(offer.key)
+                self.pushed += 1
+            late = [(x, self._offers[x]) for x in self._expects if x in self._offers and x not in self._streams]
+        for x, offer in late:
+            ex = self._expects.pop(x)
+            busy = True
+            src = offer.block_ids[ex.skip:ex.skip + len(ex.dst)]
+            if len(src) != len(ex.dst):
+                self._refuse(ex.link, ex.rid, f"expectation for {len(ex.dst)} blocks after {ex.skip}, but transfer "
+                                              f"{x} offered {len(offer.block_ids)}")
+                continue
+            self._push(ex.link, ex.rid, x, offer, src, ex.dst)
+        return busy or bool(ready)
+
+    def _drop_expects(self, link: _Link) -> None:
+        for x in [x for x, ex in self._expects.items() if ex.link is link]:
+            del self._expects[x]
+
+    def _refuse(self, link: _Link, rid: int, reason: str) -> None:
+        self.refused += 1
+        try:
+            link.endpoint.send(fr.pack_abort(rid, status=_ABORT_REFUSED, layer=0, reason=reason), timeout_s=5)
+        except QlinkError:
+            pass
 
     def _serve_link(self, link: _Link, mv) -> bool:
         ep, tx = link.endpoint, link.sender
@@ -227,9 +421,24 @@ class PrefillServer:
             except WouldBlock:
                 break
             busy = True
-            self._serve_pull(link, bytes(mv[:n]), requeue=True)
+            frame = bytes(mv[:n])
+            if fr.function_of(frame) == FN_EXPECT:
+                self._take_expect(link, frame)
+            else:
+                self._serve_pull(link, frame, requeue=True)
         tx.progress()
         return busy
+
+    def _take_expect(self, link: _Link, frame: bytes) -> None:
+        try:
+            rid, xfer_id, skip, dst = unpack_expect(frame)
+        except WireError as e:
+            self.errors.append(f"bad expect frame: {e}")
+            return
+        if xfer_id in self._expects or xfer_id in self._streamed:
+            self._refuse(link, rid, f"transfer {xfer_id} is already expected or pushed")
+            return
+        self._expects[xfer_id] = _Expect(link, rid, skip, dst)
 
     def _serve_pull(self, link: _Link, frame: bytes, *, requeue: bool) -> bool:
         try:
@@ -252,6 +461,11 @@ class PrefillServer:
                                              reason=f"pull names blocks {src[:8]}… that transfer {xfer_id} did not "
                                                     f"offer ({len(ids)} blocks offered)"), timeout_s=5)
             return True
+        self._push(link, rid, xfer_id, offer, src, dst)
+        return True
+
+    def _push(self, link: _Link, rid: int, xfer_id: int, offer: _Offer, src, dst) -> None:
+        """Push an offer's blocks now (a pull, or an expectation too late for the forward pass)."""
         try:
             link.sender.send_request(rid, src, dst, timeout_s=self.push_timeout_s)
             link.sender.flush(timeout_s=self.push_timeout_s)
@@ -267,11 +481,10 @@ class PrefillServer:
         with self._lock:
             self._offers.pop(xfer_id, None)
             self._done.append(offer.key)
-        return True
 
     def _expire(self, now: float) -> None:
         with self._lock:
-            gone = [x for x, o in self._offers.items() if o.expires <= now]
+            gone = [x for x, o in self._offers.items() if o.expires <= now and x not in self._streams]
             for x in gone:
                 self._done.append(self._offers.pop(x).key)
                 self.expired += 1
@@ -298,10 +511,11 @@ class _Load:
     rid: int
     url: str
     xfer_id: int
-    src: list
+    src: list | None  # None: an expectation (the prefill engine pushes as it computes)
     dst: list
     deadline: float
     asked_ns: int = 0
+    skip: int = 0
 
 
 class DecodeClient:
@@ -331,9 +545,13 @@ class DecodeClient:
         self._thread = threading.Thread(target=self._loop, name="qlink-kv-load", daemon=True)
         self._thread.start()
 
-    def load(self, key: str, *, url: str, xfer_id: int, src_block_ids, dst_block_ids) -> None:
-        ld = _Load(key, next(self._rids) & 0xFFFFFFFF, url, int(xfer_id), [int(b) for b in src_block_ids],
-                   [int(b) for b in dst_block_ids], time.monotonic() + self.load_timeout_s)
+    def load(self, key: str, *, url: str, xfer_id: int, src_block_ids, dst_block_ids, skip_blocks: int = 0) -> None:
+        """Queue a pull of ``src_block_ids`` into ``dst_block_ids``; with ``src_block_ids=None``
+        an expectation instead: the prefill engine pushes transfer ``xfer_id``'s blocks after
+        its first ``skip_blocks`` as it computes them."""
+        src = None if src_block_ids is None else [int(b) for b in src_block_ids]
+        ld = _Load(key, next(self._rids) & 0xFFFFFFFF, url, int(xfer_id), src,
+                   [int(b) for b in dst_block_ids], time.monotonic() + self.load_timeout_s, skip=int(skip_blocks))
         with self._lock:
             self._queue.append(ld)
 
@@ -442,7 +660,10 @@ class DecodeClient:
         ld.asked_ns = time.monotonic_ns()
         try:
             ep, _ = self._link(ld.url)
-            ep.send(pack_pull(ld.rid, xfer_id=ld.xfer_id, src_block_ids=ld.src, dst_block_ids=ld.dst), timeout_s=5)
+            frame = (pack_expect(ld.rid, xfer_id=ld.xfer_id, skip_blocks=ld.skip, dst_block_ids=ld.dst)
+                     if ld.src is None else
+                     pack_pull(ld.rid, xfer_id=ld.xfer_id, src_block_ids=ld.src, dst_block_ids=ld.dst))
+            ep.send(frame, timeout_s=5)
         except (QlinkError, OSError, ValueError) as e:
             if ld.url in self._links:
                 self._drop_link(ld.url, f"link to {ld.url} failed: {type(e).__name__}: {e}")

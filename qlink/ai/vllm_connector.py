@@ -31,6 +31,19 @@ decode engine through ``SamplingParams(extra_args={"kv_transfer_params": …})``
   ``get_block_ids_with_load_errors``; vLLM's ``kv_load_failure_policy`` then recomputes
   the request (``"recompute"``) or fails it with an error (``"fail"``, vLLM's default).
 
+**Push during the forward pass.** When the decode engine gets the request before the
+prefill engine computes it, the KV need not wait for the prefill's forward pass to end:
+the client gives both engines one transfer id ``K`` (a u32 of its choosing, unique per
+prefill engine; ids below 2**31 are the connector's own): the prefill request carries
+``{"do_remote_decode": True, "qlink_xfer_id": K}``, the decode request
+``{"do_remote_prefill": True, "qlink_push": True, "remote_url": URL, "remote_xfer_id": K,
+"remote_num_tokens": N}`` (no block ids). The decode side allocates its blocks and
+sends a ``kv_expect``; on the prefill side ``save_kv_layer`` hands each layer to the
+link's thread as soon as the forward pass has written it, so layer k moves while layers
+k+1… are computed, and ``wait_for_save`` closes the stream. A request computed over
+several steps (chunked prefill) streams in its last step; an expectation that arrives
+after the forward pass is served from the finished request's offer, as a pull.
+
 A request whose transfer params carry ``qlink_perturb_block: i`` has its ``i``-th loaded
 block changed after it landed (a control for tests: the output then differs).
 
@@ -175,9 +188,10 @@ class _LoadSpec:
     req_id: str
     url: str
     xfer_id: int
-    src: list
+    src: list | None  # None: pushed by the prefill engine as it computes (skip_blocks leading blocks held here)
     dst: list
     perturb_block: int | None = None
+    skip_blocks: int = 0
 
 
 @dataclass
@@ -187,6 +201,7 @@ class QlinkConnectorMetadata(KVConnectorMetadata):
 
     loads: list = field(default_factory=list)   # _LoadSpec
     offers: dict = field(default_factory=dict)  # req_id -> (xfer_id, block ids)
+    streams: list = field(default_factory=list)  # (req_id, xfer_id, block ids): pushed during this step's forward
 
 
 class QlinkConnector(KVConnectorBase_V1):
@@ -213,6 +228,7 @@ class QlinkConnector(KVConnectorBase_V1):
         self._pending_loads: list[_LoadSpec] = []
         self._pending_offers: dict[str, tuple[int, list]] = {}
         self._unsent: set[str] = set()  # offered, not yet reported sent
+        self._push_ids: dict[str, int] = {}  # prefill: req_id -> the client's transfer id (push during forward)
         self.bad_params = 0  # requests whose transfer params were malformed (computed locally)
         # worker side
         self._cache: KVCache | None = None
@@ -224,7 +240,10 @@ class QlinkConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._applied_meta = None
         self._perturb: dict[str, int] = {}
+        self._streaming = False  # streams begun in this step's forward pass
+        self._layer_index: dict[str, int] = {}
         self.load_log: list = []  # LoadResult of every load (for benchmarks)
+        self.save_log: list = []  # prefill: one dict per streamed request (layers' send times, wait_for_save)
 
     # ================================ worker side ===================================
     def get_mem_pool_context(self):
@@ -238,6 +257,7 @@ class QlinkConnector(KVConnectorBase_V1):
         from ._vllm_link import DecodeClient, PrefillServer
 
         self._cache, self._layer_names = cache_from_vllm(kv_caches, block_size=self._block_size)
+        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         if self._is_producer:
             self._server = PrefillServer(self._url, self._cache, checksum=self._checksum,
                                          offer_ttl_s=self._offer_ttl_s)
@@ -273,13 +293,16 @@ class QlinkConnector(KVConnectorBase_V1):
         if self._server is not None:
             for req_id, (xfer_id, block_ids) in meta.offers.items():
                 self._server.offer(xfer_id, block_ids, key=req_id)
+            for req_id, xfer_id, block_ids in meta.streams:
+                self._server.begin_stream(xfer_id, block_ids, key=req_id)
+                self._streaming = True
         if self._client is not None:
             for ld in meta.loads:
                 if ld.perturb_block is not None:
                     with self._lock:
                         self._perturb[ld.req_id] = int(ld.perturb_block)
                 self._client.load(ld.req_id, url=ld.url, xfer_id=ld.xfer_id, src_block_ids=ld.src,
-                                  dst_block_ids=ld.dst)
+                                  dst_block_ids=ld.dst, skip_blocks=ld.skip_blocks)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._apply_meta()
@@ -290,10 +313,27 @@ class QlinkConnector(KVConnectorBase_V1):
         return  # loads are asynchronous: a request is scheduled only once all its layers landed
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return  # the blocks stay in vLLM's cache and are pushed from there when pulled
+        """A layer's KV is written: streamed requests send it now (on the link's thread,
+        while the forward pass goes on); other blocks stay in vLLM's cache until pulled."""
+        if self._server is not None:
+            self._apply_meta()  # once per step (vLLM's CPU runner may not call start_load_kv first)
+        if self._streaming:
+            self._server.stream_layer(self._layer_index[layer_name])
 
     def wait_for_save(self):
         self._apply_meta()
+        if self._streaming:
+            self._streaming = False
+            self._server.end_streams()
+            self.save_log.append(dict(wait_for_save_ns=time.monotonic_ns()))
+            if len(self.save_log) > _MAX_REMEMBERED:
+                del self.save_log[:len(self.save_log) - _MAX_REMEMBERED]
+
+    def stream_log(self) -> list[dict]:
+        """Prefill: the requests streamed during a forward pass, each with when every layer
+        left (``sent_ns``: (layer, ns)), when its stream began and when the pass ended
+        (``ended_ns``, the call of ``wait_for_save``), all ``time.monotonic_ns``."""
+        return [] if self._server is None else list(self._server.stream_log)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
@@ -347,19 +387,29 @@ class QlinkConnector(KVConnectorBase_V1):
             return None
         url, xfer, ids, n = (p.get("remote_url"), p.get("remote_xfer_id"), p.get("remote_block_ids"),
                              p.get("remote_num_tokens"))
+        ids_ok = (p.get("qlink_push") is True and ids is None) or (
+            isinstance(ids, (list, tuple)) and ids and all(isinstance(b, int) and b >= 0 for b in ids))
         ok = (isinstance(url, str) and "://" in url and isinstance(xfer, int) and 0 <= xfer < 2**32
-              and isinstance(ids, (list, tuple)) and ids and all(isinstance(b, int) and b >= 0 for b in ids)
-              and isinstance(n, int) and n >= 0)
+              and ids_ok and isinstance(n, int) and n >= 0)
         if not ok:
             self.bad_params += 1
             p["do_remote_prefill"] = False
             log.warning("qlink KV: request %s has malformed kv_transfer_params (need remote_url 'scheme://…', "
-                        "remote_xfer_id u32, remote_block_ids [int…], remote_num_tokens int); computing its "
-                        "prompt here instead: %r", request.request_id, p)
+                        "remote_xfer_id u32, remote_block_ids [int…] or qlink_push true, remote_num_tokens int); "
+                        "computing its prompt here instead: %r", request.request_id, p)
             return None
         return p
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        q = request.kv_transfer_params
+        if self._is_producer and q and q.get("do_remote_decode") and "qlink_xfer_id" in q:
+            k = q["qlink_xfer_id"]
+            if isinstance(k, int) and 0 <= k < 2**32:
+                self._push_ids[request.request_id] = k
+            else:
+                self.bad_params += 1
+                log.warning("qlink KV: request %s has qlink_xfer_id %r (need a u32); its KV is offered after the "
+                            "forward pass instead", request.request_id, k)
         p = self._remote_of(request)
         if p is not None:
             count = min(p["remote_num_tokens"], len(request.prompt_token_ids or ())) - num_computed_tokens
@@ -380,6 +430,13 @@ class QlinkConnector(KVConnectorBase_V1):
         skip = 0  # a prefix held locally (prefix cache): pull only the rest
         while skip < len(all_ids) and all_ids[skip] not in unhashed:
             skip += 1
+        if p.get("qlink_push"):  # the prefill engine pushes as it computes: expect the blocks past the prefix
+            n = min(len(all_ids), -(-int(p["remote_num_tokens"]) // self._block_size)) - skip
+            if n > 0:
+                self._pending_loads.append(_LoadSpec(request.request_id, p["remote_url"], int(p["remote_xfer_id"]),
+                                                     None, all_ids[skip:skip + n], p.get("qlink_perturb_block"),
+                                                     skip_blocks=skip))
+            return
         remote = list(p["remote_block_ids"])
         n = min(len(all_ids), len(remote)) - skip
         if n <= 0:
@@ -391,18 +448,25 @@ class QlinkConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = QlinkConnectorMetadata(loads=self._pending_loads, offers=self._pending_offers)
         self._pending_loads, self._pending_offers = [], {}
+        if self._push_ids:  # requests whose whole prompt this step computes: stream them
+            for r in scheduler_output.scheduled_new_reqs:
+                k = self._push_ids.get(r.req_id)
+                n = scheduler_output.num_scheduled_tokens.get(r.req_id, 0)
+                if k is not None and r.prompt_token_ids and r.num_computed_tokens + n >= len(r.prompt_token_ids):
+                    meta.streams.append((r.req_id, k, list(r.block_ids[0])))
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         p = request.kv_transfer_params
+        push_id = self._push_ids.pop(request.request_id, None)
         if not p or not p.get("do_remote_decode") or not self._is_producer:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
                 or not block_ids:
             return False, None  # aborted, or nothing computed: free the blocks now
-        xfer_id = next(self._xfer_ids) & 0xFFFFFFFF
+        xfer_id = push_id if push_id is not None else next(self._xfer_ids) & 0x7FFFFFFF
         ids = [int(b) for b in block_ids]
         server = _SERVERS.get(self._engine_id)
         if server is not None:

@@ -157,9 +157,15 @@ def _serve_engine(conn, model_dir: str, kw: dict, env: dict, setup: str | None =
 
                 c = get_kv_transfer_group()
                 cache = getattr(c, "_cache", None)
+                server = getattr(c, "_server", None)
                 conn.send(("ok", None if cache is None else dict(
                     spec=cache.spec.to_bytes(), shared_memory=shared_fd_of(cache.layers[0]) is not None,
-                    url=getattr(getattr(c, "_server", None), "url", None))))
+                    url=getattr(server, "url", None), expected=getattr(server, "num_expected", 0))))
+            elif op == "streams":  # the prefill connector's streamed requests (layers sent during the forward pass)
+                from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+                c = get_kv_transfer_group()
+                conn.send(("ok", c.stream_log() if hasattr(c, "stream_log") else []))
             else:
                 conn.send(("err", f"unknown command {op!r}"))
         except Exception as e:  # noqa: BLE001 - reported to the parent, the loop goes on
@@ -207,6 +213,22 @@ class EngineProcess:
         if isinstance(sampling, dict):
             sampling = [sampling] * len(prompts_)
         return self.call("generate", [list(map(int, p)) for p in prompts_], list(sampling), timeout_s=timeout_s)
+
+    def submit_generate(self, prompts_, sampling) -> None:
+        """Start :meth:`generate` without waiting (another engine can run meanwhile);
+        :meth:`result` returns its answer."""
+        if isinstance(sampling, dict):
+            sampling = [sampling] * len(prompts_)
+        self.conn.send(("generate", [list(map(int, p)) for p in prompts_], list(sampling)))
+
+    def result(self, *, timeout_s: float = 300.0):
+        """The answer to the command sent by :meth:`submit_generate`."""
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"vLLM engine did not answer within {timeout_s} s")
+        status, out = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"vLLM engine failed: {out}")
+        return out
 
     def kill(self) -> None:
         """SIGKILL: the engine dies without closing anything (a crashed prefill node)."""

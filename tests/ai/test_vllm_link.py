@@ -11,7 +11,7 @@ import pytest
 
 from qlink.ai import KVCache, KVCacheSpec
 from qlink.ai._peer import transport_unavailable, url_for
-from qlink.ai._vllm_link import DecodeClient, PrefillServer, pack_pull, unpack_pull
+from qlink.ai._vllm_link import DecodeClient, PrefillServer, pack_expect, pack_pull, unpack_expect, unpack_pull
 from qlink.errors import WireError
 
 pytestmark = pytest.mark.timeout(120)
@@ -226,6 +226,66 @@ def test_pull_into_blocks_the_decode_cache_lacks_fails_at_once():
         r = _results(client, 1)["a"]
         assert not r.ok and "BlockIdError" in r.error and time.monotonic() - t0 < 10, r
         assert server.failed == 1
+    finally:
+        client.close()
+        server.close()
+
+
+def _wait(cond, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.002)
+
+
+def test_expect_frame_round_trip_and_bad_frames():
+    f = pack_expect(5, xfer_id=1 << 31, skip_blocks=2, dst_block_ids=[3, 1])
+    assert unpack_expect(f) == (5, 1 << 31, 2, [3, 1])
+    with pytest.raises(WireError):
+        unpack_expect(f[:-1])
+    with pytest.raises(ValueError, match="destination blocks"):
+        pack_expect(1, xfer_id=1, skip_blocks=0, dst_block_ids=[])
+
+
+def test_layers_stream_out_while_the_forward_pass_runs(scheme):
+    """An expectation sent before the prefill computes: each layer leaves as it is written
+    (before the pass ends), the decode side's blocks are bit-exact, the offer that follows
+    is done at once; an expectation that arrives after the pass is served from the offer."""
+    src = KVCache.allocate(SPEC, shared=False)
+    dst = KVCache.allocate(SPEC, shared=False)
+    server = PrefillServer(url_for(scheme), src)
+    client = DecodeClient(dst, load_timeout_s=20)
+    try:
+        client.load("early", url=server.url, xfer_id=100, src_block_ids=None, dst_block_ids=[7, 8, 2], skip_blocks=1)
+        _wait(lambda: server.num_expected == 1)
+        rng = np.random.default_rng(9)
+        server.begin_stream(100, [5, 6, 9, 10], key="early")
+        for k in range(SPEC.num_layers):  # the "forward pass": write layer k, then say so
+            src.layers[k][[5, 6, 9, 10]] = rng.standard_normal(src.layers[k][[5, 6, 9, 10]].shape)
+            server.stream_layer(k)
+            time.sleep(0.05)  # the next layer's compute
+        server.end_streams()
+        r = _results(client, 1)["early"]
+        assert r.ok, r.error
+        assert (dst.block_checksums([7, 8, 2]) == src.block_checksums([6, 9, 10])).all()  # after the first block
+        _wait(lambda: len(server.stream_log) == 1)
+        log = list(server.stream_log)
+        assert len(log) == 1 and log[0]["streamed"] and [k for k, _ in log[0]["sent_ns"]] == [0, 1, 2]
+        assert all(t < log[0]["ended_ns"] for _, t in log[0]["sent_ns"][:-1]), log  # left during the pass
+        server.offer(100, [5, 6, 9, 10], key="early")
+        _wait(lambda: "early" in server.take_done())
+        assert server.streamed == 1
+        # too late for its forward pass: served from the offer afterwards
+        server.begin_stream(101, [1, 3], key="late")
+        for k in range(SPEC.num_layers):
+            server.stream_layer(k)
+        server.end_streams()
+        server.offer(101, [1, 3], key="late")
+        client.load("late", url=server.url, xfer_id=101, src_block_ids=None, dst_block_ids=[11, 12])
+        r = _results(client, 1)["late"]
+        assert r.ok, r.error
+        assert (dst.block_checksums([11, 12]) == src.block_checksums([1, 3])).all()
+        assert server.streamed == 1 and len(server.stream_log) == 2 and not server.stream_log[-1]["streamed"]
     finally:
         client.close()
         server.close()

@@ -129,3 +129,43 @@ def test_fail_policy_fails_the_request_clearly_and_serves_the_next(model_dir):
         assert dec.call("loads") == []
     finally:
         dec.close()
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_layers_leave_during_the_prefill_forward_pass(scheme, decode, prefill_engines):
+    """The decode engine gets the request first (push mode): the prefill engine's
+    save_kv_layer sends each layer as the forward pass writes it, so every layer but the
+    last left before wait_for_save (the end of the pass); the decode output equals the
+    single-engine run and every block was loaded, none recomputed."""
+    import random
+    import time
+
+    why = transport_unavailable(scheme)
+    if why:
+        pytest.skip(why)
+    prefill = prefill_engines(scheme)
+    url = prefill.call("connector")["url"]
+    n_tokens = 1500  # a forward pass long enough to see layers leave inside it (one step, no chunking)
+    ps = prompts([n_tokens], seed=51)
+    ref = _reference(decode, ps, 6)
+    decode.call("loads")
+    prefill.call("streams")
+    xfer_id = random.randrange(1 << 31, 1 << 32)
+    decode.submit_generate(ps, [dict(max_tokens=6, kv_transfer_params={
+        "do_remote_prefill": True, "qlink_push": True, "remote_url": url, "remote_xfer_id": xfer_id,
+        "remote_num_tokens": n_tokens})])
+    deadline = time.monotonic() + 60
+    while prefill.call("connector")["expected"] < 1:  # the decode side's expectation reached the prefill engine
+        assert time.monotonic() < deadline, "the decode engine's kv_expect never reached the prefill engine"
+        time.sleep(0.01)
+    prefill.generate(ps, dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True, "qlink_xfer_id": xfer_id}))
+    got = [o["token_ids"] for o in decode.result(timeout_s=120)["outputs"]]
+    assert got == ref
+    (ld,) = decode.call("loads")
+    assert ld["ok"] and ld["nbytes"] == math.ceil(n_tokens / BLOCK) * NUM_LAYERS * BLOCK_NBYTES, ld
+    streams = [s for s in prefill.call("streams") if s["xfer_id"] == xfer_id]
+    assert len(streams) == 1 and streams[0]["streamed"], streams
+    st = streams[0]
+    assert [k for k, _ in st["sent_ns"]] == list(range(NUM_LAYERS))
+    left_before_end = [k for k, t in st["sent_ns"] if t < st["ended_ns"]]
+    assert left_before_end[:NUM_LAYERS - 1] == list(range(NUM_LAYERS - 1)), st  # all but the last, inside the pass
