@@ -60,7 +60,7 @@ from .links import LINKS
 
 __all__ = ["CrossDomainResult", "QecMeasurement", "KvMeasurement", "run_cross_domain", "build_lines",
            "feed_forward_decision_ns", "modeled_qec_round_trip", "qec_frame_nbytes", "plot_cross_domain",
-           "PREFILL_ACHIEVED_FLOPS", "MODEL_PARAMS", "QEC_MODELED_LINKS", "KV_MODELED_LINKS"]
+           "PREFILL_ACHIEVED_FLOPS", "MODEL_PARAMS", "QEC_MODELED_LINKS", "KV_MODELED_LINKS", "AI_ENGINE"]
 
 # Prefill compute model, shared with scenarios/kv_disagg.py: H100 SXM BF16 dense peak
 # 989 TFLOP/s (NVIDIA H100 datasheet) at an assumed 50 % model-FLOPs utilization.
@@ -75,6 +75,8 @@ _CORRECTION_NBYTES = 24 + 1  # header + one byte of flips (one observable)
 _QEC_STAGES = ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")  # timeline.REACTION_STAGES
 _KV_STAGES = ("plan", "first layer", "other layers")
 _KV_MEMORY_BUDGET_NBYTES = 8 << 30  # both KV caches (sender's and receiver's) together
+#: The ``engine`` of this module's AI rows: no serving engine, prefill compute modeled.
+AI_ENGINE = "emulated"
 
 
 def qec_frame_nbytes(*, num_detectors: int) -> int:
@@ -316,7 +318,9 @@ class CrossDomainResult:
     kv_measurements: list[KvMeasurement] = field(default_factory=list)
 
     def rows(self) -> list[dict]:
-        return budget_rows(self.lines)
+        """Table rows; each AI row's ``engine`` says what produced it (here: qlink's KV engine
+        moving the blocks, prefill compute modeled; a real engine's rows name it)."""
+        return [dict(r, engine=AI_ENGINE if r["domain"] == "ai" else "") for r in budget_rows(self.lines)]
 
 
 def _measure_qec(res: CrossDomainResult, transports: Iterable[str], distances: Iterable[int], *, num_shots: int,

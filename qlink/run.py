@@ -2,7 +2,12 @@
 
 1. the QEC closed loop (controller → decoder service → back) at d = 5 and 11 over
    shm, tcp and ucx, and the Llama-3-8B / 70B KV transfers of a 4k-token request over
-   the same transports (:mod:`qlink.crossdomain`);
+   the same transports (:mod:`qlink.crossdomain`; prefill compute modeled: engine
+   ``emulated``), then a short leg with real vLLM engines (a tiny Llama on this CPU, the
+   qlink connector over shm; engine ``vllm-cpu``) where the vLLM environment exists
+   (:mod:`qlink._vllm_leg`: a subprocess with ``.venv-vllm``'s interpreter; otherwise
+   the output says it was skipped and why; like the scenarios, off with ``[run]
+   scenarios = false``);
 2. the cross-domain budget table: every figure against its own budget, measured and
    modeled apart, then the measured per-stage shares (QEC reaction stages, KV transfer
    stages) — printed, written as CSV/JSON (one file; the ``stage`` column marks the
@@ -24,7 +29,7 @@ from .bench._report import format_table, write_results
 
 __all__ = ["main_job"]
 
-_TABLE_COLUMNS = ["domain", "what", "transport", "basis", "stat", "value_us", "budget_us", "share_pct",
+_TABLE_COLUMNS = ["domain", "engine", "what", "transport", "basis", "stat", "value_us", "budget_us", "share_pct",
                   "headroom_us", "within"]
 _STAGE_COLUMNS = ["domain", "what", "transport", "stat", "value_us", "budget_us", "share_pct", "headroom_us"]
 
@@ -75,6 +80,19 @@ def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[
     res = run_cross_domain(transports=transports, distances=cfg.distances, presets=cfg.presets,
                            kv_tokens=cfg.kv_tokens, num_shots=cfg.num_shots, seed=cfg.seed, say=say)
     rows = res.rows()
+    from ._vllm_leg import run_vllm_leg, vllm_rows
+
+    if cfg.scenarios:
+        vrows, vnote = run_vllm_leg(out_dir / "kv_disagg_vllm", transport="shm", num_requests=3 if quick else 6,
+                                    seed=cfg.seed, say=say)
+    else:
+        vrows, vnote = [], "vLLM leg skipped ([run] scenarios = false)"
+    say(f"  {vnote}")
+    res.notes.append(vnote)
+    if "failed" in vnote:
+        failures.append(vnote)
+    stage_at = next((i for i, r in enumerate(rows) if r.get("stage")), len(rows))
+    rows[stage_at:stage_at] = vllm_rows(vrows)  # beside the other AI rows, before the stage rows
     say("step 2/3: cross-domain budget table")
     write_results(rows, out_dir=out_dir, name="cross_domain", meta={"notes": res.notes})
     write_results(res.qec, out_dir=out_dir, name="qec_loop")
