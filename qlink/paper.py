@@ -59,21 +59,22 @@ STEPS = ("catalog", "cross_domain", "qec_memory", "realtime_loop", "kv_disagg")
 PROFILES: dict[str, dict[str, dict]] = {
     "test": {
         "cross_domain": dict(transports=("shm",), distances=(3,), presets=("llama-3-8b",), kv_tokens=1024,
-                             num_shots=200),
+                             num_shots=200, vllm_requests=0),
         "qec_memory": dict(transport="shm", distances=(3,), ps=(0.01, 0.02), num_shots=500),
         "realtime_loop": dict(transport="shm", distance=3, rounds=3, num_shots=200),
         "kv_disagg": dict(transport="shm", preset="tiny", num_requests=6, quick=True),
     },
     "quick": {
         "cross_domain": dict(transports=("shm", "tcp"), distances=(5,), presets=("llama-3-8b",), kv_tokens=4096,
-                             num_shots=500),
+                             num_shots=500, vllm_requests=3),
         "qec_memory": dict(transport="shm", distances=(3, 5), ps=(0.004, 0.008, 0.012), num_shots=2000),
         "realtime_loop": dict(transport="shm", distance=5, rounds=25, num_shots=2000),
         "kv_disagg": dict(transport="shm", preset="llama-3-8b", num_requests=16, quick=True),
     },
     "full": {
         "cross_domain": dict(transports=("shm", "tcp", "ucx"), distances=(5, 11),
-                             presets=("llama-3-8b", "llama-3-70b"), kv_tokens=4096, num_shots=2000),
+                             presets=("llama-3-8b", "llama-3-70b"), kv_tokens=4096, num_shots=2000,
+                             vllm_requests=6),
         "qec_memory": dict(transport="shm", distances=(3, 5, 7), ps=(0.001, 0.002, 0.003, 0.005, 0.007, 0.01),
                            num_shots=20_000),
         "realtime_loop": dict(transport="shm", distance=5, rounds=25, num_shots=20_000),
@@ -231,8 +232,20 @@ def _step_catalog(a: _Artifact, cfg: dict) -> dict:
 def _step_cross_domain(a: _Artifact, cfg: dict) -> dict:
     from .crossdomain import plot_cross_domain, run_cross_domain
 
+    from ._vllm_leg import run_vllm_leg, vllm_rows
+
+    cfg = dict(cfg)
+    n_vllm = cfg.pop("vllm_requests", 0)
     res = run_cross_domain(**cfg, seed=a.seed, say=a.say)
     rows = res.rows()
+    if n_vllm:  # the real engine's rows (vLLM in its own environment), beside the emulated ones
+        vrows, note = run_vllm_leg(a.out / "data" / "kv_vllm", num_requests=n_vllm, seed=a.seed, say=a.say)
+        res.notes.append(note)
+        at = next((i for i, r in enumerate(rows) if r.get("stage")), len(rows))
+        rows[at:at] = vllm_rows(vrows)
+        a.table("kv_vllm", vrows or [{"note": note}], timing=True,
+                caption="A real engine: vLLM prefill and decode engines (tiny random Llama, this CPU), the qlink "
+                        "connector between them, per request")
     a.table("cross_domain", rows, timing=True,
             caption="Cross-domain budget table: every figure against its own budget (measured here, or modeled)")
     # Modeled rows take no measured input (crossdomain keeps the two bases apart; the filter on

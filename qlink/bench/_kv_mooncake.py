@@ -16,8 +16,12 @@ per process, so every slice size gets its own process pair. :data:`TCP_ENV` hold
 other TCP settings its users run with.
 
 Needs ``mooncake-transfer-engine-non-cuda`` and, at run time, the Debian packages
-libibverbs1, libnl-3-200 and libnl-route-3-200; :func:`mooncake_unavailable` says
-why it cannot run here, or None.
+libibverbs1, libnl-3-200 and libnl-route-3-200. ``make`` unpacks them into the venv
+(``<venv>/lib/mooncake-runtime``, or ``$QLINK_MOONCAKE_LIBS``) rather than installing
+them system-wide: a system libibverbs makes the UCX inside nixl-cu12 load a second
+libnl-route, and every process that used NIXL then dies with SIGSEGV at exit. Only the
+Mooncake processes get those libraries on ``LD_LIBRARY_PATH``; the parent never imports
+Mooncake. :func:`mooncake_unavailable` says why it cannot run here, or None.
 """
 
 from __future__ import annotations
@@ -27,28 +31,53 @@ import os
 
 import numpy as np
 
-__all__ = ["mooncake_unavailable", "MooncakePair", "SLICE_SIZES", "TCP_ENV"]
+__all__ = ["mooncake_unavailable", "runtime_lib_dirs", "MooncakePair", "SLICE_SIZES", "TCP_ENV"]
 
 #: Slice sizes measured: Mooncake's TCP default and the 1 MiB its users set.
 SLICE_SIZES = (65536, 1 << 20)
 _TIMEOUT_S = 120.0
 
 
+def runtime_lib_dirs() -> list[str]:
+    """Folders holding Mooncake's unpacked Debian run-time libraries (may be empty)."""
+    import sys
+    from pathlib import Path
+
+    root = Path(os.environ.get("QLINK_MOONCAKE_LIBS") or Path(sys.prefix) / "lib" / "mooncake-runtime")
+    return [str(d) for d in (*root.glob("usr/lib/*-linux-gnu"), *root.glob("lib/*-linux-gnu")) if d.is_dir()]
+
+
+def _child_env() -> dict:
+    """The environment of a Mooncake process: its run-time libraries first on LD_LIBRARY_PATH."""
+    dirs = runtime_lib_dirs()
+    env = dict(os.environ)
+    if dirs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([*dirs, *filter(None, [env.get("LD_LIBRARY_PATH")])])
+    return env
+
+
 def mooncake_unavailable() -> str | None:
-    """Why the Mooncake peer cannot run here (None when it can).
+    """Why the Mooncake peer cannot run here (None when it can); asked of a subprocess with
+    the Mooncake processes' environment, so this process never loads Mooncake.
 
     >>> isinstance(mooncake_unavailable(), (str, type(None)))
     True
     """
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except ImportError as e:
-        msg = str(e)
-        if "libibverbs" in msg or "libnl" in msg:
-            return (f"the Mooncake Transfer Engine needs the Debian packages libibverbs1, libnl-3-200 and "
-                    f"libnl-route-3-200 at run time ({msg})")
-        return f"mooncake-transfer-engine-non-cuda is not installed ({msg})"
-    return None
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("mooncake") is None:
+        return "mooncake-transfer-engine-non-cuda is not installed (pip install 'qlink[mooncake]')"
+    r = subprocess.run([sys.executable, "-c", "import mooncake.engine"], env=_child_env(), capture_output=True,
+                       text=True, timeout=120)
+    if r.returncode == 0:
+        return None
+    msg = (r.stderr.strip().splitlines() or ["?"])[-1]
+    if "libibverbs" in msg or "libnl" in msg:
+        return (f"the Mooncake Transfer Engine needs the Debian packages libibverbs1, libnl-3-200 and "
+                f"libnl-route-3-200 at run time (`make deb-runtime` unpacks them into the venv): {msg}")
+    return f"the Mooncake Transfer Engine does not import here: {msg}"
 
 
 #: Set in both processes before the engine starts, as Mooncake's users run its TCP transport:
@@ -143,6 +172,24 @@ def _initiator(conn, spec_bytes: bytes, slice_nbytes: int, session: str, remote:
         conn.send(("err", f"{type(e).__name__}: {e}"))
 
 
+_ENV_LOCK = __import__("threading").Lock()
+
+
+def _start_with(proc, env: dict) -> None:
+    """Start a spawned process with ``env`` (the child's loader reads LD_LIBRARY_PATH at start)."""
+    with _ENV_LOCK:
+        saved = os.environ.get("LD_LIBRARY_PATH")
+        try:
+            if env.get("LD_LIBRARY_PATH"):
+                os.environ["LD_LIBRARY_PATH"] = env["LD_LIBRARY_PATH"]
+            proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("LD_LIBRARY_PATH", None)
+            else:
+                os.environ["LD_LIBRARY_PATH"] = saved
+
+
 class MooncakePair:
     """A Mooncake target and initiator in two spawned processes, caches of ``spec``.
 
@@ -156,13 +203,13 @@ class MooncakePair:
         self._t, t_child = ctx.Pipe()
         self._i, i_child = ctx.Pipe()
         self._procs = [ctx.Process(target=_target, args=(t_child, spec.to_bytes(), self.slice_nbytes), daemon=True)]
-        self._procs[0].start()
         try:
+            _start_with(self._procs[0], _child_env())
             _, port, remote = self._answer(self._t)
             self._procs.append(ctx.Process(target=_initiator, daemon=True,
                                            args=(i_child, spec.to_bytes(), self.slice_nbytes, f"127.0.0.1:{port}",
                                                  remote)))
-            self._procs[1].start()
+            _start_with(self._procs[1], _child_env())
             self._answer(self._i)
         except BaseException:
             self.close()
