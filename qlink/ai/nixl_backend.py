@@ -301,13 +301,6 @@ class _Agent:
             self.agent.deregister_memory(self.reg)
         except Exception:  # noqa: BLE001 - best effort on shutdown
             pass
-        # Destroy the agent now, while the interpreter is whole: one left to interpreter exit
-        # (its progress thread still running) ends the process with SIGSEGV.
-        agent, self.agent = self.agent, None
-        del agent
-        import gc
-
-        gc.collect()
 
 
 class NixlKVSender(KVSender):
