@@ -313,6 +313,9 @@ def build_parser() -> Parser:
                             help="write the native lock-step run's first 200 shots as a Chrome/Perfetto trace")
             bb.add_argument("--native-only", action="store_true",
                             help="only the native real-time rows and their goal table (skip the per-transport table)")
+            bb.add_argument("--stim", default=None, metavar="FILE.stim", action=CheckedAction, check=checks.stim_file,
+                            help="a stim circuit of your own (with DETECTOR and OBSERVABLE_INCLUDE): the per-transport "
+                                 "table for it instead of the generated surface codes (--distances does not apply)")
         bb.set_defaults(func=_cmd_bench)
 
     bu = sub.add_parser("budget", help="the cross-domain budget table and its plot",
