@@ -1,7 +1,7 @@
 """The ``qlink`` command line.
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
-``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|vllm|all`` measures figures beside their floors and peers;
+``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|cudaq|vllm|all`` measures figures beside their floors and peers;
 ``qlink budget`` draws the cross-domain budget table; ``qlink serve --decoder-config FILE`` serves the
 decoders of a CUDA-Q QEC ``multi_decoder_config``; ``qlink doctor`` says what is installed
 and what to install; ``qlink sweep qec|kv|speedup`` runs parameter sweeps on Dask into a
@@ -252,6 +252,9 @@ _BENCH = {
     "gpu": ("GPU paths (CuPy; NumPy stand-ins on a CPU)", "qlink bench gpu --quick"),
     "decoders": ("every registered decoder beside PyMatching on the same shots: LER with Wilson intervals, us/shot",
                  "qlink bench decoders --quick"),
+    "cudaq": ("CUDA-Q QEC's realtime decoding (stim target, in-process) beside qlink's decoder service on the same "
+              "records and one multi_decoder_config: per-shot and last syndrome -> corrections latency (needs "
+              "cudaq-qec)", "qlink bench cudaq --quick\nqlink bench cudaq --transports shm"),
     "vllm": ("vLLM decode-side TTFT and exposed KV transfer: the qlink connector over shm/tcp/ucx beside vLLM's "
              "ExampleConnector, NixlConnector and recompute (needs vLLM: make bench-vllm)", "qlink bench vllm --quick"),
     "all": ("transport, qec and kv in turn", "qlink bench all --quick --keep-going"),
@@ -297,6 +300,12 @@ def build_parser() -> Parser:
                                                                   choices=checks.ROUND_TRIP_TRANSPORTS),
                                 v, where=where),
                             help=f"round-trip transports, of {','.join(checks.ROUND_TRIP_TRANSPORTS)}")
+        if name == "cudaq":
+            bb.add_argument("--transports", action=ListAction, default=None, metavar="T",
+                            check=lambda v, where: checks.list_of(
+                                lambda x, where: checks.transport(x, where=where, choices=("shm", "tcp")),
+                                v, where=where),
+                            help="qlink's transports, of shm,tcp (default shm,tcp)")
         if name == "decoders":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 3,5; --quick 3)")
