@@ -81,10 +81,12 @@ def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray,
 
 
 def _per_shot_s(run_fn, n_small: int, n_large: int) -> tuple[float, object]:
-    """Per-shot seconds of a launch with the launch cost removed: two launches, the difference."""
+    """Per-shot seconds of a launch with the launch cost removed: two launches, the difference
+    (NaN where the difference is not positive: a host too busy to tell)."""
     small = run_fn(n_small)
     large = run_fn(n_large)
-    return max(large.wall_s - small.wall_s, 0.0) / (n_large - n_small), large
+    diff = large.wall_s - small.wall_s  # not positive: the host stalled the short launch more than the long one
+    return (diff / (n_large - n_small) if diff > 0 else float("nan")), large
 
 
 def compare_with_cudaq(*, code: str = "repetition", distance: int = 5, rounds: int | None = None, p: float = 0.01,

@@ -283,6 +283,10 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
         stream = sample_stream(src, num_shots=num_shots, seed=seed)
     elif stream.num_shots < num_shots:
         raise ValueError(f"stream has {stream.num_shots} shots, fewer than num_shots={num_shots}")
+    elif (stream.num_detectors, stream.num_observables) != (src.dem.num_detectors, src.dem.num_observables):
+        raise ValueError(f"stream shots have {stream.num_detectors} detectors and {stream.num_observables} "
+                         f"observables; the source's circuit has {src.dem.num_detectors} and "
+                         f"{src.dem.num_observables}: sample the stream from the same source (sample_stream)")
     stream = stream.take(num_shots)
     caps = transports.capabilities(url)
     # as the controller will cut them: no frame larger than one message of the transport

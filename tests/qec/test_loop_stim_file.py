@@ -168,6 +168,14 @@ def _write(path: pathlib.Path, content) -> pathlib.Path:
     return path
 
 
+def test_a_stream_of_another_circuit_is_refused_by_its_shape(tmp_path):
+    path, _ = _memory(tmp_path)
+    other = build_source(_memory(tmp_path, "other.stim", code="repetition_code:memory")[0])
+    with pytest.raises(ValueError, match="stream shots have 8 detectors and 1 observables; the source's circuit "
+                                         "has 24"):
+        run_loop(transport="shm", source=path, stream=sample_stream(other, num_shots=10), num_shots=10)
+
+
 def test_a_source_of_the_wrong_type_or_spec_keys_is_refused():
     with pytest.raises(TypeError, match="a .stim path or a stim.Circuit"):
         build_source(42)
