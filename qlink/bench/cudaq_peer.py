@@ -68,6 +68,7 @@ def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray,
     specs = service_specs_from_cudaq(config_path)
     stream = SyndromeStream(detectors=measurements, observables=true_flips, round_of_detector=round_of_measurement)
     with start_service_process(resolve_url(transport), specs, max_peers=1, timeout_s=timeout_s + 30,
+                               start_timeout_s=180.0,  # (a busy host: the child's imports alone take a minute)
                                service_options={"engine": engine, "keep_samples": len(measurements)}) as proc:
         ep = transports.connect(proc.url, timeout_s=30)
         try:
