@@ -148,7 +148,7 @@ def _dsparse_table(*, out, quick: bool, say) -> list[dict]:
     from ._report import format_table, write_results
     from .dsparse import measurement_overhead, overhead_rows
 
-    res = measurement_overhead(distance=5, num_shots=1000 if quick else 4096, repeats=3 if quick else 7, say=say)
+    res = measurement_overhead(distance=5, num_shots=1000 if quick else 4096, repeats=5 if quick else 10, say=say)
     rows = overhead_rows(res)
     meta = {k: res[k] for k in ("distance", "rounds", "p", "num_shots", "num_measurements", "num_detectors",
                                 "transport", "identical", "load_avg_1m", "cpu_count")}
