@@ -124,6 +124,10 @@ def _finish(cmd: str, failures: list[str], keep_going: bool) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if getattr(args, "stim", None) and (getattr(args, "distances", None) or getattr(args, "native_only", False)):
+        print("qlink bench qec: error: --distances and --native-only do not apply with --stim (the circuit is "
+              "your own; its rows run on the per-transport table)", file=sys.stderr)
+        return 2
     which = ["transport", "qec", "kv"] if args.what == "all" else [args.what]
     cond = _begin_conditions()
     failures: list[str] = []

@@ -58,6 +58,7 @@ CASES = [
     (_scenario("realtime_loop") + ["--stim", "missing.stim"], "does not exist"),
     (_scenario("qec_memory") + ["--stim", "missing.stim"], "does not exist"),
     (QLINK + ["bench", "cudaq", "--transports", "ucx"], "valid: shm, tcp"),
+    (QLINK + ["bench", "qec", "--stim", str(ROOT / "README.md"), "--distances", "5"], "not a valid stim circuit"),
     # a flag that does not apply to the subcommand
     (QLINK + ["bench", "transport", "--distances", "5"], "does not apply to `qlink bench transport`"),
     (QLINK + ["sweep", "kv", "--ps", "0.01"], "does not apply to `qlink sweep kv`"),
