@@ -234,10 +234,12 @@ def bench_rows(*, quick: bool = False, transports=("shm", "tcp"), engines=("pyth
         ref = ik.get("total_p50_us")
         rows.append({"code": code, "d": d, "path": "CUDA-Q realtime (stim target, in-process)",
                      "shots": shots, "identical": r["identical"], "logical_errors": r["cudaq_logical_errors"],
-                     "per_shot_us": r["cudaq_per_shot_us"], "sim_floor_per_shot_us": r["cudaq_simulation_floor_per_shot_us"],
+                     "per_shot_us": r["cudaq_per_shot_us"],
+                     "sim_floor_per_shot_us": r["cudaq_simulation_floor_per_shot_us"],
                      "decoding_added_per_shot_us": r["cudaq_decoding_added_per_shot_us"],
                      "decode_p50_us": ik.get("decode_p50_us"), "last_syndrome_to_corrections_p50_us": ref,
-                     "last_syndrome_to_corrections_p99_us": ik.get("total_p99_us"), "vs_cudaq_p50": 1.0 if ref else None,
+                     "last_syndrome_to_corrections_p99_us": ik.get("total_p99_us"),
+                     "vs_cudaq_p50": 1.0 if ref else None,
                      "load_1m": r["load_avg_1m"], **({"note": ik["error"][:200]} if "error" in ik else {})})
         for key, t in r["transports"].items():
             rows.append({"code": code, "d": d, "path": f"qlink service, {t['engine']} engine, over {t['transport']}",

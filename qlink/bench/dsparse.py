@@ -169,7 +169,8 @@ def overhead_rows(res: dict) -> list[dict]:
     d = res["distance"]
     rows = []
     for o in res["offline"].values():
-        rows.append({"d": d, "path": f"offline, calls of {o['batch']} shot(s)", "detectors_us": o["detectors_us_per_shot"],
+        rows.append({"d": d, "path": f"offline, calls of {o['batch']} shot(s)",
+                     "detectors_us": o["detectors_us_per_shot"],
                      "measurements_us": o["measurements_us_per_shot"], "added_us": o["added_us_per_shot"],
                      "ratio": o["ratio"], "mapping_us": o["mapping_us_per_shot"],
                      "identical": res["identical_offline"], "goal_added_le_1us": o["added_us_per_shot"] <= 1.0})

@@ -11,9 +11,10 @@ of the 256 byte values, the packed detector bits its set measurements flip, and 
 detection events are the XOR of ``ceil(num_measurements / 8)`` table rows. The table's
 rows are whole 64-bit words, each row one (void) element, so a batch is three NumPy calls
 whatever its size (the row indices ``256 j + byte``, one gather of whole rows laid out
-bytes x shots, and one XOR reduction over the bytes), chunked so the gather stays in cache. A call of a few shots
-(a service answering one shot at a time) XORs the same rows held as Python ints in one
-C-level ``functools.reduce`` (no NumPy call, whose fixed cost is larger at this size);
+bytes x shots, and one XOR reduction over the bytes), chunked so the gather stays in
+cache. A call of a few shots (a service answering one shot at a time) XORs the same rows
+held as Python ints in one C-level ``functools.reduce`` (no NumPy call, whose fixed cost
+is larger at this size);
 one shot then goes to the inner decoder as that int where it takes one
 (:meth:`~qlink.qec.decoders.CompiledMatchingDecoder.decode_detectors_int`: PyMatching's
 graph on the fired detectors), else as one packed row. Tables are kept while they stay
