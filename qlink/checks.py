@@ -237,3 +237,17 @@ def in_file(value, *, where: str) -> Path:
     if not os.access(p, os.R_OK):
         raise UsageError(f"{where}: {p} is not readable")
     return p
+
+
+def stim_file(value, *, where: str) -> str:
+    """A ``.stim`` circuit file the QEC loop can run: it exists, parses as a stim circuit and
+    has detectors and observables (:func:`qlink.qec.specs.circuit_spec`); its path as text."""
+    from .qec.sources import CircuitError
+    from .qec.specs import circuit_spec
+
+    p = in_file(value, where=where)
+    try:
+        circuit_spec(p)
+    except CircuitError as e:
+        raise UsageError(f"{where}: {e}") from None
+    return str(p)

@@ -1,7 +1,7 @@
 """The ``qlink`` command line.
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
-``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|vllm|all`` measures figures beside their floors and peers;
+``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|cudaq|vllm|all`` measures figures beside their floors and peers;
 ``qlink budget`` draws the cross-domain budget table; ``qlink serve --decoder-config FILE`` serves the
 decoders of a CUDA-Q QEC ``multi_decoder_config``; ``qlink doctor`` says what is installed
 and what to install; ``qlink sweep qec|kv|speedup`` runs parameter sweeps on Dask into a
@@ -89,11 +89,14 @@ def _bench_transport(args, failures: list[str]) -> dict:
     return res
 
 
+_BENCH_MODULES = {"cudaq": "cudaq_peer"}  # a bench whose module is not named after it
+
+
 def _bench_module(name: str, args, failures: list[str]):
     import argparse
     import importlib
 
-    mod = importlib.import_module(f"qlink.bench.{name}")
+    mod = importlib.import_module(f"qlink.bench.{_BENCH_MODULES.get(name, name)}")
     # the bench modules read lists as comma-separated text
     ns = argparse.Namespace(**{k: (",".join(map(str, v)) if isinstance(v, tuple) else v)
                                for k, v in vars(args).items()})
@@ -121,6 +124,10 @@ def _finish(cmd: str, failures: list[str], keep_going: bool) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if getattr(args, "stim", None) and (getattr(args, "distances", None) or getattr(args, "native_only", False)):
+        print("qlink bench qec: error: --distances and --native-only do not apply with --stim (the circuit is "
+              "your own; its rows run on the per-transport table)", file=sys.stderr)
+        return 2
     which = ["transport", "qec", "kv"] if args.what == "all" else [args.what]
     cond = _begin_conditions()
     failures: list[str] = []
@@ -252,6 +259,9 @@ _BENCH = {
     "gpu": ("GPU paths (CuPy; NumPy stand-ins on a CPU)", "qlink bench gpu --quick"),
     "decoders": ("every registered decoder beside PyMatching on the same shots: LER with Wilson intervals, us/shot",
                  "qlink bench decoders --quick"),
+    "cudaq": ("CUDA-Q QEC's realtime decoding (stim target, in-process) beside qlink's decoder service on the same "
+              "records and one multi_decoder_config: per-shot and last syndrome -> corrections latency (needs "
+              "cudaq-qec)", "qlink bench cudaq --quick\nqlink bench cudaq --transports shm"),
     "vllm": ("vLLM decode-side TTFT and exposed KV transfer: the qlink connector over shm/tcp/ucx beside vLLM's "
              "ExampleConnector, NixlConnector and recompute (needs vLLM: make bench-vllm)", "qlink bench vllm --quick"),
     "all": ("transport, qec and kv in turn", "qlink bench all --quick --keep-going"),
@@ -297,6 +307,12 @@ def build_parser() -> Parser:
                                                                   choices=checks.ROUND_TRIP_TRANSPORTS),
                                 v, where=where),
                             help=f"round-trip transports, of {','.join(checks.ROUND_TRIP_TRANSPORTS)}")
+        if name == "cudaq":
+            bb.add_argument("--transports", action=ListAction, default=None, metavar="T",
+                            check=lambda v, where: checks.list_of(
+                                lambda x, where: checks.transport(x, where=where, choices=("shm", "tcp")),
+                                v, where=where),
+                            help="qlink's transports, of shm,tcp (default shm,tcp)")
         if name == "decoders":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 3,5; --quick 3)")
@@ -313,6 +329,9 @@ def build_parser() -> Parser:
                             help="write the native lock-step run's first 200 shots as a Chrome/Perfetto trace")
             bb.add_argument("--native-only", action="store_true",
                             help="only the native real-time rows and their goal table (skip the per-transport table)")
+            bb.add_argument("--stim", default=None, metavar="FILE.stim", action=CheckedAction, check=checks.stim_file,
+                            help="a stim circuit of your own (with DETECTOR and OBSERVABLE_INCLUDE): the per-transport "
+                                 "table for it instead of the generated surface codes (--distances does not apply)")
         bb.set_defaults(func=_cmd_bench)
 
     bu = sub.add_parser("budget", help="the cross-domain budget table and its plot",

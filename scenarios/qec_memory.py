@@ -13,6 +13,7 @@ strong_id,json_metadata,custom_counts``; read it back with
 skips the tasks the CSV already holds.
 
     python scenarios/qec_memory.py --quick --transport shm --out results/qec_memory
+    python scenarios/qec_memory.py --stim memory.stim --shots 5000   # one task: a circuit of your own
 """
 
 from __future__ import annotations
@@ -59,23 +60,36 @@ def _done(csv_path: Path) -> dict:
 
 def run(*, transport: str = "shm", out: str | Path | None = "results/qec_memory", distances=None, ps=None,
         num_shots: int | None = None, seed: int = 1, decoder: str = "pymatching", quick: bool = False,
-        rounds_per_frame: int = 0, progress: bool = True, plot: bool = True) -> list[dict]:
+        rounds_per_frame: int = 0, progress: bool = True, plot: bool = True,
+        stim: str | Path | None = None) -> list[dict]:
     """Run every (distance, p) task through the loop; return one row per task and path.
 
     Rows have the sinter columns plus ``d``, ``p``, ``path`` (``wire`` or ``offline``),
     ``transport``, ``ler`` and its Wilson interval. With ``out`` the CSV (appended,
     resumable) and ``threshold.png`` are written there.
+
+    ``stim``: one task, a ``.stim`` circuit of one's own (with detectors and observables)
+    instead of the (distance, p) grid; its rows have ``circuit`` set and ``d``, ``p`` empty,
+    and no threshold plot is drawn.
     """
     from qlink.qec.controller import wilson_interval
     from qlink.qec.decoders import compile_decoder
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
+    from qlink.qec.specs import spec_and_source
 
     from qlink import checks
 
     preset = QUICK if quick else FULL
+    if stim is not None:
+        for name, v in (("distances", distances), ("ps", ps)):
+            if v is not None:
+                raise checks.UsageError(f"{name}: does not apply to a circuit of your own (stim={stim}); leave it out")
+        stim = checks.stim_file(stim, where="stim")
+        distances, ps = (None,), (None,)
     # None means "the preset's"; an empty list or 0 is refused, never taken for the default
-    distances = checks.distances(preset["distances"] if distances is None else distances, where="distances")
-    ps = checks.list_of(checks.probability, preset["ps"] if ps is None else ps, where="ps")
+    else:
+        distances = checks.distances(preset["distances"] if distances is None else distances, where="distances")
+        ps = checks.list_of(checks.probability, preset["ps"] if ps is None else ps, where="ps")
     num_shots = checks.count(preset["num_shots"] if num_shots is None else num_shots, where="num_shots")
     decoder = checks.decoder(decoder, where="decoder")
     transport = checks.transport(transport, where="transport", urls=True)
@@ -96,9 +110,14 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/qec_memory"
     rows = []
     try:
         for i, (d, p) in enumerate(tasks):
-            spec = source_spec(distance=d, rounds=d, p=p)
-            src = build_source(spec)
-            base = {"d": d, "r": d, "p": p, "code": spec["code"], "noise": "uniform", "seed": seed + i}
+            if stim is not None:
+                spec, src = spec_and_source(stim)
+                base = {"d": None, "r": int(src.round_of_detector[-1]) + 1, "p": None, "circuit": stim,
+                        "sha256": spec["sha256"], "seed": seed + i}
+            else:
+                spec = source_spec(distance=d, rounds=d, p=p)
+                src = build_source(spec)
+                base = {"d": d, "r": d, "p": p, "code": spec["code"], "noise": "uniform", "seed": seed + i}
             meta_wire = {**base, "path": "wire", "transport": transport, "rounds_per_frame": rounds_per_frame}
             meta_off = {**base, "path": "offline"}
             wire_name, off_name = f"{decoder}@wire", f"{decoder}@offline"
@@ -148,7 +167,7 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/qec_memory"
     finally:
         if bar:
             bar.close()
-    if out is not None and plot:
+    if out is not None and plot and stim is None:
         plot_threshold(rows, out / "threshold.png", transport=transport)
     return rows
 
@@ -156,7 +175,8 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/qec_memory"
 def _row(stats, meta: dict, wilson) -> dict:
     kept = stats.shots - stats.discards
     lo, hi = wilson(stats.errors, kept) if kept else (math.nan, math.nan)
-    return {"d": meta["d"], "p": meta["p"], "path": meta["path"], "transport": meta.get("transport", ""),
+    return {"d": meta["d"], "p": meta["p"], **({"circuit": meta["circuit"]} if "circuit" in meta else {}),
+            "path": meta["path"], "transport": meta.get("transport", ""),
             "shots": stats.shots, "errors": stats.errors, "discards": stats.discards,
             "seconds": round(stats.seconds, 3), "decoder": stats.decoder,
             "ler": stats.errors / kept if kept else math.nan, "ler_lo": lo, "ler_hi": hi}
@@ -221,12 +241,16 @@ def main(argv: list[str] | None = None) -> int:
                     **checked(checks.decoder))
     ap.add_argument("--rounds-per-frame", default=0, help="rounds per frame (0: a whole shot)",
                     **checked(checks.non_negative))
+    ap.add_argument("--stim", default=None, metavar="FILE.stim",
+                    help="one task: a stim circuit of your own (with DETECTOR and OBSERVABLE_INCLUDE) instead of "
+                         "the distance x p grid (--distances and --ps do not apply)", **checked(checks.stim_file))
     args = ap.parse_args(argv)
     rows = run(transport=args.transport, out=args.out, distances=args.distances, ps=args.ps, num_shots=args.shots,
-               seed=args.seed, decoder=args.decoder, quick=args.quick, rounds_per_frame=args.rounds_per_frame)
+               seed=args.seed, decoder=args.decoder, quick=args.quick, rounds_per_frame=args.rounds_per_frame,
+               stim=args.stim)
     for r in rows:
         print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}))
-    print(f"written: {Path(args.out) / CSV_NAME}, {Path(args.out) / 'threshold.png'}")
+    print(f"written: {Path(args.out) / CSV_NAME}" + ("" if args.stim else f", {Path(args.out) / 'threshold.png'}"))
     return 0
 
 

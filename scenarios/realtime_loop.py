@@ -17,6 +17,7 @@ analog delays (Qblox: 212 ns trigger, 364 ns analog in → out) are reported
 separately as *modeled*.
 
     python scenarios/realtime_loop.py --quick --transport shm --out results/realtime_loop
+    python scenarios/realtime_loop.py --quick --stim memory.stim   # a circuit of your own
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
         rounds_per_frame: int = 1, shots_per_frame: int = 1, deadline_ns: int = DEFAULT_DEADLINE_NS, seed: int = 1,
         quick: bool = False,
         decoder: str = "pymatching", feed_forward: bool = True, progress: bool = True,
-        service_url: str | None = None) -> dict:
+        service_url: str | None = None, stim: str | Path | None = None) -> dict:
     """Run the streaming loop (and the feed-forward loop); return their summaries and traces.
 
     ``rounds_per_frame`` 1 (the default) streams round by round, each round its own frame on its
@@ -72,28 +73,46 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
     configured for this source's DEM and its counter at 0) instead of starting qlink's
     own; only the streaming loop runs then (one pass over a fresh counter), and the
     stage shares that need the service's own records are left out.
+
+    ``stim`` runs a circuit of one's own instead of the generated surface code (a ``.stim``
+    file with detectors and observables; ``distance``, ``rounds`` and ``p`` are then the
+    circuit's own and are not used): its detectors are streamed in the rounds their
+    coordinates (or TICK layers) give.
     """
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
+    from qlink.qec.specs import spec_and_source
 
     from qlink import checks
 
     preset = QUICK if quick else FULL
-    # None means "the preset's"; 0 is refused, never taken for the default
-    distance = checks.distance(preset["distance"] if distance is None else distance, where="distance")
-    rounds = checks.count(preset["rounds"] if rounds is None else rounds, where="rounds")
+    if stim is not None:
+        for name, v in (("distance", distance), ("rounds", rounds)):
+            if v is not None:
+                raise checks.UsageError(f"{name}: does not apply to a circuit of your own (stim={stim}): "
+                                        "it has its own; leave it out")
+        # a bad file: one UsageError naming it; the spec (path and hash) and the source, built once
+        spec, src = spec_and_source(checks.stim_file(stim, where="stim"))
+        distance, p = None, None
+        rounds = int(src.round_of_detector[-1]) + 1
+    else:
+        # None means "the preset's"; 0 is refused, never taken for the default
+        distance = checks.distance(preset["distance"] if distance is None else distance, where="distance")
+        rounds = checks.count(preset["rounds"] if rounds is None else rounds, where="rounds")
+        p = checks.probability(p, where="p")
+        spec = source_spec(distance=distance, rounds=rounds, p=p)
+        src = build_source(spec)
     num_shots = checks.count(preset["num_shots"] if num_shots is None else num_shots, where="num_shots")
-    p = checks.probability(p, where="p")
     decoder = checks.decoder(decoder, where="decoder")
     if service_url is None:
         transport = checks.transport(transport, where="transport", urls=True)
-    spec = source_spec(distance=distance, rounds=rounds, p=p)
-    stream = sample_stream(build_source(spec), num_shots=num_shots, seed=seed)
+    stream = sample_stream(src, num_shots=num_shots, seed=seed)
     modes = [("streaming", None)] + ([("feed_forward", deadline_ns)] if feed_forward and service_url is None else [])
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(modes), desc=f"closed loop d={distance} over {transport}", unit="run", file=sys.stderr)
+        what = f"d={distance}" if stim is None else Path(stim).name
+        bar = tqdm(total=len(modes), desc=f"closed loop {what} over {transport}", unit="run", file=sys.stderr)
     results = {}
     try:
         for name, ff in modes:
@@ -111,7 +130,7 @@ def run(*, transport: str = "shm", out: str | Path | None = "results/realtime_lo
             bar.close()
     grid_ns = np.unique(np.concatenate([np.geomspace(1_000, 100_000_000, 81).astype(np.int64), [deadline_ns]]))
     report = {
-        "config": {"transport": transport if service_url is None else service_url, "external_service": service_url is not None, "distance": distance, "rounds": rounds, "p": p, "num_shots": num_shots,
+        "config": {"transport": transport if service_url is None else service_url, "external_service": service_url is not None, "circuit": None if stim is None else str(stim), "distance": distance, "rounds": rounds, "p": p, "num_shots": num_shots,
                    "cycle_ns": cycle_ns, "rounds_per_frame": rounds_per_frame, "shots_per_frame": shots_per_frame,
                    "decoder": decoder,
                    "deadline_ns": deadline_ns, "seed": seed},
@@ -140,7 +159,8 @@ def _plots(results: dict, report: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     cfg = report["config"]
-    title = f"d={cfg['distance']}, {cfg['rounds']} rounds/shot, cycle {cfg['cycle_ns']} ns, {cfg['transport']}"
+    code = f"d={cfg['distance']}" if cfg.get("circuit") is None else Path(cfg["circuit"]).name
+    title = f"{code}, {cfg['rounds']} rounds/shot, cycle {cfg['cycle_ns']} ns, {cfg['transport']}"
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, res in results.items():
         t, b = res.backlog_trace
@@ -192,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = Parser(description=__doc__.split("\n\n")[0],
                 examples="python scenarios/realtime_loop.py --quick\n"
-                         "python scenarios/realtime_loop.py --transport tcp --distance 7 --shots 5000")
+                         "python scenarios/realtime_loop.py --transport tcp --distance 7 --shots 5000\n"
+                         "python scenarios/realtime_loop.py --quick --stim memory.stim")
     ap.add_argument("--transport", default="shm", help="shm, tcp, ucx, udp, inproc or a URL",
                     **checked(checks.transport, urls=True))
     ap.add_argument("--out", default="results/realtime_loop", help="output directory (JSON + PNGs)",
@@ -215,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="whole shots per frame and per answer (throughput for reaction time)")
     ap.add_argument("--deadline-us", default=DEFAULT_DEADLINE_NS / 1e3, help="feed-forward deadline",
                     **checked(checks.number, lo=0, lo_open=True))
+    ap.add_argument("--stim", default=None, metavar="FILE.stim",
+                    help="a stim circuit of your own (with DETECTOR and OBSERVABLE_INCLUDE) instead of the "
+                         "generated surface code; --distance, --rounds and --p do not apply",
+                    **checked(checks.stim_file))
     ap.add_argument("--no-feed-forward", action="store_true", help="only the streaming loop")
     ap.add_argument("--service-url", default=None,
                     help="drive a decoder server already running there (any CUDA-Q realtime RPC server, "
@@ -225,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               num_shots=args.shots, cycle_ns=args.cycle_ns, rounds_per_frame=args.rounds_per_frame,
               shots_per_frame=args.shots_per_frame,
               deadline_ns=int(args.deadline_us * 1e3), seed=args.seed, quick=args.quick, decoder=args.decoder,
-              feed_forward=not args.no_feed_forward, service_url=args.service_url)
+              feed_forward=not args.no_feed_forward, service_url=args.service_url, stim=args.stim)
     for name, s in rep["modes"].items():
         print(f"[{name}] reaction p50 {s['reaction_p50_us']:.1f} us, p99 {s['reaction_p99_us']:.1f} us, "
               f"p99.9 {s['reaction_p999_us']:.1f} us (measured; +{sum(s['modeled_controller_ns'].values())} ns "

@@ -20,8 +20,8 @@ corrections shot by shot. Figures (a dict, also what the bench writes):
 :func:`cudaq_decoder_timings` reads CUDA-Q's own per-call decoder timings (its
 ``[DecoderStats]`` log lines at ``CUDAQ_LOG_LEVEL=info``, in a child process: the
 logging slows the launch, so it is a run of its own). :func:`measurement_overhead`
-measures what measurement-level syndromes (``D_sparse``) cost qlink per shot beside
-detection events, offline and through the service, on the same shots.
+(:mod:`qlink.bench.dsparse`) measures what measurement-level syndromes (``D_sparse``)
+cost qlink per shot beside detection events, offline and through the service.
 
 >>> # figures = compare_with_cudaq(code="repetition", distance=5, rounds=5, num_shots=500)
 """
@@ -35,7 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["compare_with_cudaq", "serve_records", "measurement_overhead", "cudaq_decoder_timings", "bench_rows"]
+from .dsparse import measurement_overhead
+
+__all__ = ["compare_with_cudaq", "serve_records", "measurement_overhead", "cudaq_decoder_timings", "bench_rows",
+           "main_from_cli"]
 
 
 def _layout(code: str, distance: int, rounds: int):
@@ -50,10 +53,11 @@ def _layout(code: str, distance: int, rounds: int):
 
 def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray, round_of_measurement, *,
                   transport: str = "shm", decoder_id: int = 0, cycle_ns: int = 20_000, timeout_s: float = 120.0,
-                  max_in_flight_shots: int | None = 1):
+                  max_in_flight_shots: int | None = 1, engine: str = "python"):
     """Play measurement records through a qlink decoder service started from ``config_path``
     (one frame per round; by default one shot in flight at a time, so the reaction time is a
-    shot's own, not a backlog's); returns ``(ControllerResult, service report)``."""
+    shot's own, not a backlog's); ``engine`` the service's (``"python"`` or ``"native"``: its
+    per-frame path in C, shm and tcp); returns ``(ControllerResult, service report)``."""
     import transports
 
     from qlink.qec.controller import Controller, SyndromeStream
@@ -63,7 +67,9 @@ def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray,
 
     specs = service_specs_from_cudaq(config_path)
     stream = SyndromeStream(detectors=measurements, observables=true_flips, round_of_detector=round_of_measurement)
-    with start_service_process(resolve_url(transport), specs, max_peers=1, timeout_s=timeout_s + 30) as proc:
+    with start_service_process(resolve_url(transport), specs, max_peers=1, timeout_s=timeout_s + 30,
+                               start_timeout_s=180.0,  # (a busy host: the child's imports alone take a minute)
+                               service_options={"engine": engine, "keep_samples": len(measurements)}) as proc:
         ep = transports.connect(proc.url, timeout_s=30)
         try:
             ctl = Controller(ep, stream, decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=1,
@@ -76,17 +82,23 @@ def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray,
 
 
 def _per_shot_s(run_fn, n_small: int, n_large: int) -> tuple[float, object]:
-    """Per-shot seconds of a launch with the launch cost removed: two launches, the difference."""
+    """Per-shot seconds of a launch with the launch cost removed: two launches, the difference
+    (NaN where the difference is not positive: a host too busy to tell)."""
     small = run_fn(n_small)
     large = run_fn(n_large)
-    return max(large.wall_s - small.wall_s, 0.0) / (n_large - n_small), large
+    diff = large.wall_s - small.wall_s  # not positive: the host stalled the short launch more than the long one
+    return (diff / (n_large - n_small) if diff > 0 else float("nan")), large
 
 
 def compare_with_cudaq(*, code: str = "repetition", distance: int = 5, rounds: int | None = None, p: float = 0.01,
                        num_shots: int = 1000, transports=("shm", "tcp"), seed: int = 1, decoder_type: str = "pymatching",
-                       cycle_ns: int = 20_000, config_path=None, decoder_timings: bool = True, say=None) -> dict:
+                       cycle_ns: int = 20_000, config_path=None, decoder_timings: bool = True,
+                       engines=("python",), say=None) -> dict:
     """Run CUDA-Q's realtime decoding and qlink's service on the same records; a dict of figures
-    (with ``decoder_timings``, also CUDA-Q's in-kernel per-call timings: :func:`cudaq_decoder_timings`)."""
+    (with ``decoder_timings``, also CUDA-Q's in-kernel per-call timings: :func:`cudaq_decoder_timings`).
+    qlink's service runs over each of ``transports`` with each of ``engines`` (``"native"``:
+    its per-frame path in C, where built); ``out["transports"]`` is keyed by the transport
+    for the Python engine and ``"<transport>/native"`` for the native one."""
     from qlink.qec.controller import wilson_interval
     from qlink.qec.cudaq_config import dump_multi_decoder_config, stim_measurement_matrices
     from qlink.qec.cudaq_realtime import config_for_layout, layout_stim_circuit, run_cudaq_realtime
@@ -118,11 +130,17 @@ def compare_with_cudaq(*, code: str = "repetition", distance: int = 5, rounds: i
                "raw_flip_rate": float(flips.any(axis=1).mean()), "transports": {}}
         rounds_of = layout.measurement_rounds()
         identical_all = True
-        for tr in transports:
-            say(f"qlink service over {tr}: the same {num_shots} records, one frame per round")
+        runs = [(tr, eng) for tr in transports for eng in engines]
+        for tr, eng in runs:
+            if eng == "native":
+                from qlink.qec.hotpath import available
+
+                if available() is not None:
+                    continue
+            say(f"qlink service ({eng}) over {tr}: the same {num_shots} records, one frame per round")
             t0 = time.perf_counter()
             res, report = serve_records(config_path, run.measurements, flips, rounds_of, transport=tr,
-                                        cycle_ns=cycle_ns)
+                                        cycle_ns=cycle_ns, engine=eng)
             wall = time.perf_counter() - t0
             corr = np.unpackbits(res.corrections, axis=1, count=1, bitorder="little")
             answered = res.correct >= 0
@@ -131,8 +149,8 @@ def compare_with_cudaq(*, code: str = "repetition", distance: int = 5, rounds: i
             p50, p99 = res.reaction_percentiles_ns((50, 99))
             stages = report.get("stages", {})
             dps = stages.get("decode_per_shot", {})
-            out["transports"][tr] = {
-                "identical": identical, "mismatches": int((corr != run.corrections).any(axis=1).sum()),
+            out["transports"][tr if eng == "python" else f"{tr}/{eng}"] = {
+                "engine": eng, "identical": identical, "mismatches": int((corr != run.corrections).any(axis=1).sum()),
                 "unanswered": int((~answered).sum()), "logical_errors": int(res.logical_errors),
                 "reaction_p50_us": p50 / 1e3, "reaction_p99_us": p99 / 1e3,
                 "decode_per_shot_p50_us": _hist_p50_us(dps),
@@ -201,107 +219,70 @@ def cudaq_decoder_timings(*, code: str = "repetition", distance: int = 5, rounds
     return res
 
 
-def _time_per_shot(fn, shots: np.ndarray, batch: int, repeat: int = 3) -> float:
-    """Best-of-``repeat`` µs per shot of ``fn`` called on consecutive slices of ``batch`` shots."""
-    best = float("inf")
-    n = (len(shots) // batch) * batch
-    for _ in range(repeat):
-        t0 = time.perf_counter_ns()
-        for i in range(0, n, batch):
-            fn(shots[i:i + batch])
-        best = min(best, (time.perf_counter_ns() - t0) / n / 1e3)
-    return best
-
-
-def measurement_overhead(*, distance: int = 5, p: float = 0.001, num_shots: int = 2000, batch_sizes=(1, 64),
-                         transports=("shm",), seed: int = 1, cycle_ns: int = 20_000, say=None) -> dict:
-    """What measurement-level syndromes cost qlink per shot beside detection events, on the same
-    shots of a stim surface-code memory (d rounds): offline (``decode_shots_bit_packed`` of the
-    measurement-level decoder vs the detector-level one, per batch size) and through the
-    service (one whole-shot frame per shot, one shot in flight), with the corrections of the
-    two paths compared shot by shot (``identical``)."""
-    import stim
-
-    from qlink.qec.cudaq_config import (compile_cudaq_entry, dump_multi_decoder_config,
-                                        multi_decoder_config_from_circuit)
-
-    say = say or (lambda msg: None)
-    circuit = stim.Circuit.generated("surface_code:rotated_memory_z", distance=distance, rounds=distance,
-                                     after_clifford_depolarization=p, after_reset_flip_probability=p,
-                                     before_measure_flip_probability=p, before_round_data_depolarization=p)
-    meas = circuit.compile_sampler(seed=seed).sample(num_shots)
-    dets, obs = circuit.compile_m2d_converter().convert(measurements=meas, separate_observables=True)
-    docs = {"measurements": multi_decoder_config_from_circuit(circuit),
-            "detectors": multi_decoder_config_from_circuit(circuit, measurement_level=False)}
-    inputs = {"measurements": meas.astype(np.uint8), "detectors": dets.astype(np.uint8)}
-    out = {"distance": distance, "rounds": distance, "p": p, "num_shots": num_shots,
-           "num_measurements": int(meas.shape[1]), "num_detectors": int(dets.shape[1]), "offline": {}, "service": {}}
-    compiled = {k: compile_cudaq_entry(d["decoders"][0]) for k, d in docs.items()}
-    packed = {k: np.packbits(v, axis=1, bitorder="little") for k, v in inputs.items()}
-    preds = {k: compiled[k].decode_shots_bit_packed(packed[k]) for k in docs}
-    out["identical_offline"] = bool(np.array_equal(preds["measurements"], preds["detectors"]))
-    for b in batch_sizes:
-        us = {k: _time_per_shot(compiled[k].decode_shots_bit_packed, packed[k], int(b)) for k in docs}
-        out["offline"][f"batch_{b}"] = {"detectors_us_per_shot": us["detectors"],
-                                        "measurements_us_per_shot": us["measurements"],
-                                        "added_us_per_shot": us["measurements"] - us["detectors"]}
-    identical = out["identical_offline"]
-    with tempfile.TemporaryDirectory(prefix="qlink-msyn-") as tmp:
-        for tr in transports:
-            row = {}
-            corr = {}
-            for k, doc in docs.items():
-                path = Path(tmp) / f"{k}.yaml"
-                dump_multi_decoder_config(doc, path)
-                say(f"measurement overhead: {k}-level syndromes over {tr}, {num_shots} shots")
-                res, report = serve_records(path, inputs[k], obs.astype(np.uint8),
-                                            np.zeros(inputs[k].shape[1], np.int64), transport=tr, cycle_ns=cycle_ns)
-                corr[k] = res.corrections
-                p50, p99 = res.reaction_percentiles_ns((50, 99))
-                row[f"{k}_reaction_p50_us"] = p50 / 1e3
-                row[f"{k}_reaction_p99_us"] = p99 / 1e3
-                row[f"{k}_decode_per_shot_p50_us"] = _hist_p50_us(report.get("stages", {}).get("decode_per_shot", {}))
-            row["added_reaction_p50_us"] = row["measurements_reaction_p50_us"] - row["detectors_reaction_p50_us"]
-            row["added_decode_per_shot_p50_us"] = (row["measurements_decode_per_shot_p50_us"]
-                                                   - row["detectors_decode_per_shot_p50_us"])
-            row["identical"] = bool(np.array_equal(corr["measurements"], corr["detectors"]))
-            identical &= row["identical"]
-            out["service"][tr] = row
-    out["identical"] = identical
-    out["load_avg_1m"] = os.getloadavg()[0]
-    out["cpu_count"] = os.cpu_count()
-    return out
-
-
-def bench_rows(*, quick: bool = False, transports=("shm", "tcp"), say=None) -> list[dict]:
-    """The rows ``qlink bench qec`` prints for this comparison, one per (code, path): CUDA-Q's
-    realtime simulation path and qlink's service per transport on the same records, then the
-    measurement-level overhead at d = 5. Needs cudaq-qec; each row says what it measured."""
+def bench_rows(*, quick: bool = False, transports=("shm", "tcp"), engines=("python", "native"),
+               say=None) -> list[dict]:
+    """The rows of ``qlink bench cudaq``, one per (code, path): CUDA-Q's realtime simulation path
+    (in-process) and qlink's service per transport and engine, on the same records, with the
+    ratio of each qlink latency to CUDA-Q's own enqueue -> corrections time in the same run.
+    Needs cudaq-qec; each row says what it measured."""
     shots = 300 if quick else 2000
     rows: list[dict] = []
     for code, d, p in (("repetition", 5, 0.01), ("surface", 5, 0.003)):
-        r = compare_with_cudaq(code=code, distance=d, p=p, num_shots=shots, transports=transports, say=say)
+        r = compare_with_cudaq(code=code, distance=d, p=p, num_shots=shots, transports=transports, engines=engines,
+                               say=say)
         ik = r.get("cudaq_in_kernel", {})
-        rows.append({"code": code, "distance": d, "path": "CUDA-Q realtime (stim sim, in-process)",
+        ref = ik.get("total_p50_us")
+        rows.append({"code": code, "d": d, "path": "CUDA-Q realtime (stim target, in-process)",
                      "shots": shots, "identical": r["identical"], "logical_errors": r["cudaq_logical_errors"],
-                     "per_shot_us": r["cudaq_per_shot_us"], "sim_floor_per_shot_us": r["cudaq_simulation_floor_per_shot_us"],
-                     "decode_p50_us": ik.get("decode_p50_us"), "last_syndrome_to_corrections_p50_us": ik.get("total_p50_us"),
-                     "last_syndrome_to_corrections_p99_us": ik.get("total_p99_us")})
-        for tr, t in r["transports"].items():
-            rows.append({"code": code, "distance": d, "path": f"qlink service over {t['transport']}", "shots": shots,
-                         "identical": t["identical"], "logical_errors": t["logical_errors"],
+                     "per_shot_us": r["cudaq_per_shot_us"],
+                     "sim_floor_per_shot_us": r["cudaq_simulation_floor_per_shot_us"],
+                     "decoding_added_per_shot_us": r["cudaq_decoding_added_per_shot_us"],
+                     "decode_p50_us": ik.get("decode_p50_us"), "last_syndrome_to_corrections_p50_us": ref,
+                     "last_syndrome_to_corrections_p99_us": ik.get("total_p99_us"),
+                     "vs_cudaq_p50": 1.0 if ref else None,
+                     "load_1m": r["load_avg_1m"], **({"note": ik["error"][:200]} if "error" in ik else {})})
+        for key, t in r["transports"].items():
+            rows.append({"code": code, "d": d, "path": f"qlink service, {t['engine']} engine, over {t['transport']}",
+                         "shots": shots, "identical": t["identical"], "logical_errors": t["logical_errors"],
                          "per_shot_us": t["run_per_shot_us"], "decode_p50_us": t["decode_per_shot_p50_us"],
                          "last_syndrome_to_corrections_p50_us": t["reaction_p50_us"],
-                         "last_syndrome_to_corrections_p99_us": t["reaction_p99_us"]})
-    m = measurement_overhead(distance=5, num_shots=shots, transports=transports[:1], say=say)
-    for b, o in m["offline"].items():
-        rows.append({"code": "surface", "distance": 5, "path": f"D_sparse overhead offline, {b.replace('_', ' ')}",
-                     "shots": shots, "identical": m["identical_offline"],
-                     "per_shot_us": o["measurements_us_per_shot"], "added_per_shot_us": o["added_us_per_shot"]})
-    for tr, o in m["service"].items():
-        rows.append({"code": "surface", "distance": 5, "path": f"D_sparse overhead through the service ({tr})",
-                     "shots": shots, "identical": o["identical"],
-                     "decode_p50_us": o["measurements_decode_per_shot_p50_us"],
-                     "added_per_shot_us": o["added_decode_per_shot_p50_us"],
-                     "last_syndrome_to_corrections_p50_us": o["measurements_reaction_p50_us"]})
+                         "last_syndrome_to_corrections_p99_us": t["reaction_p99_us"],
+                         "vs_cudaq_p50": t["reaction_p50_us"] / ref if ref else None, "load_1m": r["load_avg_1m"]})
+    return rows
+
+
+COLUMNS = ["code", "d", "path", "shots", "identical", "logical_errors", "per_shot_us", "sim_floor_per_shot_us",
+           "decoding_added_per_shot_us", "decode_p50_us", "last_syndrome_to_corrections_p50_us",
+           "last_syndrome_to_corrections_p99_us", "vs_cudaq_p50", "load_1m", "note"]
+
+
+def main_from_cli(args, *, say=print) -> list[dict]:
+    """``qlink bench cudaq [--quick] [--transports shm,tcp] [--out DIR]``: the table, JSON and CSV."""
+    from qlink.errors import missing
+
+    from ._report import format_table, write_results
+
+    try:
+        import cudaq_qec  # noqa: F401
+    except ImportError as exc:
+        raise missing("cudaq-qec-cu12", extra="quantum", feature="qlink bench cudaq") from exc
+    quick = bool(getattr(args, "quick", False))
+    given = getattr(args, "transports", None)
+    transports = tuple(x.strip() for x in str(given).split(",") if x.strip()) if given else ("shm", "tcp")
+    rows = bench_rows(quick=quick, transports=transports, say=say)
+    out = Path(getattr(args, "out", "results/bench"))
+    meta = {"quick": quick, "transports": list(transports),
+            "peer": "CUDA-Q QEC realtime decoding (cudaq_qec, stim target) on the same records, same run",
+            "cudaq_timing": "per_shot_us: one kernel launch looping over the shots, launch cost removed by a "
+                            "shorter second launch; last_syndrome_to_corrections: its [DecoderStats] "
+                            "map+decode+corrections per call",
+            "qlink_timing": "last_syndrome_to_corrections: the controller's reaction time (last frame sent -> "
+                            "correction applied), the transport both ways included; decode_p50: the service's "
+                            "decode time per shot"}
+    write_results(rows, out_dir=out, name="cudaq", meta=meta)
+    print("\nCUDA-Q realtime decoding beside qlink's decoder service, the same measurement records and one "
+          "multi_decoder_config (measured here; vs_cudaq_p50: qlink's last syndrome -> corrections p50 over "
+          "CUDA-Q's in-kernel one)")
+    print(format_table(rows, columns=[c for c in COLUMNS if any(r.get(c) is not None for r in rows)]))
+    print(f"\nwritten: {out}/cudaq.{{json,csv}}")
     return rows

@@ -8,6 +8,10 @@ interval, µs per shot, and both as ratios to PyMatching on the very same shots
 gets its own rows on the distance-3 colour-code memory, beside PyMatching on the
 same colour-code shots.
 
+A second table (:mod:`qlink.bench.dsparse`) gives what measurement-level syndromes
+(CUDA-Q's ``D_sparse``) add per shot at d = 5, offline and through the service, as the
+ratio to detector-level decoding of the same shots in the same run.
+
 >>> rows = run_decoder_bench(distances=(3,), p=0.005, num_shots=200, decoders=("pymatching", "fusion-blossom"))
 >>> [r["decoder"] for r in rows], rows[0]["ler_vs_pymatching"]
 (['pymatching', 'fusion-blossom'], 1.0)
@@ -135,4 +139,26 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
           "LER with its 95 % Wilson interval")
     print(format_table(rows, columns=cols + (["error"] if any("error" in r for r in rows) else [])))
     print(f"\nwritten: {out}/decoders.{{json,csv}}")
+    rows += _dsparse_table(out=out, quick=quick, say=say)
+    return rows
+
+
+def _dsparse_table(*, out, quick: bool, say) -> list[dict]:
+    """The measurement-level (D_sparse) overhead at d = 5: its table, JSON and CSV."""
+    from ._report import format_table, write_results
+    from .dsparse import measurement_overhead, overhead_rows
+
+    res = measurement_overhead(distance=5, num_shots=1000 if quick else 4096, repeats=5 if quick else 10, say=say)
+    rows = overhead_rows(res)
+    meta = {k: res[k] for k in ("distance", "rounds", "p", "num_shots", "num_measurements", "num_detectors",
+                                "transport", "identical", "load_avg_1m", "cpu_count")}
+    meta["peer"] = "detector-level decoding of the same shots (PyMatching), same run"
+    write_results(rows, out_dir=out, name="decoders_dsparse", meta=meta)
+    print(f"\nMeasurement-level syndromes (D_sparse: {res['num_measurements']} measurements -> {res['num_detectors']} "
+          f"detectors, surface code d={res['distance']}, p={res['p']}) beside detection events on the same shots "
+          f"(load {res['load_avg_1m']:.2f} on {res['cpu_count']} cores; goal: added <= 1 us per shot)")
+    cols = ["path", "detectors_us", "measurements_us", "added_us", "ratio", "mapping_us", "reaction_det_p50_us",
+            "reaction_meas_p50_us", "identical", "goal_added_le_1us", "note"]
+    print(format_table(rows, columns=[c for c in cols if any(r.get(c) is not None for r in rows)]))
+    print(f"\nwritten: {out}/decoders_dsparse.{{json,csv}}")
     return rows

@@ -68,7 +68,7 @@ import numpy as np
 __all__ = ["run_qec_bench", "main_from_cli", "offline_rounds_per_s", "BENCH_COLUMNS"]
 
 BENCH_COLUMNS = [
-    "transport", "d", "rounds", "load_1m", "floor_rt_p50_us", "floor_rt_p99_us", "cpu_floor_ran_share",
+    "transport", "d", "circuit", "rounds", "load_1m", "floor_rt_p50_us", "floor_rt_p99_us", "cpu_floor_ran_share",
     "cpu_floor_held_off_per_s",
     # flat out vs offline, on the same shots
     "flat_shots", "flat_shots_per_frame", "offline_rounds_per_s", "wire_rounds_per_s", "wire_rounds_per_s_median",
@@ -160,7 +160,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
                   frame_period_ns: int = 40_000, max_in_flight_frames: int = 4, floor_round_trips: int = 2000,
                   seed: int = 1, feed_forward_deadline_ns: int = 63_000, ff_shots: int = 2000,
                   keep_rows: int = 50_000, max_gets_in_flight_1: int = 2, get_window_shots_1: int = 64,
-                  progress: Callable[[str], None] | None = None) -> list[dict]:
+                  stim: str | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
     """One row per (transport, distance); see the module docstring for what each measures.
 
     ``num_rounds`` rounds per shot (default: the distance); at the cycle, shots run back
@@ -172,6 +172,10 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
     ``frame_period_ns``); the latency run one, its answers covering up to
     ``get_window_shots_1`` shots with at most ``max_gets_in_flight_1`` asks
     outstanding. ``keep_rows`` bounds the raw timestamps kept for the shares.
+
+    ``stim``: a ``.stim`` circuit of one's own instead of the generated surface codes (one
+    row per transport; ``distances``, ``num_rounds`` and ``p`` do not apply, ``d`` is
+    empty and ``circuit`` names the file).
     """
     from qlink import wire
     from qlink.qec.decoders import compile_decoder
@@ -189,27 +193,33 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
         f"{frame_period_ns / 1e3:.0f} us {avail['held_off_per_s']:.0f} times/s (longest {avail['longest_gap_us']:.0f} us)")
     floors: dict[str, tuple[float, float]] = {}  # transport -> bare round trip p50, p99 (ns)
     rows = []
-    for d in distances:
-        r = int(num_rounds or d)
-        spec = source_spec(distance=d, rounds=r, p=p)
-        src = build_source(spec)
+    if stim is not None:
+        from qlink.qec.specs import spec_and_source
+
+        cases = [(None, *spec_and_source(stim))]
+    else:
+        cases = [(d, spec, build_source(spec)) for d in distances
+                 for spec in [source_spec(distance=d, rounds=int(num_rounds or d), p=p)]]
+    for case_i, (d, spec, src) in enumerate(cases):
         probe = sample_stream(src, num_shots=1, seed=seed)
         R, nd = probe.num_rounds, probe.num_detectors
         k_flat = max(1, min(flat_shots_per_frame, wire.MAX_SYNDROME_BITS // nd))
         flat_frames = max(4 * max_in_flight_frames, -(-int(flat_rounds) // (R * k_flat)))
-        flat_stream = sample_stream(src, num_shots=k_flat * flat_frames, seed=seed + 1000 + d)
+        flat_stream = sample_stream(src, num_shots=k_flat * flat_frames, seed=seed + 1000 + (d or case_i))
         packed = np.packbits(flat_stream.detectors, axis=1, bitorder="little")
         offline = offline_rounds_per_s(compile_decoder(decoder, src.dem), packed, num_rounds=R)
         shots = -(-int(cycle_rounds) // R)
-        stream = sample_stream(src, num_shots=shots, seed=seed + d)
+        stream = sample_stream(src, num_shots=shots, seed=seed + (d or case_i))
         k_cyc = cycle_shots_per_frame or max(1, -(-frame_period_ns // (R * cycle_ns)))
         k_cyc = max(1, min(k_cyc, wire.MAX_SYNDROME_BITS // nd, shots))
         keep = min(shots, keep_rows)
-        say(f"d={d}: {R} rounds/shot, offline {decoder} decode_batch {offline / 1e6:.2f} M rounds/s "
+        say(f"{'d=' + str(d) if stim is None else stim}: {R} rounds/shot, {nd} detectors/shot, "
+            f"offline {decoder} decode_batch {offline / 1e6:.2f} M rounds/s "
             f"(needed at a {cycle_ns} ns cycle: {1e9 / cycle_ns / 1e6:.2f} M); {shots} shots "
             f"({shots * R} rounds) at the cycle")
         for t in transports:
-            row = {"transport": t, "d": d, "rounds": R, "load_1m": os.getloadavg()[0],
+            row = {"transport": t, "d": d, **({} if stim is None else {"circuit": str(stim)}), "rounds": R,
+                   "load_1m": os.getloadavg()[0],
                    "cpu_floor_ran_share": avail["ran_share"], "cpu_floor_held_off_per_s": avail["held_off_per_s"],
                    "flat_shots": flat_stream.num_shots, "flat_shots_per_frame": k_flat,
                    "offline_rounds_per_s": offline, "cycle_rounds": shots * R,
@@ -304,6 +314,9 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
 
     quick = bool(getattr(args, "quick", False))
     out = Path(getattr(args, "out", "results/bench"))
+    stim = getattr(args, "stim", None)
+    if stim:
+        return _stim_from_cli(args, stim, quick=quick, out=out, say=say)
     # the real-time path first: native, over shm, each figure beside its floor
     hot_kw = dict(distances=(5, 7), cycle_rounds=100_000, lockstep_shots=3000, floor_round_trips=5000,
                   flat_rounds=100_000) if quick else {}
@@ -333,4 +346,23 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     print("\nQEC decoder service over the wire vs the 1.1 us cycle and offline decode_batch (measured here)")
     print(format_table(rows, columns=[c for c in BENCH_COLUMNS if any(c in r for r in rows)]))
     print(f"\nwritten: {out}/qec.{{json,csv}}")
+    return rows
+
+
+def _stim_from_cli(args, stim: str, *, quick: bool, out, say) -> list[dict]:
+    """``qlink bench qec --stim FILE``: the per-transport table for a circuit of one's own."""
+    from ._report import format_table, write_results
+
+    kw = dict(cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000, ff_shots=1000) if quick else {}
+    given = getattr(args, "transports", None)
+    if given:
+        kw["transports"] = tuple(x.strip() for x in str(given).split(",") if x.strip())
+    rows = run_qec_bench(progress=say, stim=stim, **kw)
+    write_results(rows, out_dir=out, name="qec_stim", meta={"quick": quick, "circuit": stim,
+                                                            **{k: list(v) if isinstance(v, tuple) else v
+                                                               for k, v in kw.items()}})
+    print(f"\nQEC decoder service over the wire for {stim} vs the 1.1 us cycle and offline decode_batch "
+          "(measured here)")
+    print(format_table(rows, columns=[c for c in BENCH_COLUMNS if any(r.get(c) is not None for r in rows)]))
+    print(f"\nwritten: {out}/qec_stim.{{json,csv}}")
     return rows

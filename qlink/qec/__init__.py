@@ -11,7 +11,7 @@ from .cudaq_config import (CudaqConfigError, decoder_configs_from_cudaq, dump_mu
 from .controller import (Controller, ControllerResult, FrameTooLargeError, SyndromeStream, ler_under_deadline,
                          wilson_interval)
 from .decoders import BUILT_IN_DECODERS, MeasurementDecoder, SlidingWindowDecoder, compile_decoder, get_decoder
-from .loop import LoopResult, build_source, run_loop, source_spec
+from .loop import LoopResult, build_source, circuit_spec, run_loop, source_spec
 from .service import DecoderConfig, DecoderService, run_service_process, start_service_process
 from .sources import CircuitError, CudaqSource, StimSource, SyndromeBatch
 
@@ -38,6 +38,7 @@ __all__ = [
     "run_loop",
     "LoopResult",
     "source_spec",
+    "circuit_spec",
     "build_source",
     "CudaqConfigError",
     "load_multi_decoder_config",

@@ -192,15 +192,17 @@ def compile_cudaq_entry(entry: Mapping[str, Any], *, base_dir=None, measurement_
 
 
 def decoder_configs_from_cudaq(source, *, capacity_shots: int = 1024, frames_per_shot: int | None = None,
-                               measurement_level: bool = True, base_dir=None) -> dict:
+                               measurement_level: bool = True, base_dir=None,
+                               use_cudaq_schema: bool | None = None) -> dict:
     """``{decoder_id: qlink.qec.service.DecoderConfig}`` from a ``multi_decoder_config``
     (a path, YAML/JSON text or a mapping; validated first). Each decoder is compiled
     here (see the module docstring); a relative ``stim_dem_path`` is read from the
-    file's folder (or ``base_dir``)."""
+    file's folder (or ``base_dir``); ``use_cudaq_schema`` as in
+    :func:`~qlink.qec.cudaq_config.validate_multi_decoder_config`."""
     from .cudaq_config import config_file, load_multi_decoder_config
     from .service import DecoderConfig
 
-    doc = load_multi_decoder_config(source)
+    doc = load_multi_decoder_config(source, use_cudaq_schema=use_cudaq_schema)
     path = config_file(source)
     if base_dir is None and path is not None:
         base_dir = path.resolve().parent
@@ -234,8 +236,11 @@ def decoder_config_from_spec(spec: Mapping[str, Any]):
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)} in a multi_decoder_config spec; allowed: {sorted(allowed)}")
+    # the document was checked against CUDA-Q's schema where the spec was made (service_specs_from_cudaq):
+    # qlink's own checks again here, without importing CUDA-Q into the service process (seconds on a busy host)
     configs = decoder_configs_from_cudaq(spec["multi_decoder_config"], capacity_shots=spec.get("capacity_shots", 1024),
-                                         frames_per_shot=spec.get("frames_per_shot"), base_dir=spec.get("base_dir"))
+                                         frames_per_shot=spec.get("frames_per_shot"), base_dir=spec.get("base_dir"),
+                                         use_cudaq_schema=False)
     if len(configs) != 1:
         raise ValueError(f"a service spec holds one decoder, got {len(configs)}")
     return next(iter(configs.values()))

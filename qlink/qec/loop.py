@@ -15,6 +15,11 @@ rebuild the same DEM without anything but numbers crossing the process boundary:
     {"kind": "stim", "code": "surface_code:rotated_memory_z", "distance": 5,
      "rounds": 5, "p": 0.001}
 
+or a user's own circuit: ``run_loop(source="memory.stim")`` (or a ``stim.Circuit``; see
+:func:`~qlink.qec.specs.circuit_spec`), the file read by both sides and refused, with a
+:class:`~qlink.qec.sources.CircuitError` naming it, when it is missing, is not a circuit,
+or lacks detectors or observables.
+
 >>> spec = source_spec(distance=3, rounds=3, p=0.001)
 >>> src = build_source(spec)
 >>> src.dem.num_detectors, int(np.asarray(src.round_of_detector).max())
@@ -36,12 +41,13 @@ from qlink.errors import BrokenLinkError
 
 from ._checks import knob as _knob
 from .controller import DEFAULT_CYCLE_NS, Controller, ControllerResult
-from .specs import _check_spec, build_source, source_spec
+from .specs import build_source, circuit_spec, source_spec, spec_and_source
 from .stream import SyndromeStream, sample_stream
 from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, histogram_summary, join_shots, stage_summary
 
 __all__ = [
     "source_spec",
+    "circuit_spec",
     "build_source",
     "sample_stream",
     "run_loop",
@@ -127,7 +133,7 @@ class LoopResult:
     def summary(self) -> dict:
         """The headline figures as a flat JSON-able dict."""
         lo, hi = self.ler_interval
-        return {
+        out = {
             "transport": self.transport, "engine": self.engine, "basis": self.basis, "decoder": self.decoder, "distance": self.source.get("distance"),
             "rounds": self.num_rounds, "p": self.source.get("p"), "shots": self.num_shots, "cycle_ns": self.cycle_ns,
             "rounds_per_frame": self.rounds_per_frame, "shots_per_frame": self.shots_per_frame,
@@ -145,6 +151,9 @@ class LoopResult:
             "keeps_up": self.keeps_up, "backlog_flat": self.backlog_flat, "clock_on_time": self.clock_on_time,
             "deadline_misses": self.deadline_misses,
         }
+        if self.source.get("kind") in ("stim_file", "stim_circuit"):  # a user's own circuit
+            out["circuit"] = self.source.get("path", "stim.Circuit")
+        return out
 
 
 def _serve_in_thread(url: str, configs_spec, service_options, ready: list, out: dict, started: threading.Event):
@@ -208,7 +217,7 @@ def _p99(hist_dict) -> float:
     return float(LatencyHistogram.from_dict(hist_dict).percentile(99))
 
 
-def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str = "pymatching",
+def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
              num_shots: int = 1000, cycle_ns: int = DEFAULT_CYCLE_NS, rounds_per_frame: int = 1,
              shots_per_frame: int = 1,
              seed: int | None = None, decoder_id: int = 0, feed_forward_deadline_ns: int | None = None,
@@ -221,7 +230,9 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     """Run the closed loop: service in a child process (or thread), controller here.
 
     ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``udp``, ``inproc``) or a URL;
-    ``source`` a source spec (see :func:`source_spec`); ``shots_per_frame`` > 1 sends
+    ``source`` a source spec (see :func:`source_spec`), or a user's own circuit: a ``.stim``
+    path or a ``stim.Circuit`` (its detectors streamed in the rounds their coordinates or
+    TICK layers give, see :class:`~qlink.qec.sources.StimSource`); ``shots_per_frame`` > 1 sends
     that many whole shots per frame and asks their corrections at once (throughput
     for reaction time); ``warmup_shots`` extra shots
     played first (a separate stream, excluded from every figure) so imports and
@@ -267,12 +278,15 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
         engine = "native" if refusal is None and rounds_per_frame >= 1 and not controller_options else "python"
     if engine == "native" and refusal is not None:
         raise ValueError(refusal)
-    spec = _check_spec(source)
-    src = build_source(spec)
+    spec, src = spec_and_source(source)
     if stream is None:
         stream = sample_stream(src, num_shots=num_shots, seed=seed)
     elif stream.num_shots < num_shots:
         raise ValueError(f"stream has {stream.num_shots} shots, fewer than num_shots={num_shots}")
+    elif (stream.num_detectors, stream.num_observables) != (src.dem.num_detectors, src.dem.num_observables):
+        raise ValueError(f"stream shots have {stream.num_detectors} detectors and {stream.num_observables} "
+                         f"observables; the source's circuit has {src.dem.num_detectors} and "
+                         f"{src.dem.num_observables}: sample the stream from the same source (sample_stream)")
     stream = stream.take(num_shots)
     caps = transports.capabilities(url)
     # as the controller will cut them: no frame larger than one message of the transport

@@ -53,6 +53,12 @@ CASES = [
     (_scenario("kv_disagg") + ["--num-requests", "0"], "whole number > 0"),
     (QLINK + ["sweep", "qec", "--shots", "0"], "whole number > 0"),
     (QLINK + ["sweep", "kv", "--tokens", "512,-1"], "whole number > 0"),
+    # a stim circuit of one's own that is missing, or not a circuit the loop can run
+    (QLINK + ["bench", "qec", "--stim", "missing.stim"], "does not exist"),
+    (_scenario("realtime_loop") + ["--stim", "missing.stim"], "does not exist"),
+    (_scenario("qec_memory") + ["--stim", "missing.stim"], "does not exist"),
+    (QLINK + ["bench", "cudaq", "--transports", "ucx"], "valid: shm, tcp"),
+    (QLINK + ["bench", "qec", "--stim", str(ROOT / "README.md"), "--distances", "5"], "not a valid stim circuit"),
     # a flag that does not apply to the subcommand
     (QLINK + ["bench", "transport", "--distances", "5"], "does not apply to `qlink bench transport`"),
     (QLINK + ["sweep", "kv", "--ps", "0.01"], "does not apply to `qlink sweep kv`"),

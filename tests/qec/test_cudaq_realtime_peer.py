@@ -63,7 +63,7 @@ def test_compare_with_cudaq_reports_both_paths():
 def test_measurement_and_detector_level_service_give_the_same_corrections():
     from qlink.bench.cudaq_peer import measurement_overhead
 
-    res = measurement_overhead(distance=3, p=0.004, num_shots=300, batch_sizes=(1, 16), transports=("shm",))
-    assert res["identical_offline"] and res["service"]["shm"]["identical"]
+    res = measurement_overhead(distance=3, p=0.004, num_shots=300, batch_sizes=(1, 16), engines=("python",))
+    assert res["identical_offline"] and res["service"]["python"]["identical"]
     assert res["num_measurements"] > res["num_detectors"]
     assert set(res["offline"]) == {"batch_1", "batch_16"}

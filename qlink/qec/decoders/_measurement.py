@@ -6,15 +6,20 @@ its decoder config's ``D_sparse`` says which measurements XOR into each detector
 so a service serves it unchanged with one "syndrome bit" per measurement.
 
 The map is linear over GF(2), so it is applied byte by byte on the bit-packed
-record: for byte position ``j`` of the record a table holds, for each of the 256
-byte values, the packed detector bits its set measurements flip. One shot's
-detection events are the XOR of ``ceil(num_measurements / 8)`` table rows, with no
-unpacking. A batch takes two NumPy calls (a gather laid out bytes x shots x detector
-bytes, and an XOR reduction over its leading axis, up to 64 bits at a time); a call
-of a few shots (a service answering one shot at a time) XORs the same table held as
-Python ints, a few times cheaper than NumPy's per-call cost on arrays this small.
-Tables are kept while they stay small (``max_table_nbytes``); past that the record
-is unpacked and each detector is the XOR of its (padded) measurement columns.
+record, with no unpacking: for byte position ``j`` of the record a table holds, for each
+of the 256 byte values, the packed detector bits its set measurements flip, and a shot's
+detection events are the XOR of ``ceil(num_measurements / 8)`` table rows. The table's
+rows are whole 64-bit words, each row one (void) element, so a batch is three NumPy calls
+whatever its size (the row indices ``256 j + byte``, one gather of whole rows laid out
+bytes x shots, and one XOR reduction over the bytes), chunked so the gather stays in
+cache. A call of a few shots (a service answering one shot at a time) XORs the same rows
+held as Python ints in one C-level ``functools.reduce`` (no NumPy call, whose fixed cost
+is larger at this size);
+one shot then goes to the inner decoder as that int where it takes one
+(:meth:`~qlink.qec.decoders.CompiledMatchingDecoder.decode_detectors_int`: PyMatching's
+graph on the fired detectors), else as one packed row. Tables are kept while they stay
+small (``max_table_nbytes``); past that the record is unpacked and each detector is the
+XOR of its (padded) measurement columns.
 
 >>> import numpy as np, stim
 >>> from qlink.qec.decoders import compile_decoder
@@ -31,6 +36,9 @@ is unpacked and each detector is the XOR of its (padded) measurement columns.
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import xor
+
 import numpy as np
 import scipy.sparse as sp
 
@@ -39,7 +47,9 @@ from ._base import CompiledDecoder
 __all__ = ["MeasurementDecoder"]
 
 _DEFAULT_TABLE_NBYTES = 16 << 20
-_FEW_SHOTS = 4  # up to this many shots per call: the Python-int loop (no NumPy call per byte)
+_FEW_SHOTS = 4  # up to this many shots per call: the Python-int rows (no NumPy call)
+_CHUNK_BYTES = 1 << 20  # a batch's gather is cut into chunks of about this many bytes
+_getitem = list.__getitem__
 
 
 class MeasurementDecoder(CompiledDecoder):
@@ -65,16 +75,17 @@ class MeasurementDecoder(CompiledDecoder):
         self._nbm, self._nbd = (nm + 7) // 8, (nd + 7) // 8
         self._words = (self._nbd + 7) // 8
         self._table = None
+        # one shot, detectors as an int, straight to the inner decoder where it takes one
+        self._decode_int = getattr(inner, "decode_detectors_int", None)
         if self._nbm * 256 * self._words * 8 <= max_table_nbytes:
-            # flat (bytes x 256, detector bytes): row 256 j + v is byte j holding value v, viewed as the
-            # widest integer that divides the detector bytes exactly (no copy to trim the result)
-            table = self._build_table().reshape(self._nbm * 256, self._words).view(np.uint8)[:, :self._nbd]
-            item = next(k for k in (8, 4, 2, 1) if self._nbd % k == 0)
-            self._table = np.ascontiguousarray(table).view(np.dtype(f"<u{item}"))
+            # flat (bytes x 256, 64-bit words): row 256 j + v is byte j holding value v
+            self._table = np.ascontiguousarray(self._build_table().reshape(self._nbm * 256, self._words))
+            # each row one element: a gather copies whole rows (several times faster than word by word)
+            self._rows = self._table.view(np.dtype((np.void, self._words * 8))).reshape(-1)
             self._offsets = (np.arange(self._nbm) * 256).astype(np.intp)[:, None]
-            # the same table as Python ints: a few shots are XORed in a Python loop, cheaper than
-            # NumPy's per-call cost on arrays this small
-            rows = self._table.view(np.uint8).reshape(self._nbm, 256, self._nbd)
+            self._chunk_shots = max(1, _CHUNK_BYTES // (self._nbm * self._words * 8))
+            # the same rows as Python ints, for a few shots (one C-level reduce per shot)
+            rows = self._table.view(np.uint8).reshape(self._nbm, 256, self._words * 8)
             self._int_table = [[int.from_bytes(rows[j, v].tobytes(), "little") for v in range(256)]
                                for j in range(self._nbm)]
         else:  # a padded (nd, max weight) index matrix into the record, a zero column appended
@@ -106,30 +117,40 @@ class MeasurementDecoder(CompiledDecoder):
         """``(num_shots, ceil(num_measurements / 8))`` -> ``(num_shots, ceil(num_inner_detectors / 8))``,
         bit-packed little-endian on both sides."""
         meas = np.asarray(bit_packed_measurements, dtype=np.uint8)
-        if self._table is not None and meas.shape[0] <= _FEW_SHOTS:
-            out = bytearray()
-            nbd = self._nbd
-            for row in meas:
-                acc = 0
-                for t, b in zip(self._int_table, row.tobytes()):
-                    acc ^= t[b]
-                out += acc.to_bytes(nbd, "little")
-            return np.frombuffer(out, np.uint8).reshape(meas.shape[0], nbd)
-        if self._table is not None:
-            # gather (bytes, shots, words), XOR over the leading axis: NumPy's fastest reduction layout
-            return np.bitwise_xor.reduce(self._table[meas.T + self._offsets], axis=0).view(np.uint8)
-        bits = np.unpackbits(meas, axis=1, count=self.num_detectors, bitorder="little")
-        bits = np.concatenate([bits, np.zeros((bits.shape[0], 1), np.uint8)], axis=1)
-        dets = np.bitwise_xor.reduce(bits[:, self._idx], axis=2)
-        return np.packbits(dets, axis=1, bitorder="little")
+        n, nbd = meas.shape[0], self._nbd
+        if self._table is None:
+            bits = np.unpackbits(meas, axis=1, count=self.num_detectors, bitorder="little")
+            bits = np.concatenate([bits, np.zeros((bits.shape[0], 1), np.uint8)], axis=1)
+            dets = np.bitwise_xor.reduce(bits[:, self._idx], axis=2)
+            return np.packbits(dets, axis=1, bitorder="little")
+        if n <= _FEW_SHOTS:
+            t = self._int_table
+            out = b"".join(reduce(xor, map(_getitem, t, row.tobytes()), 0).to_bytes(nbd, "little") for row in meas)
+            return np.frombuffer(out, np.uint8).reshape(n, nbd)
+        w = self._words
+        out = np.empty((n, w * 8), np.uint8)
+        words = out.view(np.uint64)
+        step = self._chunk_shots
+        for lo in range(0, n, step):  # gather rows (bytes, shots), XOR over the bytes
+            part = meas[lo:lo + step]
+            rows = self._rows[np.add(part.T, self._offsets, order="C")]
+            np.bitwise_xor.reduce(rows.view(np.uint64).reshape(self._nbm, len(part), w), axis=0,
+                                  out=words[lo:lo + len(part)])
+        return out[:, :nbd] if nbd != out.shape[1] else out
 
     def _decode_unpacked(self, meas: np.ndarray) -> np.ndarray:
         dets = np.asarray((self.m2d @ meas.T.astype(np.int32)).T & 1, dtype=np.uint8)
         return self.inner.decode_batch(dets)
 
     def decode_shots_bit_packed(self, bit_packed_detection_event_data) -> np.ndarray:
-        meas = np.asarray(bit_packed_detection_event_data)
+        meas = bit_packed_detection_event_data
+        if not isinstance(meas, np.ndarray):
+            meas = np.asarray(meas)
         if meas.ndim != 2:
             raise ValueError(f"expected a 2-D (num_shots, bytes) array, got shape {meas.shape}")
-        self._check_width(meas.shape[1], bit_packed=True)
-        return self.inner.decode_shots_bit_packed(self.detectors_bit_packed(meas))
+        if meas.shape[1] != self._nbm:
+            self._check_width(meas.shape[1], bit_packed=True)
+        if meas.shape[0] == 1 and self._decode_int is not None and self._table is not None \
+                and meas.dtype == np.uint8:
+            return self._decode_int(reduce(xor, map(_getitem, self._int_table, meas.tobytes()), 0))
+        return self.inner.decode_shots_bit_packed(np.ascontiguousarray(self.detectors_bit_packed(meas)))
