@@ -679,6 +679,15 @@ class UdpServeEndpoint(_HubEndpoint):
         """The listener socket's file descriptor, to wait for datagrams with ``select``/``epoll``."""
         return self._hub.fd
 
+    def socket_reader(self):
+        """The non-blocking ``recvfrom_into`` of the listener's socket itself, for a service's
+        intake loop that reads every datagram waiting at each wake-up (a flood must be read
+        as fast as it comes, or the kernel drops everyone's datagrams alike). It raises
+        ``BlockingIOError`` when the socket is empty; ``statistics()`` does not see what it
+        reads. Only for the endpoint's owner: nothing else may read the listener meanwhile."""
+        self._check_open()
+        return self._hub.sock.recvfrom_into
+
     def recvfrom_into(self, buf, *, timeout_s: float | None = None) -> tuple[int, tuple]:
         """Receive the next datagram from any peer into ``buf``; return ``(nbytes, sender address)``."""
         return self._recvfrom(buf, timeout_s, False)

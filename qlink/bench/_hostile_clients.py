@@ -244,7 +244,10 @@ def run_hostile(kind: str, url: str, stop, *, count: int = 1, out=None, started=
     if kind not in _KINDS:
         raise ValueError(f"unknown hostile client {kind!r}; one of {HOSTILE_KINDS}")
     seen: Counter = Counter()
-    if started is not None:
+    if started is not None:  # (in a process of its own: it never outlives the one that started it)
+        from qlink.procs import die_with_parent
+
+        die_with_parent()
         started.set()
     _KINDS[kind](url, stop, seen, count)
     if out is not None:

@@ -42,7 +42,7 @@ class LockstepController:
     """One controller (see the module docstring); ``run(dets)`` decodes each row of ``dets``."""
 
     def __init__(self, url: str, *, num_observables: int, decoder_id: int = 0, token=None,
-                 timeout_s: float = 10.0, retry_s: float = 0.1) -> None:
+                 timeout_s: float = 10.0, retry_s: float = 0.02) -> None:
         self.url = url
         self.decoder_id = decoder_id
         self.num_obs = num_observables

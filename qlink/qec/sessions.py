@@ -211,6 +211,7 @@ class SessionServer:
         self._udp = None
         if self.datagram:
             self._udp = listener.serve_endpoint()
+            self._udp_read = self._udp.socket_reader()
             self._epoll.register(self._udp.fileno(), select.EPOLLIN)
             self._scratch = bytearray(1 << 16)
             self._scratch_mv = memoryview(self._scratch)
@@ -380,7 +381,7 @@ class SessionServer:
         """Read what the socket holds, queue each datagram for its sender's turn (bounded), then
         serve each sender with datagrams, in order of arrival."""
         ep = self._udp
-        recvfrom = ep.recvfrom_into_nowait
+        recvfrom = self._udp_read
         scratch, smv = self._scratch, self._scratch_mv
         amv = self._arena_mv
         lim = self.limits
@@ -392,9 +393,10 @@ class SessionServer:
         while reads < _UDP_READS_PER_ROUND:
             try:
                 n, addr = recvfrom(scratch)
-            except WouldBlock:
+            except (BlockingIOError, InterruptedError):
                 break
-            except BufferTooSmallError:  # (cannot happen: the scratch holds any datagram)
+            except OSError:  # e.g. an ICMP error queued on the socket: the next read goes on
+                self.counts["udp_socket_errors"] += 1
                 continue
             reads += 1
             if token is not None:
@@ -428,6 +430,7 @@ class SessionServer:
             s.queue.append((used, n))
             used += n
             queued += 1
+        self.counts["udp_datagrams_read"] += reads
         if not order:
             return reads > 0
         svc = self.svc
