@@ -87,10 +87,14 @@ class LockstepController:
             n = self._ep.recv_into(self._rbuf, timeout_s=self.timeout_s)
         return memoryview(self._rbuf)[:n]
 
-    def run(self, dets: np.ndarray, *, pause_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run(self, dets: np.ndarray, *, pause_s: float = 0.0,
+            time_limit_s: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decode every shot of ``dets`` (rows of detection events); returns ``(flips, statuses,
-        reaction_ns)``, one row/entry per shot. ``pause_s`` between shots (0: back to back)."""
+        reaction_ns)``, one row/entry per shot. ``pause_s`` between shots (0: back to back);
+        ``time_limit_s``: stop after the shot that passes it (the arrays then hold only the
+        shots done)."""
         n_shots = len(dets)
+        stop_at = None if time_limit_s is None else time.monotonic() + time_limit_s
         flips = np.zeros((n_shots, self.num_obs), np.uint8)
         statuses = np.zeros(n_shots, np.int32)
         reaction = np.zeros(n_shots, np.int64)
@@ -132,6 +136,8 @@ class LockstepController:
                                          bitorder="little")
             if pause_s:
                 time.sleep(pause_s)
+            if stop_at is not None and time.monotonic() > stop_at:
+                return flips[:i + 1], statuses[:i + 1], reaction[:i + 1]
         return flips, statuses, reaction
 
     def close(self) -> None:
