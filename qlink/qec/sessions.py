@@ -11,7 +11,8 @@ handled by one :class:`~qlink.qec.service.DecoderService`, a session's turn at a
 Limits (:class:`SessionLimits`), each counted when it bites:
 
 * a session's turn handles at most ``max_frames_per_turn`` frames, then the next session's
-  turn comes (a flooding peer waits in its own socket, or loses datagrams);
+  turn comes (a flooding peer waits in its own socket, or loses datagrams); a udp sender
+  most of whose frames were malformed gets one datagram a round;
 * a frame half received for ``frame_timeout_s``, or a session silent for
   ``idle_timeout_s`` (``datagram_idle_timeout_s`` for udp, which has no close), is closed
   with a close frame that says why;
@@ -63,6 +64,8 @@ _TIMER_PERIOD_S = 0.005  # how often session timers are looked at while frames f
 _UDP_READS_PER_ROUND = 4096  # datagrams read before the stream sessions get their turns again
 _ACCEPT_POLL_S = 0.1
 _CLOSES_PER_TICK = 16
+# a udp sender most of whose frames were malformed (past this many) gets one datagram a round
+_BAD_GRACE = 64
 
 
 class CloseReason(enum.Enum):
@@ -143,7 +146,7 @@ class _Session:
     """One controller: its endpoint (or udp address), its decoder states, its timers and counts."""
 
     __slots__ = ("sid", "ep", "addr", "decoders", "active", "opened", "last_frame", "partial_since", "frames",
-                 "dropped", "blocked", "queue", "url", "fd", "buffered")
+                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad")
 
     def __init__(self, sid: int, ep, addr, states, now: float) -> None:
         self.sid = sid
@@ -154,6 +157,7 @@ class _Session:
         self.partial_since: float | None = None
         self.frames = 0
         self.dropped = 0  # udp: datagrams dropped beyond its share or the queue's bound
+        self.bad = 0  # its frames refused as malformed
         self.blocked = False  # an answer found its socket full: the peer does not read
         self.queue: list = []  # udp: (offset, nbytes) of its datagrams waiting in the arena
         self.url = _peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
@@ -420,7 +424,8 @@ class SessionServer:
                 self.svc.faults["oversized_frame"] += 1
                 s.dropped += 1
                 continue
-            if len(s.queue) >= share or queued >= max_q or used + n > room:
+            if len(s.queue) >= (1 if s.bad > _BAD_GRACE and 2 * s.bad > s.frames else share) \
+                    or queued >= max_q or used + n > room:
                 s.dropped += 1
                 self.counts["udp_dropped"] += 1
                 continue
@@ -436,9 +441,11 @@ class SessionServer:
         svc = self.svc
         rx = svc._rx_mv
         handle = svc._handle
+        refused = svc._counts
         for s in order:
             self._bind(s)
             t_busy = 0
+            bad0 = refused["frames_refused"]
             try:
                 for i, (off, n) in enumerate(s.queue):
                     rx[:n] = amv[off:off + n]
@@ -456,6 +463,7 @@ class SessionServer:
                 self._close(s, CloseReason.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
                 continue
             s.frames += len(s.queue)
+            s.bad += refused["frames_refused"] - bad0
             s.queue.clear()
             s.last_frame = now
         return True
