@@ -180,9 +180,12 @@ def _capabilities_for(family: int, max_message_bytes: int | None) -> Capabilitie
     return replace(CAPABILITIES, max_message_bytes=limit)
 
 
-def _new_socket(family: int, *, rcvbuf_nbytes: int | None, sndbuf_nbytes: int | None) -> socket.socket:
+def _new_socket(family: int, *, rcvbuf_nbytes: int | None, sndbuf_nbytes: int | None,
+                reuse_port: bool = False) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if rcvbuf_nbytes is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(rcvbuf_nbytes))
         if sndbuf_nbytes is not None:
@@ -679,6 +682,26 @@ class UdpServeEndpoint(_HubEndpoint):
         """The listener socket's file descriptor, to wait for datagrams with ``select``/``epoll``."""
         return self._hub.fd
 
+    def peer_socket(self, address: tuple) -> socket.socket:
+        """A new non-blocking socket on the listener's own address, connected to ``address``
+        (the listener must be made with ``reuse_port=True``). The kernel then queues that
+        peer's datagrams in this socket's buffer, apart from everyone else's, so a peer that
+        floods fills only its own. The caller reads it (datagrams of other peers that
+        arrived in the instant between bind and connect may be there too: ``recvfrom``
+        names their senders) and closes it."""
+        self._check_open()
+        hub = self._hub
+        if not hub.sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
+            raise ValueError("peer_socket() needs a listener made with reuse_port=True")
+        sock = _new_socket(hub.sock.family, rcvbuf_nbytes=None, sndbuf_nbytes=None, reuse_port=True)
+        try:
+            sock.bind(hub.sock.getsockname())
+            sock.connect(address)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
     def socket_reader(self):
         """The non-blocking ``recvfrom_into`` of the listener's socket itself, for a service's
         intake loop that reads every datagram waiting at each wake-up (a flood must be read
@@ -829,7 +852,7 @@ class UdpListener(Listener):
 # ----- module entry points -----------------------------------------------------------------------
 def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int | None = None,
            sndbuf_nbytes: int | None = None, max_queued_datagrams: int = 4096, max_queued_total: int = 16384,
-           busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> UdpListener:
+           busy_poll_s: float = _DEFAULT_BUSY_POLL_S, reuse_port: bool = False) -> UdpListener:
     """Bind ``udp://host:port`` (host defaults to 127.0.0.1; port 0 picks a free port, see ``.url``).
 
     ``busy_poll_s``: how long a blocking receive on the listener's endpoints spins before it
@@ -840,6 +863,9 @@ def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int
     ``max_queued_datagrams`` bounds each accepted peer's queue of datagrams read on its behalf,
     ``max_queued_total`` all those queues together; a datagram beyond either bound is dropped
     and counted (``statistics().extra["listener_dropped_by_peer"]`` names its sender).
+    ``reuse_port``: SO_REUSEPORT, so that the serve endpoint can give each peer a socket of
+    its own (:meth:`UdpServeEndpoint.peer_socket`); other processes of this user could then
+    bind the same port too.
     """
     host, port = _split(url, for_listen=True)
     busy_poll_s = _check_busy_poll(busy_poll_s)
@@ -848,7 +874,7 @@ def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int
                          f"{max_queued_datagrams} and {max_queued_total}")
     family, sockaddr = _resolve(host, port, passive=True)
     caps = _capabilities_for(family, max_message_bytes)
-    sock = _new_socket(family, rcvbuf_nbytes=rcvbuf_nbytes, sndbuf_nbytes=sndbuf_nbytes)
+    sock = _new_socket(family, rcvbuf_nbytes=rcvbuf_nbytes, sndbuf_nbytes=sndbuf_nbytes, reuse_port=reuse_port)
     try:
         sock.bind(sockaddr)
     except OSError:

@@ -141,7 +141,7 @@ def _listen_options(url: str, token: bytes | None, limits) -> dict:
     if scheme == "tcp":
         return {"token": token, "read_ahead_nbytes": limits.read_ahead_nbytes}
     if scheme == "udp":  # room in the kernel for a burst from many senders (capped by net.core.rmem_max)
-        return {"rcvbuf_nbytes": 4 << 20}
+        return {"rcvbuf_nbytes": 4 << 20, "reuse_port": True}  # (a socket per sender: see sessions)
     if token is not None and scheme not in ("shm", "inproc"):
         raise ValueError(f"a shared token is checked over tcp:// and udp:// (shm:// is for this user only), "
                          f"not over {scheme}://; serve on one of those or without token=")

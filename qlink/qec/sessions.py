@@ -68,7 +68,7 @@ class _Session:
     """One controller: its endpoint (or udp address), its decoder states, its timers and counts."""
 
     __slots__ = ("sid", "ep", "addr", "decoders", "active", "opened", "last_frame", "partial_since", "frames",
-                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad")
+                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad", "sock")
 
     def __init__(self, sid: int, ep, addr, states, now: float) -> None:
         self.sid = sid
@@ -80,6 +80,7 @@ class _Session:
         self.frames = 0
         self.dropped = 0  # udp: datagrams dropped beyond its share or the queue's bound
         self.bad = 0  # its frames refused as malformed
+        self.sock = None  # udp: its own connected socket on the listener's address, if it has one
         self.blocked = False  # an answer found its socket full: the peer does not read
         self.queue: list = []  # udp: (offset, nbytes) of its datagrams waiting in the arena
         self.url = _peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
@@ -139,6 +140,8 @@ class SessionServer:
             self._udp = listener.serve_endpoint()
             self._udp_read = self._udp.socket_reader()
             self._epoll.register(self._udp.fileno(), select.EPOLLIN)
+            self._udp_by_fd: dict[int, _Session] = {}  # a sender's own socket -> its session
+            self._per_sender = True  # off if the listener cannot give senders sockets of their own
             self._scratch = bytearray(1 << 16)
             self._scratch_mv = memoryview(self._scratch)
             self._arena = bytearray(self.limits.max_queued_nbytes)
@@ -212,6 +215,14 @@ class SessionServer:
                 pass
         if s.ep is None:
             self.sessions.pop(s.addr, None)
+            if s.sock is not None:
+                self._udp_by_fd.pop(s.sock.fileno(), None)
+                try:
+                    self._epoll.unregister(s.sock.fileno())
+                except (OSError, ValueError):
+                    pass
+                s.sock.close()
+                s.sock = None
             if s.dropped:
                 self.udp_dropped_by_sender[s.url] = self.udp_dropped_by_sender.get(s.url, 0) + s.dropped
         else:
@@ -306,16 +317,29 @@ class SessionServer:
     def _udp_round(self, now: float) -> bool:
         """Read what the socket holds, queue each datagram for its sender's turn (bounded), then
         serve each sender with datagrams, in order of arrival."""
-        ep = self._udp
         recvfrom = self._udp_read
-        scratch, smv = self._scratch, self._scratch_mv
+        scratch = self._scratch
         amv = self._arena_mv
-        lim = self.limits
-        share, max_q, room = lim.max_frames_per_turn, lim.max_queued_datagrams, len(self._arena)
-        sessions = self.sessions
+        share = self.limits.max_frames_per_turn
         order: list = []
         used = queued = reads = 0
-        token = self.token
+        # first each sender's own socket (its share, the rest waits there), then the shared one
+        if self._udp_by_fd:
+            for fd, _ev in self._epoll.poll(0):
+                s = self._udp_by_fd.get(fd)
+                if s is None:
+                    continue
+                sread = s.sock.recvfrom_into
+                for _ in range(share):
+                    try:
+                        n, addr = sread(scratch)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:
+                        self.counts["udp_socket_errors"] += 1
+                        break
+                    reads += 1
+                    used, queued = self._intake(n, addr, now, order, used, queued)
         while reads < _UDP_READS_PER_ROUND:
             try:
                 n, addr = recvfrom(scratch)
@@ -325,38 +349,7 @@ class SessionServer:
                 self.counts["udp_socket_errors"] += 1
                 continue
             reads += 1
-            if token is not None:
-                n = verify_datagram(scratch, n, token)
-                if n < 0:
-                    self.refused["udp_bad_hmac"] += 1
-                    continue
-            s = sessions.get(addr)
-            if s is None:
-                if len(sessions) >= lim.max_sessions:
-                    self.refused["max_sessions"] += 1
-                    try:
-                        ep.sendto(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
-                                                     f"{len(sessions)} senders are being served, the most this "
-                                                     "service serves at once; try again later"), addr)
-                    except Exception:
-                        pass
-                    continue
-                s = self._open(None, addr, now)
-            if n > self.max_frame:
-                self.svc.faults["oversized_frame"] += 1
-                s.dropped += 1
-                continue
-            if len(s.queue) >= (1 if s.bad > _BAD_GRACE and 2 * s.bad > s.frames else share) \
-                    or queued >= max_q or used + n > room:
-                s.dropped += 1
-                self.counts["udp_dropped"] += 1
-                continue
-            amv[used:used + n] = smv[:n]
-            if not s.queue:
-                order.append(s)
-            s.queue.append((used, n))
-            used += n
-            queued += 1
+            used, queued = self._intake(n, addr, now, order, used, queued)
         self.counts["udp_datagrams_read"] += reads
         if not order:
             return reads > 0
@@ -389,6 +382,57 @@ class SessionServer:
             s.queue.clear()
             s.last_frame = now
         return True
+
+    def _intake(self, n: int, addr, now: float, order: list, used: int, queued: int) -> tuple[int, int]:
+        """One datagram (in the scratch buffer) from ``addr``: queued for its sender's turn, or
+        refused / dropped and counted. Returns the arena's new (bytes used, datagrams queued)."""
+        lim = self.limits
+        if self.token is not None:
+            n = verify_datagram(self._scratch, n, self.token)
+            if n < 0:
+                self.refused["udp_bad_hmac"] += 1
+                return used, queued
+        sessions = self.sessions
+        s = sessions.get(addr)
+        if s is None:
+            if len(sessions) >= lim.max_sessions:
+                self.refused["max_sessions"] += 1
+                try:
+                    self._udp.sendto(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
+                                                        f"{len(sessions)} senders are being served, the most this "
+                                                        "service serves at once; try again later"), addr)
+                except Exception:
+                    pass
+                return used, queued
+            s = self._open(None, addr, now)
+            self._give_socket(s, now, order)
+        if n > self.max_frame:
+            self.svc.faults["oversized_frame"] += 1
+            s.dropped += 1
+            return used, queued
+        cap = 1 if s.bad > _BAD_GRACE and 2 * s.bad > s.frames else lim.max_frames_per_turn
+        if len(s.queue) >= cap or queued >= lim.max_queued_datagrams or used + n > len(self._arena):
+            s.dropped += 1
+            self.counts["udp_dropped"] += 1
+            return used, queued
+        self._arena_mv[used:used + n] = self._scratch_mv[:n]
+        if not s.queue:
+            order.append(s)
+        s.queue.append((used, n))
+        return used + n, queued + 1
+
+    def _give_socket(self, s: _Session, now: float, order: list) -> None:
+        """A new sender's own socket (see :meth:`transports.udp.UdpServeEndpoint.peer_socket`)."""
+        if not self._per_sender:
+            return
+        try:
+            sock = self._udp.peer_socket(s.addr)
+        except (ValueError, OSError):
+            self._per_sender = False  # (a listener without reuse_port, or no room for sockets)
+            return
+        s.sock = sock
+        self._udp_by_fd[sock.fileno()] = s
+        self._epoll.register(sock.fileno(), select.EPOLLIN)
 
     def _timers(self, now: float) -> None:
         """Close the sessions whose time is up (at most ``_CLOSES_PER_TICK`` per call, so that
