@@ -1,7 +1,7 @@
 """The ``qlink`` command line.
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
-``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|cudaq|vllm|all`` measures figures beside their floors and peers;
+``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|cudaq|hostile|vllm|all`` measures figures beside their floors and peers;
 ``qlink budget`` draws the cross-domain budget table; ``qlink serve --decoder-config FILE`` serves the
 decoders of a CUDA-Q QEC ``multi_decoder_config``; ``qlink doctor`` says what is installed
 and what to install; ``qlink sweep qec|kv|speedup`` runs parameter sweeps on Dask into a
@@ -230,10 +230,26 @@ def _cmd_serve(args) -> int:
         def put(self, msg):
             _say(f"decoder service: {msg}" if not msg.startswith("{") else f"session report: {msg[:400]}")
 
+    token = None
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            print(f"qlink serve: --token-env {args.token_env}: that environment variable is not set or empty; "
+                  f"put the shared token there (e.g. export {args.token_env}=$(python -c 'import secrets; "
+                  "print(secrets.token_hex(16))'))", file=sys.stderr)
+            return 2
+    from .access import InsecureBindError, check_bind
+
+    try:
+        check_bind(args.url, token=token, insecure=args.insecure)
+    except InsecureBindError as e:
+        print(f"qlink serve: {e}", file=sys.stderr)
+        return 2
     _say(f"serving decoders {sorted(specs)} of {args.decoder_config or args.stim} on {args.url}")
     report = run_service_process(args.url, specs, ready_queue=_Say(), result_queue=_Say(),
                                  accept_timeout_s=args.accept_timeout_s,
-                                 max_peers=None if args.max_peers == 0 else args.max_peers)
+                                 max_peers=None if args.max_peers == 0 else args.max_peers,
+                                 token=token, insecure=args.insecure)
     return 1 if "error" in report else 0
 
 
@@ -262,6 +278,8 @@ _BENCH = {
     "cudaq": ("CUDA-Q QEC's realtime decoding (stim target, in-process) beside qlink's decoder service on the same "
               "records and one multi_decoder_config: per-shot and last syndrome -> corrections latency (needs "
               "cudaq-qec)", "qlink bench cudaq --quick\nqlink bench cudaq --transports shm"),
+    "hostile": ("a well-behaved controller's reaction beside 0, 1 and 4 hostile clients (tcp, udp), and 4 "
+                "controllers at once beside one alone", "qlink bench hostile --quick"),
     "vllm": ("vLLM decode-side TTFT and exposed KV transfer: the qlink connector over shm/tcp/ucx beside vLLM's "
              "ExampleConnector, NixlConnector and recompute (needs vLLM: make bench-vllm)", "qlink bench vllm --quick"),
     "all": ("transport, qec and kv in turn", "qlink bench all --quick --keep-going"),
@@ -364,11 +382,16 @@ def build_parser() -> Parser:
     sv.add_argument("--write-config", metavar="OUT.yaml", help="with --stim: also write the multi_decoder_config, "
                     "so the same decoders can be configured in CUDA-Q")
     sv.add_argument("--url", default="tcp://127.0.0.1:0", help="where to listen (shm://NAME for shared memory)")
-    sv.add_argument("--max-peers", type=int, default=1, help="controllers to serve one after another, then exit "
+    sv.add_argument("--max-peers", type=int, default=1, help="controller sessions to serve (all at once), then exit "
                     "(0: until stopped)")
     sv.add_argument("--capacity-shots", type=int, default=1024, help="each decoder's queue of shots")
     sv.add_argument("--accept-timeout-s", type=float, default=300.0,
                     help="how long to wait for the first controller")
+    sv.add_argument("--token-env", metavar="NAME", help="the environment variable holding a shared token: tcp "
+                    "clients must prove it in the handshake, udp datagrams carry its HMAC (needed to listen beyond "
+                    "loopback)")
+    sv.add_argument("--insecure", action="store_true", help="listen beyond loopback without a token: anyone who "
+                    "can reach the address is served")
     sv.set_defaults(func=_cmd_serve)
 
     s = sub.add_parser("sweep", help="parameter sweeps on Dask into a resumable sinter CSV (qec, kv) or the "

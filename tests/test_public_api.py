@@ -10,7 +10,8 @@ import pytest
 PACKAGES = ["qlink", "transports", "qlink.qec", "qlink.qec.decoders", "qlink.qec.cudaq_config",
             "qlink.qec.cudaq_realtime", "qlink.qec.hotpath", "qlink.bench.cudaq_peer", "qlink.bench.dsparse", "qlink.bench.decoders", "qlink.ai",
             "qlink.wire", "qlink.budget", "qlink.links", "qlink.histogram", "qlink.clock", "qlink.memory", "qlink.errors",
-            "qlink.checks", "qlink.bench.conditions", "qlink.doctor", "qlink.procs"]
+            "qlink.checks", "qlink.bench.conditions", "qlink.doctor", "qlink.procs", "qlink.access",
+            "qlink.qec.sessions", "qlink.bench.hostile"]
 
 
 @pytest.mark.parametrize("name", PACKAGES)

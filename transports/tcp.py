@@ -39,6 +39,12 @@ Messages and notifications that arrive interleaved each go to their own queue.
   flag. Each side sends PUTV frames only when the other said it takes them (the client:
   a version-2 reply; the listener: the hello flag), else ``put_many`` is one PUT frame
   per piece, which a version-1 peer reads as before.
+* A listener made with ``token=`` admits only clients that prove they hold the same
+  shared token: such a client sets hello flag bit 1 and sends, right after the hello, a
+  32-byte HMAC-SHA256 of the hello under the token (the token itself never travels). A
+  client without it is refused with a readable reason; ``refused_by_reason`` counts
+  refused handshakes by why. Without ``token=`` the handshake is byte for byte as before.
+* ``read_ahead_nbytes`` bounds each endpoint's read-ahead buffer (256 KiB by default).
 * ``statistics().extra`` counts ``staged_messages`` (messages that had to be parked
   in an internal buffer: they arrived while the caller waited for a notification,
   or a receive left mid-message), ``puts_rejected`` (puts into a region the
@@ -59,6 +65,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
+import hmac
 import itertools
 import math
 import os
@@ -66,11 +74,12 @@ import select
 import socket
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from urllib.parse import urlsplit
 
 import numpy as np
 
+from qlink.access import token_bytes
 from qlink.errors import (BrokenLinkError, CapabilityError, ClosedError, QlinkTimeoutError, RegistrationError, WireError,
                           WouldBlock)
 from qlink.memory import Region, RemoteRegion, as_byte_view
@@ -109,6 +118,10 @@ _KIND_PUTV = 5
 _PUTV_MORE = 1  # header flags of a PUTV frame: more frames of the same put_many follow
 _HELLO_PUTV = 1  # hello flags: this client takes PUTV frames
 _PUTV_VERSION = 2
+_HELLO_AUTH = 2  # hello flags: a 32-byte HMAC-SHA256 of the hello under the shared token follows
+_AUTH_NBYTES = 32
+_AUTH_LABEL = b"qlink-tcp-hello-v1"
+_STATUS_UNAUTHORIZED = 3  # handshake reply status: this listener wants a token the client did not prove
 _PIECE_NBYTES = 16  # u64 dst_offset, u64 nbytes per piece in a PUTV table
 _MAX_PIECE_NBYTES = fr.MAX_FRAME_PAYLOAD - _PIECE_NBYTES
 _MAX_STAGE_KEEP = 256 << 20  # a PUTV staging buffer up to this size is kept for the next frame
@@ -162,7 +175,8 @@ class TcpEndpoint(Endpoint):
     capabilities = CAPABILITIES
 
     def __init__(self, sock: socket.socket, *, url: str, local_key: int, peer_key: int,
-                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S, peer_takes_putv: bool = False) -> None:
+                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S, peer_takes_putv: bool = False,
+                 read_ahead_nbytes: int = _RBUF_NBYTES) -> None:
         super().__init__()
         #: put_many sends one PUTV frame and the target sees one Notification (the peer takes
         #: PUTV frames, protocol version 2); else one PUT frame and one Notification per piece
@@ -179,7 +193,7 @@ class TcpEndpoint(Endpoint):
         self._busy_poll_s = float(busy_poll_s)
         # receive side (guarded by _rlock)
         self._rlock = threading.Lock()
-        self._rbuf = bytearray(_RBUF_NBYTES)
+        self._rbuf = bytearray(read_ahead_nbytes)
         self._rmv = memoryview(self._rbuf)
         self._rpos = 0
         self._rend = 0
@@ -233,6 +247,20 @@ class TcpEndpoint(Endpoint):
             self._rpos = self._rend = 0
             return self._sock.fileno(), left
 
+    def fileno(self) -> int:
+        """The connected socket's file descriptor, to wait for input with ``select``/``epoll``
+        beside other endpoints (readable: bytes or the end of the stream have arrived; bytes
+        already read ahead are in :attr:`rx_buffered_nbytes`). Only for waiting: reading or
+        writing it directly corrupts the stream."""
+        return self._sock.fileno()
+
+    @property
+    def rx_buffered_nbytes(self) -> int:
+        """Bytes received from the socket but not yet delivered: read ahead, or the part of a
+        message still arriving. Non-zero after a receive said WouldBlock means a frame is half
+        received (a service times such a frame out)."""
+        return (self._rend - self._rpos) + (self._cur_got if self._cur is not None else 0)
+
     def check_peer(self) -> None:
         """Look at the peer now (without reading its data): raise
         :class:`~qlink.errors.BrokenLinkError` when it is gone."""
@@ -268,7 +296,7 @@ class TcpEndpoint(Endpoint):
         went away is still delivered."""
         if self._rpos == self._rend:
             self._rpos = self._rend = 0
-        elif self._rpos and len(self._rbuf) - self._rend < _RBUF_NBYTES // 2:
+        elif self._rpos and len(self._rbuf) - self._rend < len(self._rbuf) // 2:
             left = self._rend - self._rpos
             self._rbuf[:left] = self._rmv[self._rpos:self._rend]
             self._rpos, self._rend = 0, left
@@ -844,6 +872,12 @@ class TcpEndpoint(Endpoint):
             "gathered_puts": self._gathered,
         })
 
+    def abort(self) -> None:
+        """Close at once: bytes not yet written (a peer that does not read) are given up, no
+        goodbye is waited for; what was already written still arrives before the end of stream."""
+        self._mark_dead("closed by this side without waiting for unsent bytes")
+        self.close()
+
     def close(self) -> None:
         """Orderly close: flush, say goodbye, shut the socket. The peer drains, then sees BrokenLinkError."""
         if self._closed:
@@ -928,8 +962,13 @@ def _writable(buf) -> memoryview:
 class TcpListener(Listener):
     """Listens on a TCP address; a background thread answers handshakes so ``connect`` never waits for ``accept``."""
 
-    def __init__(self, sock: socket.socket, *, busy_poll_s: float, handshake_timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, *, busy_poll_s: float, handshake_timeout_s: float,
+                 token: bytes | None = None, read_ahead_nbytes: int = _RBUF_NBYTES) -> None:
         self._sock = sock
+        self._token = token
+        self._read_ahead_nbytes = read_ahead_nbytes
+        #: refused handshakes by reason: bad_hello, no_token, bad_token, hung_up, handshake_timeout
+        self.refused_by_reason: Counter = Counter()
         host, port = sock.getsockname()[:2]
         self.url = _url_of(host, port)
         self.refused_handshakes = 0  # wrong magic/version, hung up or silent during the handshake
@@ -975,7 +1014,7 @@ class TcpListener(Listener):
                         self._read_hello(poller, pending, fd, entry)
                 now = time.monotonic()
                 for fd in [fd for fd, p in pending.items() if p[3] <= now]:
-                    self._drop(poller, pending, fd)
+                    self._drop(poller, pending, fd, "handshake_timeout")
         finally:
             for fd in list(pending):
                 self._drop(poller, pending, fd)
@@ -990,18 +1029,27 @@ class TcpListener(Listener):
                 return
             conn.setblocking(False)
             poller.register(conn, _POLLIN)
-            pending[conn.fileno()] = [conn, bytearray(fr.HELLO.size), 0, time.monotonic() + self._handshake_timeout_s]
+            pending[conn.fileno()] = [conn, bytearray(fr.HELLO.size + _AUTH_NBYTES), 0,
+                                      time.monotonic() + self._handshake_timeout_s]
 
-    def _drop(self, poller, pending, fd) -> None:
+    def _drop(self, poller, pending, fd, reason: str = "hung_up") -> None:
         conn = pending.pop(fd)[0]
         poller.unregister(fd)
+        self.refused_by_reason[reason] += 1
         self.refused_handshakes += 1  # counted before the hang-up the client can observe
         conn.close()
 
+    def _hello_nbytes(self, buf: bytearray, got: int) -> int:
+        """How long this client's hello is: the hello, and its proof when it says one follows."""
+        if got >= fr.HELLO.size and fr.HELLO.unpack_from(buf, 0)[2] & _HELLO_AUTH:
+            return fr.HELLO.size + _AUTH_NBYTES
+        return fr.HELLO.size
+
     def _read_hello(self, poller, pending, fd, entry) -> None:
         conn, buf, got, _deadline = entry
+        want = self._hello_nbytes(buf, got)
         try:
-            k = conn.recv_into(memoryview(buf)[got:], fr.HELLO.size - got)
+            k = conn.recv_into(memoryview(buf)[got:], want - got)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -1010,13 +1058,17 @@ class TcpListener(Listener):
             self._drop(poller, pending, fd)
             return
         entry[2] = got = got + k
-        if got < fr.HELLO.size:
+        if got < self._hello_nbytes(buf, got):
             return
         del pending[fd]
         poller.unregister(fd)
         status, peer_key, reason = fr.check_hello(buf)
+        why = "bad_hello"
+        if status == fr.STATUS_OK and self._token is not None:
+            status, why, reason = _check_proof(self._token, buf, got)
         if status != fr.STATUS_OK:
             self.refused_handshakes += 1
+            self.refused_by_reason[why] += 1
             _refuse(conn, status, reason)
             return
         local_key = _random_key()
@@ -1024,7 +1076,7 @@ class TcpListener(Listener):
         try:
             conn.send(_accept_reply(local_key, putv=takes_putv), _SEND_FLAGS)
             ep = TcpEndpoint(conn, url=self.url, local_key=local_key, peer_key=peer_key, busy_poll_s=self._busy_poll_s,
-                             peer_takes_putv=takes_putv)
+                             peer_takes_putv=takes_putv, read_ahead_nbytes=self._read_ahead_nbytes)
         except OSError:
             self.refused_handshakes += 1
             conn.close()
@@ -1054,6 +1106,24 @@ class TcpListener(Listener):
             ep.close()
 
 
+def _hello_proof(token: bytes, hello: bytes) -> bytes:
+    """What a client sends after a hello with flag bit 1: HMAC-SHA256 of the hello under the token."""
+    return hmac.new(token, _AUTH_LABEL + bytes(hello), hashlib.sha256).digest()
+
+
+def _check_proof(token: bytes, buf: bytearray, got: int) -> tuple[int, str, str]:
+    """``(status, reason key, reason text)`` of a hello sent to a listener that wants a token."""
+    flags = fr.HELLO.unpack_from(buf, 0)[2]
+    if not flags & _HELLO_AUTH or got < fr.HELLO.size + _AUTH_NBYTES:
+        return _STATUS_UNAUTHORIZED, "no_token", ("this tcp listener admits only clients holding its shared token; "
+                                                 "connect with token=... (the same token the service was given)")
+    proof = bytes(buf[fr.HELLO.size:fr.HELLO.size + _AUTH_NBYTES])
+    if not hmac.compare_digest(proof, _hello_proof(token, buf[:fr.HELLO.size])):
+        return _STATUS_UNAUTHORIZED, "bad_token", ("the token this client proved is not the listener's; "
+                                                  "connect with the service's shared token")
+    return fr.STATUS_OK, "", ""
+
+
 def _accept_reply(region_key: int, *, putv: bool) -> bytes:
     """The listener's acceptance: version 2 when the client said it takes PUTV frames
     (version 1 clients do not look at the reply's version)."""
@@ -1077,8 +1147,15 @@ def _refuse(conn: socket.socket, status: int, reason: str) -> None:
 
 
 def listen(url: str, *, busy_poll_s: float = _DEFAULT_BUSY_POLL_S, backlog: int = 128,
-           handshake_timeout_s: float = _HANDSHAKE_TIMEOUT_S) -> TcpListener:
-    """Listen on ``tcp://host:port`` (host defaults to 127.0.0.1, port 0 picks a free one; see ``.url``)."""
+           handshake_timeout_s: float = _HANDSHAKE_TIMEOUT_S, token: str | bytes | None = None,
+           read_ahead_nbytes: int = _RBUF_NBYTES) -> TcpListener:
+    """Listen on ``tcp://host:port`` (host defaults to 127.0.0.1, port 0 picks a free one; see ``.url``).
+
+    ``token``: admit only clients that prove they hold this shared secret (see the module
+    docstring); ``read_ahead_nbytes``: each accepted endpoint's read-ahead buffer."""
+    token = token_bytes(token)
+    if not isinstance(read_ahead_nbytes, int) or read_ahead_nbytes < 4096:
+        raise ValueError(f"read_ahead_nbytes must be an int >= 4096, got {read_ahead_nbytes!r}")
     host, port = _host_port(url, default_port=0)
     infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     family, stype, proto, _canon, addr = infos[0]
@@ -1094,18 +1171,21 @@ def listen(url: str, *, busy_poll_s: float = _DEFAULT_BUSY_POLL_S, backlog: int 
             raise
         sock.listen(backlog)
         sock.setblocking(False)
-        return TcpListener(sock, busy_poll_s=busy_poll_s, handshake_timeout_s=handshake_timeout_s)
+        return TcpListener(sock, busy_poll_s=busy_poll_s, handshake_timeout_s=handshake_timeout_s, token=token,
+                           read_ahead_nbytes=read_ahead_nbytes)
     except BaseException:
         sock.close()
         raise
 
 
-def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> TcpEndpoint:
-    """Connect to a qlink tcp listener and complete the handshake.
+def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = _DEFAULT_BUSY_POLL_S,
+            token: str | bytes | None = None) -> TcpEndpoint:
+    """Connect to a qlink tcp listener and complete the handshake (proving ``token`` when given).
 
     BrokenLinkError when nobody listens there, WireError when the listener refuses
     the handshake (its reason is in the message), QlinkTimeoutError after timeout_s.
     """
+    token = token_bytes(token)
     host, port = _host_port(url, default_port=None)
     where = _url_of(host, port)
     deadline = deadline_of(timeout_s)
@@ -1129,7 +1209,11 @@ def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = _D
     try:
         local_key = _random_key()
         sock.settimeout(left())
-        sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _HELLO_PUTV, local_key))  # v1 hello + "takes PUTV"
+        if token is None:
+            sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _HELLO_PUTV, local_key))  # v1 hello + "takes PUTV"
+        else:
+            hello = fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _HELLO_PUTV | _HELLO_AUTH, local_key)
+            sock.sendall(hello + _hello_proof(token, hello))
         head = _recv_exact(sock, fr.REPLY.size, left, where)
         version, status, peer_key, reason_n = fr.parse_reply(head)
         reason = _recv_exact(sock, reason_n, left, where).decode("utf-8", "replace") if reason_n else ""

@@ -180,9 +180,12 @@ def _capabilities_for(family: int, max_message_bytes: int | None) -> Capabilitie
     return replace(CAPABILITIES, max_message_bytes=limit)
 
 
-def _new_socket(family: int, *, rcvbuf_nbytes: int | None, sndbuf_nbytes: int | None) -> socket.socket:
+def _new_socket(family: int, *, rcvbuf_nbytes: int | None, sndbuf_nbytes: int | None,
+                reuse_port: bool = False) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if rcvbuf_nbytes is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(rcvbuf_nbytes))
         if sndbuf_nbytes is not None:
@@ -407,7 +410,7 @@ class _Hub:
     datagram is dropped and counted, as the kernel would when its buffer fills).
     """
 
-    def __init__(self, sock: socket.socket, *, max_queued_datagrams: int,
+    def __init__(self, sock: socket.socket, *, max_queued_datagrams: int, max_queued_total: int = 16384,
                  busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
         self.sock = sock
         self.fd = sock.fileno()
@@ -423,6 +426,9 @@ class _Hub:
         self.accepting = True
         self.mode: str | None = None  # "accept" or "serve", fixed by first use
         self.max_queued = max_queued_datagrams
+        self.max_queued_total = max_queued_total  # across every peer's queue
+        self.queued_total = 0
+        self.dropped_by_peer: dict = {}  # peer address -> datagrams dropped (the first 1024 peers named)
         self.refs = 1  # the listener; each endpoint adds one; the socket closes at zero
         self.dropped = 0  # datagrams dropped because a queue was full or nobody could take them
         self.errors = 0
@@ -441,15 +447,29 @@ class _Hub:
     def route(self, addr, data: bytes) -> None:
         q = self.queues.get(addr)
         if q is None:
-            if self.mode != "accept" or not self.accepting:
-                self.dropped += 1
+            if self.mode != "accept" or not self.accepting or self.queued_total >= self.max_queued_total:
+                self._drop(addr)
                 return
             q = self.queues[addr] = deque()
             self.pending.append(addr)
-        if len(q) >= self.max_queued:
-            self.dropped += 1
+        if len(q) >= self.max_queued or self.queued_total >= self.max_queued_total:
+            self._drop(addr)
             return
         q.append(data)
+        self.queued_total += 1
+
+    def _drop(self, addr) -> None:
+        self.dropped += 1
+        by = self.dropped_by_peer
+        if addr in by or len(by) < 1024:
+            by[addr] = by.get(addr, 0) + 1
+
+    def discard(self, addr) -> int:
+        """Forget ``addr``'s queue (its datagrams counted as dropped); returns how many there were."""
+        n = len(self.queues.pop(addr, ()))
+        self.queued_total -= n
+        self.dropped += n
+        return n
 
     def read_locked(self, want, buf: memoryview | None, ep: _UdpBase | None, done):
         """Drain the socket without blocking until ``done()`` or a datagram ``want(addr)`` lands in ``buf``.
@@ -484,6 +504,7 @@ class _Hub:
                         self.held_any = (bytes(scratch[:n]), addr)
                     else:
                         self.queues[addr].appendleft(bytes(scratch[:n]))
+                        self.queued_total += 1
                     raise ep._too_small(n, cap)
                 buf[:n] = scratch[:n]
                 return n, addr
@@ -577,7 +598,8 @@ class _HubEndpoint(_UdpBase):
         pass
 
     def _extra(self) -> dict:
-        return {**super()._extra(), "listener_dropped": self._hub.dropped}
+        return {**super()._extra(), "listener_dropped": self._hub.dropped,
+                "listener_dropped_by_peer": {_url_of(a): n for a, n in self._hub.dropped_by_peer.items()}}
 
 
 class UdpPeerEndpoint(_HubEndpoint):
@@ -606,6 +628,7 @@ class UdpPeerEndpoint(_HubEndpoint):
             raise self._too_small(len(data), view.nbytes)
         view[:len(data)] = data
         q.popleft()
+        self._hub.queued_total -= 1
         return len(data), self.peer
 
     def _recv(self, buf, timeout_s, nowait: bool) -> int:
@@ -626,7 +649,7 @@ class UdpPeerEndpoint(_HubEndpoint):
     def _forget(self) -> None:
         hub = self._hub
         with hub.cond:
-            hub.dropped += len(hub.queues.pop(self.peer, ()))  # received for us, never read: counted
+            hub.discard(self.peer)  # received for us, never read: counted
 
     def _extra(self) -> dict:
         return {**super()._extra(), "peer": self.url}
@@ -654,6 +677,39 @@ class UdpServeEndpoint(_HubEndpoint):
             raise NoPeerError(f"udp serve endpoint {self.url} has received no datagram yet, so there is nobody "
                               "to answer; recv first, or use sendto(data, address)")
         return self.last_peer
+
+    def fileno(self) -> int:
+        """The listener socket's file descriptor, to wait for datagrams with ``select``/``epoll``."""
+        return self._hub.fd
+
+    def peer_socket(self, address: tuple) -> socket.socket:
+        """A new non-blocking socket on the listener's own address, connected to ``address``
+        (the listener must be made with ``reuse_port=True``). The kernel then queues that
+        peer's datagrams in this socket's buffer, apart from everyone else's, so a peer that
+        floods fills only its own. The caller reads it (datagrams of other peers that
+        arrived in the instant between bind and connect may be there too: ``recvfrom``
+        names their senders) and closes it."""
+        self._check_open()
+        hub = self._hub
+        if not hub.sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
+            raise ValueError("peer_socket() needs a listener made with reuse_port=True")
+        sock = _new_socket(hub.sock.family, rcvbuf_nbytes=None, sndbuf_nbytes=None, reuse_port=True)
+        try:
+            sock.bind(hub.sock.getsockname())
+            sock.connect(address)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def socket_reader(self):
+        """The non-blocking ``recvfrom_into`` of the listener's socket itself, for a service's
+        intake loop that reads every datagram waiting at each wake-up (a flood must be read
+        as fast as it comes, or the kernel drops everyone's datagrams alike). It raises
+        ``BlockingIOError`` when the socket is empty; ``statistics()`` does not see what it
+        reads. Only for the endpoint's owner: nothing else may read the listener meanwhile."""
+        self._check_open()
+        return self._hub.sock.recvfrom_into
 
     def recvfrom_into(self, buf, *, timeout_s: float | None = None) -> tuple[int, tuple]:
         """Receive the next datagram from any peer into ``buf``; return ``(nbytes, sender address)``."""
@@ -719,8 +775,9 @@ class UdpListener(Listener):
     """A bound UDP socket; see the module docstring for ``accept`` and ``serve_endpoint``."""
 
     def __init__(self, sock: socket.socket, *, capabilities: Capabilities, max_queued_datagrams: int,
-                 busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
-        self._hub = _Hub(sock, max_queued_datagrams=max_queued_datagrams, busy_poll_s=busy_poll_s)
+                 max_queued_total: int = 16384, busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> None:
+        self._hub = _Hub(sock, max_queued_datagrams=max_queued_datagrams, max_queued_total=max_queued_total,
+                         busy_poll_s=busy_poll_s)
         self._capabilities = capabilities
         self.url = _url_of(sock.getsockname())
         self._closed = False
@@ -787,15 +844,15 @@ class UdpListener(Listener):
         with hub.cond:
             hub.accepting = False
             for addr in hub.pending:  # datagrams of peers nobody accepted: dropped, and counted
-                hub.dropped += len(hub.queues.pop(addr, ()))
+                hub.discard(addr)
             hub.pending.clear()
         hub.release()
 
 
 # ----- module entry points -----------------------------------------------------------------------
 def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int | None = None,
-           sndbuf_nbytes: int | None = None, max_queued_datagrams: int = 4096,
-           busy_poll_s: float = _DEFAULT_BUSY_POLL_S) -> UdpListener:
+           sndbuf_nbytes: int | None = None, max_queued_datagrams: int = 4096, max_queued_total: int = 16384,
+           busy_poll_s: float = _DEFAULT_BUSY_POLL_S, reuse_port: bool = False) -> UdpListener:
     """Bind ``udp://host:port`` (host defaults to 127.0.0.1; port 0 picks a free port, see ``.url``).
 
     ``busy_poll_s``: how long a blocking receive on the listener's endpoints spins before it
@@ -803,21 +860,28 @@ def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int
 
     ``rcvbuf_nbytes`` asks the kernel for a larger receive buffer (capped by
     ``net.core.rmem_max``; ``statistics().extra["rcvbuf_nbytes"]`` says what was granted).
-    ``max_queued_datagrams`` bounds each accepted peer's queue of datagrams read on its behalf.
+    ``max_queued_datagrams`` bounds each accepted peer's queue of datagrams read on its behalf,
+    ``max_queued_total`` all those queues together; a datagram beyond either bound is dropped
+    and counted (``statistics().extra["listener_dropped_by_peer"]`` names its sender).
+    ``reuse_port``: SO_REUSEPORT, so that the serve endpoint can give each peer a socket of
+    its own (:meth:`UdpServeEndpoint.peer_socket`); other processes of this user could then
+    bind the same port too.
     """
     host, port = _split(url, for_listen=True)
     busy_poll_s = _check_busy_poll(busy_poll_s)
-    if max_queued_datagrams < 1:
-        raise ValueError(f"max_queued_datagrams must be at least 1, got {max_queued_datagrams}")
+    if max_queued_datagrams < 1 or max_queued_total < 1:
+        raise ValueError(f"max_queued_datagrams and max_queued_total must be at least 1, got "
+                         f"{max_queued_datagrams} and {max_queued_total}")
     family, sockaddr = _resolve(host, port, passive=True)
     caps = _capabilities_for(family, max_message_bytes)
-    sock = _new_socket(family, rcvbuf_nbytes=rcvbuf_nbytes, sndbuf_nbytes=sndbuf_nbytes)
+    sock = _new_socket(family, rcvbuf_nbytes=rcvbuf_nbytes, sndbuf_nbytes=sndbuf_nbytes, reuse_port=reuse_port)
     try:
         sock.bind(sockaddr)
     except OSError:
         sock.close()
         raise
-    return UdpListener(sock, capabilities=caps, max_queued_datagrams=max_queued_datagrams, busy_poll_s=busy_poll_s)
+    return UdpListener(sock, capabilities=caps, max_queued_datagrams=max_queued_datagrams,
+                       max_queued_total=max_queued_total, busy_poll_s=busy_poll_s)
 
 
 def connect(url: str, *, timeout_s: float | None = 10.0, max_message_bytes: int | None = None,

@@ -131,16 +131,28 @@ class _ReceiverBase:
                 needed = getattr(e, "needed_nbytes", None)
                 if needed is None:
                     raise
+                if needed > _MAX_HELLO_NBYTES:
+                    self._refuse_oversized(needed)
                 frame = ep.recv(timeout_s=self.data_timeout_s, max_nbytes=needed)
-                if needed <= _MAX_HELLO_NBYTES:
-                    self._on_frame(memoryview(frame))
-                else:
-                    self._tracker.bad_frames += 1
+                self._on_frame(memoryview(frame))
                 n += 1
                 continue
             self._on_frame(self._ctl_mv[:k])
             n += 1
         return n
+
+    def _refuse_oversized(self, needed: int) -> None:
+        """A control frame longer than any (the largest is a hello): refused from its header,
+        nothing read or allocated from it; the link is closed and counts as broken."""
+        self._tracker.bad_frames += 1
+        self.oversized_frames = getattr(self, "oversized_frames", 0) + 1
+        abort = getattr(self.endpoint, "abort", None)
+        try:
+            (abort or self.endpoint.close)()
+        except QlinkError:
+            pass
+        raise BrokenLinkError(f"the KV sender announced a {needed}-byte control frame, longer than any "
+                              f"({_MAX_HELLO_NBYTES} bytes); the link was closed")
 
     def _on_frame(self, frame) -> None:
         tr = self._tracker
@@ -274,6 +286,7 @@ class KVReceiver(_ReceiverBase):
                                        max_requests=max_requests)
         self._peer: _Peer | None = None
         self._peer_error: BaseException | None = None
+        self._max_part_nbytes = max(v.nbytes for v in self._views) + 4096
         self._ctl = bytearray(4096)
         self._ctl_mv = memoryview(self._ctl)
         self._stage: np.ndarray | None = None  # two-sided kv_rows parts land here, then scatter
@@ -398,8 +411,8 @@ class KVReceiver(_ReceiverBase):
 
     def _drain_payload(self) -> None:
         """Take the message that follows a refused kv_data / kv_rows frame off the link."""
-        try:
-            self.endpoint.recv(timeout_s=self.data_timeout_s)
+        try:  # (bounded: a layer is the most a part can carry; longer is refused unread)
+            self.endpoint.recv(timeout_s=self.data_timeout_s, max_nbytes=self._max_part_nbytes)
         except ValueError:
             pass
 

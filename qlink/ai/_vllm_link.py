@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+from collections import Counter
 import threading
 import time
 from collections import deque
@@ -49,6 +50,7 @@ import numpy as np
 
 from qlink import wire
 from qlink.errors import BrokenLinkError, QlinkError, QlinkTimeoutError, WireError, WouldBlock
+from transports._base import BufferTooSmallError
 
 from . import _frames as fr
 from ._tracker import TransferAbortedError
@@ -66,6 +68,7 @@ FN_EXPECT = wire.register_function("kv_expect", min_payload_nbytes=_EXPECT.size 
 _ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered
 _IDLE_SLEEP_MAX_S = 2e-4
 _ENGINE_POLLS_S = 2e-3  # poll() called this recently: the client's own thread stands by
+_PULLS_PER_TURN = 64  # one link's frames handled before the next link's turn
 
 
 def pack_pull(request_id: int, *, xfer_id: int, src_block_ids, dst_block_ids) -> bytes:
@@ -181,17 +184,36 @@ class PrefillServer:
     blocks the engine may then free.
 
     ``checksum=True`` sends a CRC-32 with every part (the receiver checks it).
+
+    Limits, as the decoder service's (:mod:`qlink.qec.sessions`): each new link's handshake
+    runs on a thread of its own and must finish within ``handshake_timeout_s`` (a silent
+    peer holds up no other); at most ``max_links`` links (more are closed at once); a
+    link's turn handles at most 64 pulls; a frame longer than the largest pull is refused
+    from its header and its link closed. ``url`` beyond loopback needs ``token`` (decode
+    engines connect with the same ``token=``) or ``insecure=True``. ``refused_by_reason``
+    counts refused peers.
     """
 
     def __init__(self, url: str, cache, *, checksum: bool = False, offer_ttl_s: float = 120.0,
-                 push_timeout_s: float = 30.0):
+                 push_timeout_s: float = 30.0, token: str | bytes | None = None, insecure: bool = False,
+                 max_links: int = 64, handshake_timeout_s: float = 10.0):
         import transports
 
+        from qlink.access import check_bind, token_bytes
+
+        key = token_bytes(token)
+        check_bind(url, token=key, insecure=insecure)
+        if key is not None and not url.startswith("tcp://"):
+            raise ValueError(f"a shared token is checked over tcp:// only, not {url.split('://')[0]}://")
         self.cache = cache
         self.checksum = checksum
         self.offer_ttl_s = offer_ttl_s
         self.push_timeout_s = push_timeout_s
-        self.listener = transports.listen(url)
+        self.max_links = int(max_links)
+        self.handshake_timeout_s = float(handshake_timeout_s)
+        self.refused_by_reason: Counter = Counter()
+        self._handshaking = 0
+        self.listener = transports.listen(url, **({"token": key} if key is not None else {}))
         self.url = self.listener.url
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
@@ -273,15 +295,35 @@ class PrefillServer:
                 if not self._stop.is_set():
                     self.errors.append(f"accept: {e}")
                 return
-            try:
-                tx = KVSender(ep, self.cache, checksum=self.checksum)
-                tx.handshake(timeout_s=30)
-            except QlinkError as e:  # a bad peer (layout mismatch, gone): drop it, keep serving
-                self.errors.append(f"handshake: {type(e).__name__}: {e}")
+            with self._lock:
+                full = len(self._links) + len(self._new_links) + self._handshaking >= self.max_links
+                if not full:
+                    self._handshaking += 1
+            if full:
+                self.refused_by_reason["max_links"] += 1
                 ep.close()
                 continue
+            threading.Thread(target=self._handshake, args=(ep, KVSender), name="qlink-kv-handshake",
+                             daemon=True).start()
+        refused = getattr(self.listener, "refused_by_reason", None)
+        if refused:
+            self.refused_by_reason.update(refused)
+
+    def _handshake(self, ep, sender_cls) -> None:
+        """One new link's handshake, off the accept loop (a silent peer holds up no other)."""
+        try:
+            tx = sender_cls(ep, self.cache, checksum=self.checksum)
+            tx.handshake(timeout_s=self.handshake_timeout_s)
+        except QlinkError as e:  # a bad peer (layout mismatch, gone, silent): drop it, keep serving
+            self.errors.append(f"handshake: {type(e).__name__}: {e}")
+            self.refused_by_reason["handshake_timeout" if isinstance(e, QlinkTimeoutError) else "handshake"] += 1
+            ep.close()
             with self._lock:
-                self._new_links.append(_Link(ep, tx))
+                self._handshaking -= 1
+            return
+        with self._lock:
+            self._handshaking -= 1
+            self._new_links.append(_Link(ep, tx))
 
     def _serve_loop(self) -> None:
         buf = bytearray(_PULL.size + 8 * _MAX_PULL_BLOCKS)
@@ -415,11 +457,19 @@ class PrefillServer:
         for _ in range(len(link.pending)):  # pulls waiting for their offer
             frame = link.pending.popleft()
             busy |= self._serve_pull(link, frame, requeue=True)
-        while True:
+        for _ in range(_PULLS_PER_TURN):
             try:
                 n = ep.recv_into_nowait(mv)
             except WouldBlock:
                 break
+            except BufferTooSmallError as e:  # longer than any pull: refused from its header, link closed
+                self.refused_by_reason["oversized_frame"] += 1
+                self.errors.append(f"a frame of {e.needed_nbytes} bytes announced, longer than any kv_pull "
+                                   f"({len(mv)} bytes); link closed")
+                abort = getattr(ep, "abort", None)
+                if abort is not None:
+                    abort()
+                raise BrokenLinkError("the decode engine announced an oversized frame") from e
             busy = True
             frame = bytes(mv[:n])
             if fr.function_of(frame) == FN_EXPECT:
@@ -528,7 +578,9 @@ class DecodeClient:
     thread when a load lands, before it is reported (a test uses it to change a block).
     """
 
-    def __init__(self, cache, *, load_timeout_s: float = 30.0, connect_timeout_s: float = 10.0, after_land=None):
+    def __init__(self, cache, *, load_timeout_s: float = 30.0, connect_timeout_s: float = 10.0, after_land=None,
+                 token: str | bytes | None = None):
+        self.token = token  # proved to tcp:// prefill servers that want one
         self.cache = cache
         self.load_timeout_s = load_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -592,7 +644,8 @@ class DecodeClient:
 
         link = self._links.get(url)
         if link is None:
-            ep = transports.connect(url, timeout_s=self.connect_timeout_s)
+            opts = {"token": self.token} if self.token is not None and url.startswith("tcp://") else {}
+            ep = transports.connect(url, timeout_s=self.connect_timeout_s, **opts)
             try:
                 rx = KVReceiver(ep, self.cache)
                 rx.handshake(timeout_s=self.connect_timeout_s)

@@ -40,9 +40,10 @@ class _Decoder:
                  "jump_candidate", "frames_per_shot", "replay", "replay_rid", "replay_ptp", "replay_answer",
                  "replay_next")
 
-    def __init__(self, decoder_id: int, cfg: DecoderConfig) -> None:
+    def __init__(self, decoder_id: int, cfg: DecoderConfig, *, compiled=None) -> None:
         self.id = decoder_id
-        self.compiled = compile_decoder(cfg.decoder, cfg.dem)
+        # (``compiled``: another state's decoder, reused: compiled once, one state per session)
+        self.compiled = compile_decoder(cfg.decoder, cfg.dem) if compiled is None else compiled
         self._decode_bit_packed = self.compiled.decode_shots_bit_packed
         nd = cfg.num_detectors if cfg.num_detectors is not None else cfg.dem.num_detectors
         no = cfg.num_observables if cfg.num_observables is not None else cfg.dem.num_observables

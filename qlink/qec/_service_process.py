@@ -1,5 +1,6 @@
 """Running a decoder service in a spawned child process (re-exported by :mod:`qlink.qec.service`):
-an accept loop that serves controllers one after another.
+the Python service serves every controller at once (:class:`~qlink.qec.sessions.SessionServer`);
+the native one serves them one after another.
 
 Only plain data crosses into the child: the URL and a spec per decoder (source
 parameters, decoder name) from which the child rebuilds its DEM and compiles its
@@ -41,7 +42,8 @@ def make_service(configs, service_options: Mapping[str, Any] | None = None):
 def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]], *, ready_queue=None,
                         result_queue=None, accept_timeout_s: float = 30.0, timeout_s: float | None = None,
                         service_options: Mapping[str, Any] | None = None, pin_cpu: int | None = None,
-                        max_peers: int | None = 1, stop_event=None) -> dict:
+                        max_peers: int | None = 1, stop_event=None, token: str | bytes | None = None,
+                        insecure: bool = False, session_limits: Mapping[str, Any] | None = None) -> dict:
     """Run a decoder service in this process: listen on ``url``, serve controllers one after
     another, report each.
 
@@ -50,11 +52,16 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     (or ``"error: ..."``) once listening; ``result_queue`` gets a report as a JSON string
     each time a controller's session ends (the service's counts since it started,
     ``peers_served``, ``"error"`` if the session failed, and ``"final"``: whether the
-    service ends after it), and one with ``"error"`` if listening or accepting fails. ``max_peers``
-    controllers are served, one at a time, each starting with reset decoders (see
-    :meth:`~qlink.qec.service.DecoderService.serve`); ``None``: until ``stop_event`` is
-    set or the process is stopped. ``accept_timeout_s`` bounds the wait for the first
-    controller; ``timeout_s`` each session. ``pin_cpu`` pins this process to that CPU slot
+    service ends after it), and one with ``"error"`` if listening or accepting fails. The
+    Python service serves all its controllers at once, each with decoder states of its own
+    (see :mod:`qlink.qec.sessions`; ``session_limits``: the fields of
+    :class:`~qlink.qec.sessions.SessionLimits`); the native one serves them one at a time,
+    each starting with reset decoders. After ``max_peers`` sessions have ended the service
+    ends; ``None``: until ``stop_event`` is set or the process is stopped.
+    ``accept_timeout_s`` bounds the wait for the first controller; ``timeout_s`` each
+    session. A ``url`` beyond loopback needs a shared ``token`` (tcp clients prove it in the
+    handshake, udp datagrams carry its HMAC, see :mod:`qlink.access`) or ``insecure=True``;
+    without either the service refuses to start (InsecureBindError). ``pin_cpu`` pins this process to that CPU slot
     (busy-polling benchmarks keep the service and the controller on different cores).
     Returns the last report. This is the target of :func:`start_service_process` (spawn).
     """
@@ -62,7 +69,10 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
 
     from qlink.procs import die_with_parent, pin_to_cpu
 
-    from .service import DecoderConfig
+    from qlink.access import check_bind, token_bytes
+
+    from .service import DecoderConfig, DecoderService
+    from .sessions import SessionLimits
 
     _check_max_peers(max_peers)
     die_with_parent()  # a service never outlives the process that started it
@@ -70,13 +80,24 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
         pin_to_cpu(pin_cpu)
 
     try:
+        key = token_bytes(token)
+        check_bind(url, token=key, insecure=insecure)
+        limits = SessionLimits(**dict(session_limits or {}))
+        if timeout_s is not None and limits.session_timeout_s is None:
+            from dataclasses import replace
+
+            limits = replace(limits, session_timeout_s=timeout_s)
         configs = {int(k): _config_from_spec(v, DecoderConfig) for k, v in configs_spec.items()}
         service = make_service(configs, service_options)
-        listener = transports.listen(url)
+        listener = transports.listen(url, **_listen_options(url, key, limits))
     except Exception as exc:
         if ready_queue is not None:
             ready_queue.put(f"error: {type(exc).__name__}: {exc}")
         raise
+    if isinstance(service, DecoderService):
+        return _serve_sessions(service, listener, limits=limits, token=key, ready_queue=ready_queue,
+                               result_queue=result_queue, max_peers=max_peers, accept_timeout_s=accept_timeout_s,
+                               stop_event=stop_event)
     report: dict = {}
     peers = 0
     try:
@@ -110,6 +131,54 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
         if result_queue is not None:
             result_queue.put(json.dumps(report))
     finally:
+        listener.close()
+    return report
+
+
+def _listen_options(url: str, token: bytes | None, limits) -> dict:
+    """The listener options the service's limits and token ask of ``url``'s transport."""
+    scheme = url.split("://", 1)[0]
+    if scheme == "tcp":
+        return {"token": token, "read_ahead_nbytes": limits.read_ahead_nbytes}
+    if scheme == "udp":  # room in the kernel for a burst from many senders (capped by net.core.rmem_max)
+        return {"rcvbuf_nbytes": 4 << 20, "reuse_port": True}  # (a socket per sender: see sessions)
+    if token is not None and scheme not in ("shm", "inproc"):
+        raise ValueError(f"a shared token is checked over tcp:// and udp:// (shm:// is for this user only), "
+                         f"not over {scheme}://; serve on one of those or without token=")
+    return {}
+
+
+def _serve_sessions(service, listener, *, limits, token, ready_queue, result_queue, max_peers, accept_timeout_s,
+                    stop_event) -> dict:
+    """Every controller at once (see :class:`~qlink.qec.sessions.SessionServer`); a report as each
+    session ends, the last one ``final`` once ``max_peers`` have ended."""
+    from .sessions import SessionServer
+
+    server = None
+
+    def ended(rep: dict) -> None:
+        rep["peers_served"] = server.ended
+        rep["final"] = max_peers is not None and server.ended >= max_peers
+        if result_queue is not None:
+            result_queue.put(json.dumps(rep))
+
+    try:
+        server = SessionServer(service, listener, limits=limits, token=token if listener.url.startswith("udp:")
+                               else None, on_session_end=ended)
+        if ready_queue is not None:
+            ready_queue.put(listener.url)
+        report = server.run(stop_event=stop_event, max_sessions_served=max_peers,
+                            first_session_timeout_s=accept_timeout_s)
+    except Exception as exc:  # listening or serving failed: the service ends
+        report = server.report() if server is not None else service.report()
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["peers_served"] = 0 if server is None else server.ended
+        report["final"] = True
+        if result_queue is not None:
+            result_queue.put(json.dumps(report))
+    finally:
+        if server is not None:
+            server.close()
         listener.close()
     return report
 

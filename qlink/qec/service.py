@@ -122,6 +122,9 @@ SERVICE_STAGES = (
 
 _ACK_MODES = ("all", "errors", "none")
 _MAX_FRAME_NBYTES = wire.enqueue_syndromes_nbytes(wire.MAX_SYNDROME_BITS)
+# A message longer than any frame is read (and answered BAD_REQUEST) up to this size; a stream
+# announcing more is refused from its header alone: a close frame, and the session ends.
+_OVERSIZE_READ_NBYTES = 4 * _MAX_FRAME_NBYTES
 # Response header fields after the magic (status, result_len, request_id, ptp_timestamp):
 # the layout of qlink.wire's response header, patched in place on the hot path.
 _RESP_FIELDS = struct.Struct("<iIIQ")
@@ -158,7 +161,10 @@ class DecoderConfig:
     ``stim.DetectorErrorModel`` it decodes (its detector count is the shot size);
     ``capacity_shots``: the bounded queue; ``frames_per_shot``: how many
     ``enqueue_syndromes`` frames make one shot, used to realign exactly after lost
-    frames (when ``None`` it is learned from the first clean shot).
+    frames (when ``None`` it is learned from the first clean shot). ``shared``: where the
+    service serves many controllers at once (:mod:`qlink.qec.sessions`), every session
+    feeds this one decoder state (say, each controller streams its own decoder id);
+    by default each session has a state of its own (the compiled decoder is shared).
     """
 
     decoder: Any = "pymatching"
@@ -167,6 +173,7 @@ class DecoderConfig:
     num_observables: int | None = None
     capacity_shots: int = 1024
     frames_per_shot: int | None = None
+    shared: bool = False
 
     def __post_init__(self):
         for name in ("capacity_shots", "frames_per_shot", "num_detectors", "num_observables"):
@@ -196,7 +203,7 @@ class DecoderConfig:
         src = spec.pop("source", None)
         if src is None:
             raise ValueError("a decoder spec needs a 'source' entry (code, distance, rounds, p ...)")
-        allowed = {"decoder", "capacity_shots", "frames_per_shot"}
+        allowed = {"decoder", "capacity_shots", "frames_per_shot", "shared"}
         unknown = set(spec) - allowed
         if unknown:
             raise ValueError(f"unknown decoder spec keys {sorted(unknown)}; allowed: {sorted(allowed | {'source'})}")
@@ -214,7 +221,7 @@ class DecoderService:
     call, and stage samples are parked and counted in bulk.
     """
 
-    __slots__ = ("_decoders", "_active", "ack_enqueue", "_ack_all", "_ack_errors", "max_batch_requests",
+    __slots__ = ("_decoders", "_active", "_home", "_configs", "ack_enqueue", "_ack_all", "_ack_errors", "max_batch_requests",
                  "max_decode_batch", "_rx", "_rx_mv", "_rx_np", "_tx", "_tx_mv", "_tx_np", "_staged", "_st_plan",
                  "_peer", "_n_staged", "_ep", "_sendto", "stages", "shots", "_keep", "_counts", "faults", "statuses",
                  "_batch_log2", "_serve_wall_s", "_serve_cpu_s", "_t_ready", "_busy_ns", "_served",
@@ -236,6 +243,8 @@ class DecoderService:
                 raise TypeError(f"configs[{did}] must be a DecoderConfig, got {type(cfg).__name__}")
             self._decoders[did] = _Decoder(did, cfg)
         self._active = [d for d in self._decoders if d is not None]
+        self._configs = dict(configs)
+        self._home = (self._decoders, self._active)  # the service's own states (sessions bring theirs)
         self.ack_enqueue = ack_enqueue
         self._ack_all = ack_enqueue == "all"
         self._ack_errors = ack_enqueue != "none"
@@ -303,6 +312,26 @@ class DecoderService:
         """Shots queued (complete, not yet answered) in a decoder."""
         d = self._decoders[decoder_id]
         return 0 if d is None else d.cmp - d.ret
+
+    def max_frame_nbytes(self) -> int:
+        """The longest request this service's decoders can use: an ``enqueue_syndromes`` of a
+        whole queue of the largest decoder's shots (capped by the wire's 2^20 bits). A
+        stream that announces more is refused from its header (see :mod:`qlink.qec.sessions`)."""
+        bits = max(min(wire.MAX_SYNDROME_BITS, d.num_det * d.capacity) for d in self._home[1])
+        return wire.enqueue_syndromes_nbytes(bits)
+
+    def _session_states(self) -> tuple[list, list]:
+        """Decoder states for a new session: its own, reusing each compiled decoder, except
+        for decoders configured ``shared`` (every session feeds the service's one)."""
+        decs: list = [None] * wire.MAX_DECODERS
+        for d in self._home[1]:
+            cfg = self._configs[d.id]
+            decs[d.id] = d if cfg.shared else _Decoder(d.id, cfg, compiled=d.compiled)
+        return decs, [x for x in decs if x is not None]
+
+    def _use_states(self, decoders: list, active: list) -> None:
+        self._decoders = decoders
+        self._active = active
 
     def _decoder(self, decoder_id: int):
         return self._decoders[decoder_id] if 0 <= decoder_id < wire.MAX_DECODERS else None
@@ -911,10 +940,24 @@ class DecoderService:
             lo = hi
 
     def _oversized(self, ep, needed: int, t_in: int) -> None:
-        """A message larger than any valid frame: read it, count it, answer if its header allows."""
+        """A message larger than any valid frame: read it, count it, answer if its header allows.
+        One announcing more than ``_OVERSIZE_READ_NBYTES`` over a stream is not read at all:
+        the answers so far go out, then a close frame, and the session ends (_SessionRefused)."""
         self._n_requests += 1
         self._counts["frames_refused"] += 1
         self.faults["oversized_frame"] += 1
+        if needed > _OVERSIZE_READ_NBYTES and self._sendto is None:
+            from .sessions import CloseReason, encode_close_frame
+
+            self._flush()
+            self._counts["sessions_refused_oversized"] += 1
+            try:
+                ep.send_nowait(encode_close_frame(CloseReason.OVERSIZED_FRAME,
+                                                  f"a message of {needed} bytes was announced; the longest frame "
+                                                  f"this service takes is {_OVERSIZE_READ_NBYTES} bytes"))
+            except (WouldBlock, BrokenLinkError, ClosedError):
+                pass
+            raise _SessionRefused(needed)
         data = ep.recv(max_nbytes=needed, timeout_s=1.0)
         if self._sendto is not None:
             self._peer = getattr(ep, "last_peer", None)
@@ -1021,6 +1064,8 @@ class DecoderService:
             self._counts["peer_closed"] += 1
             self._n_staged = 0
             self._st_plan = [None] * len(self._st_plan)
+        except _SessionRefused:
+            self._n_staged = 0
         finally:
             self._ep = None
             self._sendto = None
@@ -1057,6 +1102,10 @@ class DecoderService:
             out["shots"] = self.shots.to_dict()
             out["shots_not_kept"] = self.shots.dropped
         return out
+
+
+class _SessionRefused(Exception):
+    """serve(): the peer announced a message too long to read; the session ends (close frame sent)."""
 
 
 # The process helpers live in their own module; re-exported here.

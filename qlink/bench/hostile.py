@@ -1,0 +1,184 @@
+"""``qlink bench hostile``: a well-behaved controller's reaction while hostile clients attack
+the decoder service, and several well-behaved controllers at once.
+
+Two tables, both from one decoder service process (surface code d=5, PyMatching):
+
+* **hostile**: over tcp and udp, a lock-step controller's reaction (its syndrome frame
+  handed to the transport → its correction received) p50/p99 with 0, 1 and 4 hostile
+  clients attached (each in its own process, see :mod:`qlink.bench._hostile_clients`),
+  and p99(hostile)/p99(none) against the goal ≤ 2, measured in the same run. Every
+  correction is checked bit for bit against PyMatching on the same shots.
+* **controllers**: 1 and 4 well-behaved controllers at once (each its own process):
+  per-controller reaction p50/p99 and the total frames per second, beside one alone.
+
+Every row carries the run's conditions (:mod:`qlink.bench.conditions`): on a 2-core host
+the service, the controller(s) and the hostile clients share two cores, which the ratios
+(not the absolute figures) are meant to see through.
+
+>>> HOSTILE_MIX["tcp"][:2], HOSTILE_MIX["udp"][:2]
+(('tcp_flood', 'half_frame'), ('udp_flood', 'udp_garbage'))
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["HOSTILE_MIX", "run_hostile_bench", "main_from_cli"]
+
+SPEC = {"code": "surface_code:rotated_memory_z", "distance": 5, "rounds": 5, "p": 0.003}
+# which hostile clients attack: the first n of the transport's mix (count: sockets per client)
+HOSTILE_MIX = {"tcp": (("tcp_flood", "half_frame", "huge_header", "idle")),
+               "udp": (("udp_flood", "udp_garbage", "udp_flood", "udp_garbage"))}
+_COUNTS = {"idle": 50, "udp_garbage": 20}
+_GOAL_RATIO = 2.0
+_URLS = {"tcp": "tcp://127.0.0.1:0", "udp": "udp://127.0.0.1:0"}
+
+
+def _code(num_shots: int, seed: int = 5):
+    import pymatching
+
+    from qlink.qec.specs import build_source
+
+    src = build_source(SPEC)
+    dets = np.asarray(src.sample(num_shots, seed=seed)[0], dtype=np.uint8)
+    expected = pymatching.Matching.from_detector_error_model(src.dem).decode_batch(dets).astype(np.uint8)
+    return src.dem, dets, expected
+
+
+def _measure(url: str, dets: np.ndarray, expected: np.ndarray, num_obs: int, *, warmup: int = 200,
+             time_limit_s: float = 60.0) -> dict:
+    from ._lockstep import LockstepController
+
+    with LockstepController(url, num_observables=num_obs, timeout_s=30) as ctl:
+        ctl.run(dets[:warmup], time_limit_s=time_limit_s / 4)
+        t0 = time.perf_counter()
+        flips, statuses, reaction = ctl.run(dets, time_limit_s=time_limit_s)
+        wall = time.perf_counter() - t0
+        retries = ctl.retries
+    n = len(flips)
+    ok = bool((statuses == 0).all() and np.array_equal(flips, expected[:n]))
+    us = reaction / 1e3
+    return {"shots": n, "p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+            "max_us": float(us.max()), "frames_per_s": 2 * len(dets) / wall, "bit_identical": ok,
+            "retransmits": retries}
+
+
+def _controller_worker(url: str, num_shots: int, seed: int, num_obs: int, start, out, time_limit_s: float) -> None:
+    """One controller in its own process (for the several-at-once rows)."""
+    dem, dets, expected = _code(num_shots, seed=seed)
+    start.wait(120)
+    try:
+        out.put(_measure(url, dets, expected, num_obs, warmup=50, time_limit_s=time_limit_s))
+    except Exception as e:  # reported in the row
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def _several(url: str, n: int, num_shots: int, num_obs: int, time_limit_s: float) -> list[dict]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_controller_worker, args=(url, num_shots, 100 + k, num_obs, start, out, time_limit_s),
+                             daemon=True)
+             for k in range(n)]
+    for p in procs:
+        p.start()
+    time.sleep(3.0)  # let every worker import and sample before they start together
+    start.set()
+    res = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    return res
+
+
+def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hostile_counts=(0, 1, 4),
+                      controllers=(1, 4), time_limit_s: float = 60.0,
+                      say: Callable[[str], None] | None = None) -> list[dict]:
+    """The rows of both tables (see the module docstring); each measurement stops after
+    ``num_shots`` or ``time_limit_s`` (a starved host), its row says how many shots it took."""
+    from qlink.qec.service import start_service_process
+
+    from ._hostile_clients import HostileProcess
+
+    say = say or (lambda msg: None)
+    dem, dets, expected = _code(num_shots)
+    num_obs = dem.num_observables
+    rows: list[dict] = []
+    for tr in transports:
+        with start_service_process(_URLS[tr], {0: {"source": SPEC, "decoder": "pymatching"}},
+                                   session_limits={"max_sessions": 256}) as svc:
+            base = None
+            for k in hostile_counts:
+                kinds = HOSTILE_MIX[tr][:k]
+                say(f"bench hostile: {tr}, {k} hostile client(s) {list(kinds)}")
+                attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1)) for kind in kinds]
+                try:
+                    time.sleep(0.5 if k else 0)
+                    m = _measure(svc.url, dets, expected, num_obs, time_limit_s=time_limit_s)
+                finally:
+                    seen = [a.stop() for a in attackers]
+                row = {"table": "hostile", "transport": tr, "hostile_clients": k, "kinds": "+".join(kinds) or "-",
+                       "controllers": 1, **m}
+                if k == 0:
+                    base = m["p99_us"]
+                row["p99_vs_none"] = m["p99_us"] / base if base else float("nan")
+                row["goal"] = f"<= {_GOAL_RATIO:g}" if k else ""
+                row["meets_goal"] = (row["p99_vs_none"] <= _GOAL_RATIO) if k else None
+                row["hostile_saw"] = "; ".join(f"{kind}: {dict(s)}" for kind, s in zip(kinds, seen)) or "-"
+                rows.append(row)
+            alone = None
+            for n in controllers:
+                say(f"bench hostile: {tr}, {n} well-behaved controller(s) at once")
+                res = _several(svc.url, n, max(500, num_shots // 2), num_obs, time_limit_s)
+                errs = [r["error"] for r in res if "error" in r]
+                good = [r for r in res if "error" not in r]
+                row = {"table": "controllers", "transport": tr, "hostile_clients": 0, "controllers": n,
+                       "shots": sum(r["shots"] for r in good),
+                       "p50_us": max((r["p50_us"] for r in good), default=float("nan")),
+                       "p99_us": max((r["p99_us"] for r in good), default=float("nan")),
+                       "p50_us_best": min((r["p50_us"] for r in good), default=float("nan")),
+                       "total_frames_per_s": sum(r["frames_per_s"] for r in good),
+                       "bit_identical": bool(good) and all(r["bit_identical"] for r in good)}
+                if n == 1:
+                    alone = row
+                if alone is not None:
+                    row["frames_per_s_vs_one"] = row["total_frames_per_s"] / alone["total_frames_per_s"]
+                    row["p99_vs_one"] = row["p99_us"] / alone["p99_us"]
+                if errs:
+                    row["error"] = errs[0]
+                rows.append(row)
+            svc.close()
+    return rows
+
+
+def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
+    """``qlink bench hostile [--quick] [--out DIR]``: both tables, JSON and CSV."""
+    import os
+    from pathlib import Path
+
+    from ._report import format_table, write_results
+
+    quick = bool(getattr(args, "quick", False))
+    shots = 2000 if quick else 10000
+    rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, say=say)
+    out = Path(getattr(args, "out", "results/bench"))
+    meta = {"num_shots": shots, "code": SPEC, "goal": f"p99 with hostile clients <= {_GOAL_RATIO:g} x p99 without",
+            "reaction": "lock-step controller: syndrome frame handed to the transport -> its correction received",
+            "host": os.uname().nodename, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+            "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}}
+    write_results(rows, out_dir=out, name="hostile", meta=meta)
+    h = [r for r in rows if r["table"] == "hostile"]
+    c = [r for r in rows if r["table"] == "controllers"]
+    print(f"\nA well-behaved controller beside hostile clients (d=5, load {meta['load_avg_1m']:.2f} on "
+          f"{meta['cores']} cores); goal p99 <= {_GOAL_RATIO:g} x p99 without")
+    print(format_table(h, columns=["transport", "hostile_clients", "kinds", "shots", "p50_us", "p99_us", "max_us",
+                                   "p99_vs_none", "meets_goal", "bit_identical", "retransmits"]))
+    print("\nWell-behaved controllers at once (per-controller worst p50/p99; total frames/s)")
+    print(format_table(c, columns=["transport", "controllers", "shots", "p50_us_best", "p50_us", "p99_us",
+                                   "p99_vs_one", "total_frames_per_s", "frames_per_s_vs_one", "bit_identical"]
+                       + (["error"] if any("error" in r for r in c) else [])))
+    print(f"\nwritten: {out}/hostile.{{json,csv}}")
+    return rows

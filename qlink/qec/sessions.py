@@ -1,0 +1,578 @@
+"""Many controllers at once: the session layer of the Python decoder service.
+
+:class:`SessionServer` serves every live session of one listener from one thread,
+polling them all and never waiting inside one: connections (``tcp://``, ``shm://``)
+are accepted off the hot thread and watched with ``epoll``; ``udp://`` senders are
+told apart by source address on the listener's one socket, and a new sender's first
+datagram is served like any other. Each session has decoder states of its own (the
+compiled decoders are shared), except decoders configured ``shared``; the frames are
+handled by one :class:`~qlink.qec.service.DecoderService`, a session's turn at a time.
+
+Limits (:class:`SessionLimits`), each counted when it bites:
+
+* a session's turn handles at most ``max_frames_per_turn`` frames, then the next session's
+  turn comes (a flooding peer waits in its own socket, or loses datagrams); a udp sender
+  most of whose frames were malformed gets one datagram a round;
+* a frame half received for ``frame_timeout_s``, or a session silent for
+  ``idle_timeout_s`` (``datagram_idle_timeout_s`` for udp, which has no close), is closed
+  with a close frame that says why;
+* a stream announcing a message longer than ``max_frame_nbytes`` (by default derived from
+  the decoders' shot size and queue) is refused from its header alone: a close frame,
+  nothing read or allocated from the announced length; read-ahead per connection is
+  ``read_ahead_nbytes``; datagrams waiting for their sender's turn are bounded in count
+  and bytes across all senders, and the drops are counted per sender;
+* beyond ``max_sessions`` a new session is refused with a close frame (status BUSY);
+* with a ``token``, tcp clients must prove it in the handshake and every udp datagram must
+  carry its HMAC tag (:mod:`qlink.access`); refused peers are counted by reason.
+
+A close frame is a response (``CUQS``) with ``request_id`` 0xFFFFFFFF, which no request
+uses here, the status of the reason, and as its result ``qlink-close <reason>: <detail>``
+in UTF-8:
+
+>>> frame = encode_close_frame(CloseReason.IDLE_TIMEOUT, "no frame for 30 s")
+>>> parse_close_frame(frame)
+('idle_timeout', 'no frame for 30 s')
+>>> from qlink import wire
+>>> r = wire.decode_response(frame); (r.status.name, hex(r.request_id))
+('OK', '0xffffffff')
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import select
+import threading
+import time
+from typing import Callable
+
+from qlink.access import verify_datagram
+from qlink.clock import now_ns
+from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, WouldBlock
+from transports._base import Backoff, BufferTooSmallError
+
+from ._session_terms import CLOSE_REQUEST_ID, CloseReason, SessionLimits, encode_close_frame, parse_close_frame
+
+__all__ = ["CLOSE_REQUEST_ID", "CloseReason", "SessionLimits", "SessionServer", "encode_close_frame",
+           "parse_close_frame"]
+
+_TIMER_PERIOD_S = 0.005  # how often session timers are looked at while frames flow
+_UDP_READS_PER_ROUND = 4096  # datagrams read before the stream sessions get their turns again
+_ACCEPT_POLL_S = 0.1
+_CLOSES_PER_TICK = 16
+# a udp sender most of whose frames were malformed (past this many) gets one datagram a round
+_BAD_GRACE = 64
+
+
+class _Session:
+    """One controller: its endpoint (or udp address), its decoder states, its timers and counts."""
+
+    __slots__ = ("sid", "ep", "addr", "decoders", "active", "opened", "last_frame", "partial_since", "frames",
+                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad", "sock")
+
+    def __init__(self, sid: int, ep, addr, states, now: float) -> None:
+        self.sid = sid
+        self.ep = ep  # None for a udp sender
+        self.addr = addr
+        self.decoders, self.active = states
+        self.opened = self.last_frame = now
+        self.partial_since: float | None = None
+        self.frames = 0
+        self.dropped = 0  # udp: datagrams dropped beyond its share or the queue's bound
+        self.bad = 0  # its frames refused as malformed
+        self.sock = None  # udp: its own connected socket on the listener's address, if it has one
+        self.blocked = False  # an answer found its socket full: the peer does not read
+        self.queue: list = []  # udp: (offset, nbytes) of its datagrams waiting in the arena
+        self.url = _peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
+        self.fd = ep.fileno() if ep is not None and hasattr(ep, "fileno") else -1
+        self.buffered = getattr(type(ep), "rx_buffered_nbytes", None) is not None
+
+    def send(self, data) -> None:  # the service's answers: never wait on a peer that does not read
+        try:
+            self.ep.send_nowait(data)
+        except WouldBlock:
+            self.blocked = True
+
+
+class SessionServer:
+    """Serves every session of ``listener`` with ``service`` (see the module docstring).
+
+    ``on_session_end(report)`` is called as each session ends, with the service's report
+    and this server's (``sessions``, ``refused_peers``, the ended session's reason).
+    ``token``: the shared secret udp datagrams must be signed with (tcp checks its own in
+    the handshake: give the listener the same token).
+    """
+
+    def __init__(self, service, listener, *, limits: SessionLimits | None = None, token: bytes | None = None,
+                 on_session_end: Callable[[dict], None] | None = None) -> None:
+        self.svc = service
+        self.limits = limits or SessionLimits()
+        self.listener = listener
+        self.token = token
+        self.on_session_end = on_session_end
+        caps = getattr(listener, "capabilities", None)
+        if caps is None:
+            import transports
+
+            caps = transports.capabilities(listener.url)
+        self.datagram = not caps.reliable
+        self.scheme = caps.name
+        self.max_frame = self.limits.max_frame_nbytes or service.max_frame_nbytes()
+        self.max_frame = min(self.max_frame, len(service._rx))
+        self._rx = service._rx_mv[:self.max_frame]
+        self.sessions: dict = {}  # sid -> session (streams), address -> session (udp)
+        self._by_fd: dict[int, _Session] = {}
+        self._polled: list[_Session] = []  # sessions without an fd: looked at every loop
+        self._again: set = set()  # sessions whose last turn stopped at the frame cap: more is waiting
+        self._next_sid = 0
+        self.counts: collections.Counter = collections.Counter()
+        self.closed_by_reason: collections.Counter = collections.Counter()
+        self.refused: collections.Counter = collections.Counter()
+        self.udp_dropped_by_sender: dict = {}
+        self.ended = 0
+        self.max_live = 0
+        self._incoming: collections.deque = collections.deque()
+        self._stop_accepting = threading.Event()
+        self._acceptor: threading.Thread | None = None
+        self._epoll = select.epoll()
+        self._udp = None
+        if self.datagram:
+            self._udp = listener.serve_endpoint()
+            self._udp_read = self._udp.socket_reader()
+            self._epoll.register(self._udp.fileno(), select.EPOLLIN)
+            self._udp_by_fd: dict[int, _Session] = {}  # a sender's own socket -> its session
+            self._per_sender = True  # off if the listener cannot give senders sockets of their own
+            self._scratch = bytearray(1 << 16)
+            self._scratch_mv = memoryview(self._scratch)
+            self._arena = bytearray(self.limits.max_queued_nbytes)
+            self._arena_mv = memoryview(self._arena)
+        else:
+            self._acceptor = threading.Thread(target=self._accept_loop, name="qlink-session-acceptor", daemon=True)
+            self._acceptor.start()
+
+    # ------------------------------------------------------------------ accepting
+    def _accept_loop(self) -> None:
+        """Off the hot thread: take handshaken endpoints and hand them over (bounded)."""
+        lis = self.listener
+        bound = 2 * self.limits.max_sessions
+        while not self._stop_accepting.is_set():
+            try:
+                ep = lis.accept(timeout_s=_ACCEPT_POLL_S)
+            except QlinkTimeoutError:
+                continue
+            except (ClosedError, BrokenLinkError):
+                return
+            except Exception:  # one failed handshake (shm) must not stop accepting
+                self.refused["handshake_failed"] += 1
+                continue
+            if len(self._incoming) >= bound:
+                self.refused["accept_queue_full"] += 1
+                _abort(ep)
+                continue
+            self._incoming.append(ep)
+
+    def _admit(self, now: float) -> None:
+        while self._incoming:
+            ep = self._incoming.popleft()
+            if len(self.sessions) >= self.limits.max_sessions:
+                self.refused["max_sessions"] += 1
+                try:
+                    ep.send_nowait(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
+                                                      f"{len(self.sessions)} sessions are open, the most this "
+                                                      "service serves at once; try again later"))
+                except Exception:
+                    pass
+                _abort(ep)
+                continue
+            s = self._open(ep, None, now)
+            if s.fd >= 0:
+                self._by_fd[s.fd] = s
+                self._epoll.register(s.fd, select.EPOLLIN)
+                self._again.add(s)  # it may have sent before it was admitted
+            else:
+                self._polled.append(s)
+
+    def _open(self, ep, addr, now: float) -> _Session:
+        s = _Session(self._next_sid, ep, addr, self.svc._session_states(), now)
+        self._next_sid += 1
+        self.sessions[s.sid if addr is None else addr] = s
+        self.counts["sessions_opened"] += 1
+        self.max_live = max(self.max_live, len(self.sessions))
+        return s
+
+    # ------------------------------------------------------------------ closing
+    def _close(self, s: _Session, reason: CloseReason | str, detail: str = "") -> None:
+        key = reason.value if isinstance(reason, CloseReason) else reason
+        self.closed_by_reason[key] += 1
+        if isinstance(reason, CloseReason):
+            frame = encode_close_frame(reason, detail)
+            try:
+                if s.ep is None:
+                    self._udp.sendto(frame, s.addr)
+                else:
+                    s.ep.send_nowait(frame)
+            except Exception:  # the peer may be gone or full: the close goes ahead
+                pass
+        if s.ep is None:
+            self.sessions.pop(s.addr, None)
+            if s.sock is not None:
+                self._udp_by_fd.pop(s.sock.fileno(), None)
+                try:
+                    self._epoll.unregister(s.sock.fileno())
+                except (OSError, ValueError):
+                    pass
+                s.sock.close()
+                s.sock = None
+            if s.dropped:
+                self.udp_dropped_by_sender[s.url] = self.udp_dropped_by_sender.get(s.url, 0) + s.dropped
+        else:
+            self.sessions.pop(s.sid, None)
+            self._again.discard(s)
+            if s.fd >= 0:
+                self._by_fd.pop(s.fd, None)
+                try:
+                    self._epoll.unregister(s.fd)
+                except (OSError, ValueError):
+                    pass
+            elif s in self._polled:
+                self._polled.remove(s)
+        stats = None
+        if s.ep is not None:
+            try:
+                stats = {k: v for k, v in vars(s.ep.statistics()).items() if k != "extra"}
+            except Exception:
+                stats = None
+            _abort(s.ep)
+        self.ended += 1
+        if self.on_session_end is not None:
+            self.on_session_end(self.report(ended=s, reason=key, transport_statistics=stats))
+
+    # ------------------------------------------------------------------ turns
+    def _bind(self, s: _Session) -> None:
+        svc = self.svc
+        svc._decoders = s.decoders
+        svc._active = s.active
+        if s.ep is None:
+            svc._ep, svc._sendto, svc._peer = None, self._udp.sendto, s.addr
+        else:
+            svc._ep, svc._sendto, svc._peer = s, None, None
+
+    def _turn_stream(self, s: _Session, now: float) -> bool:
+        """Up to the frame cap of one stream session's frames; True if it handled any."""
+        svc = self.svc
+        self._bind(s)
+        recv = s.ep.recv_into_nowait
+        rx = self._rx
+        handle = svc._handle
+        cap = self.limits.max_frames_per_turn
+        n_batch = 0
+        drained = False
+        t_busy = 0
+        try:
+            while n_batch < cap:
+                try:
+                    n = recv(rx)
+                except WouldBlock:
+                    drained = True
+                    break
+                t = now_ns()
+                if not n_batch:
+                    t_busy = t
+                handle(n, t)
+                n_batch += 1
+            if n_batch:
+                svc._flush()
+                svc._busy_ns += svc._t_ready - t_busy
+        except BufferTooSmallError as e:
+            svc._flush()
+            svc.faults["oversized_frame"] += 1
+            self._close(s, CloseReason.OVERSIZED_FRAME,
+                        f"a message of {e.needed_nbytes} bytes was announced; the longest frame this service "
+                        f"takes is {self.max_frame} bytes")
+            return bool(n_batch)
+        except (BrokenLinkError, ClosedError):
+            svc._n_staged = 0
+            svc._st_plan = [None] * len(svc._st_plan)
+            self._close(s, "peer_closed")
+            return bool(n_batch)
+        except Exception as e:  # a fault of this session's must not stop the others
+            svc._n_staged = 0
+            svc._st_plan = [None] * len(svc._st_plan)
+            svc.faults["session_exception"] += 1
+            self._close(s, CloseReason.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+            return bool(n_batch)
+        if n_batch:
+            s.frames += n_batch
+            s.last_frame = now
+            s.partial_since = None
+        if s.blocked:
+            self._close(s, CloseReason.PEER_NOT_READING, "answers could not be sent: the peer does not read them")
+            return bool(n_batch)
+        if not drained:
+            self._again.add(s)
+        elif drained and s.buffered and s.partial_since is None and s.ep.rx_buffered_nbytes:
+            s.partial_since = now  # a frame is half here: its clock starts
+        return bool(n_batch)
+
+    def _udp_round(self, now: float) -> bool:
+        """Read what the socket holds, queue each datagram for its sender's turn (bounded), then
+        serve each sender with datagrams, in order of arrival."""
+        recvfrom = self._udp_read
+        scratch = self._scratch
+        amv = self._arena_mv
+        share = self.limits.max_frames_per_turn
+        order: list = []
+        used = queued = reads = 0
+        # first each sender's own socket (its share, the rest waits there), then the shared one
+        if self._udp_by_fd:
+            for fd, _ev in self._epoll.poll(0):
+                s = self._udp_by_fd.get(fd)
+                if s is None:
+                    continue
+                sread = s.sock.recvfrom_into
+                for _ in range(share):
+                    try:
+                        n, addr = sread(scratch)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:
+                        self.counts["udp_socket_errors"] += 1
+                        break
+                    reads += 1
+                    used, queued = self._intake(n, addr, now, order, used, queued)
+        while reads < _UDP_READS_PER_ROUND:
+            try:
+                n, addr = recvfrom(scratch)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # e.g. an ICMP error queued on the socket: the next read goes on
+                self.counts["udp_socket_errors"] += 1
+                continue
+            reads += 1
+            used, queued = self._intake(n, addr, now, order, used, queued)
+        self.counts["udp_datagrams_read"] += reads
+        if not order:
+            return reads > 0
+        svc = self.svc
+        rx = svc._rx_mv
+        handle = svc._handle
+        refused = svc._counts
+        for s in order:
+            self._bind(s)
+            t_busy = 0
+            bad0 = refused["frames_refused"]
+            try:
+                for i, (off, n) in enumerate(s.queue):
+                    rx[:n] = amv[off:off + n]
+                    t = now_ns()
+                    if not i:
+                        t_busy = t
+                    handle(n, t)
+                svc._flush()
+                svc._busy_ns += svc._t_ready - t_busy
+            except Exception as e:
+                svc._n_staged = 0
+                svc._st_plan = [None] * len(svc._st_plan)
+                svc.faults["session_exception"] += 1
+                s.queue.clear()
+                self._close(s, CloseReason.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+                continue
+            s.frames += len(s.queue)
+            s.bad += refused["frames_refused"] - bad0
+            s.queue.clear()
+            s.last_frame = now
+        return True
+
+    def _intake(self, n: int, addr, now: float, order: list, used: int, queued: int) -> tuple[int, int]:
+        """One datagram (in the scratch buffer) from ``addr``: queued for its sender's turn, or
+        refused / dropped and counted. Returns the arena's new (bytes used, datagrams queued)."""
+        lim = self.limits
+        if self.token is not None:
+            n = verify_datagram(self._scratch, n, self.token)
+            if n < 0:
+                self.refused["udp_bad_hmac"] += 1
+                return used, queued
+        sessions = self.sessions
+        s = sessions.get(addr)
+        if s is None:
+            if len(sessions) >= lim.max_sessions:
+                self.refused["max_sessions"] += 1
+                try:
+                    self._udp.sendto(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
+                                                        f"{len(sessions)} senders are being served, the most this "
+                                                        "service serves at once; try again later"), addr)
+                except Exception:
+                    pass
+                return used, queued
+            s = self._open(None, addr, now)
+            self._give_socket(s, now, order)
+        if n > self.max_frame:
+            self.svc.faults["oversized_frame"] += 1
+            s.dropped += 1
+            return used, queued
+        cap = 1 if s.bad > _BAD_GRACE and 2 * s.bad > s.frames else lim.max_frames_per_turn
+        if len(s.queue) >= cap or queued >= lim.max_queued_datagrams or used + n > len(self._arena):
+            s.dropped += 1
+            self.counts["udp_dropped"] += 1
+            return used, queued
+        self._arena_mv[used:used + n] = self._scratch_mv[:n]
+        if not s.queue:
+            order.append(s)
+        s.queue.append((used, n))
+        return used + n, queued + 1
+
+    def _give_socket(self, s: _Session, now: float, order: list) -> None:
+        """A new sender's own socket (see :meth:`transports.udp.UdpServeEndpoint.peer_socket`)."""
+        if not self._per_sender:
+            return
+        try:
+            sock = self._udp.peer_socket(s.addr)
+        except (ValueError, OSError):
+            self._per_sender = False  # (a listener without reuse_port, or no room for sockets)
+            return
+        s.sock = sock
+        self._udp_by_fd[sock.fileno()] = s
+        self._epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _timers(self, now: float) -> None:
+        """Close the sessions whose time is up (at most ``_CLOSES_PER_TICK`` per call, so that
+        many sessions timing out together cost the others one short pause each tick)."""
+        lim = self.limits
+        idle = lim.datagram_idle_timeout_s if self.datagram else lim.idle_timeout_s
+        start = self.ended
+        for s in list(self.sessions.values()):
+            if self.ended - start >= _CLOSES_PER_TICK:
+                break
+            if s.partial_since is not None and lim.frame_timeout_s is not None \
+                    and now - s.partial_since >= lim.frame_timeout_s:
+                self._close(s, CloseReason.FRAME_TIMEOUT,
+                            f"a frame stayed half received for {lim.frame_timeout_s} s")
+            elif idle is not None and now - s.last_frame >= idle:
+                self._close(s, CloseReason.IDLE_TIMEOUT, f"no frame for {idle} s")
+            elif lim.session_timeout_s is not None and now - s.opened >= lim.session_timeout_s:
+                self._close(s, CloseReason.SESSION_TIMEOUT, f"sessions last at most {lim.session_timeout_s} s")
+
+    # ------------------------------------------------------------------ loop
+    def run(self, *, stop_event: threading.Event | None = None, max_sessions_served: int | None = None,
+            first_session_timeout_s: float | None = None, spin: int = 20000) -> dict:
+        """Serve until ``stop_event`` is set or ``max_sessions_served`` sessions have ended.
+        QlinkTimeoutError when no session opened within ``first_session_timeout_s``."""
+        svc = self.svc
+        backoff = Backoff(spin=spin, max_sleep_s=2e-4)
+        give_up = None if first_session_timeout_s is None else time.monotonic() + first_session_timeout_s
+        next_timers = 0.0
+        epoll = self._epoll
+        by_fd = self._by_fd
+        gc.freeze()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        svc._counts["serve_calls"] += 1
+        try:
+            while True:
+                now = time.monotonic()
+                busy = False
+                if self._incoming:
+                    self._admit(now)
+                if self._udp is not None:
+                    busy = self._udp_round(now)
+                if by_fd:
+                    todo, self._again = self._again, set()
+                    for fd, _ev in epoll.poll(0):
+                        s = by_fd.get(fd)
+                        if s is not None:
+                            todo.add(s)
+                    for s in todo:
+                        if s.fd in by_fd:  # (not closed by an earlier turn)
+                            busy |= self._turn_stream(s, now)
+                for s in self._polled[:]:
+                    busy |= self._turn_stream(s, now)
+                if busy:
+                    backoff.reset()
+                if now >= next_timers or not busy:
+                    if now >= next_timers:
+                        self._timers(now)
+                        next_timers = now + _TIMER_PERIOD_S
+                    if max_sessions_served is not None and self.ended >= max_sessions_served:
+                        break
+                    if stop_event is not None and stop_event.is_set():
+                        break
+                    if give_up is not None and not self.counts["sessions_opened"] and now >= give_up:
+                        raise QlinkTimeoutError(f"no controller opened a session on {self.listener.url} within "
+                                                f"{first_session_timeout_s} s")
+                if not busy:
+                    if backoff.spinning or self._polled:
+                        backoff.pause()
+                    else:  # idle: sleep in epoll, woken by the first byte (or a new session within 1 ms)
+                        epoll.poll(0.001)
+        finally:
+            svc._use_states(*svc._home)
+            svc._ep = svc._sendto = svc._peer = None
+            svc.stages.settle()
+            svc._serve_wall_s += time.perf_counter() - wall0
+            svc._serve_cpu_s += time.thread_time() - cpu0
+        return self.report()
+
+    def close(self, *, reason: CloseReason = CloseReason.SERVICE_STOPPING) -> None:
+        """Close every session (a close frame each, no report) and stop accepting."""
+        self._stop_accepting.set()
+        cb, self.on_session_end = self.on_session_end, None
+        for s in list(self.sessions.values()):
+            self._close(s, reason, "the service is stopping")
+        self.on_session_end = cb
+        while self._incoming:
+            _abort(self._incoming.popleft())
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=2 * _ACCEPT_POLL_S + 1)
+        if self._udp is not None:
+            self._udp.close()
+        self._epoll.close()
+
+    # ------------------------------------------------------------------ results
+    def report(self, *, ended: _Session | None = None, reason: str | None = None, transport_statistics=None) -> dict:
+        """The service's report plus the sessions': live, opened, ended by reason, refused peers by reason."""
+        svc = self.svc
+        if ended is not None and not ended.frames:
+            # a session that sent no frame changed nothing the service measures: a short report
+            # (a full one costs about a millisecond, and many idle sessions may end together)
+            rep = {"counts": dict(svc.counts), "faults": dict(svc.faults), "statuses": dict(svc.statuses)}
+        else:
+            decs = svc._decoders, svc._active
+            svc._use_states(*svc._home)
+            try:
+                rep = svc.report()
+            finally:
+                svc._use_states(*decs)
+        refused = collections.Counter(self.refused)
+        refused.update(getattr(self.listener, "refused_by_reason", {}) or {})
+        rep["transport"] = self.scheme
+        rep["sessions"] = {"live": len(self.sessions), "max_live": self.max_live, "ended": self.ended,
+                           **dict(self.counts), "closed_by_reason": dict(self.closed_by_reason),
+                           "max_frame_nbytes": self.max_frame}
+        rep["refused_peers"] = dict(refused)
+        drops = dict(self.udp_dropped_by_sender)
+        for s in self.sessions.values():
+            if s.dropped:
+                drops[s.url] = drops.get(s.url, 0) + s.dropped
+        if self.datagram:
+            rep["udp_dropped_by_sender"] = dict(sorted(drops.items(), key=lambda kv: -kv[1])[:64])
+        if ended is not None:
+            rep["session"] = {"id": ended.sid, "peer": ended.url, "reason": reason, "frames": ended.frames,
+                              "duration_s": time.monotonic() - ended.opened, "dropped": ended.dropped}
+            if transport_statistics is not None:
+                rep["transport_statistics"] = transport_statistics
+        return rep
+
+
+def _peer_url(ep) -> str | None:
+    addr = getattr(ep, "peer_address", None)
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{ep.capabilities.name}://{addr[0]}:{addr[1]}"
+    return getattr(ep, "url", None)
+
+
+def _abort(ep) -> None:
+    """Close an endpoint without lingering on a peer that does not read."""
+    try:
+        abort = getattr(ep, "abort", None)
+        (abort or ep.close)()
+    except Exception:
+        pass
