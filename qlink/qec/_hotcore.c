@@ -29,6 +29,8 @@
 #include <time.h>
 #include <errno.h>
 #include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 
 #include "_ring_api.h"
 
@@ -185,18 +187,34 @@ static struct {
 
 #define IO_RING 0
 #define IO_FD 1
+#define IO_DGRAM 2
 #define IO_IN_NBYTES (4u << 20)
 #define IO_OUT_NBYTES (1u << 20)
 #define IO_CLOSED (-2)
+/* datagrams: one frame per datagram (qlink's udp wire: nothing added), received and sent in
+ * batches of up to DG_SLOTS through recvmmsg / sendmmsg */
+#define DG_SLOTS 32
+#define DG_MAX 65536 /* holds any datagram */
+#define DG_SOCKBUF_NBYTES (4 << 20)
 
 typedef struct {
     int kind;
     PyObject *rx, *tx; /* rings (IO_RING) */
-    int fd;            /* IO_FD */
+    int fd;            /* IO_FD, IO_DGRAM */
     uint8_t *in, *out;
     size_t in_r, in_w, out_n, out_sent;
     int eof;
     uint64_t oversized, foreign, writes, reads;
+    /* IO_DGRAM: received datagrams [dg_r, dg_n) in slots of `in`; gathered ones [dg_sent,
+     * dg_out) at out; the peer's address where the socket is not connected (a listener's) */
+    struct mmsghdr *dg_in_msg, *dg_out_msg;
+    struct iovec *dg_in_iov, *dg_out_iov;
+    struct sockaddr_storage *dg_in_addr;
+    int dg_nslots, dg_r, dg_n, dg_out, dg_sent;
+    struct sockaddr_storage peer;
+    socklen_t peer_len;
+    int has_peer;
+    uint64_t refused;
 } Io;
 
 static void io_free(Io *io) {
@@ -204,15 +222,133 @@ static void io_free(Io *io) {
     Py_CLEAR(io->tx);
     PyMem_Free(io->in);
     PyMem_Free(io->out);
+    PyMem_Free(io->dg_in_msg);
+    PyMem_Free(io->dg_out_msg);
+    PyMem_Free(io->dg_in_iov);
+    PyMem_Free(io->dg_out_iov);
+    PyMem_Free(io->dg_in_addr);
     io->in = io->out = NULL;
+    io->dg_in_msg = io->dg_out_msg = NULL;
+    io->dg_in_iov = io->dg_out_iov = NULL;
+    io->dg_in_addr = NULL;
 }
 
-/* link: a (tx, rx) pair of rings, or (fd, leftover bytes already read from it) */
+static int addr_eq(const struct sockaddr_storage *a, socklen_t alen, const struct sockaddr_storage *b) {
+    if (a->ss_family != b->ss_family)
+        return 0;
+    if (a->ss_family == AF_INET) {
+        const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;
+        return x->sin_port == y->sin_port && x->sin_addr.s_addr == y->sin_addr.s_addr;
+    }
+    if (a->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *x = (const void *)a, *y = (const void *)b;
+        return x->sin6_port == y->sin6_port && memcmp(&x->sin6_addr, &y->sin6_addr, 16) == 0;
+    }
+    (void)alen;
+    return 0;
+}
+
+/* link (fd, [datagrams already received from the peer], peer (host, port) or None) */
+static int io_init_dgram(Io *io, PyObject *link) {
+    PyObject *fdo = PyTuple_GET_ITEM(link, 0), *left = PyTuple_GET_ITEM(link, 1), *peer = PyTuple_GET_ITEM(link, 2);
+    io->kind = IO_DGRAM;
+    io->fd = (int)PyLong_AsLong(fdo);
+    if (io->fd < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "bad socket fd");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(left, "the datagrams already received must be a sequence of bytes");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t nleft = PySequence_Fast_GET_SIZE(seq);
+    int ns = nleft > DG_SLOTS ? (int)nleft : DG_SLOTS;
+    io->dg_nslots = ns;
+    io->in = PyMem_Malloc((size_t)ns * DG_MAX);
+    io->out = PyMem_Malloc(IO_OUT_NBYTES);
+    io->dg_in_msg = PyMem_Calloc((size_t)ns, sizeof(struct mmsghdr));
+    io->dg_in_iov = PyMem_Calloc((size_t)ns, sizeof(struct iovec));
+    io->dg_in_addr = PyMem_Calloc((size_t)ns, sizeof(struct sockaddr_storage));
+    io->dg_out_msg = PyMem_Calloc(DG_SLOTS, sizeof(struct mmsghdr));
+    io->dg_out_iov = PyMem_Calloc(DG_SLOTS, sizeof(struct iovec));
+    if (!io->in || !io->out || !io->dg_in_msg || !io->dg_in_iov || !io->dg_in_addr || !io->dg_out_msg ||
+        !io->dg_out_iov) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (peer != Py_None) {
+        const char *host;
+        int port;
+        if (!PyArg_ParseTuple(peer, "si", &host, &port)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        memset(&io->peer, 0, sizeof(io->peer));
+        struct sockaddr_in *a4 = (void *)&io->peer;
+        struct sockaddr_in6 *a6 = (void *)&io->peer;
+        if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+            a4->sin_family = AF_INET;
+            a4->sin_port = htons((uint16_t)port);
+            io->peer_len = sizeof(*a4);
+        } else if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+            a6->sin6_family = AF_INET6;
+            a6->sin6_port = htons((uint16_t)port);
+            io->peer_len = sizeof(*a6);
+        } else {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "peer host %s is not a numeric IPv4 or IPv6 address", host);
+            return -1;
+        }
+        io->has_peer = 1;
+    }
+    for (int i = 0; i < ns; i++) {
+        io->dg_in_iov[i].iov_base = io->in + (size_t)i * DG_MAX;
+        io->dg_in_iov[i].iov_len = DG_MAX;
+        io->dg_in_msg[i].msg_hdr.msg_iov = &io->dg_in_iov[i];
+        io->dg_in_msg[i].msg_hdr.msg_iovlen = 1;
+    }
+    for (int i = 0; i < DG_SLOTS; i++) {
+        io->dg_out_msg[i].msg_hdr.msg_iov = &io->dg_out_iov[i];
+        io->dg_out_msg[i].msg_hdr.msg_iovlen = 1;
+        if (io->has_peer) {
+            io->dg_out_msg[i].msg_hdr.msg_name = &io->peer;
+            io->dg_out_msg[i].msg_hdr.msg_namelen = io->peer_len;
+        }
+    }
+    for (Py_ssize_t i = 0; i < nleft; i++) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &b, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        size_t n = (size_t)b.len > DG_MAX ? DG_MAX : (size_t)b.len;
+        memcpy(io->in + (size_t)i * DG_MAX, b.buf, n);
+        io->dg_in_msg[i].msg_len = (unsigned)n;
+        if (io->has_peer)
+            memcpy(&io->dg_in_addr[i], &io->peer, sizeof(io->peer));
+        PyBuffer_Release(&b);
+    }
+    Py_DECREF(seq);
+    io->dg_n = (int)nleft;
+    io->dg_r = 0;
+    /* room for a burst: the kernel caps it at net.core.rmem_max / wmem_max */
+    int sz = DG_SOCKBUF_NBYTES;
+    setsockopt(io->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
+    setsockopt(io->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
+    return 0;
+}
+
+/* link: a (tx, rx) pair of rings, (fd, leftover bytes already read from it) for a stream
+ * socket, or (fd, [datagrams already received], peer or None) for a datagram socket */
 static int io_init(Io *io, PyObject *link) {
     memset(io, 0, sizeof(*io));
     PyObject *a, *b;
+    if (PyTuple_Check(link) && PyTuple_GET_SIZE(link) == 3)
+        return io_init_dgram(io, link);
     if (!PyTuple_Check(link) || PyTuple_GET_SIZE(link) != 2) {
-        PyErr_SetString(PyExc_TypeError, "link must be (tx_ring, rx_ring) or (socket_fd, leftover_bytes)");
+        PyErr_SetString(PyExc_TypeError, "link must be (tx_ring, rx_ring), (socket_fd, leftover_bytes) or "
+                                         "(socket_fd, [datagrams], peer)");
         return -1;
     }
     a = PyTuple_GET_ITEM(link, 0);
@@ -258,8 +394,35 @@ static int io_init(Io *io, PyObject *link) {
     return 0;
 }
 
+/* the gathered datagrams out, in batches (sendmmsg); as io_flush */
+static int dg_flush(Io *io) {
+    while (io->dg_sent < io->dg_out) {
+        int k = sendmmsg(io->fd, io->dg_out_msg + io->dg_sent, (unsigned)(io->dg_out - io->dg_sent),
+                         MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (k > 0) {
+            io->dg_sent += k;
+            io->writes++;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS))
+            return 1;
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && errno == ECONNREFUSED) { /* the peer's port is closed (ICMP): it is gone */
+            io->refused++;
+            io->eof = 1;
+        }
+        return -1;
+    }
+    io->dg_out = io->dg_sent = 0;
+    io->out_n = 0;
+    return 0;
+}
+
 /* write what is gathered; 0 all written, 1 some left (the socket is full), -1 the peer is gone */
 static int io_flush(Io *io) {
+    if (io->kind == IO_DGRAM)
+        return io->dg_out ? dg_flush(io) : 0;
     if (io->kind != IO_FD || io->out_sent == io->out_n)
         return 0;
     while (io->out_sent < io->out_n) {
@@ -283,6 +446,30 @@ static int io_flush(Io *io) {
 static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
     if (io->kind == IO_RING)
         return RAPI->send(io->tx, p1, n1, p2, n2);
+    if (io->kind == IO_DGRAM) {
+        uint64_t n = n1 + n2;
+        if (n > DG_MAX - 29) /* (65,507: an IPv4 datagram's most) */
+            return QLINK_RING_TOO_BIG;
+        if (io->eof)
+            return QLINK_RING_PEER_CLOSED;
+        if (io->dg_out == DG_SLOTS || io->out_n + n > IO_OUT_NBYTES) {
+            int rc = dg_flush(io);
+            if (rc < 0)
+                return QLINK_RING_PEER_CLOSED;
+            if (rc > 0)
+                return QLINK_RING_FULL; /* (the batch stays whole: sent on the next flush) */
+        }
+        uint8_t *h = io->out + io->out_n;
+        if (n1)
+            memcpy(h, p1, n1);
+        if (n2)
+            memcpy(h + n1, p2, n2);
+        io->dg_out_iov[io->dg_out].iov_base = h;
+        io->dg_out_iov[io->dg_out].iov_len = n;
+        io->dg_out++;
+        io->out_n += n;
+        return QLINK_RING_SENT;
+    }
     uint64_t need = 32 + n1 + n2;
     if (need > IO_OUT_NBYTES)
         return QLINK_RING_TOO_BIG;
@@ -312,9 +499,50 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
 }
 
 /* the frame at the head of the input: a peek code, or IO_CLOSED (peer gone, EOF or BYE) */
+static int dg_peek(Io *io, const uint8_t **data, uint32_t *n) {
+    for (;;) {
+        if (io->dg_r < io->dg_n) {
+            int i = io->dg_r;
+            if (io->has_peer && !addr_eq(&io->dg_in_addr[i], io->dg_in_msg[i].msg_hdr.msg_namelen, &io->peer)) {
+                io->foreign++; /* another sender's datagram on a listener's socket: not ours, counted */
+                io->dg_r++;
+                continue;
+            }
+            *data = io->in + (size_t)i * DG_MAX;
+            *n = io->dg_in_msg[i].msg_len;
+            return QLINK_RING_MSG;
+        }
+        if (io->eof)
+            return IO_CLOSED;
+        int ns = io->dg_nslots < DG_SLOTS ? io->dg_nslots : DG_SLOTS;
+        for (int i = 0; i < ns; i++) {
+            struct msghdr *h = &io->dg_in_msg[i].msg_hdr;
+            h->msg_name = io->has_peer ? &io->dg_in_addr[i] : NULL;
+            h->msg_namelen = io->has_peer ? sizeof(struct sockaddr_storage) : 0;
+            h->msg_flags = 0;
+        }
+        int k = recvmmsg(io->fd, io->dg_in_msg, (unsigned)ns, MSG_DONTWAIT, NULL);
+        if (k > 0) {
+            io->dg_n = k;
+            io->dg_r = 0;
+            io->reads++;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return QLINK_RING_EMPTY;
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && errno == ECONNREFUSED) /* the peer's port is closed (ICMP): it is gone */
+            io->refused++;
+        io->eof = 1;
+    }
+}
+
 static int io_peek(Io *io, const uint8_t **data, uint32_t *n) {
     if (io->kind == IO_RING)
         return RAPI->peek(io->rx, data, n);
+    if (io->kind == IO_DGRAM)
+        return dg_peek(io, data, n);
     for (;;) {
         size_t avail = io->in_w - io->in_r;
         if (avail >= 32) {
@@ -371,6 +599,10 @@ static void io_consume(Io *io) {
         RAPI->consume(io->rx);
         return;
     }
+    if (io->kind == IO_DGRAM) {
+        io->dg_r++;
+        return;
+    }
     uint64_t nb;
     memcpy(&nb, io->in + io->in_r + 8, 8);
     io->in_r += 32 + nb;
@@ -386,6 +618,12 @@ static int io_peer_closed(Io *io) {
 static uint64_t io_queued(Io *io) {
     if (io->kind == IO_RING)
         return RAPI->queued_nbytes(io->rx);
+    if (io->kind == IO_DGRAM) {
+        uint64_t q = 0;
+        for (int i = io->dg_r; i < io->dg_n; i++)
+            q += io->dg_in_msg[i].msg_len;
+        return q;
+    }
     return io->in_w - io->in_r;
 }
 
@@ -416,7 +654,7 @@ enum {
     C_NOT_READY, C_SHOTS_DROPPED, C_FRAMES_LOST, C_FRAMES_DISCARDED, C_SHOTS_REFUSED_BUSY, C_DECODER_FAILED,
     C_F_SHORT_FRAME, C_F_BAD_MAGIC, C_F_LENGTH, C_F_UNKNOWN_FUNCTION, C_F_DECODER_NOT_CONFIGURED,
     C_F_DECODER_ID, C_F_MAPPING_ID, C_F_SYNDROME_COUNT, C_F_COUNTER_BACKWARDS, C_F_COUNTER_GAP, C_F_RETURN_SIZE,
-    C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_N
+    C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_REPLAYED, C_WINDOWS, C_N
 };
 static const char *count_names[C_N] = {
     "requests", "enqueue", "get_corrections", "reset_decoder", "shots_completed", "shots_decoded", "decode_calls",
@@ -424,7 +662,7 @@ static const char *count_names[C_N] = {
     "decoder_failed", "fault.short_frame", "fault.bad_magic", "fault.length", "fault.unknown_function",
     "fault.decoder_not_configured", "fault.decoder_id", "fault.syndrome_mapping_id", "fault.syndrome_count",
     "fault.counter_backwards", "fault.counter_gap", "fault.return_size", "fault.answer_blocked",
-    "fault.layout_mismatch", "slow_path_frames",
+    "fault.layout_mismatch", "slow_path_frames", "get_corrections_replayed", "windows_decoded",
 };
 
 #define CALL_FIRED 0  /* fn(indices of the fired detectors, uint64) -> observable flips, one byte each */
@@ -473,9 +711,24 @@ typedef struct {
     int64_t ptp;
 } DeferredGet;
 
+/* Over datagrams (a lossy link) the answer of every consuming get is kept a while: the very
+ * same request again (its request_id and ptp_timestamp: the controller asks again when no
+ * answer came) gets it once more, and consumes nothing. */
+#define KEEP_N 256
+#define KEEP_BYTES 64
+typedef struct {
+    int did;
+    int32_t status;
+    uint32_t rid, nres;
+    int64_t ptp;
+    uint8_t res[KEEP_BYTES];
+} KeptAnswer;
+
 typedef struct {
     PyObject_HEAD
     Io io;
+    KeptAnswer kept[KEEP_N];
+    uint64_t n_kept;
     int ack; /* 0 none, 1 errors, 2 all */
     DeferredGet defer[DEFER_MAX];
     int n_defer;
@@ -691,6 +944,7 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     s->t_ready = mono_ns();
     s->pending = 0;
     s->n_defer = 0;
+    s->n_kept = 0;
     s->max_batch = max_batch < 1 ? 1 : max_batch;
     return 0;
 }
@@ -1075,11 +1329,41 @@ static void svc_record(ServiceCore *s, SvcDecoder *d, int64_t slot, int32_t stat
     s->row_n++;
 }
 
+static void svc_keep(ServiceCore *s, int did, int32_t status, uint32_t rid, int64_t ptp, const uint8_t *res,
+                     uint32_t nres) {
+    if (s->io.kind != IO_DGRAM || nres > KEEP_BYTES)
+        return;
+    KeptAnswer *k = &s->kept[s->n_kept++ % KEEP_N];
+    k->did = did;
+    k->status = status;
+    k->rid = rid;
+    k->ptp = ptp;
+    k->nres = nres;
+    if (nres)
+        memcpy(k->res, res, nres);
+}
+
+/* the very same consuming get again (or a peek with its request_id): its kept answer, 1; else 0 */
+static int svc_replay(ServiceCore *s, int did, int consume, uint32_t rid, int64_t ptp) {
+    uint64_t n = s->n_kept < KEEP_N ? s->n_kept : KEEP_N;
+    for (uint64_t i = 0; i < n; i++) {
+        KeptAnswer *k = &s->kept[(s->n_kept - 1 - i) % KEEP_N];
+        if (k->rid == rid && k->did == did && (!consume || k->ptp == ptp)) {
+            s->counts[C_REPLAYED]++;
+            svc_answer(s, k->status, rid, ptp, k->res, k->nres);
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, uint32_t rid, int64_t ptp) {
     if (d->head == d->tail) {
         if (d->pending_drops > 0) { /* dropped shots with nothing after them yet */
-            if (consume)
+            if (consume) {
                 d->pending_drops--;
+                svc_keep(s, (int)(d - s->dec), W.st_dropped, rid, ptp, NULL, 0);
+            }
             svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
             return;
         }
@@ -1091,14 +1375,18 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
         svc_flush_decoder(s, d);
     int64_t slot = (int64_t)(d->head % (uint64_t)d->cap);
     if (d->drops_before[slot] > 0) {
-        if (consume)
+        if (consume) {
             d->drops_before[slot]--;
+            svc_keep(s, (int)(d - s->dec), W.st_dropped, rid, ptp, NULL, 0);
+        }
         svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
         return;
     }
     if (d->failed[slot]) {
-        if (consume)
+        if (consume) {
             d->head++;
+            svc_keep(s, (int)(d - s->dec), W.st_internal, rid, ptp, NULL, 0);
+        }
         svc_answer(s, W.st_internal, rid, ptp, NULL, 0);
         if (consume)
             svc_record(s, d, slot, W.st_internal, mono_ns());
@@ -1109,8 +1397,10 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
     memcpy(out, d->obs + slot * d->nbo, nres);
     if (rs & 7)
         out[nres - 1] &= (uint8_t)((1u << (rs & 7)) - 1);
-    if (consume)
+    if (consume) {
         d->head++;
+        svc_keep(s, (int)(d - s->dec), W.st_ok, rid, ptp, out, nres);
+    }
     svc_answer(s, W.st_ok, rid, ptp, out, nres);
     if (consume)
         svc_record(s, d, slot, W.st_ok, mono_ns());
@@ -1139,6 +1429,8 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
         return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
     if (rs < 1 || rs > d->num_obs || rs > W.max_corr_bits)
         return svc_refuse(s, C_F_RETURN_SIZE, W.st_bad, rid, ptp);
+    if (s->io.kind == IO_DGRAM && s->n_kept && svc_replay(s, (int)did, consume, rid, ptp))
+        return;
     /* The oldest shot still waits for the decoder (or earlier gets wait): hold this get back
      * while frames are still queued, so the waiting shots go to the decoder in one call. The
      * run loop decodes and answers as soon as nothing else waits (at once in lock-step). */
@@ -1410,6 +1702,10 @@ typedef struct {
     uint8_t pauli[4096];
     int started, done;
     int64_t t_end, statuses[8], real_off;
+    /* each shot's latest get: its request id, ptp stamp and send time (an answer is matched
+     * to it; over datagrams it is sent again, the very same, when no answer came in time) */
+    int64_t *get_rid_of, *get_ptp_of, *get_t_of;
+    int64_t get_timeout_ns, resends, stale;
 } ControllerCore;
 
 static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
@@ -1430,6 +1726,10 @@ static int ctl_clear(ControllerCore *c) {
         PyBuffer_Release(&c->backlog);
         c->has_backlog = 0;
     }
+    PyMem_Free(c->get_rid_of);
+    PyMem_Free(c->get_ptp_of);
+    PyMem_Free(c->get_t_of);
+    c->get_rid_of = c->get_ptp_of = c->get_t_of = NULL;
     return 0;
 }
 
@@ -1455,18 +1755,18 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     PyObject *link, *frames, *offs, *lens, *last_round, *get_frame, *rows, *corr, *lag = Py_None,
         *backlog = Py_None;
     long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
-    long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0;
+    long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0, get_timeout_ns = 50000000;
     static char *kwlist[] = {"link", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
                              "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
                              "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
                              "request_id_start", "get_request_id_start", "late_ns", "lag", "backlog",
-                             "backlog_every", NULL};
+                             "backlog_every", "get_timeout_ns", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOL:ControllerCore", kwlist, &link,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLL:ControllerCore", kwlist, &link,
                                      &frames, &offs, &lens, &last_round, &get_frame, &rows, &corr, &S, &F, &R, &nbo,
                                      &cycle_ns, &gap_cycles, &lockstep, &stall_ns, &deadline_ns, &counter, &rid,
-                                     &get_rid, &late_ns, &lag, &backlog, &backlog_every))
+                                     &get_rid, &late_ns, &lag, &backlog, &backlog_every, &get_timeout_ns))
         return -1;
     if (S < 1 || F < 1 || R < 1 || nbo < 1 || nbo > 4096 || cycle_ns < 1 || gap_cycles < 0) {
         PyErr_SetString(PyExc_ValueError, "num_shots, frames_per_shot, rounds_per_shot, cycle_ns must be >= 1, "
@@ -1518,6 +1818,15 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     memset(c->statuses, 0, sizeof(c->statuses));
     c->started = c->done = 0;
     memset(c->rows.buf, 0, (size_t)(8 * CTL_FIELDS * S));
+    c->get_rid_of = PyMem_Calloc((size_t)S, 8);
+    c->get_ptp_of = PyMem_Calloc((size_t)S, 8);
+    c->get_t_of = PyMem_Calloc((size_t)S, 8);
+    if (!c->get_rid_of || !c->get_ptp_of || !c->get_t_of) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->get_timeout_ns = get_timeout_ns > 0 ? get_timeout_ns : 50000000;
+    c->resends = c->stale = 0;
     return 0;
 }
 
@@ -1548,6 +1857,19 @@ static int ctl_send_get(ControllerCore *c, int64_t s) {
     if (r[K_POLLS] == 0)
         r[K_GET] = t;
     r[K_POLLS]++;
+    c->get_rid_of[s] = rid;
+    c->get_ptp_of[s] = t + c->real_off;
+    c->get_t_of[s] = t;
+    return ctl_send(c, g, W.hdr + W.get_payload);
+}
+
+/* the oldest unanswered get once more, the very same bytes (a datagram may have been lost) */
+static int ctl_resend_get(ControllerCore *c, int64_t s, int64_t now) {
+    uint8_t *g = c->get_frame.buf;
+    wr32(g + 12, (uint32_t)c->get_rid_of[s]);
+    wr64(g + 16, c->get_ptp_of[s]);
+    c->get_t_of[s] = now;
+    c->resends++;
     return ctl_send(c, g, W.hdr + W.get_payload);
 }
 
@@ -1573,6 +1895,10 @@ static int ctl_take_answer(ControllerCore *c, const uint8_t *a, uint32_t n, int6
         return 0;
     }
     int64_t s = c->s_ans;
+    if ((uint32_t)c->get_rid_of[s] != rid) { /* an answer to an earlier ask (asked again since): not this one */
+        c->stale++;
+        return 0;
+    }
     int64_t *r = ctl_row(c, s);
     if (status == W.st_not_ready) { /* ask again */
         c->reasks++;
@@ -1753,6 +2079,11 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 code = -1;
                 break;
             }
+            if (c->io.kind == IO_DGRAM && c->s_ans < c->s_emit && now - c->get_t_of[c->s_ans] > c->get_timeout_ns &&
+                ctl_resend_get(c, c->s_ans, now) < 0) {
+                code = -1;
+                break;
+            }
         }
         CPU_RELAX();
     }
@@ -1763,14 +2094,15 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
 
 static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)}", "shots_emitted", (long long)c->s_emit, "shots_answered",
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)sLsL}", "shots_emitted", (long long)c->s_emit, "shots_answered",
         (long long)c->s_ans, "frames_sent", (long long)c->frames_sent, "late_frames", (long long)c->late,
         "max_lag_ns", (long long)c->max_lag, "reasks", (long long)c->reasks, "deadline_misses", (long long)c->misses,
         "bad_answers", (long long)c->bad_answers, "full_waits", (long long)c->full_waits, "t0_ns", (long long)c->t0,
         "t_end_ns", (long long)c->t_end, "counter", (long long)c->counter, "request_id", (long long)c->rid,
         "get_request_id", (long long)c->get_rid, "pauli_frame", (const char *)c->pauli, (Py_ssize_t)c->nbo, "statuses",
         (long long)c->statuses[0], (long long)c->statuses[1], (long long)c->statuses[2], (long long)c->statuses[3],
-        (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7]);
+        (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7],
+        "resent_gets", (long long)c->resends, "stale_answers", (long long)c->stale);
 }
 
 static PyObject *ctl_get_backlog_n(ControllerCore *c, void *Py_UNUSED(x)) { return PyLong_FromLongLong(c->backlog_n); }
@@ -1880,7 +2212,128 @@ static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
     return PyLong_FromLong(code);
 }
 
+/* udp_blast(fd, n, nbytes, period_ns, batch) -> (sent, t_first_ns, t_last_ns, full_waits): the
+ * kernel floor's sender. n datagrams of nbytes on a connected datagram socket, the i-th due
+ * at t0 + i * period_ns (0: at once), every datagram due sent in one sendmmsg of at most
+ * `batch`. Each datagram carries its sequence number in its first 8 bytes. */
+static PyObject *mod_udp_blast(PyObject *Py_UNUSED(m), PyObject *args) {
+    int fd, batch;
+    long long n, nbytes, period_ns;
+    if (!PyArg_ParseTuple(args, "iLLLi", &fd, &n, &nbytes, &period_ns, &batch))
+        return NULL;
+    if (nbytes < 8 || nbytes > 1400 || batch < 1 || batch > DG_SLOTS || n < 1 || period_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "udp_blast: nbytes in 8..1400, batch in 1..32, n >= 1, period_ns >= 0");
+        return NULL;
+    }
+    static uint8_t buf[DG_SLOTS][1400];
+    struct mmsghdr msg[DG_SLOTS];
+    struct iovec iov[DG_SLOTS];
+    memset(msg, 0, sizeof(msg));
+    for (int i = 0; i < DG_SLOTS; i++) {
+        memset(buf[i], 0x5A, sizeof(buf[i]));
+        iov[i].iov_base = buf[i];
+        iov[i].iov_len = (size_t)nbytes;
+        msg[i].msg_hdr.msg_iov = &iov[i];
+        msg[i].msg_hdr.msg_iovlen = 1;
+    }
+    long long sent = 0, waits = 0;
+    int64_t t0 = 0, t1 = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    t0 = mono_ns();
+    while (sent < n) {
+        int64_t now = mono_ns();
+        long long due = period_ns ? (now - t0) / period_ns + 1 : n;
+        if (due > n)
+            due = n;
+        long long k = due - sent;
+        if (k <= 0) {
+            CPU_RELAX();
+            continue;
+        }
+        if (k > batch)
+            k = batch;
+        for (long long i = 0; i < k; i++) {
+            long long seq = sent + i;
+            memcpy(buf[i], &seq, 8);
+        }
+        int r = sendmmsg(fd, msg, (unsigned)k, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r > 0) {
+            sent += r;
+            continue;
+        }
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR ||
+                      errno == ECONNREFUSED)) {
+            waits++;
+            continue;
+        }
+        err = errno;
+        break;
+    }
+    t1 = mono_ns();
+    Py_END_ALLOW_THREADS;
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("LLLL", sent, (long long)t0, (long long)t1, waits);
+}
+
+/* udp_sink(fd, n, idle_ns) -> (received, t_first_ns, t_last_ns, batches): the kernel floor's
+ * receiver, recvmmsg in batches of up to 32 (spinning, non-blocking) until n datagrams came or
+ * none came for idle_ns after the first. */
+static PyObject *mod_udp_sink(PyObject *Py_UNUSED(m), PyObject *args) {
+    int fd;
+    long long n, idle_ns;
+    if (!PyArg_ParseTuple(args, "iLL", &fd, &n, &idle_ns))
+        return NULL;
+    static uint8_t buf[DG_SLOTS][2048];
+    struct mmsghdr msg[DG_SLOTS];
+    struct iovec iov[DG_SLOTS];
+    long long got = 0, batches = 0;
+    int64_t t_first = 0, t_last = 0, t_wait0 = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    t_wait0 = mono_ns();
+    while (got < n) {
+        memset(msg, 0, sizeof(msg));
+        for (int i = 0; i < DG_SLOTS; i++) {
+            iov[i].iov_base = buf[i];
+            iov[i].iov_len = sizeof(buf[i]);
+            msg[i].msg_hdr.msg_iov = &iov[i];
+            msg[i].msg_hdr.msg_iovlen = 1;
+        }
+        int r = recvmmsg(fd, msg, DG_SLOTS, MSG_DONTWAIT, NULL);
+        if (r > 0) {
+            int64_t now = mono_ns();
+            if (got == 0)
+                t_first = now;
+            t_last = now;
+            got += r;
+            batches++;
+            continue;
+        }
+        if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            err = errno;
+            break;
+        }
+        int64_t now = mono_ns();
+        if (now - (got ? t_last : t_wait0) > (got ? idle_ns : 10 * idle_ns + 5000000000LL))
+            break;
+        CPU_RELAX();
+    }
+    Py_END_ALLOW_THREADS;
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("LLLL", got, (long long)t_first, (long long)t_last, batches);
+}
+
 static PyMethodDef module_methods[] = {
+    {"udp_blast", mod_udp_blast, METH_VARARGS,
+     "udp_blast(fd, n, nbytes, period_ns, batch) -> (sent, t_first_ns, t_last_ns, full_waits)"},
+    {"udp_sink", mod_udp_sink, METH_VARARGS, "udp_sink(fd, n, idle_ns) -> (received, t_first_ns, t_last_ns, batches)"},
     {"set_wire_layout", mod_set_wire_layout, METH_O, "set_wire_layout(dict): qlink.wire's numbers and struct formats"},
     {"set_stream_layout", mod_set_stream_layout, METH_O,
      "set_stream_layout(dict): the tcp framing of transports._framing (header format, kinds, payload cap)"},

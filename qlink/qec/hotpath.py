@@ -113,8 +113,18 @@ def native_link(endpoint) -> tuple:
         return endpoint.native_rings()
     if hasattr(endpoint, "native_socket"):
         return endpoint.native_socket()
-    raise CapabilityError(f"the native QEC path runs over shm:// and tcp://; {type(endpoint).__name__} offers neither "
-                          "(use the Python path: engine='python')")
+    if hasattr(endpoint, "native_datagrams"):
+        return endpoint.native_datagrams()
+    raise CapabilityError(f"the native QEC path runs over shm://, tcp:// and udp://; {type(endpoint).__name__} "
+                          "offers none of them (use the Python path: engine='python')")
+
+
+def _check_peer(endpoint) -> None:
+    """BrokenLinkError when the endpoint's peer is gone (a datagram endpoint cannot tell: its
+    native core sees the peer's closed port, ECONNREFUSED, itself)."""
+    check = getattr(endpoint, "check_peer", None)
+    if check is not None:
+        check()
 
 
 @dataclass(frozen=True)
@@ -265,7 +275,7 @@ class NativeDecoderService:
         mv = memoryview(buf)
         gc.freeze()  # what exists now lives as long as the service: keep the collector off it
         wall0, cpu0 = time.perf_counter(), time.thread_time()
-        handled0 = core.counts()["requests"]
+        handled0 = seen = core.counts()["requests"]
         idle_since = time.monotonic()
         try:
             while True:
@@ -285,11 +295,13 @@ class NativeDecoderService:
                     break
                 # idle for a while: look at the peer, the stop event and the clocks
                 try:
-                    endpoint.check_peer()
+                    _check_peer(endpoint)
                 except (BrokenLinkError, ClosedError):
                     self._extra["peer_closed"] += 1
                     break
-                if core.counts()["requests"] != handled0:
+                handled = core.counts()["requests"]
+                if handled != seen:  # frames came since the last look: idle since the core's last wait began
+                    seen = handled
                     idle_since = now - _IDLE_NS / 1e9
                 if stop_event is not None and stop_event.is_set():
                     break
@@ -415,7 +427,8 @@ class NativeController:
         self.lockstep = bool(lockstep or feed_forward_deadline_ns)
         self.deadline_ns = int(feed_forward_deadline_ns or 0)
         link = native_link(endpoint)
-        self.layouts = stream.frames(rounds_per_frame=int(rounds_per_frame))
+        self.layouts = stream.frames(rounds_per_frame=int(rounds_per_frame),
+                                     max_frame_nbytes=endpoint.capabilities.max_message_bytes)
         frames, offs, lens = _build_frames(stream, self.layouts, decoder_id=self.decoder_id)
         S, F = stream.num_shots, len(self.layouts)
         self.frames_per_shot = F
@@ -460,7 +473,7 @@ class NativeController:
                 break
             if code == -2:
                 raise QlinkError("an answer arrived that is not a whole message on the shm ring")
-            self.endpoint.check_peer()  # BrokenLinkError when the service is gone
+            _check_peer(self.endpoint)  # BrokenLinkError when the service is gone
             if code == -1:
                 raise BrokenLinkError(f"{self.endpoint.url}: the decoder service closed its side mid-run")
             if time.monotonic() > deadline:
@@ -506,7 +519,8 @@ class NativeController:
             duration_ns=max(0, st["t_end_ns"] - st["t0_ns"]), statuses=statuses, stages=hists, correct=correct,
             reaction_ns=reaction, backlog_t_ns=bl[:, 0].copy(), backlog_rounds=bl[:, 1].copy(),
             corrections=self._corr, shot_records=rows, pauli_frame=pauli, cpu_ns=int(cpu_ns),
-            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits") if st[k]},
+            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits", "resent_gets", "stale_answers")
+                           if st[k]},
         )
 
 

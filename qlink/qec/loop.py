@@ -378,8 +378,8 @@ def _native_refusal(url: str, *, shots_per_frame, max_in_flight_shots, controlle
     why = available()
     if why is not None:
         return f"engine='native' is not available here: {why}"
-    if not url.startswith(("shm://", "tcp://")):
-        return f"engine='native' runs over shm:// and tcp:// only, got {url!r} (use engine='python' for it)"
+    if not url.startswith(("shm://", "tcp://", "udp://")):
+        return f"engine='native' runs over shm://, tcp:// and udp:// only, got {url!r} (use engine='python' for it)"
     for name, v, ok in (("shots_per_frame", shots_per_frame, shots_per_frame == 1),
                         ("max_in_flight_shots", max_in_flight_shots, max_in_flight_shots is None),
                         ("controller_query", controller_query, controller_query is None),
