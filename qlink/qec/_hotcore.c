@@ -670,6 +670,33 @@ static const char *count_names[C_N] = {
 
 #define SVC_FIELDS 11 /* qlink.qec.timeline.SERVICE_SHOT_FIELDS */
 
+/* Sliding-window decoding with commit (qlink.qec.decoders.SlidingWindowDecoder, fed as the
+ * rounds land): a shot is one long experiment; each window is matched the moment its last
+ * round lands (one call of its compiled matcher on the fired detectors), the edges of its
+ * commit region are committed (observables into the shot's correction, detectors they flip
+ * into the buffer), and the buffer slides by the commit region. */
+#define WIN_MAX_COMPILED 32
+typedef struct {
+    PyObject *fn, *views; /* the matcher's call on fired indices; views of idx of lengths 0..n */
+    uint64_t *idx;
+    int64_t n, ncommit, k; /* detectors matched, detectors committed, committed edges (fault ids) */
+    const uint64_t *obsmask; /* k: observables each committed edge flips */
+    const int64_t *fptr, *ftgt; /* k + 1, and: the detectors (relative to the window) each flips */
+} WinCompiled;
+
+typedef struct {
+    PyObject *keep; /* the plan tuple: holds every array borrowed below */
+    const int64_t *rptr; /* R + 1 */
+    const uint8_t *wid;  /* the compiled window of each window, in order */
+    int64_t R, nwin, W, C, cap;
+    WinCompiled cw[WIN_MAX_COMPILED];
+    int ncw;
+    uint8_t *buf; /* cap detectors, one byte each */
+    int64_t t, pushed, filled, widx, t0, t1;
+    uint64_t obs;
+    int failed;
+} WinState;
+
 typedef struct {
     int configured;
     int64_t num_det, num_obs, nbd, nbo;
@@ -700,6 +727,7 @@ typedef struct {
     uint8_t *pend_data;
     /* the frame that completed the current shot */
     int64_t last_rid, last_ptp;
+    WinState *win; /* sliding windows (a long experiment), or NULL */
 } SvcDecoder;
 
 #define DEFER_MAX 256
@@ -746,7 +774,122 @@ typedef struct {
     int64_t max_batch; /* decode once this many wait, even with frames still queued */
 } ServiceCore;
 
+static void win_free(WinState *w) {
+    if (w == NULL)
+        return;
+    Py_CLEAR(w->keep);
+    PyMem_Free(w->buf);
+    PyMem_Free(w);
+}
+
+static void win_reset(WinState *w) {
+    memset(w->buf, 0, (size_t)w->cap);
+    w->t = w->pushed = w->filled = w->widx = 0;
+    w->obs = 0;
+    w->failed = 0;
+}
+
+static int borrow(PyObject *obj, Py_ssize_t itemsize, Py_ssize_t min_items, const void **out, const char *name) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    Py_ssize_t len = b.len;
+    *out = b.buf;
+    PyBuffer_Release(&b); /* (the plan tuple keeps the array alive) */
+    if (len < itemsize * min_items) {
+        PyErr_Format(PyExc_ValueError, "window plan: %s holds %zd bytes, needs %zd", name, len, itemsize * min_items);
+        return -1;
+    }
+    return 0;
+}
+
+/* plan: (round_ptr int64 (R+1), window ids uint8 (nwin), W, C, buffer detectors,
+ *        ((fn, views, idx, n, ncommit, k, obsmask uint64 (k), flip_ptr int64 (k+1), flip_targets int64), ...)) */
+static WinState *win_new(PyObject *plan, int64_t num_det, int64_t num_obs) {
+    PyObject *rptr, *wid, *cws;
+    long long W, C, cap;
+    if (!PyArg_ParseTuple(plan, "OOLLLO!", &rptr, &wid, &W, &C, &cap, &PyTuple_Type, &cws))
+        return NULL;
+    if (num_obs > 64) {
+        PyErr_SetString(PyExc_ValueError, "window plan: at most 64 observables");
+        return NULL;
+    }
+    WinState *w = PyMem_Calloc(1, sizeof(WinState));
+    if (w == NULL)
+        return (WinState *)PyErr_NoMemory();
+    Py_INCREF(plan);
+    w->keep = plan;
+    Py_buffer b;
+    if (PyObject_GetBuffer(rptr, &b, PyBUF_C_CONTIGUOUS) < 0)
+        goto fail;
+    w->rptr = b.buf;
+    w->R = b.len / 8 - 1;
+    PyBuffer_Release(&b);
+    if (PyObject_GetBuffer(wid, &b, PyBUF_C_CONTIGUOUS) < 0)
+        goto fail;
+    w->wid = b.buf;
+    w->nwin = b.len;
+    PyBuffer_Release(&b);
+    w->W = W;
+    w->C = C;
+    w->cap = cap;
+    if (w->R < 1 || W < 1 || C < 1 || C > W || cap < 1 || w->rptr[w->R] != num_det) {
+        PyErr_Format(PyExc_ValueError, "window plan: bad shape (rounds %lld, W %lld, C %lld, buffer %lld; its "
+                     "detectors %lld, the decoder's %lld)", (long long)w->R, W, C, cap, (long long)w->rptr[w->R],
+                     (long long)num_det);
+        goto fail;
+    }
+    w->ncw = (int)PyTuple_GET_SIZE(cws);
+    if (w->ncw > WIN_MAX_COMPILED) {
+        PyErr_SetString(PyExc_ValueError, "window plan: too many compiled windows");
+        goto fail;
+    }
+    for (int64_t i = 0; i < w->nwin; i++)
+        if (w->wid[i] >= w->ncw) {
+            PyErr_SetString(PyExc_ValueError, "window plan: a window names no compiled window");
+            goto fail;
+        }
+    for (int i = 0; i < w->ncw; i++) {
+        WinCompiled *c = &w->cw[i];
+        PyObject *om, *fp, *ft, *idx;
+        long long n, nc, k;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(cws, i), "OOOLLLOOO", &c->fn, &c->views, &idx, &n, &nc, &k, &om, &fp,
+                              &ft))
+            goto fail;
+        c->n = n;
+        c->ncommit = nc;
+        c->k = k;
+        if (n < 0 || n > cap || nc < 0 || nc > n || k < 0 || (k > 0 && (!PyCallable_Check(c->fn) ||
+            !PyTuple_Check(c->views) || PyTuple_GET_SIZE(c->views) != n + 1))) {
+            PyErr_SetString(PyExc_ValueError, "window plan: a compiled window has a bad shape");
+            goto fail;
+        }
+        if (k > 0 && (borrow(idx, 8, n, (const void **)&c->idx, "idx") ||
+                      borrow(om, 8, k, (const void **)&c->obsmask, "obsmask") ||
+                      borrow(fp, 8, k + 1, (const void **)&c->fptr, "flip_ptr") ||
+                      borrow(ft, 8, c->fptr[k], (const void **)&c->ftgt, "flip_targets")))
+            goto fail;
+        for (int64_t q = 0; k > 0 && q < c->fptr[k]; q++)
+            if (c->ftgt[q] < 0 || c->ftgt[q] >= cap) {
+                PyErr_SetString(PyExc_ValueError, "window plan: a committed edge flips a detector past the buffer");
+                goto fail;
+            }
+    }
+    w->buf = PyMem_Calloc((size_t)cap + 8, 1);
+    if (w->buf == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    win_reset(w);
+    return w;
+fail:
+    win_free(w);
+    return NULL;
+}
+
 static void dec_free(SvcDecoder *d) {
+    win_free(d->win);
+    d->win = NULL;
     Py_CLEAR(d->fn);
     Py_CLEAR(d->views);
     Py_CLEAR(d->row);
@@ -761,6 +904,8 @@ static void dec_free(SvcDecoder *d) {
 }
 
 static void dec_reset(SvcDecoder *d) {
+    if (d->win)
+        win_reset(d->win);
     d->filled = d->pos = 0;
     d->filling = 0;
     d->has_counter = 0;
@@ -806,9 +951,9 @@ static void svc_dealloc(ServiceCore *s) {
  * frames_per_shot, capacity_shots, index_array_or_None, row_array_or_None, views_or_None) */
 static int svc_add_decoder(ServiceCore *s, PyObject *t) {
     long long id, nd, no, kind, fps, cap;
-    PyObject *fn, *idx_arr, *row_arr, *views, *batch_fn = Py_None, *pend = Py_None;
-    if (!PyArg_ParseTuple(t, "LLLOLLLOOO|OO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views,
-                          &batch_fn, &pend))
+    PyObject *fn, *idx_arr, *row_arr, *views, *batch_fn = Py_None, *pend = Py_None, *plan = Py_None;
+    if (!PyArg_ParseTuple(t, "LLLOLLLOOO|OOO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views,
+                          &batch_fn, &pend, &plan))
         return -1;
     if (id < 0 || id >= W.max_decoders || id >= 64) {
         PyErr_Format(PyExc_ValueError, "decoder_id %lld is out of range 0..%d", id, W.max_decoders - 1);
@@ -895,6 +1040,11 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
         Py_INCREF(pend);
         d->batch_fn = batch_fn;
         d->pend = pend;
+    }
+    if (plan != Py_None) {
+        d->win = win_new(plan, nd, no);
+        if (d->win == NULL)
+            return -1;
     }
     d->configured = 1;
     dec_reset(d);
@@ -1216,6 +1366,189 @@ static inline void append_bits(SvcDecoder *d, const uint8_t *src, int64_t n) {
     d->filled = f + n;
 }
 
+/* ----- sliding windows */
+
+/* match one window and commit its commit region; 0 ok, -1 the matcher failed (counted) */
+static int win_decode(ServiceCore *s, WinState *w, WinCompiled *c) {
+    int rc = 0;
+    uint8_t *buf = w->buf;
+    if (c->k > 0) {
+        int64_t k = 0;
+        for (int64_t i = 0; i < c->n; i++)
+            if (buf[i])
+                c->idx[k++] = (uint64_t)i;
+        PyObject *view = PyTuple_GET_ITEM(c->views, k);
+        PyObject *res = PyObject_Vectorcall(c->fn, &view, 1, NULL);
+        s->counts[C_DECODE_CALLS]++;
+        if (res == NULL) {
+            note_failure(s);
+            rc = -1;
+        } else {
+            PyObject *arr = (PyTuple_Check(res) && PyTuple_GET_SIZE(res) >= 1) ? PyTuple_GET_ITEM(res, 0) : res;
+            Py_buffer b;
+            if (PyObject_GetBuffer(arr, &b, PyBUF_C_CONTIGUOUS) < 0) {
+                note_failure(s);
+                rc = -1;
+            } else {
+                Py_ssize_t step = b.itemsize > 0 ? b.itemsize : 1;
+                if (b.len / step < c->k) {
+                    rc = -1;
+                    if (s->first_error == NULL)
+                        s->first_error = PyUnicode_FromString("a window's matcher returned fewer fault ids than it has");
+                } else {
+                    const uint8_t *m = (const uint8_t *)b.buf;
+                    for (int64_t j = 0; j < c->k; j++)
+                        if (m[j * step]) {
+                            w->obs ^= c->obsmask[j];
+                            for (int64_t q = c->fptr[j]; q < c->fptr[j + 1]; q++)
+                                buf[c->ftgt[q]] ^= 1;
+                        }
+                }
+                PyBuffer_Release(&b);
+            }
+            Py_DECREF(res);
+        }
+    }
+    int64_t sh = c->ncommit;
+    if (sh > 0) {
+        memmove(buf, buf + sh, (size_t)(w->cap - sh));
+        memset(buf + w->cap - sh, 0, (size_t)sh);
+    }
+    s->counts[C_WINDOWS]++;
+    return rc;
+}
+
+/* the windows whose last round has landed (as SlidingWindowDecoder.push_round) */
+static void win_advance(ServiceCore *s, WinState *w) {
+    while (w->t < w->R) {
+        int64_t end = w->t + w->W;
+        if (end >= w->R && w->pushed < w->R)
+            break;
+        if (end < w->R && w->pushed < end)
+            break;
+        if (w->widx >= w->nwin) { /* (the plan is shorter than the experiment: refused at build) */
+            w->failed = 1;
+            w->t = w->R;
+            break;
+        }
+        w->t0 = mono_ns();
+        if (win_decode(s, w, &w->cw[w->wid[w->widx++]]) < 0)
+            w->failed = 1;
+        w->t1 = mono_ns();
+        w->t = end >= w->R ? w->R : w->t + w->C;
+    }
+}
+
+/* a long experiment's last window committed: its correction is the shot's answer */
+static void svc_complete_win(ServiceCore *s, SvcDecoder *d, uint32_t rid, int64_t ptp, int64_t t_in,
+                             int64_t *status_out) {
+    WinState *w = d->win;
+    s->counts[C_SHOTS_COMPLETED]++;
+    if ((int64_t)(d->tail - d->head) >= d->cap) {
+        s->counts[C_SHOTS_REFUSED_BUSY]++;
+        s->counts[C_SHOTS_DROPPED]++;
+        d->pending_drops++;
+        *status_out = W.st_busy;
+        return;
+    }
+    int64_t slot = (int64_t)(d->tail % (uint64_t)d->cap);
+    d->drops_before[slot] = d->pending_drops;
+    d->pending_drops = 0;
+    if (t_in == 0)
+        t_in = w->t0;
+    int64_t *r = d->rec + slot * SVC_FIELDS;
+    r[0] = rid;
+    r[1] = ptp;
+    r[2] = t_in;
+    r[3] = t_in;
+    r[4] = w->t0; /* the last window's match */
+    r[5] = w->t1;
+    r[6] = 0;
+    r[7] = 1;
+    r[8] = 0;
+    r[9] = 1;
+    r[10] = s->t_ready ? s->t_ready : t_in;
+    uint8_t *o = d->obs + slot * d->nbo;
+    memset(o, 0, (size_t)d->nbo);
+    for (int64_t i = 0; i < d->num_obs; i++)
+        if ((w->obs >> i) & 1)
+            o[i >> 3] |= (uint8_t)(1u << (i & 7));
+    d->failed[slot] = (int8_t)w->failed;
+    s->counts[w->failed ? C_DECODER_FAILED : C_SHOTS_DECODED]++;
+    d->tail++;
+    d->decoded = d->tail;
+}
+
+/* a frame of a long experiment: its bits go into the window buffer round by round, each
+ * window matched as its last round lands */
+static void win_enqueue(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, int64_t n, int64_t gap, int64_t counter,
+                        uint32_t rid, int64_t ptp, int64_t t_in) {
+    WinState *w = d->win;
+    int64_t filled = (gap || !d->filling) ? 0 : w->filled;
+    if (filled + n > d->num_det)
+        return svc_refuse(s, C_F_SYNDROME_COUNT, W.st_bad, rid, ptp);
+    if (gap) {
+        svc_lose(s, d, gap);
+        win_reset(w);
+    }
+    d->next_counter = counter + 1;
+    d->has_counter = 1;
+    int64_t F = d->frames_per_shot;
+    if (d->discard > 0) {
+        d->discard--;
+        s->counts[C_FRAMES_DISCARDED]++;
+        if (F > 0)
+            d->pos = (d->pos + 1) % F;
+        if (s->ack == 2)
+            svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
+        return;
+    }
+    if (!d->filling) {
+        win_reset(w);
+        d->filling = 1;
+        d->pos = 0;
+    }
+    d->pos++;
+    int64_t i = 0;
+    for (;;) {
+        while (w->pushed < w->R && w->rptr[w->pushed + 1] == w->filled) { /* a round complete */
+            w->pushed++;
+            win_advance(s, w);
+        }
+        if (i >= n || w->pushed >= w->R)
+            break;
+        int64_t m = w->rptr[w->pushed + 1] - w->filled; /* the rest of this round */
+        if (m > n - i)
+            m = n - i;
+        int64_t off = w->filled - w->rptr[w->t];
+        if (off < 0 || off + m > w->cap) { /* (cannot happen with a plan from SlidingWindowDecoder) */
+            w->failed = 1;
+        } else {
+            uint8_t *b = w->buf + off;
+            for (int64_t j = 0; j < m; j++) {
+                int64_t bit = i + j;
+                b[j] ^= (uint8_t)((bits[bit >> 3] >> (bit & 7)) & 1);
+            }
+        }
+        i += m;
+        w->filled += m;
+    }
+    int64_t status = W.st_ok;
+    if (w->t >= w->R && w->pushed >= w->R) {
+        d->filling = 0;
+        if (F > 0 && d->pos != F)
+            s->counts[C_F_LAYOUT_MISMATCH]++;
+        d->pos = 0;
+        svc_complete_win(s, d, rid, ptp, t_in, &status);
+    }
+    if (status != W.st_ok) {
+        if (s->ack >= 1)
+            svc_answer(s, (int32_t)status, rid, ptp, NULL, 0);
+    } else if (s->ack == 2) {
+        svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
+    }
+}
+
 static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp, int64_t t_in) {
     s->counts[C_ENQUEUE]++;
     if (arg_len < W.enq_fixed)
@@ -1239,6 +1572,8 @@ static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint
         gap = counter - d->next_counter;
     }
     const uint8_t *bits = p + W.enq_fixed;
+    if (d->win)
+        return win_enqueue(s, d, bits, n, gap, counter, rid, ptp, t_in);
     int64_t nd = d->num_det;
     int64_t filled = (gap || !d->filling) ? 0 : d->filled;
     int whole = 0;

@@ -69,6 +69,7 @@ from .timeline import (
 __all__ = [
     "available",
     "single_shot_decoder",
+    "window_plan",
     "SingleShotDecoder",
     "NativeDecoderService",
     "NativeController",
@@ -142,6 +143,7 @@ class SingleShotDecoder:
     num_observables: int
     label: str
     batch_fn: Any = None  # rows (k, ceil(D/8)) uint8 -> (k, ceil(O/8)) packed flips: a backlog in one call
+    plan: Any = None  # sliding windows: the service core's window plan (window_plan), decoded as rounds land
 
     def decode_one(self, detectors: np.ndarray) -> np.ndarray:
         """The observable flips (uint8, one per observable) of one shot's detection events."""
@@ -165,6 +167,15 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
     give the shot's shape where it is not the DEM's (a compiled decoder that takes
     measurement records, say; ``dem`` may then be None).
     """
+    from .decoders import SlidingWindowDecoder
+
+    if isinstance(decoder, str) and decoder.startswith("sliding_window"):
+        decoder = _window_decoder(decoder, dem)
+    if isinstance(decoder, SlidingWindowDecoder):
+        W, C = decoder.window_rounds, decoder.commit_rounds
+        return SingleShotDecoder(_no_call, "packed", decoder.num_detectors, decoder.num_observables,
+                                 f"sliding windows of {W} rounds committing {C} (matching graph on fired detectors, "
+                                 "each window as its last round lands)", None, window_plan(decoder))
     nd = int(num_detectors if num_detectors is not None else dem.num_detectors)
     no = int(num_observables if num_observables is not None else dem.num_observables)
     if decoder == "pymatching" and dem is not None and nd == dem.num_detectors:
@@ -185,9 +196,99 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
     return SingleShotDecoder(fn, "packed", nd, no, f"{name} (decode_shots_bit_packed, one shot)", batch)
 
 
+def _no_call(*_a, **_k):  # (a window decoder's shots are matched window by window, never whole)
+    raise QlinkError("a sliding-window decoder decodes window by window as rounds land, not whole shots")
+
+
+def _window_decoder(name: str, dem):
+    """``"sliding_window:W:C"`` over ``dem`` (rounds from its detectors' last coordinate)."""
+    from .decoders import SlidingWindowDecoder
+    from .sources import rounds_from_coordinates
+
+    parts = name.split(":")
+    try:
+        W, C = int(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        raise ValueError(f"a sliding-window decoder is named 'sliding_window:W:C' (window and commit rounds), "
+                         f"got {name!r}") from None
+    rounds = rounds_from_coordinates(dem.get_detector_coordinates(), dem.num_detectors)
+    if rounds is None:
+        raise ValueError(f"{name}: the DEM's detectors carry no time coordinate to slide windows over")
+    return SlidingWindowDecoder(dem, detector_rounds=rounds, window_rounds=W, commit_rounds=C)
+
+
+def window_plan(win, *, sample_middle: int = 16) -> tuple:
+    """The service core's plan for ``win`` (a :class:`~qlink.qec.decoders.SlidingWindowDecoder`):
+    the rounds' detector offsets, each window's compiled matcher (an index into the compiled
+    windows: the matching graph's own call, the observables and buffer detectors each of its
+    committed edges flips), in the order :meth:`~SlidingWindowDecoder.push_round` decodes
+    them. A long experiment's bulk windows are all one shape (a periodic circuit): its first
+    and last 16 windows are compiled and ``sample_middle`` of the others checked against
+    the bulk (``ValueError`` when they differ); a short one is compiled window by window."""
+    if win.num_observables > 64:
+        raise ValueError(f"the native window path carries at most 64 observables, got {win.num_observables}")
+    wins = list(win.windows())
+    ids = np.zeros(len(wins), np.uint8)
+    keys: dict = {}
+    compiled: list = []
+
+    def cid(i: int) -> int:
+        t, end, cend = wins[i]
+        key, cw = win.compiled_window(t, end, cend)
+        if key not in keys:
+            if len(compiled) == 32:
+                raise ValueError("more than 32 window shapes: the native window path wants a periodic circuit")
+            keys[key] = len(compiled)
+            rp = win.round_ptr
+            compiled.append(_compiled_window_tuple(cw, int(rp[cend] - rp[t])))
+        return keys[key]
+
+    edge = 16
+    if len(wins) <= 4 * edge:
+        for i in range(len(wins)):
+            ids[i] = cid(i)
+    else:
+        for i in (*range(edge), *range(len(wins) - edge, len(wins))):
+            ids[i] = cid(i)
+        bulk = ids[edge - 1]
+        rng = np.random.default_rng(len(wins))
+        for i in rng.integers(edge, len(wins) - edge, size=sample_middle):
+            if cid(int(i)) != bulk:
+                raise ValueError(f"window {int(i)} differs from the bulk windows: the circuit is not periodic in time")
+        ids[edge:len(wins) - edge] = bulk
+    return (np.ascontiguousarray(win.round_ptr, np.int64), ids, win.window_rounds, win.commit_rounds,
+            win.buffer_detectors, tuple(compiled))
+
+
+def _compiled_window_tuple(cw, ncommit: int) -> tuple:
+    import scipy.sparse as sp
+
+    n, k = cw.num_detectors, cw.commit_obs.shape[0]
+    obs = sp.csr_matrix(cw.commit_obs)
+    obsmask = np.zeros(k, np.uint64)
+    for j in range(k):
+        lo, hi = obs.indptr[j], obs.indptr[j + 1]
+        for col, v in zip(obs.indices[lo:hi], obs.data[lo:hi]):
+            if int(v) & 1:
+                obsmask[j] ^= np.uint64(1) << np.uint64(col)
+    fl = sp.csr_matrix(cw.commit_flips)
+    fl.data = fl.data & 1
+    fl.eliminate_zeros()
+    fl.sort_indices()
+    idx = np.zeros(max(1, n), np.uint64)
+    views = tuple(idx[:i] for i in range(n + 1))
+    fn = cw.matching._matching_graph.decode if k else None
+    return (fn, views, idx, n, ncommit, k, obsmask, fl.indptr.astype(np.int64), fl.indices.astype(np.int64))
+
+
 def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_shot: int | None,
                         capacity_shots: int, keep: list) -> tuple:
     nd = dec.num_detectors
+    if dec.plan is not None:  # windows: no whole-shot call, no waiting rows
+        row = np.zeros((1, (nd + 7) // 8), np.uint8)
+        keep.append((row, dec.plan))
+        return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_PACKED, int(frames_per_shot or 0),
+                int(capacity_shots), None, row, None, None, None, dec.plan)
     pend = np.zeros((int(capacity_shots), (nd + 7) // 8), np.uint8)  # shots waiting while frames are queued
     keep.append(pend)
     tail = (dec.batch_fn, pend) if dec.batch_fn is not None else (None, None)
@@ -479,7 +580,9 @@ class NativeController:
             if time.monotonic() > deadline:
                 st = self._core.stats()
                 raise QlinkTimeoutError(f"the native controller ran past timeout_s={timeout_s}: "
-                                        f"{st['shots_answered']} of {self.stream.num_shots} shots answered")
+                                        f"{st['shots_answered']} of {self.stream.num_shots} shots answered "
+                                        f"(answers by status {st['statuses']}, re-asks {st['reasks']}, gets sent "
+                                        f"again {st['resent_gets']}, stale answers {st['stale_answers']})")
         return self._result(time.thread_time_ns() - cpu0)
 
     def _result(self, cpu_ns: int):

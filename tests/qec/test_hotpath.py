@@ -366,3 +366,58 @@ def test_run_loop_auto_picks_native_over_udp():
                  cycle_ns=4000)
     assert r.engine == "native" and r.transport == "udp"
     assert r.shots_ok + r.shots_dropped == 300 and r.shots_ok > 0
+
+
+# ---------------------------------------------------------------- long experiments: sliding windows
+
+def _window_run(d, rounds, p, num_shots, seed, *, W, C, scheme="shm"):
+    from qlink.qec.decoders import SlidingWindowDecoder
+
+    circuit = _surface("Z", d, rounds, p)
+    stream, dem = _stream(circuit, num_shots, seed)
+    win = SlidingWindowDecoder(dem, detector_rounds=StimSource(circuit).detector_rounds, window_rounds=W,
+                               commit_rounds=C)
+    F = len(stream.frames(rounds_per_frame=1))
+    served = _Served(dem, decoder=win, frames_per_shot=F, keep=num_shots, scheme=scheme)
+    try:
+        res = NativeController(served.ep, stream, rounds_per_frame=1, cycle_ns=1100).run(timeout_s=120)
+    finally:
+        rep = served.close()
+    return stream, dem, win, res, rep
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_sliding_windows_as_rounds_land_bit_exact_with_the_windowed_decoder(scheme):
+    stream, dem, win, res, rep = _window_run(3, 40, 0.01, 200, 3, W=6, C=3, scheme=scheme)
+    assert res.shots_ok == stream.num_shots
+    want = np.packbits(win.decode_batch(stream.detectors), axis=1, bitorder="little")
+    np.testing.assert_array_equal(res.corrections, want)
+    windows_per_shot = len(list(win.windows()))
+    assert rep["counts"]["windows_decoded"] == windows_per_shot * stream.num_shots
+    assert rep["faults"] == {} and rep["first_decoder_error"] is None
+
+
+def test_a_long_experiment_bulk_windows_share_one_matcher_and_stay_bit_exact():
+    """400 rounds: the plan compiles the first and last windows and checks sampled middle
+    ones against the bulk; the corrections still equal the windowed decoder's."""
+    from qlink.qec.hotpath import window_plan
+
+    stream, dem, win, res, rep = _window_run(3, 400, 0.01, 6, 5, W=8, C=4)
+    plan = window_plan(win)
+    assert len(plan[5]) <= 6 and len(plan[1]) == len(list(win.windows())) > 64
+    np.testing.assert_array_equal(res.corrections,
+                                  np.packbits(win.decode_batch(stream.detectors), axis=1, bitorder="little"))
+
+
+def test_sliding_window_ler_equals_the_whole_history_decoders_within_statistical_error():
+    stream, dem, win, res, _ = _window_run(3, 30, 0.008, 1500, 11, W=9, C=3)
+    truth = np.packbits(stream.observables, axis=1, bitorder="little")
+    whole = np.asarray(win.whole_history_decoder().decode_shots_bit_packed(
+        np.packbits(stream.detectors, axis=1, bitorder="little")), np.uint8)
+    n = stream.num_shots
+    e_win = int(np.any(res.corrections != truth, axis=1).sum())
+    e_whole = int(np.any(whole != truth, axis=1).sum())
+    assert e_whole > 20  # enough logical errors for the comparison to mean something
+    p = (e_win + e_whole) / (2 * n)
+    sigma = np.sqrt(2 * p * (1 - p) / n)
+    assert abs(e_win - e_whole) / n <= 4 * sigma, (e_win, e_whole)

@@ -180,7 +180,22 @@ class SlidingWindowDecoder:
                                 self._pushed, self.num_rounds)
 
     # -- one window ----------------------------------------------------------
-    def _decode_window(self, t: int, end: int, commit_end: int) -> np.ndarray:
+    def windows(self):
+        """The windows of one experiment in order: ``(t, end, commit_end)`` round ranges
+        (matched ``[t, end)``, committed ``[t, commit_end)``), as :meth:`push_round` decodes them."""
+        t, W, C, R = 0, self.window_rounds, self.commit_rounds, self.num_rounds
+        while t < R:
+            if t + W >= R:
+                yield t, R, R
+                return
+            yield t, t + W, t + C
+            t += C
+
+    def compiled_window(self, t: int, end: int, commit_end: int) -> tuple[bytes, "_CompiledWindow"]:
+        """``(key, compiled window)`` of the window ``[t, end)`` committing ``[t, commit_end)``:
+        windows of the same shape relative to their start share one key and one compiled
+        matcher (its fault ids: the committed edges; ``commit_obs`` / ``commit_flips``: the
+        observables and detectors, relative to ``t``, each committed edge flips)."""
         base = int(self._round_ptr[t])
         n = int(self._round_ptr[end]) - base
         ncommit = int(self._round_ptr[commit_end]) - base
@@ -193,6 +208,23 @@ class SlidingWindowDecoder:
         win = self._cache.get(key)
         if win is None:
             win = self._cache[key] = self._compile(n, ncommit, a, b, obs, p)
+        return key, win
+
+    @property
+    def buffer_detectors(self) -> int:
+        """Detectors the streaming buffer holds (a window's and the committed edges' reach)."""
+        return self._capacity
+
+    @property
+    def round_ptr(self) -> np.ndarray:
+        """``round_ptr[r]``: the first detector of round ``r`` (``round_ptr[num_rounds]``: all)."""
+        return self._round_ptr
+
+    def _decode_window(self, t: int, end: int, commit_end: int) -> np.ndarray:
+        base = int(self._round_ptr[t])
+        n = int(self._round_ptr[end]) - base
+        ncommit = int(self._round_ptr[commit_end]) - base
+        _, win = self.compiled_window(t, end, commit_end)
         self._windows += 1
         self._max_dets = max(self._max_dets, n)
         self._max_edges = max(self._max_edges, win.num_edges)
