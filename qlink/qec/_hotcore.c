@@ -964,7 +964,7 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
         PyErr_Format(PyExc_ValueError, "decoder_id %lld is configured twice", id);
         return -1;
     }
-    if (nd < 1 || nd > W.max_bits || no < 0 || no > 8 * 4096 || cap < 1 || fps < 0 || !PyCallable_Check(fn) ||
+    if (nd < 1 || (nd > W.max_bits && plan == Py_None) || no < 0 || no > 8 * 4096 || cap < 1 || fps < 0 || !PyCallable_Check(fn) ||
         (kind != CALL_FIRED && kind != CALL_PACKED)) {
         PyErr_Format(PyExc_ValueError, "decoder %lld: bad shape (detectors %lld, observables %lld, capacity %lld, "
                      "frames per shot %lld, call kind %lld) or decode function", id, nd, no, cap, fps, kind);
@@ -1843,6 +1843,8 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
     PyThreadState *ts = NULL;
     unsigned spins = 1;
     int code;
+    uint64_t busy_frames = 0;
+    int64_t t_yield = t_idle0;
     s->t_ready = t_idle0;
     for (;;) {
         const uint8_t *data;
@@ -1863,6 +1865,14 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             spins = 0;
             svc_handle(s, data, n, t_in);
             io_consume(&s->io);
+            if ((++busy_frames & 255) == 0) { /* busy a long while: let a thread waiting for the GIL in */
+                int64_t now = mono_ns();
+                if (now - t_yield > 1000000) {
+                    t_yield = now;
+                    PyThreadState *y = PyEval_SaveThread();
+                    PyEval_RestoreThread(y);
+                }
+            }
             if (s->pending > 0 || s->n_defer > 0) {
                 /* Decode now when nothing else waits, or only the get that asks for it (the
                  * service is not behind: that get is then answered at once), or enough shots
