@@ -739,13 +739,14 @@ typedef struct {
     int64_t ptp;
 } DeferredGet;
 
-/* Over datagrams (a lossy link) the answer of every consuming get is kept a while: the very
- * same request again (its request_id and ptp_timestamp: the controller asks again when no
- * answer came) gets it once more, and consumes nothing. */
-#define KEEP_N 256
+/* Over datagrams (a lossy link) the answer of every consuming get (NOT_READY included) is
+ * kept a while, at the slot of its request_id: the very same request again (its request_id
+ * and ptp_timestamp: the controller asks again when no answer came) gets the same answer
+ * once more and consumes nothing, so asking again never consumes a second shot. */
+#define KEEP_N 16384 /* (request ids go up one by one: a slot is reused 16,384 asks later) */
 #define KEEP_BYTES 64
 typedef struct {
-    int did;
+    int did, used;
     int32_t status;
     uint32_t rid, nres;
     int64_t ptp;
@@ -755,7 +756,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Io io;
-    KeptAnswer kept[KEEP_N];
+    KeptAnswer *kept; /* KEEP_N, datagram links only */
     uint64_t n_kept;
     int ack; /* 0 none, 1 errors, 2 all */
     DeferredGet defer[DEFER_MAX];
@@ -938,6 +939,8 @@ static int svc_clear(ServiceCore *s) {
     }
     Py_CLEAR(s->kw_packed);
     Py_CLEAR(s->first_error);
+    PyMem_Free(s->kept);
+    s->kept = NULL;
     return 0;
 }
 
@@ -1095,6 +1098,13 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     s->pending = 0;
     s->n_defer = 0;
     s->n_kept = 0;
+    if (s->io.kind == IO_DGRAM) {
+        s->kept = PyMem_Calloc(KEEP_N, sizeof(KeptAnswer));
+        if (s->kept == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
     s->max_batch = max_batch < 1 ? 1 : max_batch;
     return 0;
 }
@@ -1666,9 +1676,11 @@ static void svc_record(ServiceCore *s, SvcDecoder *d, int64_t slot, int32_t stat
 
 static void svc_keep(ServiceCore *s, int did, int32_t status, uint32_t rid, int64_t ptp, const uint8_t *res,
                      uint32_t nres) {
-    if (s->io.kind != IO_DGRAM || nres > KEEP_BYTES)
+    if (s->kept == NULL || nres > KEEP_BYTES)
         return;
-    KeptAnswer *k = &s->kept[s->n_kept++ % KEEP_N];
+    KeptAnswer *k = &s->kept[rid % KEEP_N];
+    s->n_kept++;
+    k->used = 1;
     k->did = did;
     k->status = status;
     k->rid = rid;
@@ -1680,14 +1692,11 @@ static void svc_keep(ServiceCore *s, int did, int32_t status, uint32_t rid, int6
 
 /* the very same consuming get again (or a peek with its request_id): its kept answer, 1; else 0 */
 static int svc_replay(ServiceCore *s, int did, int consume, uint32_t rid, int64_t ptp) {
-    uint64_t n = s->n_kept < KEEP_N ? s->n_kept : KEEP_N;
-    for (uint64_t i = 0; i < n; i++) {
-        KeptAnswer *k = &s->kept[(s->n_kept - 1 - i) % KEEP_N];
-        if (k->rid == rid && k->did == did && (!consume || k->ptp == ptp)) {
-            s->counts[C_REPLAYED]++;
-            svc_answer(s, k->status, rid, ptp, k->res, k->nres);
-            return 1;
-        }
+    KeptAnswer *k = &s->kept[rid % KEEP_N];
+    if (k->used && k->rid == rid && k->did == did && (!consume || k->ptp == ptp)) {
+        s->counts[C_REPLAYED]++;
+        svc_answer(s, k->status, rid, ptp, k->res, k->nres);
+        return 1;
     }
     return 0;
 }
@@ -1703,6 +1712,8 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
             return;
         }
         s->counts[C_NOT_READY]++;
+        if (consume)
+            svc_keep(s, (int)(d - s->dec), W.st_not_ready, rid, ptp, NULL, 0);
         svc_answer(s, W.st_not_ready, rid, ptp, NULL, 0);
         return;
     }
@@ -1764,7 +1775,7 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
         return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
     if (rs < 1 || rs > d->num_obs || rs > W.max_corr_bits)
         return svc_refuse(s, C_F_RETURN_SIZE, W.st_bad, rid, ptp);
-    if (s->io.kind == IO_DGRAM && s->n_kept && svc_replay(s, (int)did, consume, rid, ptp))
+    if (s->kept != NULL && s->n_kept && svc_replay(s, (int)did, consume, rid, ptp))
         return;
     /* The oldest shot still waits for the decoder (or earlier gets wait): hold this get back
      * while frames are still queued, so the waiting shots go to the decoder in one call. The

@@ -263,7 +263,8 @@ def window_plan(win, *, sample_middle: int = 16) -> tuple:
 def _compiled_window_tuple(cw, ncommit: int) -> tuple:
     import scipy.sparse as sp
 
-    n, k = cw.num_detectors, cw.commit_obs.shape[0]
+    n = cw.num_detectors
+    k = cw.commit_obs.shape[0] if cw.matching is not None else 0  # fault ids (none: nothing to commit)
     obs = sp.csr_matrix(cw.commit_obs)
     obsmask = np.zeros(k, np.uint64)
     for j in range(k):

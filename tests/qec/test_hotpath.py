@@ -421,3 +421,27 @@ def test_sliding_window_ler_equals_the_whole_history_decoders_within_statistical
     p = (e_win + e_whole) / (2 * n)
     sigma = np.sqrt(2 * p * (1 - p) / n)
     assert abs(e_win - e_whole) / n <= 4 * sigma, (e_win, e_whole)
+
+
+def test_udp_asking_again_after_not_ready_consumes_nothing():
+    """A get answered NOT_READY and sent again later (its answer seemed lost) gets NOT_READY
+    again, even though a shot is ready by then: only a new request consumes it."""
+    stream, dem = _stream(_surface("Z", 3, 3), 2, 9)
+    served = _Served(dem, frames_per_shot=1, scheme="udp")
+    ep = served.ep
+    want = _direct("pymatching", dem, stream.detectors)
+    try:
+        early = bytearray(_frame_get(0x80000001))
+        struct.pack_into("<Q", early, 16, 777)
+        ep.send(bytes(early))
+        a1 = _answers(ep, 1)[0]
+        ep.send(_frame_enqueue(0, 0, stream.detectors[0]))
+        ep.send(bytes(early))
+        a2 = _answers(ep, 1)[0]
+        ep.send(_frame_get(0x80000002))
+        a3 = _answers(ep, 1)[0]
+    finally:
+        rep = served.close()
+    assert a1.status == a2.status == Status.NOT_READY
+    assert a3.status == Status.OK and bytes(a3.result) == bytes(want[0])
+    assert rep["counts"]["get_corrections_replayed"] == 1
