@@ -172,7 +172,8 @@ def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[
                   p: float = 0.001, cycle_ns: int = 1100, lockstep_shots: int = 20000, cycle_rounds: int = 1_000_000,
                   floor_round_trips: int = 20000, flat_rounds: int = 300_000, decoder: str = "pymatching",
                   seed: int = 1, trace_path=None, progress: Callable[[str], None] | None = None, udp: bool = True,
-                  long_lengths: Iterable[int] = (10_000, 100_000)) -> dict:
+                  udp_rounds: int = 300_000, udp_floor_datagrams: int = 200_000,
+                  long_lengths: Iterable[int] = (10_000, 1_000_000), long_max_total_rounds: int = 3_000_000) -> dict:
     """Measure the rows of the module docstring; returns ``{"rows": [...], "goals": [...]}``.
 
     One row per (transport, distance): every distance over shm, the first over tcp."""
@@ -220,19 +221,21 @@ def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[
     if udp:
         from ._qec_long import udp_floor, udp_rows
 
-        fl = udp_floor()
+        fl = udp_floor(num_datagrams=udp_floor_datagrams)
         say(f"udp kernel floor (sendmmsg -> recvmmsg, loopback, pinned): {fl['floor_datagrams_per_s'] / 1e3:.0f} k "
             f"datagrams/s ({fl['floor_period_ns']:.0f} ns per datagram)")
         row = {"row": f"udp d={d0}", "transport": "udp", "d": d0, "host_load_1m_before": load0,
                "cpu_floor_ran_share": avail["ran_share"], "udp_floor_runs": fl["floor_runs"]}
-        row.update(udp_rows(floor=fl, d=d0, p=p, decoder=decoder, cycle_ns=cycle_ns, seed=seed, say=say))
+        row.update(udp_rows(floor=fl, d=d0, p=p, decoder=decoder, cycle_ns=cycle_ns, rounds=udp_rounds, seed=seed,
+                            say=say))
         rows.append(row)
     if long_lengths:
         from ._qec_long import long_experiment_rows
 
         row = {"row": "long experiment", "transport": "shm", "host_load_1m_before": load0,
                "cpu_floor_ran_share": avail["ran_share"], "long_lengths": list(long_lengths)}
-        row.update(long_experiment_rows(lengths=tuple(long_lengths), p=p, cycle_ns=cycle_ns, seed=seed, say=say))
+        row.update(long_experiment_rows(lengths=tuple(long_lengths), d=d0, p=p, cycle_ns=cycle_ns, seed=seed,
+                                        max_total_rounds=long_max_total_rounds, say=say))
         rows.append(row)
     load1 = os.getloadavg()[0]
     for r in rows:

@@ -279,6 +279,8 @@ def _compiled_window_tuple(cw, ncommit: int) -> tuple:
     idx = np.zeros(max(1, n), np.uint64)
     views = tuple(idx[:i] for i in range(n + 1))
     fn = cw.matching._matching_graph.decode if k else None
+    if fn is not None:
+        fn(views[0])  # PyMatching builds its matcher at the first call: here, not when a window lands
     return (fn, views, idx, n, ncommit, k, obsmask, fl.indptr.astype(np.int64), fl.indices.astype(np.int64))
 
 

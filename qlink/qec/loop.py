@@ -104,11 +104,12 @@ class LoopResult:
     backlog_slope_rounds_per_s: float  # fitted over the second half of the emission
     backlog_growth_rounds: float  # that slope times that half's duration
     emit_lag_p99_ns: float  # how late the controller sent its frames (p99)
-    keeps_up: bool  # the loop sustained the cycle: backlog_flat, and rounds answered at >= 99 % of the cycle rate
+    keeps_up: bool  # the loop sustained the cycle: backlog_flat (flat and bounded), and >= 99 % of the cycle rate
     controller: ControllerResult = field(repr=False)
     service: dict = field(repr=False)
     modeled_controller_ns: dict = field(default_factory=dict)
-    backlog_flat: bool = False  # the decoder side alone: nothing dropped, the backlog did not grow
+    backlog_flat: bool = False  # the decoder side alone: nothing dropped, the backlog did not grow over the
+    # second half of the emission and never exceeded max(16 frames' rounds, 10 ms of the cycle's rounds)
     clock_on_time: bool = False  # the controller's own p99 tick lag within one frame interval (its jitter)
     engine: str = "python"  # "native": the per-frame path in C (qlink.qec.hotpath); "python"
 
@@ -415,7 +416,13 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
     # sent 99 % of its frames within one frame interval of their tick: its own jitter,
     # which on shared vCPUs is the host's preemption (qlink.bench.floor.cpu_availability)
     # more than the loop's -- a late frame is sent at once and the schedule does not slip.
-    backlog_flat = bool(cres.shots_dropped == 0 and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s)
+    # ... and a backlog bounded all along, not only flat at the end: at most 16 frames' worth
+    # of rounds or 10 ms of the cycle's rounds, whichever is more (a backlog of 178 k rounds
+    # built in the first half and carried flat is not keeping up).
+    bound = max(16 * spf * cres.num_rounds, 0.010 * required)
+    backlog_max = int(bl_v.max()) if len(bl_v) else 0
+    backlog_flat = bool(cres.shots_dropped == 0 and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s
+                        and backlog_max <= bound)
     keeps_up = backlog_flat and cres.decoded_rounds_per_s >= 0.99 * required
     clock_on_time = bool(lag_p99 <= frame_interval_ns)
     return LoopResult(
