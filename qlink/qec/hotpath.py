@@ -1,4 +1,4 @@
-"""The QEC loop's native per-frame path (over shm rings or a tcp socket), and its control plane.
+"""The QEC loop's native per-frame path (over shm rings, a tcp socket or a udp socket), and its control plane.
 
 The per-frame work of both sides lives in C (``qlink.qec._hotcore``, built from
 ``setup.py``): on the service side frame ingest, validation, accumulation of a shot's
@@ -12,8 +12,12 @@ This module is the control plane: it builds the cores from an shm endpoint's rin
 endpoint's socket (:meth:`transports.tcp.TcpEndpoint.native_socket`: the same framing as
 the Python path, read in large chunks and parsed in place, answers and frames gathered and
 written when the side has nothing else to do, so a side that is behind writes several whole
-frames at once, each stamped at its own time), looks at the peer whenever a core
-comes back idle (a dead peer is reported within a second), and turns the rows into the
+frames at once, each stamped at its own time) or a udp endpoint's socket
+(:meth:`transports.udp.UdpEndpoint.native_datagrams`: one frame per datagram, the udp
+wire unchanged, received and sent in batches of up to 32 with ``recvmmsg`` /
+``sendmmsg``), looks at the peer whenever a core comes back idle (a dead peer is reported
+within a second; over udp the controller sees the service's closed port, ``ECONNREFUSED``),
+and turns the rows into the
 same reports, histograms and per-shot records as the Python path
 (:mod:`qlink.qec.timeline`).
 
@@ -26,9 +30,17 @@ What the native service serves (the rest of the protocol: :mod:`qlink.qec.servic
   for them in turn; a full queue answers ``BUSY`` and drops the shot.
 * ``get_corrections`` of one shot (``return_size`` ≤ the observables), ``reset=1``
   consuming it, ``reset=0`` peeking; ``NOT_READY`` while none is decoded.
+* a long memory experiment with a :class:`~qlink.qec.decoders.SlidingWindowDecoder`
+  (or the name ``"sliding_window:W:C"``): each window is matched the moment its last round
+  lands and its commit region committed in C (:func:`window_plan`); the experiment's
+  correction is answered once its last window is committed.
 * ``reset_decoder``; every malformed frame is answered with its status where its header
-  can be read, and counted by fault. Answers kept for retransmission (a qlink extension
-  for lossy transports) are not kept here: shm and tcp lose nothing. Over tcp a frame
+  can be read, and counted by fault. Over udp (a lossy link) every consuming get's answer
+  is kept at its request id: the very same request again gets the same answer and consumes
+  nothing, and the controller sends a get again, the very same, when no answer came within
+  50 ms; answers are matched to their get by request id. A lost frame is a counter gap
+  (``SYNDROMES_DROPPED``); the run's very last frame lost is not recovered (the Python
+  controller sends one more frame to reveal it). Over tcp a frame
   whose header announces more than the input buffer (4 MiB) ends the session without
   allocating anything for it; frames of other kinds (puts) are skipped and counted.
 
@@ -310,7 +322,7 @@ def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_s
 # ------------------------------------------------------------------------ service
 
 class NativeDecoderService:
-    """The decoder service with its per-frame path in C, over shm or tcp (the interface of
+    """The decoder service with its per-frame path in C, over shm, tcp or udp (the interface of
     :class:`qlink.qec.service.DecoderService`: ``serve``, ``report``).
 
     ``configs``: ``{decoder_id: DecoderConfig}``; ``keep_samples``: per-shot rows kept
@@ -504,7 +516,7 @@ def _build_frames(stream, layouts, *, decoder_id: int) -> tuple[np.ndarray, np.n
 
 
 class NativeController:
-    """The controller emulator with its emit / answer / apply loop in C, over shm or tcp.
+    """The controller emulator with its emit / answer / apply loop in C, over shm, tcp or udp.
 
     Plays ``stream`` (a :class:`~qlink.qec.controller.SyndromeStream`) at ``cycle_ns``:
     each frame of a shot on the tick of its last round (``rounds_per_frame`` rounds per

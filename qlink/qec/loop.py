@@ -243,7 +243,7 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
     (``service`` is empty, and so are the stage shares that need the service's records).
 
     ``engine="native"`` runs both sides' per-frame work in C (:mod:`qlink.qec.hotpath`;
-    shm and tcp, one shot per frame group, no ``max_in_flight_shots``): each round its own
+    shm, tcp and udp, one shot per frame group, no ``max_in_flight_shots``): each round its own
     frame on the cycle (``rounds_per_frame``), the shot decoded the moment its last round
     lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
     ``"python"`` runs the Python service and controller (every transport and option);
