@@ -215,6 +215,10 @@ typedef struct {
     socklen_t peer_len;
     int has_peer;
     uint64_t refused;
+    /* datagrams received before the core took the socket: read first, from `pre` */
+    uint8_t *pre;
+    size_t *pre_off, *pre_len;
+    int pre_n, pre_r;
 } Io;
 
 static void io_free(Io *io) {
@@ -227,6 +231,11 @@ static void io_free(Io *io) {
     PyMem_Free(io->dg_in_iov);
     PyMem_Free(io->dg_out_iov);
     PyMem_Free(io->dg_in_addr);
+    PyMem_Free(io->pre);
+    PyMem_Free(io->pre_off);
+    PyMem_Free(io->pre_len);
+    io->pre = NULL;
+    io->pre_off = io->pre_len = NULL;
     io->in = io->out = NULL;
     io->dg_in_msg = io->dg_out_msg = NULL;
     io->dg_in_iov = io->dg_out_iov = NULL;
@@ -262,7 +271,7 @@ static int io_init_dgram(Io *io, PyObject *link) {
     if (seq == NULL)
         return -1;
     Py_ssize_t nleft = PySequence_Fast_GET_SIZE(seq);
-    int ns = nleft > DG_SLOTS ? (int)nleft : DG_SLOTS;
+    int ns = DG_SLOTS;
     io->dg_nslots = ns;
     io->in = PyMem_Malloc((size_t)ns * DG_MAX);
     io->out = PyMem_Malloc(IO_OUT_NBYTES);
@@ -316,22 +325,43 @@ static int io_init_dgram(Io *io, PyObject *link) {
             io->dg_out_msg[i].msg_hdr.msg_namelen = io->peer_len;
         }
     }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < nleft; i++) {
+        Py_ssize_t len = PyObject_Length(PySequence_Fast_GET_ITEM(seq, i));
+        if (len < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        total += (size_t)len;
+    }
+    io->pre = PyMem_Malloc(total + 1);
+    io->pre_off = PyMem_Calloc((size_t)nleft + 1, sizeof(size_t));
+    io->pre_len = PyMem_Calloc((size_t)nleft + 1, sizeof(size_t));
+    if (!io->pre || !io->pre_off || !io->pre_len) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t at = 0;
     for (Py_ssize_t i = 0; i < nleft; i++) {
         Py_buffer b;
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &b, PyBUF_SIMPLE) < 0) {
             Py_DECREF(seq);
             return -1;
         }
-        size_t n = (size_t)b.len > DG_MAX ? DG_MAX : (size_t)b.len;
-        memcpy(io->in + (size_t)i * DG_MAX, b.buf, n);
-        io->dg_in_msg[i].msg_len = (unsigned)n;
-        if (io->has_peer)
-            memcpy(&io->dg_in_addr[i], &io->peer, sizeof(io->peer));
+        size_t n = (size_t)b.len;
+        if (at + n > total)
+            n = total - at;
+        memcpy(io->pre + at, b.buf, n);
+        io->pre_off[i] = at;
+        io->pre_len[i] = n;
+        at += n;
         PyBuffer_Release(&b);
     }
     Py_DECREF(seq);
-    io->dg_n = (int)nleft;
-    io->dg_r = 0;
+    io->pre_n = (int)nleft;
+    io->pre_r = 0;
+    io->dg_n = io->dg_r = 0;
     /* room for a burst: the kernel caps it at net.core.rmem_max / wmem_max */
     int sz = DG_SOCKBUF_NBYTES;
     setsockopt(io->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
@@ -500,6 +530,11 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
 
 /* the frame at the head of the input: a peek code, or IO_CLOSED (peer gone, EOF or BYE) */
 static int dg_peek(Io *io, const uint8_t **data, uint32_t *n) {
+    if (io->pre_r < io->pre_n) {
+        *data = io->pre + io->pre_off[io->pre_r];
+        *n = (uint32_t)io->pre_len[io->pre_r];
+        return QLINK_RING_MSG;
+    }
     for (;;) {
         if (io->dg_r < io->dg_n) {
             int i = io->dg_r;
@@ -600,7 +635,10 @@ static void io_consume(Io *io) {
         return;
     }
     if (io->kind == IO_DGRAM) {
-        io->dg_r++;
+        if (io->pre_r < io->pre_n)
+            io->pre_r++;
+        else
+            io->dg_r++;
         return;
     }
     uint64_t nb;
@@ -620,6 +658,8 @@ static uint64_t io_queued(Io *io) {
         return RAPI->queued_nbytes(io->rx);
     if (io->kind == IO_DGRAM) {
         uint64_t q = 0;
+        for (int i = io->pre_r; i < io->pre_n; i++)
+            q += io->pre_len[i];
         for (int i = io->dg_r; i < io->dg_n; i++)
             q += io->dg_in_msg[i].msg_len;
         return q;
@@ -1757,6 +1797,9 @@ static void svc_settle(ServiceCore *s) {
     svc_flush(s);
     for (int i = 0; i < s->n_defer; i++) {
         DeferredGet *g = &s->defer[i];
+        /* (over datagrams a get held back may be a request sent again: answered as the first) */
+        if (s->kept != NULL && s->n_kept && svc_replay(s, g->did, g->consume, g->rid, g->ptp))
+            continue;
         svc_get_now(s, &s->dec[g->did], g->rs, g->consume, g->rid, g->ptp);
     }
     s->n_defer = 0;
@@ -2461,6 +2504,21 @@ static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
         "resent_gets", (long long)c->resends, "stale_answers", (long long)c->stale);
 }
 
+/* start_ids(counter, request_id, get_request_id): where this run's ids start (before it runs) */
+static PyObject *ctl_start_ids(ControllerCore *c, PyObject *args) {
+    long long counter, rid, get_rid;
+    if (!PyArg_ParseTuple(args, "LLL", &counter, &rid, &get_rid))
+        return NULL;
+    if (c->started) {
+        PyErr_SetString(PyExc_RuntimeError, "start_ids() after the run started");
+        return NULL;
+    }
+    c->counter = counter;
+    c->rid = rid;
+    c->get_rid = get_rid;
+    Py_RETURN_NONE;
+}
+
 static PyObject *ctl_get_backlog_n(ControllerCore *c, void *Py_UNUSED(x)) { return PyLong_FromLongLong(c->backlog_n); }
 
 static PyMethodDef ctl_methods[] = {
@@ -2468,6 +2526,8 @@ static PyMethodDef ctl_methods[] = {
      "run(budget_ns) -> 0 done, 1 no progress for stall_ns or budget spent (look at the peer, call again), "
      "-1 peer closed, -2 an answer that is not a whole message"},
     {"stats", (PyCFunction)ctl_stats, METH_NOARGS, "counters of the run"},
+    {"start_ids", (PyCFunction)ctl_start_ids, METH_VARARGS,
+     "start_ids(counter, request_id, get_request_id): where the run's ids start (before it runs)"},
     {NULL, NULL, 0, NULL},
 };
 

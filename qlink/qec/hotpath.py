@@ -567,6 +567,12 @@ class NativeController:
             lag=self._lag if len(self._lag) else None, backlog=self._backlog, backlog_every=every,
             late_ns=self.cycle_ns * max(1, int(rounds_per_frame)))
 
+    def continue_after(self, other: "NativeController") -> None:
+        """Start this run's counter and request ids where ``other`` (a run over the same
+        link that has ended: a warm-up) left them. Before :meth:`run`; lets a run be built
+        (its frames prebuilt) before the one it follows is played, so no idle gap lies between."""
+        self._core.start_ids(other.counter, other.next_request_id, other.next_get_request_id)
+
     @property
     def counter(self) -> int:
         return self._core.stats()["counter"]

@@ -333,16 +333,17 @@ def run_loop(*, transport: str = "tcp", source: Mapping[str, Any], decoder: str 
                 ctl_kw = dict(decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
                               gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
                               **dict(controller_options or {}))
+            if engine == "native":  # built first (its frames prebuilt), played right after the warm-up
+                ctl = make(ep, stream, keep_lag_frames=min(stream.num_shots * frames_per_shot, 4_000_000), **ctl_kw)
             if warmup_shots > 0:
                 warm_stream = sample_stream(src, num_shots=warmup_shots,
                                             seed=None if seed is None else seed + 7919)
                 warm = make(ep, warm_stream, **ctl_kw)
                 warm.run(timeout_s=timeout_s)
                 counter, rid, get_rid = warm.counter, warm.next_request_id, warm.next_get_request_id
-            if engine == "native":
-                ctl = make(ep, stream, counter_start=counter, request_id_start=rid, get_request_id_start=get_rid,
-                           keep_lag_frames=min(stream.num_shots * frames_per_shot, 4_000_000), **ctl_kw)
-            else:
+                if engine == "native":
+                    ctl.continue_after(warm)
+            if engine != "native":
                 ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
                                  request_id_start=rid, get_request_id_start=get_rid, **ctl_kw)
             try:
