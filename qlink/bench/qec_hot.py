@@ -381,8 +381,11 @@ def goal_rows(rows: list[dict], *, distance: int = 5) -> list[dict]:
                                  f"{r['udp_rpf1_backlog_max_rounds']} rounds"})
             out.append({"goal": GOALS["udp_cycle_keeps_up"], "figure_us": math.nan, "target_us": math.nan,
                         "met": bool(r["udp_cycle_keeps_up"]),
-                        "floor": f"{r['udp_cycle_rounds_per_datagram']} rounds/datagram, "
-                                 f"{r['udp_cycle_rate_share']:.1%} of the cycle rate"})
+                        "floor": f"{r['udp_cycle_rounds_per_datagram']} rounds/datagram"
+                                 + ("" if r["udp_cycle_datagrams_per_s_needed"] <= r["udp_floor_datagrams_per_s"]
+                                    else f" (even so {r['udp_cycle_datagrams_per_s_needed'] / 1e3:.0f} k/s needed: "
+                                         "above the floor)")
+                                 + f", {r['udp_cycle_rate_share']:.1%} of the cycle rate"})
         if "long_lengths" in r:
             ls = r["long_lengths"]
             a, b = (r.get(f"long_{n}_final_reaction_p50_us", math.nan) for n in (ls[0], ls[-1]))

@@ -2105,6 +2105,7 @@ typedef struct {
      * to it; over datagrams it is sent again, the very same, when no answer came in time) */
     int64_t *get_rid_of, *get_ptp_of, *get_t_of;
     int64_t get_timeout_ns, resends, stale;
+    int64_t get_owed; /* shot + 1 whose get could not be sent yet (the ring stayed full), or 0 */
 } ControllerCore;
 
 static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
@@ -2226,19 +2227,26 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     }
     c->get_timeout_ns = get_timeout_ns > 0 ? get_timeout_ns : 50000000;
     c->resends = c->stale = 0;
+    c->get_owed = 0;
     return 0;
 }
 
 static inline int64_t *ctl_row(ControllerCore *c, int64_t s) { return (int64_t *)c->rows.buf + s * CTL_FIELDS; }
 
-/* send a message, waiting while the ring is full; 0 sent, -1 peer gone / released */
+/* send a message, waiting while the ring is full; 0 sent, -1 peer gone / released, -2 still
+ * full after stall_ns (nothing sent: the caller returns to Python, which looks at the peer --
+ * a killed peer cannot mark its ring closed -- and calls run() again) */
 static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
     int rc = io_send(&c->io, p, n, NULL, 0);
     if (rc == QLINK_RING_FULL) {
         c->full_waits++;
+        int64_t t0 = mono_ns();
+        unsigned k = 0;
         while (rc == QLINK_RING_FULL) {
             if (io_peer_closed(&c->io) || io_flush(&c->io) < 0)
                 return -1;
+            if ((++k & 255) == 0 && mono_ns() - t0 > c->stall_ns)
+                return -2;
             CPU_RELAX();
             rc = io_send(&c->io, p, n, NULL, 0);
         }
@@ -2259,7 +2267,13 @@ static int ctl_send_get(ControllerCore *c, int64_t s) {
     c->get_rid_of[s] = rid;
     c->get_ptp_of[s] = t + c->real_off;
     c->get_t_of[s] = t;
-    return ctl_send(c, g, W.hdr + W.get_payload);
+    int rc = ctl_send(c, g, W.hdr + W.get_payload);
+    if (rc == -2) { /* not sent: owed, sent first when run() is called again */
+        c->get_rid--;
+        r[K_POLLS]--;
+        c->get_owed = s + 1;
+    }
+    return rc;
 }
 
 /* the oldest unanswered get once more, the very same bytes (a datagram may have been lost) */
@@ -2368,6 +2382,19 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
     int64_t now = t_call;
     for (;;) {
         int progress = 0;
+        if (c->get_owed) {
+            int64_t s = c->get_owed - 1;
+            c->get_owed = 0;
+            int rc = ctl_send_get(c, s);
+            if (rc == -2) {
+                code = 1;
+                break;
+            }
+            if (rc < 0) {
+                code = -1;
+                break;
+            }
+        }
         int can_emit = c->s_emit < S && (!c->lockstep || c->s_ans == c->s_emit);
         /* the clock is read where a tick may be due, and every 32 idle polls otherwise */
         if (can_emit || (idle & 31) == 0)
@@ -2387,7 +2414,14 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 wr32(fr + 12, rid);
                 wr64(fr + 16, now + c->real_off);
                 wr64(fr + W.hdr + 8, c->counter++);
-                if (ctl_send(c, fr, (uint32_t)lens[i]) < 0) {
+                int src = ctl_send(c, fr, (uint32_t)lens[i]);
+                if (src == -2) { /* not sent: emitted again when run() is called again */
+                    c->rid--;
+                    c->counter--;
+                    code = 1;
+                    break;
+                }
+                if (src < 0) {
                     code = -1;
                     break;
                 }
@@ -2411,7 +2445,12 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                     r[K_STATUS] = -1;
                     c->s_emit++;
                     c->f_emit = 0;
-                    if (ctl_send_get(c, s) < 0) {
+                    int grc = ctl_send_get(c, s);
+                    if (grc == -2) { /* (owed: sent first on the next call) */
+                        code = 1;
+                        break;
+                    }
+                    if (grc < 0) {
                         code = -1;
                         break;
                     }
@@ -2479,7 +2518,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 break;
             }
             if (c->io.kind == IO_DGRAM && c->s_ans < c->s_emit && now - c->get_t_of[c->s_ans] > c->get_timeout_ns &&
-                ctl_resend_get(c, c->s_ans, now) < 0) {
+                ctl_resend_get(c, c->s_ans, now) == -1) {
                 code = -1;
                 break;
             }
