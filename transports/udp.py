@@ -390,6 +390,14 @@ class UdpEndpoint(_UdpBase):
     def _extra(self) -> dict:
         return {**super()._extra(), "peer": self.url}
 
+    def native_datagrams(self) -> tuple[int, list, None]:
+        """``(fd, datagrams already received, None)`` for native code that sends and receives
+        whole datagrams on this connected socket itself (qlink's QEC hot path); the endpoint's
+        own receive must not be used meanwhile, and ``close()`` still closes the socket."""
+        self._check_open()
+        held, self._held = self._held, None
+        return self._fd, [] if held is None else [held], None
+
     def close(self) -> None:
         """Close the socket (the peer is told nothing: UDP has no close). Idempotent."""
         if self._closed:
@@ -653,6 +661,20 @@ class UdpPeerEndpoint(_HubEndpoint):
 
     def _extra(self) -> dict:
         return {**super()._extra(), "peer": self.url}
+
+    def native_datagrams(self) -> tuple[int, list, tuple]:
+        """``(fd, datagrams already received from this peer, peer address)`` for native code
+        that reads the listener's socket itself, keeps this peer's datagrams and answers with
+        ``sendto`` (qlink's QEC hot path). Nothing else may read the listener's socket
+        meanwhile (one peer served at a time); ``close()`` still releases it."""
+        self._check_open()
+        hub = self._hub
+        with hub.cond:
+            q = hub.queues.get(self.peer)
+            held = list(q) if q else []
+            if q:
+                q.clear()
+        return self._fd, held, (self.peer[0], self.peer[1])
 
 
 class UdpServeEndpoint(_HubEndpoint):

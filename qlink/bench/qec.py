@@ -319,14 +319,14 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
         return _stim_from_cli(args, stim, quick=quick, out=out, say=say)
     # the real-time path first: native, over shm, each figure beside its floor
     hot_kw = dict(distances=(5, 7), cycle_rounds=100_000, lockstep_shots=3000, floor_round_trips=5000,
-                  flat_rounds=100_000) if quick else {}
+                  flat_rounds=100_000, udp_rounds=100_000, long_lengths=(10_000, 100_000)) if quick else {}
     given = getattr(args, "distances", None)
     if given:
         hot_kw["distances"] = tuple(int(x) for x in str(given).replace(" ", ",").split(",") if x.strip())
     hot = run_hot_bench(progress=say, trace_path=getattr(args, "trace", None), **hot_kw)
     write_results(hot["rows"], out_dir=out, name="qec_native", meta={"quick": quick})
     write_results(hot["goals"], out_dir=out, name="qec_goals", meta={"quick": quick})
-    print("\nReal-time path (native, shm and tcp, one frame per round): goals, each figure from this run")
+    print("\nReal-time path (native, shm / tcp / udp, one frame per round): goals, each figure from this run")
     print(format_table(hot["goals"], columns=["goal", "figure_us", "target_us", "met", "floor"]))
     print(f"written: {out}/qec_native.{{json,csv}} (every figure), {out}/qec_goals.{{json,csv}}")
     if getattr(args, "native_only", False):

@@ -22,6 +22,12 @@ Rows (each with the floor it is held to, measured beside it):
 * **flat out** (shm, the first two distances): one frame per shot at a 1 ns cycle, rounds
   answered per second (best of 3) beside the offline peer at its best on the same shots
   (:func:`offline_rounds_per_s`; goal ≥ 95 %).
+* **udp** (:mod:`qlink.bench._qec_long`) — the kernel floor (a raw ``sendmmsg`` →
+  ``recvmmsg`` pair in C on loopback, datagrams per second), then the native path over udp:
+  one round per datagram at 1.2 × the floor's period, and at the cycle with the fewest
+  rounds per datagram the floor allows.
+* **long experiment** — 10^4 and 10^6 rounds at the first distance, one round per frame at
+  the cycle, sliding windows with commit: final round → final correction p50 at each length.
 * the CPU floor of the run (two pinned busy loops: the share of wall time they ran) and
   the load average before and after.
 
@@ -52,6 +58,11 @@ GOALS = {
     "cycle_p50_le_10us": "at the cycle, reaction p50 <= 10 us (d=5)",
     "cycle_p99_le_100us": "at the cycle, reaction p99 <= 100 us (d=5)",
     "flat_ge_95pct_offline": "flat-out wire throughput >= 95 % of offline decode_batch",
+    "udp_floor": "udp kernel floor: sendmmsg (paced, batches <= 32) -> recvmmsg on loopback, datagrams/s",
+    "udp_rpf1_keeps_up": "udp, one round per datagram, keeps up at a cycle of 1.2 x the floor's period",
+    "udp_cycle_keeps_up": "udp at the 1.1 us cycle keeps up with the fewest rounds per datagram the floor allows",
+    "long_flat": "long experiment d=5, sliding windows: final-round -> final-correction p50 within 20 % "
+                 "between the shortest and longest",
 }
 
 
@@ -166,7 +177,9 @@ def _wire_split(res, floor_p50_ns: float) -> dict:
 def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[str] = ("shm", "tcp"),
                   p: float = 0.001, cycle_ns: int = 1100, lockstep_shots: int = 20000, cycle_rounds: int = 1_000_000,
                   floor_round_trips: int = 20000, flat_rounds: int = 300_000, decoder: str = "pymatching",
-                  seed: int = 1, trace_path=None, progress: Callable[[str], None] | None = None) -> dict:
+                  seed: int = 1, trace_path=None, progress: Callable[[str], None] | None = None, udp: bool = True,
+                  udp_rounds: int = 300_000, udp_floor_datagrams: int = 200_000,
+                  long_lengths: Iterable[int] = (10_000, 1_000_000), long_max_total_rounds: int = 3_000_000) -> dict:
     """Measure the rows of the module docstring; returns ``{"rows": [...], "goals": [...]}``.
 
     One row per (transport, distance): every distance over shm, the first over tcp."""
@@ -211,6 +224,25 @@ def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[
             if t == "shm" and d in distances[:2]:
                 row.update(_flat_out(t, d, p=p, decoder=decoder, seed=seed, flat_rounds=flat_rounds, say=say))
             rows.append(row)
+    if udp:
+        from ._qec_long import udp_floor, udp_rows
+
+        fl = udp_floor(num_datagrams=udp_floor_datagrams)
+        say(f"udp kernel floor (sendmmsg -> recvmmsg, loopback, pinned): {fl['floor_datagrams_per_s'] / 1e3:.0f} k "
+            f"datagrams/s ({fl['floor_period_ns']:.0f} ns per datagram)")
+        row = {"row": f"udp d={d0}", "transport": "udp", "d": d0, "host_load_1m_before": load0,
+               "cpu_floor_ran_share": avail["ran_share"], "udp_floor_runs": fl["floor_runs"]}
+        row.update(udp_rows(floor=fl, d=d0, p=p, decoder=decoder, cycle_ns=cycle_ns, rounds=udp_rounds, seed=seed,
+                            say=say))
+        rows.append(row)
+    if long_lengths:
+        from ._qec_long import long_experiment_rows
+
+        row = {"row": "long experiment", "transport": "shm", "host_load_1m_before": load0,
+               "cpu_floor_ran_share": avail["ran_share"], "long_lengths": list(long_lengths)}
+        row.update(long_experiment_rows(lengths=tuple(long_lengths), d=d0, p=p, cycle_ns=cycle_ns, seed=seed,
+                                        max_total_rounds=long_max_total_rounds, say=say))
+        rows.append(row)
     load1 = os.getloadavg()[0]
     for r in rows:
         r["host_load_1m_after"] = load1
@@ -339,6 +371,27 @@ def goal_rows(rows: list[dict], *, distance: int = 5) -> list[dict]:
             out.append({"goal": f"{GOALS['flat_ge_95pct_offline']}, {r['transport']} d={r['d']}",
                         "figure_us": math.nan, "target_us": math.nan, "met": bool(r["flat_vs_offline"] >= 0.95),
                         "floor": f"{r['flat_vs_offline']:.0%} of {r['offline_rounds_per_s'] / 1e6:.2f} M rounds/s"})
+    for r in rows:
+        if "udp_floor_datagrams_per_s" in r:
+            out.append({"goal": GOALS["udp_floor"], "figure_us": r["udp_floor_period_ns"] / 1e3, "target_us": math.nan,
+                        "met": True, "floor": f"{r['udp_floor_datagrams_per_s'] / 1e3:.0f} k datagrams/s (measured)"})
+            out.append({"goal": GOALS["udp_rpf1_keeps_up"], "figure_us": r["udp_rpf1_cycle_ns"] / 1e3,
+                        "target_us": math.nan, "met": bool(r["udp_rpf1_keeps_up"]),
+                        "floor": f"{r['udp_rpf1_rate_share']:.1%} of its cycle rate, backlog max "
+                                 f"{r['udp_rpf1_backlog_max_rounds']} rounds"})
+            out.append({"goal": GOALS["udp_cycle_keeps_up"], "figure_us": math.nan, "target_us": math.nan,
+                        "met": bool(r["udp_cycle_keeps_up"]),
+                        "floor": f"{r['udp_cycle_rounds_per_datagram']} rounds/datagram"
+                                 + ("" if r["udp_cycle_datagrams_per_s_needed"] <= r["udp_floor_datagrams_per_s"]
+                                    else f" (even so {r['udp_cycle_datagrams_per_s_needed'] / 1e3:.0f} k/s needed: "
+                                         "above the floor)")
+                                 + f", {r['udp_cycle_rate_share']:.1%} of the cycle rate"})
+        if "long_lengths" in r:
+            ls = r["long_lengths"]
+            a, b = (r.get(f"long_{n}_final_reaction_p50_us", math.nan) for n in (ls[0], ls[-1]))
+            out.append({"goal": GOALS["long_flat"], "figure_us": b, "target_us": 1.2 * a,
+                        "met": bool(b <= 1.2 * a and a <= 1.2 * b),
+                        "floor": f"{ls[0]} rounds: {a:.1f} us, {ls[-1]} rounds: {b:.1f} us"})
     for g in out:
         g.setdefault("floor", f"CPU floor {rows[0]['cpu_floor_ran_share']:.0%}")
     return out

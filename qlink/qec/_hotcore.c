@@ -29,6 +29,8 @@
 #include <time.h>
 #include <errno.h>
 #include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 
 #include "_ring_api.h"
 
@@ -185,18 +187,38 @@ static struct {
 
 #define IO_RING 0
 #define IO_FD 1
+#define IO_DGRAM 2
 #define IO_IN_NBYTES (4u << 20)
 #define IO_OUT_NBYTES (1u << 20)
 #define IO_CLOSED (-2)
+/* datagrams: one frame per datagram (qlink's udp wire: nothing added), received and sent in
+ * batches of up to DG_SLOTS through recvmmsg / sendmmsg */
+#define DG_SLOTS 32
+#define DG_MAX 65536 /* holds any datagram */
+#define DG_SOCKBUF_NBYTES (4 << 20)
 
 typedef struct {
     int kind;
     PyObject *rx, *tx; /* rings (IO_RING) */
-    int fd;            /* IO_FD */
+    int fd;            /* IO_FD, IO_DGRAM */
     uint8_t *in, *out;
     size_t in_r, in_w, out_n, out_sent;
     int eof;
     uint64_t oversized, foreign, writes, reads;
+    /* IO_DGRAM: received datagrams [dg_r, dg_n) in slots of `in`; gathered ones [dg_sent,
+     * dg_out) at out; the peer's address where the socket is not connected (a listener's) */
+    struct mmsghdr *dg_in_msg, *dg_out_msg;
+    struct iovec *dg_in_iov, *dg_out_iov;
+    struct sockaddr_storage *dg_in_addr;
+    int dg_nslots, dg_r, dg_n, dg_out, dg_sent;
+    struct sockaddr_storage peer;
+    socklen_t peer_len;
+    int has_peer;
+    uint64_t refused;
+    /* datagrams received before the core took the socket: read first, from `pre` */
+    uint8_t *pre;
+    size_t *pre_off, *pre_len;
+    int pre_n, pre_r;
 } Io;
 
 static void io_free(Io *io) {
@@ -204,15 +226,159 @@ static void io_free(Io *io) {
     Py_CLEAR(io->tx);
     PyMem_Free(io->in);
     PyMem_Free(io->out);
+    PyMem_Free(io->dg_in_msg);
+    PyMem_Free(io->dg_out_msg);
+    PyMem_Free(io->dg_in_iov);
+    PyMem_Free(io->dg_out_iov);
+    PyMem_Free(io->dg_in_addr);
+    PyMem_Free(io->pre);
+    PyMem_Free(io->pre_off);
+    PyMem_Free(io->pre_len);
+    io->pre = NULL;
+    io->pre_off = io->pre_len = NULL;
     io->in = io->out = NULL;
+    io->dg_in_msg = io->dg_out_msg = NULL;
+    io->dg_in_iov = io->dg_out_iov = NULL;
+    io->dg_in_addr = NULL;
 }
 
-/* link: a (tx, rx) pair of rings, or (fd, leftover bytes already read from it) */
+static int addr_eq(const struct sockaddr_storage *a, socklen_t alen, const struct sockaddr_storage *b) {
+    if (a->ss_family != b->ss_family)
+        return 0;
+    if (a->ss_family == AF_INET) {
+        const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;
+        return x->sin_port == y->sin_port && x->sin_addr.s_addr == y->sin_addr.s_addr;
+    }
+    if (a->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *x = (const void *)a, *y = (const void *)b;
+        return x->sin6_port == y->sin6_port && memcmp(&x->sin6_addr, &y->sin6_addr, 16) == 0;
+    }
+    (void)alen;
+    return 0;
+}
+
+/* link (fd, [datagrams already received from the peer], peer (host, port) or None) */
+static int io_init_dgram(Io *io, PyObject *link) {
+    PyObject *fdo = PyTuple_GET_ITEM(link, 0), *left = PyTuple_GET_ITEM(link, 1), *peer = PyTuple_GET_ITEM(link, 2);
+    io->kind = IO_DGRAM;
+    io->fd = (int)PyLong_AsLong(fdo);
+    if (io->fd < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "bad socket fd");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(left, "the datagrams already received must be a sequence of bytes");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t nleft = PySequence_Fast_GET_SIZE(seq);
+    int ns = DG_SLOTS;
+    io->dg_nslots = ns;
+    io->in = PyMem_Malloc((size_t)ns * DG_MAX);
+    io->out = PyMem_Malloc(IO_OUT_NBYTES);
+    io->dg_in_msg = PyMem_Calloc((size_t)ns, sizeof(struct mmsghdr));
+    io->dg_in_iov = PyMem_Calloc((size_t)ns, sizeof(struct iovec));
+    io->dg_in_addr = PyMem_Calloc((size_t)ns, sizeof(struct sockaddr_storage));
+    io->dg_out_msg = PyMem_Calloc(DG_SLOTS, sizeof(struct mmsghdr));
+    io->dg_out_iov = PyMem_Calloc(DG_SLOTS, sizeof(struct iovec));
+    if (!io->in || !io->out || !io->dg_in_msg || !io->dg_in_iov || !io->dg_in_addr || !io->dg_out_msg ||
+        !io->dg_out_iov) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (peer != Py_None) {
+        const char *host;
+        int port;
+        if (!PyArg_ParseTuple(peer, "si", &host, &port)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        memset(&io->peer, 0, sizeof(io->peer));
+        struct sockaddr_in *a4 = (void *)&io->peer;
+        struct sockaddr_in6 *a6 = (void *)&io->peer;
+        if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+            a4->sin_family = AF_INET;
+            a4->sin_port = htons((uint16_t)port);
+            io->peer_len = sizeof(*a4);
+        } else if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+            a6->sin6_family = AF_INET6;
+            a6->sin6_port = htons((uint16_t)port);
+            io->peer_len = sizeof(*a6);
+        } else {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "peer host %s is not a numeric IPv4 or IPv6 address", host);
+            return -1;
+        }
+        io->has_peer = 1;
+    }
+    for (int i = 0; i < ns; i++) {
+        io->dg_in_iov[i].iov_base = io->in + (size_t)i * DG_MAX;
+        io->dg_in_iov[i].iov_len = DG_MAX;
+        io->dg_in_msg[i].msg_hdr.msg_iov = &io->dg_in_iov[i];
+        io->dg_in_msg[i].msg_hdr.msg_iovlen = 1;
+    }
+    for (int i = 0; i < DG_SLOTS; i++) {
+        io->dg_out_msg[i].msg_hdr.msg_iov = &io->dg_out_iov[i];
+        io->dg_out_msg[i].msg_hdr.msg_iovlen = 1;
+        if (io->has_peer) {
+            io->dg_out_msg[i].msg_hdr.msg_name = &io->peer;
+            io->dg_out_msg[i].msg_hdr.msg_namelen = io->peer_len;
+        }
+    }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < nleft; i++) {
+        Py_ssize_t len = PyObject_Length(PySequence_Fast_GET_ITEM(seq, i));
+        if (len < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        total += (size_t)len;
+    }
+    io->pre = PyMem_Malloc(total + 1);
+    io->pre_off = PyMem_Calloc((size_t)nleft + 1, sizeof(size_t));
+    io->pre_len = PyMem_Calloc((size_t)nleft + 1, sizeof(size_t));
+    if (!io->pre || !io->pre_off || !io->pre_len) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t at = 0;
+    for (Py_ssize_t i = 0; i < nleft; i++) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &b, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        size_t n = (size_t)b.len;
+        if (at + n > total)
+            n = total - at;
+        memcpy(io->pre + at, b.buf, n);
+        io->pre_off[i] = at;
+        io->pre_len[i] = n;
+        at += n;
+        PyBuffer_Release(&b);
+    }
+    Py_DECREF(seq);
+    io->pre_n = (int)nleft;
+    io->pre_r = 0;
+    io->dg_n = io->dg_r = 0;
+    /* room for a burst: the kernel caps it at net.core.rmem_max / wmem_max */
+    int sz = DG_SOCKBUF_NBYTES;
+    setsockopt(io->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
+    setsockopt(io->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
+    return 0;
+}
+
+/* link: a (tx, rx) pair of rings, (fd, leftover bytes already read from it) for a stream
+ * socket, or (fd, [datagrams already received], peer or None) for a datagram socket */
 static int io_init(Io *io, PyObject *link) {
     memset(io, 0, sizeof(*io));
     PyObject *a, *b;
+    if (PyTuple_Check(link) && PyTuple_GET_SIZE(link) == 3)
+        return io_init_dgram(io, link);
     if (!PyTuple_Check(link) || PyTuple_GET_SIZE(link) != 2) {
-        PyErr_SetString(PyExc_TypeError, "link must be (tx_ring, rx_ring) or (socket_fd, leftover_bytes)");
+        PyErr_SetString(PyExc_TypeError, "link must be (tx_ring, rx_ring), (socket_fd, leftover_bytes) or "
+                                         "(socket_fd, [datagrams], peer)");
         return -1;
     }
     a = PyTuple_GET_ITEM(link, 0);
@@ -258,8 +424,35 @@ static int io_init(Io *io, PyObject *link) {
     return 0;
 }
 
+/* the gathered datagrams out, in batches (sendmmsg); as io_flush */
+static int dg_flush(Io *io) {
+    while (io->dg_sent < io->dg_out) {
+        int k = sendmmsg(io->fd, io->dg_out_msg + io->dg_sent, (unsigned)(io->dg_out - io->dg_sent),
+                         MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (k > 0) {
+            io->dg_sent += k;
+            io->writes++;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS))
+            return 1;
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && errno == ECONNREFUSED) { /* the peer's port is closed (ICMP): it is gone */
+            io->refused++;
+            io->eof = 1;
+        }
+        return -1;
+    }
+    io->dg_out = io->dg_sent = 0;
+    io->out_n = 0;
+    return 0;
+}
+
 /* write what is gathered; 0 all written, 1 some left (the socket is full), -1 the peer is gone */
 static int io_flush(Io *io) {
+    if (io->kind == IO_DGRAM)
+        return io->dg_out ? dg_flush(io) : 0;
     if (io->kind != IO_FD || io->out_sent == io->out_n)
         return 0;
     while (io->out_sent < io->out_n) {
@@ -283,6 +476,30 @@ static int io_flush(Io *io) {
 static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
     if (io->kind == IO_RING)
         return RAPI->send(io->tx, p1, n1, p2, n2);
+    if (io->kind == IO_DGRAM) {
+        uint64_t n = n1 + n2;
+        if (n > DG_MAX - 29) /* (65,507: an IPv4 datagram's most) */
+            return QLINK_RING_TOO_BIG;
+        if (io->eof)
+            return QLINK_RING_PEER_CLOSED;
+        if (io->dg_out == DG_SLOTS || io->out_n + n > IO_OUT_NBYTES) {
+            int rc = dg_flush(io);
+            if (rc < 0)
+                return QLINK_RING_PEER_CLOSED;
+            if (rc > 0)
+                return QLINK_RING_FULL; /* (the batch stays whole: sent on the next flush) */
+        }
+        uint8_t *h = io->out + io->out_n;
+        if (n1)
+            memcpy(h, p1, n1);
+        if (n2)
+            memcpy(h + n1, p2, n2);
+        io->dg_out_iov[io->dg_out].iov_base = h;
+        io->dg_out_iov[io->dg_out].iov_len = n;
+        io->dg_out++;
+        io->out_n += n;
+        return QLINK_RING_SENT;
+    }
     uint64_t need = 32 + n1 + n2;
     if (need > IO_OUT_NBYTES)
         return QLINK_RING_TOO_BIG;
@@ -312,9 +529,55 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
 }
 
 /* the frame at the head of the input: a peek code, or IO_CLOSED (peer gone, EOF or BYE) */
+static int dg_peek(Io *io, const uint8_t **data, uint32_t *n) {
+    if (io->pre_r < io->pre_n) {
+        *data = io->pre + io->pre_off[io->pre_r];
+        *n = (uint32_t)io->pre_len[io->pre_r];
+        return QLINK_RING_MSG;
+    }
+    for (;;) {
+        if (io->dg_r < io->dg_n) {
+            int i = io->dg_r;
+            if (io->has_peer && !addr_eq(&io->dg_in_addr[i], io->dg_in_msg[i].msg_hdr.msg_namelen, &io->peer)) {
+                io->foreign++; /* another sender's datagram on a listener's socket: not ours, counted */
+                io->dg_r++;
+                continue;
+            }
+            *data = io->in + (size_t)i * DG_MAX;
+            *n = io->dg_in_msg[i].msg_len;
+            return QLINK_RING_MSG;
+        }
+        if (io->eof)
+            return IO_CLOSED;
+        int ns = io->dg_nslots < DG_SLOTS ? io->dg_nslots : DG_SLOTS;
+        for (int i = 0; i < ns; i++) {
+            struct msghdr *h = &io->dg_in_msg[i].msg_hdr;
+            h->msg_name = io->has_peer ? &io->dg_in_addr[i] : NULL;
+            h->msg_namelen = io->has_peer ? sizeof(struct sockaddr_storage) : 0;
+            h->msg_flags = 0;
+        }
+        int k = recvmmsg(io->fd, io->dg_in_msg, (unsigned)ns, MSG_DONTWAIT, NULL);
+        if (k > 0) {
+            io->dg_n = k;
+            io->dg_r = 0;
+            io->reads++;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return QLINK_RING_EMPTY;
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && errno == ECONNREFUSED) /* the peer's port is closed (ICMP): it is gone */
+            io->refused++;
+        io->eof = 1;
+    }
+}
+
 static int io_peek(Io *io, const uint8_t **data, uint32_t *n) {
     if (io->kind == IO_RING)
         return RAPI->peek(io->rx, data, n);
+    if (io->kind == IO_DGRAM)
+        return dg_peek(io, data, n);
     for (;;) {
         size_t avail = io->in_w - io->in_r;
         if (avail >= 32) {
@@ -371,6 +634,13 @@ static void io_consume(Io *io) {
         RAPI->consume(io->rx);
         return;
     }
+    if (io->kind == IO_DGRAM) {
+        if (io->pre_r < io->pre_n)
+            io->pre_r++;
+        else
+            io->dg_r++;
+        return;
+    }
     uint64_t nb;
     memcpy(&nb, io->in + io->in_r + 8, 8);
     io->in_r += 32 + nb;
@@ -386,6 +656,14 @@ static int io_peer_closed(Io *io) {
 static uint64_t io_queued(Io *io) {
     if (io->kind == IO_RING)
         return RAPI->queued_nbytes(io->rx);
+    if (io->kind == IO_DGRAM) {
+        uint64_t q = 0;
+        for (int i = io->pre_r; i < io->pre_n; i++)
+            q += io->pre_len[i];
+        for (int i = io->dg_r; i < io->dg_n; i++)
+            q += io->dg_in_msg[i].msg_len;
+        return q;
+    }
     return io->in_w - io->in_r;
 }
 
@@ -416,7 +694,7 @@ enum {
     C_NOT_READY, C_SHOTS_DROPPED, C_FRAMES_LOST, C_FRAMES_DISCARDED, C_SHOTS_REFUSED_BUSY, C_DECODER_FAILED,
     C_F_SHORT_FRAME, C_F_BAD_MAGIC, C_F_LENGTH, C_F_UNKNOWN_FUNCTION, C_F_DECODER_NOT_CONFIGURED,
     C_F_DECODER_ID, C_F_MAPPING_ID, C_F_SYNDROME_COUNT, C_F_COUNTER_BACKWARDS, C_F_COUNTER_GAP, C_F_RETURN_SIZE,
-    C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_N
+    C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_REPLAYED, C_WINDOWS, C_N
 };
 static const char *count_names[C_N] = {
     "requests", "enqueue", "get_corrections", "reset_decoder", "shots_completed", "shots_decoded", "decode_calls",
@@ -424,13 +702,40 @@ static const char *count_names[C_N] = {
     "decoder_failed", "fault.short_frame", "fault.bad_magic", "fault.length", "fault.unknown_function",
     "fault.decoder_not_configured", "fault.decoder_id", "fault.syndrome_mapping_id", "fault.syndrome_count",
     "fault.counter_backwards", "fault.counter_gap", "fault.return_size", "fault.answer_blocked",
-    "fault.layout_mismatch", "slow_path_frames",
+    "fault.layout_mismatch", "slow_path_frames", "get_corrections_replayed", "windows_decoded",
 };
 
 #define CALL_FIRED 0  /* fn(indices of the fired detectors, uint64) -> observable flips, one byte each */
 #define CALL_PACKED 1 /* fn(bit_packed_detection_event_data=(1, nbd) uint8) -> (1, nbo) packed flips */
 
 #define SVC_FIELDS 11 /* qlink.qec.timeline.SERVICE_SHOT_FIELDS */
+
+/* Sliding-window decoding with commit (qlink.qec.decoders.SlidingWindowDecoder, fed as the
+ * rounds land): a shot is one long experiment; each window is matched the moment its last
+ * round lands (one call of its compiled matcher on the fired detectors), the edges of its
+ * commit region are committed (observables into the shot's correction, detectors they flip
+ * into the buffer), and the buffer slides by the commit region. */
+#define WIN_MAX_COMPILED 32
+typedef struct {
+    PyObject *fn, *views; /* the matcher's call on fired indices; views of idx of lengths 0..n */
+    uint64_t *idx;
+    int64_t n, ncommit, k; /* detectors matched, detectors committed, committed edges (fault ids) */
+    const uint64_t *obsmask; /* k: observables each committed edge flips */
+    const int64_t *fptr, *ftgt; /* k + 1, and: the detectors (relative to the window) each flips */
+} WinCompiled;
+
+typedef struct {
+    PyObject *keep; /* the plan tuple: holds every array borrowed below */
+    const int64_t *rptr; /* R + 1 */
+    const uint8_t *wid;  /* the compiled window of each window, in order */
+    int64_t R, nwin, W, C, cap;
+    WinCompiled cw[WIN_MAX_COMPILED];
+    int ncw;
+    uint8_t *buf; /* cap detectors, one byte each */
+    int64_t t, pushed, filled, widx, t0, t1;
+    uint64_t obs;
+    int failed;
+} WinState;
 
 typedef struct {
     int configured;
@@ -462,6 +767,7 @@ typedef struct {
     uint8_t *pend_data;
     /* the frame that completed the current shot */
     int64_t last_rid, last_ptp;
+    WinState *win; /* sliding windows (a long experiment), or NULL */
 } SvcDecoder;
 
 #define DEFER_MAX 256
@@ -473,9 +779,25 @@ typedef struct {
     int64_t ptp;
 } DeferredGet;
 
+/* Over datagrams (a lossy link) the answer of every consuming get (NOT_READY included) is
+ * kept a while, at the slot of its request_id: the very same request again (its request_id
+ * and ptp_timestamp: the controller asks again when no answer came) gets the same answer
+ * once more and consumes nothing, so asking again never consumes a second shot. */
+#define KEEP_N 16384 /* (request ids go up one by one: a slot is reused 16,384 asks later) */
+#define KEEP_BYTES 64
+typedef struct {
+    int did, used;
+    int32_t status;
+    uint32_t rid, nres;
+    int64_t ptp;
+    uint8_t res[KEEP_BYTES];
+} KeptAnswer;
+
 typedef struct {
     PyObject_HEAD
     Io io;
+    KeptAnswer *kept; /* KEEP_N, datagram links only */
+    uint64_t n_kept;
     int ack; /* 0 none, 1 errors, 2 all */
     DeferredGet defer[DEFER_MAX];
     int n_defer;
@@ -493,7 +815,122 @@ typedef struct {
     int64_t max_batch; /* decode once this many wait, even with frames still queued */
 } ServiceCore;
 
+static void win_free(WinState *w) {
+    if (w == NULL)
+        return;
+    Py_CLEAR(w->keep);
+    PyMem_Free(w->buf);
+    PyMem_Free(w);
+}
+
+static void win_reset(WinState *w) {
+    memset(w->buf, 0, (size_t)w->cap);
+    w->t = w->pushed = w->filled = w->widx = 0;
+    w->obs = 0;
+    w->failed = 0;
+}
+
+static int borrow(PyObject *obj, Py_ssize_t itemsize, Py_ssize_t min_items, const void **out, const char *name) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    Py_ssize_t len = b.len;
+    *out = b.buf;
+    PyBuffer_Release(&b); /* (the plan tuple keeps the array alive) */
+    if (len < itemsize * min_items) {
+        PyErr_Format(PyExc_ValueError, "window plan: %s holds %zd bytes, needs %zd", name, len, itemsize * min_items);
+        return -1;
+    }
+    return 0;
+}
+
+/* plan: (round_ptr int64 (R+1), window ids uint8 (nwin), W, C, buffer detectors,
+ *        ((fn, views, idx, n, ncommit, k, obsmask uint64 (k), flip_ptr int64 (k+1), flip_targets int64), ...)) */
+static WinState *win_new(PyObject *plan, int64_t num_det, int64_t num_obs) {
+    PyObject *rptr, *wid, *cws;
+    long long W, C, cap;
+    if (!PyArg_ParseTuple(plan, "OOLLLO!", &rptr, &wid, &W, &C, &cap, &PyTuple_Type, &cws))
+        return NULL;
+    if (num_obs > 64) {
+        PyErr_SetString(PyExc_ValueError, "window plan: at most 64 observables");
+        return NULL;
+    }
+    WinState *w = PyMem_Calloc(1, sizeof(WinState));
+    if (w == NULL)
+        return (WinState *)PyErr_NoMemory();
+    Py_INCREF(plan);
+    w->keep = plan;
+    Py_buffer b;
+    if (PyObject_GetBuffer(rptr, &b, PyBUF_C_CONTIGUOUS) < 0)
+        goto fail;
+    w->rptr = b.buf;
+    w->R = b.len / 8 - 1;
+    PyBuffer_Release(&b);
+    if (PyObject_GetBuffer(wid, &b, PyBUF_C_CONTIGUOUS) < 0)
+        goto fail;
+    w->wid = b.buf;
+    w->nwin = b.len;
+    PyBuffer_Release(&b);
+    w->W = W;
+    w->C = C;
+    w->cap = cap;
+    if (w->R < 1 || W < 1 || C < 1 || C > W || cap < 1 || w->rptr[w->R] != num_det) {
+        PyErr_Format(PyExc_ValueError, "window plan: bad shape (rounds %lld, W %lld, C %lld, buffer %lld; its "
+                     "detectors %lld, the decoder's %lld)", (long long)w->R, W, C, cap, (long long)w->rptr[w->R],
+                     (long long)num_det);
+        goto fail;
+    }
+    w->ncw = (int)PyTuple_GET_SIZE(cws);
+    if (w->ncw > WIN_MAX_COMPILED) {
+        PyErr_SetString(PyExc_ValueError, "window plan: too many compiled windows");
+        goto fail;
+    }
+    for (int64_t i = 0; i < w->nwin; i++)
+        if (w->wid[i] >= w->ncw) {
+            PyErr_SetString(PyExc_ValueError, "window plan: a window names no compiled window");
+            goto fail;
+        }
+    for (int i = 0; i < w->ncw; i++) {
+        WinCompiled *c = &w->cw[i];
+        PyObject *om, *fp, *ft, *idx;
+        long long n, nc, k;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(cws, i), "OOOLLLOOO", &c->fn, &c->views, &idx, &n, &nc, &k, &om, &fp,
+                              &ft))
+            goto fail;
+        c->n = n;
+        c->ncommit = nc;
+        c->k = k;
+        if (n < 0 || n > cap || nc < 0 || nc > n || k < 0 || (k > 0 && (!PyCallable_Check(c->fn) ||
+            !PyTuple_Check(c->views) || PyTuple_GET_SIZE(c->views) != n + 1))) {
+            PyErr_SetString(PyExc_ValueError, "window plan: a compiled window has a bad shape");
+            goto fail;
+        }
+        if (k > 0 && (borrow(idx, 8, n, (const void **)&c->idx, "idx") ||
+                      borrow(om, 8, k, (const void **)&c->obsmask, "obsmask") ||
+                      borrow(fp, 8, k + 1, (const void **)&c->fptr, "flip_ptr") ||
+                      borrow(ft, 8, c->fptr[k], (const void **)&c->ftgt, "flip_targets")))
+            goto fail;
+        for (int64_t q = 0; k > 0 && q < c->fptr[k]; q++)
+            if (c->ftgt[q] < 0 || c->ftgt[q] >= cap) {
+                PyErr_SetString(PyExc_ValueError, "window plan: a committed edge flips a detector past the buffer");
+                goto fail;
+            }
+    }
+    w->buf = PyMem_Calloc((size_t)cap + 8, 1);
+    if (w->buf == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    win_reset(w);
+    return w;
+fail:
+    win_free(w);
+    return NULL;
+}
+
 static void dec_free(SvcDecoder *d) {
+    win_free(d->win);
+    d->win = NULL;
     Py_CLEAR(d->fn);
     Py_CLEAR(d->views);
     Py_CLEAR(d->row);
@@ -508,6 +945,8 @@ static void dec_free(SvcDecoder *d) {
 }
 
 static void dec_reset(SvcDecoder *d) {
+    if (d->win)
+        win_reset(d->win);
     d->filled = d->pos = 0;
     d->filling = 0;
     d->has_counter = 0;
@@ -540,6 +979,8 @@ static int svc_clear(ServiceCore *s) {
     }
     Py_CLEAR(s->kw_packed);
     Py_CLEAR(s->first_error);
+    PyMem_Free(s->kept);
+    s->kept = NULL;
     return 0;
 }
 
@@ -553,9 +994,9 @@ static void svc_dealloc(ServiceCore *s) {
  * frames_per_shot, capacity_shots, index_array_or_None, row_array_or_None, views_or_None) */
 static int svc_add_decoder(ServiceCore *s, PyObject *t) {
     long long id, nd, no, kind, fps, cap;
-    PyObject *fn, *idx_arr, *row_arr, *views, *batch_fn = Py_None, *pend = Py_None;
-    if (!PyArg_ParseTuple(t, "LLLOLLLOOO|OO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views,
-                          &batch_fn, &pend))
+    PyObject *fn, *idx_arr, *row_arr, *views, *batch_fn = Py_None, *pend = Py_None, *plan = Py_None;
+    if (!PyArg_ParseTuple(t, "LLLOLLLOOO|OOO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views,
+                          &batch_fn, &pend, &plan))
         return -1;
     if (id < 0 || id >= W.max_decoders || id >= 64) {
         PyErr_Format(PyExc_ValueError, "decoder_id %lld is out of range 0..%d", id, W.max_decoders - 1);
@@ -566,7 +1007,7 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
         PyErr_Format(PyExc_ValueError, "decoder_id %lld is configured twice", id);
         return -1;
     }
-    if (nd < 1 || nd > W.max_bits || no < 0 || no > 8 * 4096 || cap < 1 || fps < 0 || !PyCallable_Check(fn) ||
+    if (nd < 1 || (nd > W.max_bits && plan == Py_None) || no < 0 || no > 8 * 4096 || cap < 1 || fps < 0 || !PyCallable_Check(fn) ||
         (kind != CALL_FIRED && kind != CALL_PACKED)) {
         PyErr_Format(PyExc_ValueError, "decoder %lld: bad shape (detectors %lld, observables %lld, capacity %lld, "
                      "frames per shot %lld, call kind %lld) or decode function", id, nd, no, cap, fps, kind);
@@ -643,6 +1084,11 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
         d->batch_fn = batch_fn;
         d->pend = pend;
     }
+    if (plan != Py_None) {
+        d->win = win_new(plan, nd, no);
+        if (d->win == NULL)
+            return -1;
+    }
     d->configured = 1;
     dec_reset(d);
     return 0;
@@ -691,6 +1137,14 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     s->t_ready = mono_ns();
     s->pending = 0;
     s->n_defer = 0;
+    s->n_kept = 0;
+    if (s->io.kind == IO_DGRAM) {
+        s->kept = PyMem_Calloc(KEEP_N, sizeof(KeptAnswer));
+        if (s->kept == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
     s->max_batch = max_batch < 1 ? 1 : max_batch;
     return 0;
 }
@@ -962,6 +1416,189 @@ static inline void append_bits(SvcDecoder *d, const uint8_t *src, int64_t n) {
     d->filled = f + n;
 }
 
+/* ----- sliding windows */
+
+/* match one window and commit its commit region; 0 ok, -1 the matcher failed (counted) */
+static int win_decode(ServiceCore *s, WinState *w, WinCompiled *c) {
+    int rc = 0;
+    uint8_t *buf = w->buf;
+    if (c->k > 0) {
+        int64_t k = 0;
+        for (int64_t i = 0; i < c->n; i++)
+            if (buf[i])
+                c->idx[k++] = (uint64_t)i;
+        PyObject *view = PyTuple_GET_ITEM(c->views, k);
+        PyObject *res = PyObject_Vectorcall(c->fn, &view, 1, NULL);
+        s->counts[C_DECODE_CALLS]++;
+        if (res == NULL) {
+            note_failure(s);
+            rc = -1;
+        } else {
+            PyObject *arr = (PyTuple_Check(res) && PyTuple_GET_SIZE(res) >= 1) ? PyTuple_GET_ITEM(res, 0) : res;
+            Py_buffer b;
+            if (PyObject_GetBuffer(arr, &b, PyBUF_C_CONTIGUOUS) < 0) {
+                note_failure(s);
+                rc = -1;
+            } else {
+                Py_ssize_t step = b.itemsize > 0 ? b.itemsize : 1;
+                if (b.len / step < c->k) {
+                    rc = -1;
+                    if (s->first_error == NULL)
+                        s->first_error = PyUnicode_FromString("a window's matcher returned fewer fault ids than it has");
+                } else {
+                    const uint8_t *m = (const uint8_t *)b.buf;
+                    for (int64_t j = 0; j < c->k; j++)
+                        if (m[j * step]) {
+                            w->obs ^= c->obsmask[j];
+                            for (int64_t q = c->fptr[j]; q < c->fptr[j + 1]; q++)
+                                buf[c->ftgt[q]] ^= 1;
+                        }
+                }
+                PyBuffer_Release(&b);
+            }
+            Py_DECREF(res);
+        }
+    }
+    int64_t sh = c->ncommit;
+    if (sh > 0) {
+        memmove(buf, buf + sh, (size_t)(w->cap - sh));
+        memset(buf + w->cap - sh, 0, (size_t)sh);
+    }
+    s->counts[C_WINDOWS]++;
+    return rc;
+}
+
+/* the windows whose last round has landed (as SlidingWindowDecoder.push_round) */
+static void win_advance(ServiceCore *s, WinState *w) {
+    while (w->t < w->R) {
+        int64_t end = w->t + w->W;
+        if (end >= w->R && w->pushed < w->R)
+            break;
+        if (end < w->R && w->pushed < end)
+            break;
+        if (w->widx >= w->nwin) { /* (the plan is shorter than the experiment: refused at build) */
+            w->failed = 1;
+            w->t = w->R;
+            break;
+        }
+        w->t0 = mono_ns();
+        if (win_decode(s, w, &w->cw[w->wid[w->widx++]]) < 0)
+            w->failed = 1;
+        w->t1 = mono_ns();
+        w->t = end >= w->R ? w->R : w->t + w->C;
+    }
+}
+
+/* a long experiment's last window committed: its correction is the shot's answer */
+static void svc_complete_win(ServiceCore *s, SvcDecoder *d, uint32_t rid, int64_t ptp, int64_t t_in,
+                             int64_t *status_out) {
+    WinState *w = d->win;
+    s->counts[C_SHOTS_COMPLETED]++;
+    if ((int64_t)(d->tail - d->head) >= d->cap) {
+        s->counts[C_SHOTS_REFUSED_BUSY]++;
+        s->counts[C_SHOTS_DROPPED]++;
+        d->pending_drops++;
+        *status_out = W.st_busy;
+        return;
+    }
+    int64_t slot = (int64_t)(d->tail % (uint64_t)d->cap);
+    d->drops_before[slot] = d->pending_drops;
+    d->pending_drops = 0;
+    if (t_in == 0)
+        t_in = w->t0;
+    int64_t *r = d->rec + slot * SVC_FIELDS;
+    r[0] = rid;
+    r[1] = ptp;
+    r[2] = t_in;
+    r[3] = t_in;
+    r[4] = w->t0; /* the last window's match */
+    r[5] = w->t1;
+    r[6] = 0;
+    r[7] = 1;
+    r[8] = 0;
+    r[9] = 1;
+    r[10] = s->t_ready ? s->t_ready : t_in;
+    uint8_t *o = d->obs + slot * d->nbo;
+    memset(o, 0, (size_t)d->nbo);
+    for (int64_t i = 0; i < d->num_obs; i++)
+        if ((w->obs >> i) & 1)
+            o[i >> 3] |= (uint8_t)(1u << (i & 7));
+    d->failed[slot] = (int8_t)w->failed;
+    s->counts[w->failed ? C_DECODER_FAILED : C_SHOTS_DECODED]++;
+    d->tail++;
+    d->decoded = d->tail;
+}
+
+/* a frame of a long experiment: its bits go into the window buffer round by round, each
+ * window matched as its last round lands */
+static void win_enqueue(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, int64_t n, int64_t gap, int64_t counter,
+                        uint32_t rid, int64_t ptp, int64_t t_in) {
+    WinState *w = d->win;
+    int64_t filled = (gap || !d->filling) ? 0 : w->filled;
+    if (filled + n > d->num_det)
+        return svc_refuse(s, C_F_SYNDROME_COUNT, W.st_bad, rid, ptp);
+    if (gap) {
+        svc_lose(s, d, gap);
+        win_reset(w);
+    }
+    d->next_counter = counter + 1;
+    d->has_counter = 1;
+    int64_t F = d->frames_per_shot;
+    if (d->discard > 0) {
+        d->discard--;
+        s->counts[C_FRAMES_DISCARDED]++;
+        if (F > 0)
+            d->pos = (d->pos + 1) % F;
+        if (s->ack == 2)
+            svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
+        return;
+    }
+    if (!d->filling) {
+        win_reset(w);
+        d->filling = 1;
+        d->pos = 0;
+    }
+    d->pos++;
+    int64_t i = 0;
+    for (;;) {
+        while (w->pushed < w->R && w->rptr[w->pushed + 1] == w->filled) { /* a round complete */
+            w->pushed++;
+            win_advance(s, w);
+        }
+        if (i >= n || w->pushed >= w->R)
+            break;
+        int64_t m = w->rptr[w->pushed + 1] - w->filled; /* the rest of this round */
+        if (m > n - i)
+            m = n - i;
+        int64_t off = w->filled - w->rptr[w->t];
+        if (off < 0 || off + m > w->cap) { /* (cannot happen with a plan from SlidingWindowDecoder) */
+            w->failed = 1;
+        } else {
+            uint8_t *b = w->buf + off;
+            for (int64_t j = 0; j < m; j++) {
+                int64_t bit = i + j;
+                b[j] ^= (uint8_t)((bits[bit >> 3] >> (bit & 7)) & 1);
+            }
+        }
+        i += m;
+        w->filled += m;
+    }
+    int64_t status = W.st_ok;
+    if (w->t >= w->R && w->pushed >= w->R) {
+        d->filling = 0;
+        if (F > 0 && d->pos != F)
+            s->counts[C_F_LAYOUT_MISMATCH]++;
+        d->pos = 0;
+        svc_complete_win(s, d, rid, ptp, t_in, &status);
+    }
+    if (status != W.st_ok) {
+        if (s->ack >= 1)
+            svc_answer(s, (int32_t)status, rid, ptp, NULL, 0);
+    } else if (s->ack == 2) {
+        svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
+    }
+}
+
 static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp, int64_t t_in) {
     s->counts[C_ENQUEUE]++;
     if (arg_len < W.enq_fixed)
@@ -985,6 +1622,8 @@ static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint
         gap = counter - d->next_counter;
     }
     const uint8_t *bits = p + W.enq_fixed;
+    if (d->win)
+        return win_enqueue(s, d, bits, n, gap, counter, rid, ptp, t_in);
     int64_t nd = d->num_det;
     int64_t filled = (gap || !d->filling) ? 0 : d->filled;
     int whole = 0;
@@ -1075,15 +1714,46 @@ static void svc_record(ServiceCore *s, SvcDecoder *d, int64_t slot, int32_t stat
     s->row_n++;
 }
 
+static void svc_keep(ServiceCore *s, int did, int32_t status, uint32_t rid, int64_t ptp, const uint8_t *res,
+                     uint32_t nres) {
+    if (s->kept == NULL || nres > KEEP_BYTES)
+        return;
+    KeptAnswer *k = &s->kept[rid % KEEP_N];
+    s->n_kept++;
+    k->used = 1;
+    k->did = did;
+    k->status = status;
+    k->rid = rid;
+    k->ptp = ptp;
+    k->nres = nres;
+    if (nres)
+        memcpy(k->res, res, nres);
+}
+
+/* the very same consuming get again (or a peek with its request_id): its kept answer, 1; else 0 */
+static int svc_replay(ServiceCore *s, int did, int consume, uint32_t rid, int64_t ptp) {
+    KeptAnswer *k = &s->kept[rid % KEEP_N];
+    if (k->used && k->rid == rid && k->did == did && (!consume || k->ptp == ptp)) {
+        s->counts[C_REPLAYED]++;
+        svc_answer(s, k->status, rid, ptp, k->res, k->nres);
+        return 1;
+    }
+    return 0;
+}
+
 static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, uint32_t rid, int64_t ptp) {
     if (d->head == d->tail) {
         if (d->pending_drops > 0) { /* dropped shots with nothing after them yet */
-            if (consume)
+            if (consume) {
                 d->pending_drops--;
+                svc_keep(s, (int)(d - s->dec), W.st_dropped, rid, ptp, NULL, 0);
+            }
             svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
             return;
         }
         s->counts[C_NOT_READY]++;
+        if (consume)
+            svc_keep(s, (int)(d - s->dec), W.st_not_ready, rid, ptp, NULL, 0);
         svc_answer(s, W.st_not_ready, rid, ptp, NULL, 0);
         return;
     }
@@ -1091,14 +1761,18 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
         svc_flush_decoder(s, d);
     int64_t slot = (int64_t)(d->head % (uint64_t)d->cap);
     if (d->drops_before[slot] > 0) {
-        if (consume)
+        if (consume) {
             d->drops_before[slot]--;
+            svc_keep(s, (int)(d - s->dec), W.st_dropped, rid, ptp, NULL, 0);
+        }
         svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
         return;
     }
     if (d->failed[slot]) {
-        if (consume)
+        if (consume) {
             d->head++;
+            svc_keep(s, (int)(d - s->dec), W.st_internal, rid, ptp, NULL, 0);
+        }
         svc_answer(s, W.st_internal, rid, ptp, NULL, 0);
         if (consume)
             svc_record(s, d, slot, W.st_internal, mono_ns());
@@ -1109,8 +1783,10 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
     memcpy(out, d->obs + slot * d->nbo, nres);
     if (rs & 7)
         out[nres - 1] &= (uint8_t)((1u << (rs & 7)) - 1);
-    if (consume)
+    if (consume) {
         d->head++;
+        svc_keep(s, (int)(d - s->dec), W.st_ok, rid, ptp, out, nres);
+    }
     svc_answer(s, W.st_ok, rid, ptp, out, nres);
     if (consume)
         svc_record(s, d, slot, W.st_ok, mono_ns());
@@ -1121,6 +1797,9 @@ static void svc_settle(ServiceCore *s) {
     svc_flush(s);
     for (int i = 0; i < s->n_defer; i++) {
         DeferredGet *g = &s->defer[i];
+        /* (over datagrams a get held back may be a request sent again: answered as the first) */
+        if (s->kept != NULL && s->n_kept && svc_replay(s, g->did, g->consume, g->rid, g->ptp))
+            continue;
         svc_get_now(s, &s->dec[g->did], g->rs, g->consume, g->rid, g->ptp);
     }
     s->n_defer = 0;
@@ -1139,6 +1818,8 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
         return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
     if (rs < 1 || rs > d->num_obs || rs > W.max_corr_bits)
         return svc_refuse(s, C_F_RETURN_SIZE, W.st_bad, rid, ptp);
+    if (s->kept != NULL && s->n_kept && svc_replay(s, (int)did, consume, rid, ptp))
+        return;
     /* The oldest shot still waits for the decoder (or earlier gets wait): hold this get back
      * while frames are still queued, so the waiting shots go to the decoder in one call. The
      * run loop decodes and answers as soon as nothing else waits (at once in lock-step). */
@@ -1216,6 +1897,8 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
     PyThreadState *ts = NULL;
     unsigned spins = 1;
     int code;
+    uint64_t busy_frames = 0;
+    int64_t t_yield = t_idle0;
     s->t_ready = t_idle0;
     for (;;) {
         const uint8_t *data;
@@ -1236,6 +1919,14 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             spins = 0;
             svc_handle(s, data, n, t_in);
             io_consume(&s->io);
+            if ((++busy_frames & 255) == 0) { /* busy a long while: let a thread waiting for the GIL in */
+                int64_t now = mono_ns();
+                if (now - t_yield > 1000000) {
+                    t_yield = now;
+                    PyThreadState *y = PyEval_SaveThread();
+                    PyEval_RestoreThread(y);
+                }
+            }
             if (s->pending > 0 || s->n_defer > 0) {
                 /* Decode now when nothing else waits, or only the get that asks for it (the
                  * service is not behind: that get is then answered at once), or enough shots
@@ -1410,6 +2101,11 @@ typedef struct {
     uint8_t pauli[4096];
     int started, done;
     int64_t t_end, statuses[8], real_off;
+    /* each shot's latest get: its request id, ptp stamp and send time (an answer is matched
+     * to it; over datagrams it is sent again, the very same, when no answer came in time) */
+    int64_t *get_rid_of, *get_ptp_of, *get_t_of;
+    int64_t get_timeout_ns, resends, stale;
+    int64_t get_owed; /* shot + 1 whose get could not be sent yet (the ring stayed full), or 0 */
 } ControllerCore;
 
 static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
@@ -1430,6 +2126,10 @@ static int ctl_clear(ControllerCore *c) {
         PyBuffer_Release(&c->backlog);
         c->has_backlog = 0;
     }
+    PyMem_Free(c->get_rid_of);
+    PyMem_Free(c->get_ptp_of);
+    PyMem_Free(c->get_t_of);
+    c->get_rid_of = c->get_ptp_of = c->get_t_of = NULL;
     return 0;
 }
 
@@ -1455,18 +2155,18 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     PyObject *link, *frames, *offs, *lens, *last_round, *get_frame, *rows, *corr, *lag = Py_None,
         *backlog = Py_None;
     long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
-    long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0;
+    long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0, get_timeout_ns = 50000000;
     static char *kwlist[] = {"link", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
                              "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
                              "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
                              "request_id_start", "get_request_id_start", "late_ns", "lag", "backlog",
-                             "backlog_every", NULL};
+                             "backlog_every", "get_timeout_ns", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOL:ControllerCore", kwlist, &link,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLL:ControllerCore", kwlist, &link,
                                      &frames, &offs, &lens, &last_round, &get_frame, &rows, &corr, &S, &F, &R, &nbo,
                                      &cycle_ns, &gap_cycles, &lockstep, &stall_ns, &deadline_ns, &counter, &rid,
-                                     &get_rid, &late_ns, &lag, &backlog, &backlog_every))
+                                     &get_rid, &late_ns, &lag, &backlog, &backlog_every, &get_timeout_ns))
         return -1;
     if (S < 1 || F < 1 || R < 1 || nbo < 1 || nbo > 4096 || cycle_ns < 1 || gap_cycles < 0) {
         PyErr_SetString(PyExc_ValueError, "num_shots, frames_per_shot, rounds_per_shot, cycle_ns must be >= 1, "
@@ -1518,19 +2218,35 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     memset(c->statuses, 0, sizeof(c->statuses));
     c->started = c->done = 0;
     memset(c->rows.buf, 0, (size_t)(8 * CTL_FIELDS * S));
+    c->get_rid_of = PyMem_Calloc((size_t)S, 8);
+    c->get_ptp_of = PyMem_Calloc((size_t)S, 8);
+    c->get_t_of = PyMem_Calloc((size_t)S, 8);
+    if (!c->get_rid_of || !c->get_ptp_of || !c->get_t_of) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->get_timeout_ns = get_timeout_ns > 0 ? get_timeout_ns : 50000000;
+    c->resends = c->stale = 0;
+    c->get_owed = 0;
     return 0;
 }
 
 static inline int64_t *ctl_row(ControllerCore *c, int64_t s) { return (int64_t *)c->rows.buf + s * CTL_FIELDS; }
 
-/* send a message, waiting while the ring is full; 0 sent, -1 peer gone / released */
+/* send a message, waiting while the ring is full; 0 sent, -1 peer gone / released, -2 still
+ * full after stall_ns (nothing sent: the caller returns to Python, which looks at the peer --
+ * a killed peer cannot mark its ring closed -- and calls run() again) */
 static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
     int rc = io_send(&c->io, p, n, NULL, 0);
     if (rc == QLINK_RING_FULL) {
         c->full_waits++;
+        int64_t t0 = mono_ns();
+        unsigned k = 0;
         while (rc == QLINK_RING_FULL) {
             if (io_peer_closed(&c->io) || io_flush(&c->io) < 0)
                 return -1;
+            if ((++k & 255) == 0 && mono_ns() - t0 > c->stall_ns)
+                return -2;
             CPU_RELAX();
             rc = io_send(&c->io, p, n, NULL, 0);
         }
@@ -1548,6 +2264,25 @@ static int ctl_send_get(ControllerCore *c, int64_t s) {
     if (r[K_POLLS] == 0)
         r[K_GET] = t;
     r[K_POLLS]++;
+    c->get_rid_of[s] = rid;
+    c->get_ptp_of[s] = t + c->real_off;
+    c->get_t_of[s] = t;
+    int rc = ctl_send(c, g, W.hdr + W.get_payload);
+    if (rc == -2) { /* not sent: owed, sent first when run() is called again */
+        c->get_rid--;
+        r[K_POLLS]--;
+        c->get_owed = s + 1;
+    }
+    return rc;
+}
+
+/* the oldest unanswered get once more, the very same bytes (a datagram may have been lost) */
+static int ctl_resend_get(ControllerCore *c, int64_t s, int64_t now) {
+    uint8_t *g = c->get_frame.buf;
+    wr32(g + 12, (uint32_t)c->get_rid_of[s]);
+    wr64(g + 16, c->get_ptp_of[s]);
+    c->get_t_of[s] = now;
+    c->resends++;
     return ctl_send(c, g, W.hdr + W.get_payload);
 }
 
@@ -1573,6 +2308,10 @@ static int ctl_take_answer(ControllerCore *c, const uint8_t *a, uint32_t n, int6
         return 0;
     }
     int64_t s = c->s_ans;
+    if ((uint32_t)c->get_rid_of[s] != rid) { /* an answer to an earlier ask (asked again since): not this one */
+        c->stale++;
+        return 0;
+    }
     int64_t *r = ctl_row(c, s);
     if (status == W.st_not_ready) { /* ask again */
         c->reasks++;
@@ -1643,6 +2382,19 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
     int64_t now = t_call;
     for (;;) {
         int progress = 0;
+        if (c->get_owed) {
+            int64_t s = c->get_owed - 1;
+            c->get_owed = 0;
+            int rc = ctl_send_get(c, s);
+            if (rc == -2) {
+                code = 1;
+                break;
+            }
+            if (rc < 0) {
+                code = -1;
+                break;
+            }
+        }
         int can_emit = c->s_emit < S && (!c->lockstep || c->s_ans == c->s_emit);
         /* the clock is read where a tick may be due, and every 32 idle polls otherwise */
         if (can_emit || (idle & 31) == 0)
@@ -1662,7 +2414,14 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 wr32(fr + 12, rid);
                 wr64(fr + 16, now + c->real_off);
                 wr64(fr + W.hdr + 8, c->counter++);
-                if (ctl_send(c, fr, (uint32_t)lens[i]) < 0) {
+                int src = ctl_send(c, fr, (uint32_t)lens[i]);
+                if (src == -2) { /* not sent: emitted again when run() is called again */
+                    c->rid--;
+                    c->counter--;
+                    code = 1;
+                    break;
+                }
+                if (src < 0) {
                     code = -1;
                     break;
                 }
@@ -1686,7 +2445,12 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                     r[K_STATUS] = -1;
                     c->s_emit++;
                     c->f_emit = 0;
-                    if (ctl_send_get(c, s) < 0) {
+                    int grc = ctl_send_get(c, s);
+                    if (grc == -2) { /* (owed: sent first on the next call) */
+                        code = 1;
+                        break;
+                    }
+                    if (grc < 0) {
                         code = -1;
                         break;
                     }
@@ -1753,6 +2517,11 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 code = -1;
                 break;
             }
+            if (c->io.kind == IO_DGRAM && c->s_ans < c->s_emit && now - c->get_t_of[c->s_ans] > c->get_timeout_ns &&
+                ctl_resend_get(c, c->s_ans, now) == -1) {
+                code = -1;
+                break;
+            }
         }
         CPU_RELAX();
     }
@@ -1763,14 +2532,30 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
 
 static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)}", "shots_emitted", (long long)c->s_emit, "shots_answered",
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)sLsL}", "shots_emitted", (long long)c->s_emit, "shots_answered",
         (long long)c->s_ans, "frames_sent", (long long)c->frames_sent, "late_frames", (long long)c->late,
         "max_lag_ns", (long long)c->max_lag, "reasks", (long long)c->reasks, "deadline_misses", (long long)c->misses,
         "bad_answers", (long long)c->bad_answers, "full_waits", (long long)c->full_waits, "t0_ns", (long long)c->t0,
         "t_end_ns", (long long)c->t_end, "counter", (long long)c->counter, "request_id", (long long)c->rid,
         "get_request_id", (long long)c->get_rid, "pauli_frame", (const char *)c->pauli, (Py_ssize_t)c->nbo, "statuses",
         (long long)c->statuses[0], (long long)c->statuses[1], (long long)c->statuses[2], (long long)c->statuses[3],
-        (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7]);
+        (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7],
+        "resent_gets", (long long)c->resends, "stale_answers", (long long)c->stale);
+}
+
+/* start_ids(counter, request_id, get_request_id): where this run's ids start (before it runs) */
+static PyObject *ctl_start_ids(ControllerCore *c, PyObject *args) {
+    long long counter, rid, get_rid;
+    if (!PyArg_ParseTuple(args, "LLL", &counter, &rid, &get_rid))
+        return NULL;
+    if (c->started) {
+        PyErr_SetString(PyExc_RuntimeError, "start_ids() after the run started");
+        return NULL;
+    }
+    c->counter = counter;
+    c->rid = rid;
+    c->get_rid = get_rid;
+    Py_RETURN_NONE;
 }
 
 static PyObject *ctl_get_backlog_n(ControllerCore *c, void *Py_UNUSED(x)) { return PyLong_FromLongLong(c->backlog_n); }
@@ -1780,6 +2565,8 @@ static PyMethodDef ctl_methods[] = {
      "run(budget_ns) -> 0 done, 1 no progress for stall_ns or budget spent (look at the peer, call again), "
      "-1 peer closed, -2 an answer that is not a whole message"},
     {"stats", (PyCFunction)ctl_stats, METH_NOARGS, "counters of the run"},
+    {"start_ids", (PyCFunction)ctl_start_ids, METH_VARARGS,
+     "start_ids(counter, request_id, get_request_id): where the run's ids start (before it runs)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1880,7 +2667,128 @@ static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
     return PyLong_FromLong(code);
 }
 
+/* udp_blast(fd, n, nbytes, period_ns, batch) -> (sent, t_first_ns, t_last_ns, full_waits): the
+ * kernel floor's sender. n datagrams of nbytes on a connected datagram socket, the i-th due
+ * at t0 + i * period_ns (0: at once), every datagram due sent in one sendmmsg of at most
+ * `batch`. Each datagram carries its sequence number in its first 8 bytes. */
+static PyObject *mod_udp_blast(PyObject *Py_UNUSED(m), PyObject *args) {
+    int fd, batch;
+    long long n, nbytes, period_ns;
+    if (!PyArg_ParseTuple(args, "iLLLi", &fd, &n, &nbytes, &period_ns, &batch))
+        return NULL;
+    if (nbytes < 8 || nbytes > 1400 || batch < 1 || batch > DG_SLOTS || n < 1 || period_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "udp_blast: nbytes in 8..1400, batch in 1..32, n >= 1, period_ns >= 0");
+        return NULL;
+    }
+    static uint8_t buf[DG_SLOTS][1400];
+    struct mmsghdr msg[DG_SLOTS];
+    struct iovec iov[DG_SLOTS];
+    memset(msg, 0, sizeof(msg));
+    for (int i = 0; i < DG_SLOTS; i++) {
+        memset(buf[i], 0x5A, sizeof(buf[i]));
+        iov[i].iov_base = buf[i];
+        iov[i].iov_len = (size_t)nbytes;
+        msg[i].msg_hdr.msg_iov = &iov[i];
+        msg[i].msg_hdr.msg_iovlen = 1;
+    }
+    long long sent = 0, waits = 0;
+    int64_t t0 = 0, t1 = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    t0 = mono_ns();
+    while (sent < n) {
+        int64_t now = mono_ns();
+        long long due = period_ns ? (now - t0) / period_ns + 1 : n;
+        if (due > n)
+            due = n;
+        long long k = due - sent;
+        if (k <= 0) {
+            CPU_RELAX();
+            continue;
+        }
+        if (k > batch)
+            k = batch;
+        for (long long i = 0; i < k; i++) {
+            long long seq = sent + i;
+            memcpy(buf[i], &seq, 8);
+        }
+        int r = sendmmsg(fd, msg, (unsigned)k, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r > 0) {
+            sent += r;
+            continue;
+        }
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR ||
+                      errno == ECONNREFUSED)) {
+            waits++;
+            continue;
+        }
+        err = errno;
+        break;
+    }
+    t1 = mono_ns();
+    Py_END_ALLOW_THREADS;
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("LLLL", sent, (long long)t0, (long long)t1, waits);
+}
+
+/* udp_sink(fd, n, idle_ns) -> (received, t_first_ns, t_last_ns, batches): the kernel floor's
+ * receiver, recvmmsg in batches of up to 32 (spinning, non-blocking) until n datagrams came or
+ * none came for idle_ns after the first. */
+static PyObject *mod_udp_sink(PyObject *Py_UNUSED(m), PyObject *args) {
+    int fd;
+    long long n, idle_ns;
+    if (!PyArg_ParseTuple(args, "iLL", &fd, &n, &idle_ns))
+        return NULL;
+    static uint8_t buf[DG_SLOTS][2048];
+    struct mmsghdr msg[DG_SLOTS];
+    struct iovec iov[DG_SLOTS];
+    long long got = 0, batches = 0;
+    int64_t t_first = 0, t_last = 0, t_wait0 = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    t_wait0 = mono_ns();
+    while (got < n) {
+        memset(msg, 0, sizeof(msg));
+        for (int i = 0; i < DG_SLOTS; i++) {
+            iov[i].iov_base = buf[i];
+            iov[i].iov_len = sizeof(buf[i]);
+            msg[i].msg_hdr.msg_iov = &iov[i];
+            msg[i].msg_hdr.msg_iovlen = 1;
+        }
+        int r = recvmmsg(fd, msg, DG_SLOTS, MSG_DONTWAIT, NULL);
+        if (r > 0) {
+            int64_t now = mono_ns();
+            if (got == 0)
+                t_first = now;
+            t_last = now;
+            got += r;
+            batches++;
+            continue;
+        }
+        if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            err = errno;
+            break;
+        }
+        int64_t now = mono_ns();
+        if (now - (got ? t_last : t_wait0) > (got ? idle_ns : 10 * idle_ns + 5000000000LL))
+            break;
+        CPU_RELAX();
+    }
+    Py_END_ALLOW_THREADS;
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("LLLL", got, (long long)t_first, (long long)t_last, batches);
+}
+
 static PyMethodDef module_methods[] = {
+    {"udp_blast", mod_udp_blast, METH_VARARGS,
+     "udp_blast(fd, n, nbytes, period_ns, batch) -> (sent, t_first_ns, t_last_ns, full_waits)"},
+    {"udp_sink", mod_udp_sink, METH_VARARGS, "udp_sink(fd, n, idle_ns) -> (received, t_first_ns, t_last_ns, batches)"},
     {"set_wire_layout", mod_set_wire_layout, METH_O, "set_wire_layout(dict): qlink.wire's numbers and struct formats"},
     {"set_stream_layout", mod_set_stream_layout, METH_O,
      "set_stream_layout(dict): the tcp framing of transports._framing (header format, kinds, payload cap)"},

@@ -25,7 +25,7 @@ _STOP_POLL_S = 0.5
 def make_service(configs, service_options: Mapping[str, Any] | None = None):
     """A decoder service for ``configs``: ``service_options["engine"]`` ``"python"`` (the
     default: :class:`~qlink.qec.service.DecoderService`, every transport) or ``"native"``
-    (:class:`~qlink.qec.hotpath.NativeDecoderService`, shm and tcp); the other options go to it."""
+    (:class:`~qlink.qec.hotpath.NativeDecoderService`, shm, tcp and udp); the other options go to it."""
     opts = dict(service_options or {})
     engine = opts.pop("engine", "python")
     if engine == "native":

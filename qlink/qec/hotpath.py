@@ -1,4 +1,4 @@
-"""The QEC loop's native per-frame path (over shm rings or a tcp socket), and its control plane.
+"""The QEC loop's native per-frame path (over shm rings, a tcp socket or a udp socket), and its control plane.
 
 The per-frame work of both sides lives in C (``qlink.qec._hotcore``, built from
 ``setup.py``): on the service side frame ingest, validation, accumulation of a shot's
@@ -12,8 +12,12 @@ This module is the control plane: it builds the cores from an shm endpoint's rin
 endpoint's socket (:meth:`transports.tcp.TcpEndpoint.native_socket`: the same framing as
 the Python path, read in large chunks and parsed in place, answers and frames gathered and
 written when the side has nothing else to do, so a side that is behind writes several whole
-frames at once, each stamped at its own time), looks at the peer whenever a core
-comes back idle (a dead peer is reported within a second), and turns the rows into the
+frames at once, each stamped at its own time) or a udp endpoint's socket
+(:meth:`transports.udp.UdpEndpoint.native_datagrams`: one frame per datagram, the udp
+wire unchanged, received and sent in batches of up to 32 with ``recvmmsg`` /
+``sendmmsg``), looks at the peer whenever a core comes back idle (a dead peer is reported
+within a second; over udp the controller sees the service's closed port, ``ECONNREFUSED``),
+and turns the rows into the
 same reports, histograms and per-shot records as the Python path
 (:mod:`qlink.qec.timeline`).
 
@@ -26,9 +30,17 @@ What the native service serves (the rest of the protocol: :mod:`qlink.qec.servic
   for them in turn; a full queue answers ``BUSY`` and drops the shot.
 * ``get_corrections`` of one shot (``return_size`` ≤ the observables), ``reset=1``
   consuming it, ``reset=0`` peeking; ``NOT_READY`` while none is decoded.
+* a long memory experiment with a :class:`~qlink.qec.decoders.SlidingWindowDecoder`
+  (or the name ``"sliding_window:W:C"``): each window is matched the moment its last round
+  lands and its commit region committed in C (:func:`window_plan`); the experiment's
+  correction is answered once its last window is committed.
 * ``reset_decoder``; every malformed frame is answered with its status where its header
-  can be read, and counted by fault. Answers kept for retransmission (a qlink extension
-  for lossy transports) are not kept here: shm and tcp lose nothing. Over tcp a frame
+  can be read, and counted by fault. Over udp (a lossy link) every consuming get's answer
+  is kept at its request id: the very same request again gets the same answer and consumes
+  nothing, and the controller sends a get again, the very same, when no answer came within
+  50 ms; answers are matched to their get by request id. A lost frame is a counter gap
+  (``SYNDROMES_DROPPED``); the run's very last frame lost is not recovered (the Python
+  controller sends one more frame to reveal it). Over tcp a frame
   whose header announces more than the input buffer (4 MiB) ends the session without
   allocating anything for it; frames of other kinds (puts) are skipped and counted.
 
@@ -69,6 +81,7 @@ from .timeline import (
 __all__ = [
     "available",
     "single_shot_decoder",
+    "window_plan",
     "SingleShotDecoder",
     "NativeDecoderService",
     "NativeController",
@@ -113,8 +126,18 @@ def native_link(endpoint) -> tuple:
         return endpoint.native_rings()
     if hasattr(endpoint, "native_socket"):
         return endpoint.native_socket()
-    raise CapabilityError(f"the native QEC path runs over shm:// and tcp://; {type(endpoint).__name__} offers neither "
-                          "(use the Python path: engine='python')")
+    if hasattr(endpoint, "native_datagrams"):
+        return endpoint.native_datagrams()
+    raise CapabilityError(f"the native QEC path runs over shm://, tcp:// and udp://; {type(endpoint).__name__} "
+                          "offers none of them (use the Python path: engine='python')")
+
+
+def _check_peer(endpoint) -> None:
+    """BrokenLinkError when the endpoint's peer is gone (a datagram endpoint cannot tell: its
+    native core sees the peer's closed port, ECONNREFUSED, itself)."""
+    check = getattr(endpoint, "check_peer", None)
+    if check is not None:
+        check()
 
 
 @dataclass(frozen=True)
@@ -132,6 +155,7 @@ class SingleShotDecoder:
     num_observables: int
     label: str
     batch_fn: Any = None  # rows (k, ceil(D/8)) uint8 -> (k, ceil(O/8)) packed flips: a backlog in one call
+    plan: Any = None  # sliding windows: the service core's window plan (window_plan), decoded as rounds land
 
     def decode_one(self, detectors: np.ndarray) -> np.ndarray:
         """The observable flips (uint8, one per observable) of one shot's detection events."""
@@ -155,6 +179,15 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
     give the shot's shape where it is not the DEM's (a compiled decoder that takes
     measurement records, say; ``dem`` may then be None).
     """
+    from .decoders import SlidingWindowDecoder
+
+    if isinstance(decoder, str) and decoder.startswith("sliding_window"):
+        decoder = _window_decoder(decoder, dem)
+    if isinstance(decoder, SlidingWindowDecoder):
+        W, C = decoder.window_rounds, decoder.commit_rounds
+        return SingleShotDecoder(_no_call, "packed", decoder.num_detectors, decoder.num_observables,
+                                 f"sliding windows of {W} rounds committing {C} (matching graph on fired detectors, "
+                                 "each window as its last round lands)", None, window_plan(decoder))
     nd = int(num_detectors if num_detectors is not None else dem.num_detectors)
     no = int(num_observables if num_observables is not None else dem.num_observables)
     if decoder == "pymatching" and dem is not None and nd == dem.num_detectors:
@@ -175,9 +208,102 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
     return SingleShotDecoder(fn, "packed", nd, no, f"{name} (decode_shots_bit_packed, one shot)", batch)
 
 
+def _no_call(*_a, **_k):  # (a window decoder's shots are matched window by window, never whole)
+    raise QlinkError("a sliding-window decoder decodes window by window as rounds land, not whole shots")
+
+
+def _window_decoder(name: str, dem):
+    """``"sliding_window:W:C"`` over ``dem`` (rounds from its detectors' last coordinate)."""
+    from .decoders import SlidingWindowDecoder
+    from .sources import rounds_from_coordinates
+
+    parts = name.split(":")
+    try:
+        W, C = int(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        raise ValueError(f"a sliding-window decoder is named 'sliding_window:W:C' (window and commit rounds), "
+                         f"got {name!r}") from None
+    rounds = rounds_from_coordinates(dem.get_detector_coordinates(), dem.num_detectors)
+    if rounds is None:
+        raise ValueError(f"{name}: the DEM's detectors carry no time coordinate to slide windows over")
+    return SlidingWindowDecoder(dem, detector_rounds=rounds, window_rounds=W, commit_rounds=C)
+
+
+def window_plan(win, *, sample_middle: int = 16) -> tuple:
+    """The service core's plan for ``win`` (a :class:`~qlink.qec.decoders.SlidingWindowDecoder`):
+    the rounds' detector offsets, each window's compiled matcher (an index into the compiled
+    windows: the matching graph's own call, the observables and buffer detectors each of its
+    committed edges flips), in the order :meth:`~SlidingWindowDecoder.push_round` decodes
+    them. A long experiment's bulk windows are all one shape (a periodic circuit): its first
+    and last 16 windows are compiled and ``sample_middle`` of the others checked against
+    the bulk (``ValueError`` when they differ); a short one is compiled window by window."""
+    if win.num_observables > 64:
+        raise ValueError(f"the native window path carries at most 64 observables, got {win.num_observables}")
+    wins = list(win.windows())
+    ids = np.zeros(len(wins), np.uint8)
+    keys: dict = {}
+    compiled: list = []
+
+    def cid(i: int) -> int:
+        t, end, cend = wins[i]
+        key, cw = win.compiled_window(t, end, cend)
+        if key not in keys:
+            if len(compiled) == 32:
+                raise ValueError("more than 32 window shapes: the native window path wants a periodic circuit")
+            keys[key] = len(compiled)
+            rp = win.round_ptr
+            compiled.append(_compiled_window_tuple(cw, int(rp[cend] - rp[t])))
+        return keys[key]
+
+    edge = 16
+    if len(wins) <= 4 * edge:
+        for i in range(len(wins)):
+            ids[i] = cid(i)
+    else:
+        for i in (*range(edge), *range(len(wins) - edge, len(wins))):
+            ids[i] = cid(i)
+        bulk = ids[edge - 1]
+        rng = np.random.default_rng(len(wins))
+        for i in rng.integers(edge, len(wins) - edge, size=sample_middle):
+            if cid(int(i)) != bulk:
+                raise ValueError(f"window {int(i)} differs from the bulk windows: the circuit is not periodic in time")
+        ids[edge:len(wins) - edge] = bulk
+    return (np.ascontiguousarray(win.round_ptr, np.int64), ids, win.window_rounds, win.commit_rounds,
+            win.buffer_detectors, tuple(compiled))
+
+
+def _compiled_window_tuple(cw, ncommit: int) -> tuple:
+    import scipy.sparse as sp
+
+    n = cw.num_detectors
+    k = cw.commit_obs.shape[0] if cw.matching is not None else 0  # fault ids (none: nothing to commit)
+    obs = sp.csr_matrix(cw.commit_obs)
+    obsmask = np.zeros(k, np.uint64)
+    for j in range(k):
+        lo, hi = obs.indptr[j], obs.indptr[j + 1]
+        for col, v in zip(obs.indices[lo:hi], obs.data[lo:hi]):
+            if int(v) & 1:
+                obsmask[j] ^= np.uint64(1) << np.uint64(col)
+    fl = sp.csr_matrix(cw.commit_flips)
+    fl.data = fl.data & 1
+    fl.eliminate_zeros()
+    fl.sort_indices()
+    idx = np.zeros(max(1, n), np.uint64)
+    views = tuple(idx[:i] for i in range(n + 1))
+    fn = cw.matching._matching_graph.decode if k else None
+    if fn is not None:
+        fn(views[0])  # PyMatching builds its matcher at the first call: here, not when a window lands
+    return (fn, views, idx, n, ncommit, k, obsmask, fl.indptr.astype(np.int64), fl.indices.astype(np.int64))
+
+
 def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_shot: int | None,
                         capacity_shots: int, keep: list) -> tuple:
     nd = dec.num_detectors
+    if dec.plan is not None:  # windows: no whole-shot call, no waiting rows
+        row = np.zeros((1, (nd + 7) // 8), np.uint8)
+        keep.append((row, dec.plan))
+        return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_PACKED, int(frames_per_shot or 0),
+                int(capacity_shots), None, row, None, None, None, dec.plan)
     pend = np.zeros((int(capacity_shots), (nd + 7) // 8), np.uint8)  # shots waiting while frames are queued
     keep.append(pend)
     tail = (dec.batch_fn, pend) if dec.batch_fn is not None else (None, None)
@@ -196,7 +322,7 @@ def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_s
 # ------------------------------------------------------------------------ service
 
 class NativeDecoderService:
-    """The decoder service with its per-frame path in C, over shm or tcp (the interface of
+    """The decoder service with its per-frame path in C, over shm, tcp or udp (the interface of
     :class:`qlink.qec.service.DecoderService`: ``serve``, ``report``).
 
     ``configs``: ``{decoder_id: DecoderConfig}``; ``keep_samples``: per-shot rows kept
@@ -265,7 +391,7 @@ class NativeDecoderService:
         mv = memoryview(buf)
         gc.freeze()  # what exists now lives as long as the service: keep the collector off it
         wall0, cpu0 = time.perf_counter(), time.thread_time()
-        handled0 = core.counts()["requests"]
+        handled0 = seen = core.counts()["requests"]
         idle_since = time.monotonic()
         try:
             while True:
@@ -285,11 +411,13 @@ class NativeDecoderService:
                     break
                 # idle for a while: look at the peer, the stop event and the clocks
                 try:
-                    endpoint.check_peer()
+                    _check_peer(endpoint)
                 except (BrokenLinkError, ClosedError):
                     self._extra["peer_closed"] += 1
                     break
-                if core.counts()["requests"] != handled0:
+                handled = core.counts()["requests"]
+                if handled != seen:  # frames came since the last look: idle since the core's last wait began
+                    seen = handled
                     idle_since = now - _IDLE_NS / 1e9
                 if stop_event is not None and stop_event.is_set():
                     break
@@ -388,7 +516,7 @@ def _build_frames(stream, layouts, *, decoder_id: int) -> tuple[np.ndarray, np.n
 
 
 class NativeController:
-    """The controller emulator with its emit / answer / apply loop in C, over shm or tcp.
+    """The controller emulator with its emit / answer / apply loop in C, over shm, tcp or udp.
 
     Plays ``stream`` (a :class:`~qlink.qec.controller.SyndromeStream`) at ``cycle_ns``:
     each frame of a shot on the tick of its last round (``rounds_per_frame`` rounds per
@@ -415,7 +543,8 @@ class NativeController:
         self.lockstep = bool(lockstep or feed_forward_deadline_ns)
         self.deadline_ns = int(feed_forward_deadline_ns or 0)
         link = native_link(endpoint)
-        self.layouts = stream.frames(rounds_per_frame=int(rounds_per_frame))
+        self.layouts = stream.frames(rounds_per_frame=int(rounds_per_frame),
+                                     max_frame_nbytes=endpoint.capabilities.max_message_bytes)
         frames, offs, lens = _build_frames(stream, self.layouts, decoder_id=self.decoder_id)
         S, F = stream.num_shots, len(self.layouts)
         self.frames_per_shot = F
@@ -437,6 +566,12 @@ class NativeController:
             request_id_start=int(request_id_start), get_request_id_start=int(get_request_id_start),
             lag=self._lag if len(self._lag) else None, backlog=self._backlog, backlog_every=every,
             late_ns=self.cycle_ns * max(1, int(rounds_per_frame)))
+
+    def continue_after(self, other: "NativeController") -> None:
+        """Start this run's counter and request ids where ``other`` (a run over the same
+        link that has ended: a warm-up) left them. Before :meth:`run`; lets a run be built
+        (its frames prebuilt) before the one it follows is played, so no idle gap lies between."""
+        self._core.start_ids(other.counter, other.next_request_id, other.next_get_request_id)
 
     @property
     def counter(self) -> int:
@@ -460,13 +595,15 @@ class NativeController:
                 break
             if code == -2:
                 raise QlinkError("an answer arrived that is not a whole message on the shm ring")
-            self.endpoint.check_peer()  # BrokenLinkError when the service is gone
+            _check_peer(self.endpoint)  # BrokenLinkError when the service is gone
             if code == -1:
                 raise BrokenLinkError(f"{self.endpoint.url}: the decoder service closed its side mid-run")
             if time.monotonic() > deadline:
                 st = self._core.stats()
                 raise QlinkTimeoutError(f"the native controller ran past timeout_s={timeout_s}: "
-                                        f"{st['shots_answered']} of {self.stream.num_shots} shots answered")
+                                        f"{st['shots_answered']} of {self.stream.num_shots} shots answered "
+                                        f"(answers by status {st['statuses']}, re-asks {st['reasks']}, gets sent "
+                                        f"again {st['resent_gets']}, stale answers {st['stale_answers']})")
         return self._result(time.thread_time_ns() - cpu0)
 
     def _result(self, cpu_ns: int):
@@ -506,7 +643,8 @@ class NativeController:
             duration_ns=max(0, st["t_end_ns"] - st["t0_ns"]), statuses=statuses, stages=hists, correct=correct,
             reaction_ns=reaction, backlog_t_ns=bl[:, 0].copy(), backlog_rounds=bl[:, 1].copy(),
             corrections=self._corr, shot_records=rows, pauli_frame=pauli, cpu_ns=int(cpu_ns),
-            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits") if st[k]},
+            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits", "resent_gets", "stale_answers")
+                           if st[k]},
         )
 
 

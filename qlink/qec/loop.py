@@ -110,11 +110,12 @@ class LoopResult:
     backlog_slope_rounds_per_s: float  # fitted over the second half of the emission
     backlog_growth_rounds: float  # that slope times that half's duration
     emit_lag_p99_ns: float  # how late the controller sent its frames (p99)
-    keeps_up: bool  # the loop sustained the cycle: backlog_flat, and rounds answered at >= 99 % of the cycle rate
+    keeps_up: bool  # the loop sustained the cycle: backlog_flat (flat and bounded), and >= 99 % of the cycle rate
     controller: ControllerResult = field(repr=False)
     service: dict = field(repr=False)
     modeled_controller_ns: dict = field(default_factory=dict)
-    backlog_flat: bool = False  # the decoder side alone: nothing dropped, the backlog did not grow
+    backlog_flat: bool = False  # the decoder side alone: nothing dropped, the backlog did not grow over the
+    # second half of the emission and never exceeded max(16 frames' rounds, 10 ms of the cycle's rounds)
     clock_on_time: bool = False  # the controller's own p99 tick lag within one frame interval (its jitter)
     engine: str = "python"  # "native": the per-frame path in C (qlink.qec.hotpath); "python"
 
@@ -253,7 +254,7 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
     (``service`` is empty, and so are the stage shares that need the service's records).
 
     ``engine="native"`` runs both sides' per-frame work in C (:mod:`qlink.qec.hotpath`;
-    shm and tcp, one shot per frame group, no ``max_in_flight_shots``): each round its own
+    shm, tcp and udp, one shot per frame group, no ``max_in_flight_shots``): each round its own
     frame on the cycle (``rounds_per_frame``), the shot decoded the moment its last round
     lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
     ``"python"`` runs the Python service and controller (every transport and option);
@@ -346,16 +347,17 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
                 ctl_kw = dict(decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=rounds_per_frame,
                               gap_cycles=gap_cycles, feed_forward_deadline_ns=feed_forward_deadline_ns,
                               **dict(controller_options or {}))
+            if engine == "native":  # built first (its frames prebuilt), played right after the warm-up
+                ctl = make(ep, stream, keep_lag_frames=min(stream.num_shots * frames_per_shot, 4_000_000), **ctl_kw)
             if warmup_shots > 0:
                 warm_stream = sample_stream(src, num_shots=warmup_shots,
                                             seed=None if seed is None else seed + 7919)
                 warm = make(ep, warm_stream, **ctl_kw)
                 warm.run(timeout_s=timeout_s)
                 counter, rid, get_rid = warm.counter, warm.next_request_id, warm.next_get_request_id
-            if engine == "native":
-                ctl = make(ep, stream, counter_start=counter, request_id_start=rid, get_request_id_start=get_rid,
-                           keep_lag_frames=min(stream.num_shots * frames_per_shot, 4_000_000), **ctl_kw)
-            else:
+                if engine == "native":
+                    ctl.continue_after(warm)
+            if engine != "native":
                 ctl = Controller(ep, stream, keep_samples=keep_samples, counter_start=counter,
                                  request_id_start=rid, get_request_id_start=get_rid, **ctl_kw)
             try:
@@ -392,8 +394,8 @@ def _native_refusal(url: str, *, shots_per_frame, max_in_flight_shots, controlle
     why = available()
     if why is not None:
         return f"engine='native' is not available here: {why}"
-    if not url.startswith(("shm://", "tcp://")):
-        return f"engine='native' runs over shm:// and tcp:// only, got {url!r} (use engine='python' for it)"
+    if not url.startswith(("shm://", "tcp://", "udp://")):
+        return f"engine='native' runs over shm://, tcp:// and udp:// only, got {url!r} (use engine='python' for it)"
     for name, v, ok in (("shots_per_frame", shots_per_frame, shots_per_frame == 1),
                         ("max_in_flight_shots", max_in_flight_shots, max_in_flight_shots is None),
                         ("controller_query", controller_query, controller_query is None),
@@ -429,7 +431,13 @@ def _assemble(cres: ControllerResult, srep: dict, *, transport_name: str, url: s
     # sent 99 % of its frames within one frame interval of their tick: its own jitter,
     # which on shared vCPUs is the host's preemption (qlink.bench.floor.cpu_availability)
     # more than the loop's -- a late frame is sent at once and the schedule does not slip.
-    backlog_flat = bool(cres.shots_dropped == 0 and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s)
+    # ... and a backlog bounded all along, not only flat at the end: at most 16 frames' worth
+    # of rounds or 10 ms of the cycle's rounds, whichever is more (a backlog of 178 k rounds
+    # built in the first half and carried flat is not keeping up).
+    bound = max(16 * spf * cres.num_rounds, 0.010 * required)
+    backlog_max = int(bl_v.max()) if len(bl_v) else 0
+    backlog_flat = bool(cres.shots_dropped == 0 and growth <= 4 * spf * cres.num_rounds + 0.05 * required * half_s
+                        and backlog_max <= bound)
     keeps_up = backlog_flat and cres.decoded_rounds_per_s >= 0.99 * required
     clock_on_time = bool(lag_p99 <= frame_interval_ns)
     return LoopResult(

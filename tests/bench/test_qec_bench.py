@@ -56,8 +56,13 @@ def test_native_real_time_rows_and_goal_table(tmp_path):
         pytest.skip(available())
     trace = tmp_path / "trace.json"
     out = run_hot_bench(distances=(3,), cycle_rounds=3000, lockstep_shots=300, floor_round_trips=500,
-                        flat_rounds=20_000, trace_path=trace)
-    row, tcp_row = out["rows"]  # shm d=3, then tcp d=3
+                        flat_rounds=20_000, trace_path=trace, udp_rounds=3000, udp_floor_datagrams=20_000,
+                        long_lengths=(300, 3000), long_max_total_rounds=9000)
+    row, tcp_row, udp_row, long_row = out["rows"]  # shm d=3, tcp d=3, udp d=3, the long experiment
+    assert udp_row["udp_floor_datagrams_per_s"] > 0 and udp_row["udp_rpf1_cycle_ns"] > 0
+    assert isinstance(udp_row["udp_rpf1_keeps_up"], bool) and 1 <= udp_row["udp_cycle_rounds_per_datagram"] <= 4
+    for n in (300, 3000):  # every experiment answered, every window of it decoded
+        assert long_row[f"long_{n}_final_reaction_p50_us"] > 0 and long_row[f"long_{n}_windows"] > 0
     assert (row["transport"], tcp_row["transport"]) == ("shm", "tcp")
     assert tcp_row["lockstep_shots"] == 300 and tcp_row["floor_rt_p50_us"] > 0
     assert row["lockstep_shots"] == 300 and row["floor_rt_p50_us"] > 0 and row["decode_single_p50_us"] > 0
@@ -66,6 +71,7 @@ def test_native_real_time_rows_and_goal_table(tmp_path):
     assert row["stage_wire_us"] + row["stage_decode_us"] + row["stage_software_us"] == pytest.approx(parts, rel=1e-9)
     goals = {g["goal"] for g in out["goals"]}
     assert GOALS["lockstep_p50_le_3us"] in goals and any(g.startswith(GOALS["cycle_keeps_up"]) for g in goals)
+    assert {GOALS["udp_floor"], GOALS["udp_rpf1_keeps_up"], GOALS["udp_cycle_keeps_up"], GOALS["long_flat"]} <= goals
     assert all(isinstance(g["met"], bool) for g in out["goals"])
     assert row["offline_rounds_per_s"] > 0 and row["flat_vs_offline"] > 0  # flat out beside offline
     ev = json.loads(trace.read_text())["traceEvents"]

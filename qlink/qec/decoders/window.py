@@ -67,11 +67,11 @@ class WindowStatistics:
 
 @dataclass(frozen=True)
 class _CompiledWindow:
-    matching: object  # pymatching.Matching; its fault ids are the committed edges
-    num_detectors: int
+    matching: object  # pymatching.Matching; fault ids: the observables, then the detectors past the commit
+    num_detectors: int  # region that committed edges flip (the XOR over the committed edges it matched)
     num_edges: int
-    commit_obs: sp.csr_matrix  # (k, num_observables)
-    commit_flips: sp.csr_matrix  # (k, buffer capacity): detectors flipped, relative to window start
+    commit_obs: sp.csr_matrix  # (fault ids, num_observables)
+    commit_flips: sp.csr_matrix  # (fault ids, buffer capacity): detectors flipped, relative to window start
 
 
 class SlidingWindowDecoder:
@@ -180,7 +180,22 @@ class SlidingWindowDecoder:
                                 self._pushed, self.num_rounds)
 
     # -- one window ----------------------------------------------------------
-    def _decode_window(self, t: int, end: int, commit_end: int) -> np.ndarray:
+    def windows(self):
+        """The windows of one experiment in order: ``(t, end, commit_end)`` round ranges
+        (matched ``[t, end)``, committed ``[t, commit_end)``), as :meth:`push_round` decodes them."""
+        t, W, C, R = 0, self.window_rounds, self.commit_rounds, self.num_rounds
+        while t < R:
+            if t + W >= R:
+                yield t, R, R
+                return
+            yield t, t + W, t + C
+            t += C
+
+    def compiled_window(self, t: int, end: int, commit_end: int) -> tuple[bytes, "_CompiledWindow"]:
+        """``(key, compiled window)`` of the window ``[t, end)`` committing ``[t, commit_end)``:
+        windows of the same shape relative to their start share one key and one compiled
+        matcher (its fault ids: the committed edges; ``commit_obs`` / ``commit_flips``: the
+        observables and detectors, relative to ``t``, each committed edge flips)."""
         base = int(self._round_ptr[t])
         n = int(self._round_ptr[end]) - base
         ncommit = int(self._round_ptr[commit_end]) - base
@@ -193,12 +208,29 @@ class SlidingWindowDecoder:
         win = self._cache.get(key)
         if win is None:
             win = self._cache[key] = self._compile(n, ncommit, a, b, obs, p)
+        return key, win
+
+    @property
+    def buffer_detectors(self) -> int:
+        """Detectors the streaming buffer holds (a window's and the committed edges' reach)."""
+        return self._capacity
+
+    @property
+    def round_ptr(self) -> np.ndarray:
+        """``round_ptr[r]``: the first detector of round ``r`` (``round_ptr[num_rounds]``: all)."""
+        return self._round_ptr
+
+    def _decode_window(self, t: int, end: int, commit_end: int) -> np.ndarray:
+        base = int(self._round_ptr[t])
+        n = int(self._round_ptr[end]) - base
+        ncommit = int(self._round_ptr[commit_end]) - base
+        _, win = self.compiled_window(t, end, commit_end)
         self._windows += 1
         self._max_dets = max(self._max_dets, n)
         self._max_edges = max(self._max_edges, win.num_edges)
         out = np.zeros((self._num_shots, self.num_observables), dtype=np.uint8)
         shift = ncommit
-        if win.commit_obs.shape[0]:
+        if win.matching is not None:
             matched = win.matching.decode_batch(self._buf[:, :n])  # (S, k) committed edges used
             m_t = matched.T.astype(np.int32)
             out = (np.asarray(win.commit_obs.T @ m_t).T & 1).astype(np.uint8)
@@ -227,12 +259,22 @@ class SlidingWindowDecoder:
         h = sp.csc_matrix((np.ones(len(rows), dtype=np.uint8), (rows, cols)), shape=(n, m))
         committed = np.flatnonzero(ra < ncommit)
         k = len(committed)
-        faults = sp.csc_matrix((np.ones(k, dtype=np.uint8), (np.arange(k), committed)), shape=(k, m))
+        # What a window must give back is linear (mod 2) in the committed edges it matched:
+        # the observables they flip, and the detectors at or past the commit boundary they
+        # flip (those before it slide out of the buffer). So the matcher's fault ids are
+        # those few bits -- the observables, then each such detector -- not one per edge:
+        # PyMatching's fast path (<= 64 fault ids) instead of a path search per match.
+        O = self.num_observables
+        obs_bits = ((robs[committed, None] >> np.arange(O, dtype=np.uint64)) & np.uint64(1)).astype(bool)
+        far = rb[committed] >= ncommit  # committed edges reaching past the commit region
+        targets, tid = np.unique(rb[committed][far], return_inverse=True)
+        f_rows = np.concatenate([np.nonzero(obs_bits)[1], O + tid])
+        f_cols = np.concatenate([committed[np.nonzero(obs_bits)[0]], committed[far]])
+        nf = O + len(targets)
+        faults = sp.csc_matrix((np.ones(len(f_rows), dtype=np.uint8), (f_rows, f_cols)), shape=(nf, m))
         matching = None if k == 0 else pymatching.Matching.from_check_matrix(
             h, weights=np.log((1 - p_edge) / p_edge), faults_matrix=faults, use_virtual_boundary_node=True)
-        obs_bits = ((robs[committed, None] >> np.arange(self.num_observables, dtype=np.uint64)) & np.uint64(1))
-        flip_rows = np.concatenate([np.arange(k), np.flatnonzero(rb[committed] >= 0)])
-        flip_cols = np.concatenate([ra[committed], rb[committed][rb[committed] >= 0]])
-        flips = sp.csr_matrix((np.ones(len(flip_rows), dtype=np.int32), (flip_rows, flip_cols)),
-                              shape=(k, self._capacity))
-        return _CompiledWindow(matching, n, m, sp.csr_matrix(obs_bits.astype(np.int32)), flips)
+        commit_obs = sp.csr_matrix((np.ones(O, dtype=np.int32), (np.arange(O), np.arange(O))), shape=(nf, O))
+        flips = sp.csr_matrix((np.ones(len(targets), dtype=np.int32), (O + np.arange(len(targets)), targets)),
+                              shape=(nf, self._capacity))
+        return _CompiledWindow(matching, n, m, commit_obs, flips)
