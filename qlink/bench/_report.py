@@ -33,8 +33,30 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def format_table(rows: list[dict], *, columns: list[str] | None = None) -> str:
-    """Align ``rows`` (dicts) into a text table; numbers right-aligned."""
+def _fit(widths: list[int], cells: list[list[str]], columns: list[str], movable: list[bool], max_width: int) -> None:
+    """Narrow the widest movable columns (cells cut with "…") until a line fits ``max_width``."""
+    while sum(widths) + 2 * (len(widths) - 1) > max_width:
+        cands = [i for i, m in enumerate(movable) if m and widths[i] > max(len(columns[i]), 8)]
+        if not cands:
+            return
+        i = max(cands, key=lambda i: widths[i])
+        widths[i] -= 1
+        for row in cells:
+            if len(row[i]) > widths[i]:
+                row[i] = row[i][:widths[i] - 1] + "…"
+
+
+def format_table(rows: list[dict], *, columns: list[str] | None = None, max_width: int | None = None,
+                 right: tuple = ()) -> str:
+    """Align ``rows`` (dicts) into a text table; numbers, and the ``right`` columns, right-aligned.
+
+    With ``max_width``, the widest text columns are cut (ending in "…") until every line fits.
+
+    >>> print(format_table([{"what": "a rather long description", "us": 1.5}], max_width=14))
+    what      us
+    --------  ----
+    a rathe…  1.50
+    """
     if not rows:
         return "(no rows)"
     if columns is None:
@@ -45,7 +67,10 @@ def format_table(rows: list[dict], *, columns: list[str] | None = None) -> str:
                     columns.append(k)
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in columns]
+    numeric = [c in right or all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows)
+               for c in columns]
+    if max_width is not None:
+        _fit(widths, cells, columns, [not n for n in numeric], max_width)
     def line(vals):
         out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)]
         return "  ".join(out).rstrip()
