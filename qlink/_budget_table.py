@@ -19,21 +19,15 @@ reaction time, d=5  shm  3.34 µs  24.7 µs  reaction 63 µs    5 %
 from __future__ import annotations
 
 import math
-import textwrap
 
 from ._budget_view import format_share, format_us, group_rows, model_label
+from .bench._report import CONSOLE_WIDTH as WIDTH
+from .bench._report import format_table, wrap
 
-__all__ = ["summary_text", "stage_summary", "wrap", "WIDTH"]
+__all__ = ["summary_text", "stage_summary"]
 
-WIDTH = 100
 _DOMAINS = {"qec": "QEC", "ai": "LLM serving"}
 _TABLE_BUDGET = {"reaction (Willow)": "reaction", "KV transfer": "KV", "NVQLink round trip": "NVQLink RT"}
-
-
-def wrap(text: str, *, width: int = WIDTH, indent: str = "  ") -> str:
-    """``text`` wrapped to ``width`` columns, continuation lines indented."""
-    return "\n".join(textwrap.fill(part, width=width, subsequent_indent=indent, break_on_hyphens=False)
-                     for part in str(text).split("\n"))
 
 
 def _budget_cell(budgets) -> str:
@@ -42,8 +36,6 @@ def _budget_cell(budgets) -> str:
 
 def summary_text(rows: list[dict], *, width: int = WIDTH) -> str:
     """The grouped budget summary of ``rows`` (:func:`qlink.budget.budget_rows`), ``width`` columns at most."""
-    from .bench._report import format_table
-
     lines = group_rows(rows)
     blocks = []
     domains = list(dict.fromkeys(ln.domain for ln in lines))

@@ -37,7 +37,8 @@ def print_cross_domain_tables(rows: list[dict], *, notes: list[str] = ()) -> Non
     """Print the cross-domain summary in at most 100 columns (:mod:`qlink._budget_table`):
     per domain, measured then modeled, one line per transport or link; then where each
     measured timeline spends its time; then the notes. Every row stays in the CSV/JSON."""
-    from ._budget_table import stage_summary, summary_text, wrap
+    from ._budget_table import stage_summary, summary_text
+    from .bench._report import wrap
 
     print("\nCross-domain latency budgets: measured here vs modeled from the link catalog "
           "(every row: cross_domain.csv)\n")

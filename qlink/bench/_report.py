@@ -16,7 +16,9 @@ import math
 import time
 from pathlib import Path
 
-__all__ = ["format_table", "write_results", "environment"]
+__all__ = ["format_table", "format_goals", "wrap", "write_results", "environment", "CONSOLE_WIDTH"]
+
+CONSOLE_WIDTH = 100  # what a console printout fits in; the wide tables go to the JSON/CSV files
 
 
 def _fmt(v) -> str:
@@ -75,6 +77,49 @@ def format_table(rows: list[dict], *, columns: list[str] | None = None, max_widt
         out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)]
         return "  ".join(out).rstrip()
     return "\n".join([line(columns), "  ".join("-" * w for w in widths), *(line(r) for r in cells)])
+
+
+def wrap(text: str, *, width: int = CONSOLE_WIDTH, indent: str = "  ") -> str:
+    """``text`` wrapped to ``width`` columns, continuation lines indented.
+
+    >>> print(wrap("note: one two three four", width=14, indent="    "))
+    note: one two
+        three four
+    """
+    import textwrap
+
+    return "\n".join(textwrap.fill(part, width=width, subsequent_indent=indent, break_on_hyphens=False,
+                                   break_long_words=False) or part
+                     for part in str(text).split("\n"))
+
+
+def format_goals(goals: list[dict], *, value: str = "measured", target: str = "target", note: str = "floor",
+                 width: int = CONSOLE_WIDTH) -> str:
+    """Goals as ``met  figure  target  goal (note)``, the goal text wrapped under itself so
+    that no line passes ``width`` columns.
+
+    >>> print(format_goals([{"goal": "shm p99 <= 4.0 us and a long explanation of why that is the goal",
+    ...                      "measured": 1.38, "target": 4.0, "met": True, "floor": "CPU floor 19%"}], width=60))
+    met  figure  target  goal
+    ---  ------  ------  ----
+    yes    1.38    4.00  shm p99 <= 4.0 us and a long explanation of
+                         why that is the goal (CPU floor 19%)
+    """
+    import textwrap
+
+    if not goals:
+        return "(no goals)"
+    cells = [("" if g.get("met") is None else _fmt(bool(g.get("met"))), _fmt(g.get(value)), _fmt(g.get(target)),
+              str(g.get("goal", "")) + (f" ({g[note]})" if g.get(note) else "")) for g in goals]
+    w = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(("met", "figure", "target"))]
+    indent = sum(w) + 2 * 3
+    out = [f"{'met':<{w[0]}}  {'figure':>{w[1]}}  {'target':>{w[2]}}  goal",
+           f"{'-' * w[0]}  {'-' * w[1]}  {'-' * w[2]}  ----"]
+    for met, fig, tgt, text in cells:
+        head = f"{met:<{w[0]}}  {fig:>{w[1]}}  {tgt:>{w[2]}}  "
+        out += textwrap.wrap(text, width=width, initial_indent=head, subsequent_indent=" " * indent,
+                             break_on_hyphens=False) or [head.rstrip()]
+    return "\n".join(out)
 
 
 def environment() -> dict:
