@@ -40,8 +40,7 @@ def print_cross_domain_tables(rows: list[dict], *, notes: list[str] = ()) -> Non
     from ._budget_table import stage_summary, summary_text
     from .bench._report import wrap
 
-    print("\nCross-domain latency budgets: measured here vs modeled from the link catalog "
-          "(every row: cross_domain.csv)\n")
+    print("\nCross-domain latency budgets, measured here or modeled (every row: cross_domain.csv)\n")
     print(summary_text(rows))
     stages = stage_summary(rows)
     if stages:
