@@ -46,6 +46,18 @@ _STAGE_COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948
                  "#bab0ac")
 
 
+def _decade_label(us: float) -> str:
+    """``0.1`` -> ``"100 ns"``, ``1e6`` -> ``"1 s"``.
+
+    >>> [_decade_label(v) for v in (0.01, 0.1, 1.0, 1e3, 1e5, 1e7)]
+    ['10 ns', '100 ns', '1 µs', '1 ms', '100 ms', '10 s']
+    """
+    for scale, unit in ((1e6, "s"), (1e3, "ms"), (1.0, "µs"), (1e-3, "ns")):
+        if us >= scale * 0.999:
+            return f"{us / scale:.0f} {unit}"
+    return f"{us * 1e3:g} ns"
+
+
 def _budget_strip(ax, rows: list[dict]) -> None:
     """Both domains' named budgets on one lane each, with a band from the smallest to the largest."""
     from .budget import BUDGETS
@@ -212,16 +224,19 @@ def fig_cross_domain(rows: list[dict], *, stages: bool = False, title: str = "")
     _budget_strip(time_axes[0], rows)
     for ax, (dom, ls) in zip(time_axes[1:], panels):
         _panel(ax, ls, colors, markers, title=_PANEL_TITLES.get(dom, "Other figures"))
-    decades = 10.0 ** np.arange(-1, 7)
+    vals = [v for ln in lines for s in ln.series for v in (s.center_us, s.tail_us) if math.isfinite(v) and v > 0]
+    x_lo = min([_X_MIN_US, *(v / 1.6 for v in vals)])
+    x_hi = max([_X_MAX_US, *(v * 1.6 for v in vals)])
+    decades = 10.0 ** np.arange(math.ceil(math.log10(x_lo)), math.floor(math.log10(x_hi)) + 1)
     for ax in time_axes:
         ax.set_xscale("log")
-        ax.set_xlim(_X_MIN_US, _X_MAX_US)
+        ax.set_xlim(x_lo, x_hi)
         ax.xaxis.set_major_locator(FixedLocator(decades))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.tick_params(axis="x", labelsize=7.5)
     for ax in time_axes[:-1]:
         ax.tick_params(axis="x", labelbottom=False)
-    time_axes[-1].set_xticks(decades, ["100 ns", "1 µs", "10 µs", "100 µs", "1 ms", "10 ms", "100 ms", "1 s"])
+    time_axes[-1].set_xticks(decades, [_decade_label(d) for d in decades])
     time_axes[-1].set_xlabel("time (log scale)", fontsize=8)
     handles = [Line2D([], [], marker="o", ls="none", color=colors[n], mec="black", mew=0.5, ms=6,
                       label=f"{n} (measured here)") for n in measured]

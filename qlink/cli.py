@@ -80,7 +80,7 @@ def _bench_transport(args, failures: list[str]) -> dict:
     write_results(res["round_trip"], out_dir=out, name="transport_round_trip", meta={"num_round_trips": n})
     write_results(res["bandwidth"], out_dir=out, name="transport_bandwidth", meta={"sizes": list(sizes)})
     write_results(res["goals"], out_dir=out, name="transport_goals", meta={"num_round_trips": n})
-    from .bench._report import format_goals
+    from .bench._report import format_goals, wrap
 
     rt_cols = {"case": "case", "p50_us": "p50 µs", "p99_us": "p99 µs", "p999_us": "p99.9 µs",
                "x_floor_p50": "× floor p50", "ucxx_asyncio_over_this": "UCXX asyncio ×"}
@@ -94,8 +94,8 @@ def _bench_transport(args, failures: list[str]) -> dict:
     for e in res["errors"]:
         print(f"  not measured: {e}")
         failures.append(f"bench transport: {e}")
-    print(f"\nwritten under {out}/: transport_round_trip, transport_bandwidth, transport_goals (.json, .csv; "
-          "every column)")
+    print(wrap(f"\nwritten under {out}/: transport_round_trip, transport_bandwidth, transport_goals (.json, "
+               ".csv; every column)"))
     return res
 
 

@@ -374,5 +374,5 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
             print(wrap(f"  note ({r.get('case')}, {r.get('tokens')} tokens): {r['note']}", indent="    "))
     print("\nKV goals (measured in this run; met is empty where a figure is missing)")
     print(format_goals(goals))
-    print(f"\nwritten under {out}/: kv (every column), kv_goals (.json, .csv)")
+    print(wrap(f"\nwritten under {out}/: kv (every column), kv_goals (.json, .csv)"))
     return rows

@@ -327,7 +327,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     write_results(hot["goals"], out_dir=out, name="qec_goals", meta={"quick": quick})
     print("\nReal-time path (native, shm and tcp, one frame per round): goals, each figure from this run (µs)")
     print(format_goals(hot["goals"], value="figure_us", target="target_us", note="floor"))
-    print(f"written under {out}/: qec_native (every figure), qec_goals (.json, .csv)")
+    print(wrap(f"written under {out}/: qec_native (every figure), qec_goals (.json, .csv)"))
     if getattr(args, "native_only", False):
         return hot["rows"]
     kw = dict(distances=(5, 7), cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000,
@@ -349,5 +349,5 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     for r in rows:
         if r.get("note"):
             print(wrap(f"  note ({r.get('transport')}, d={r.get('d')}): {r['note']}", indent="    "))
-    print(f"\nwritten: {out}/qec.{{json,csv}} (all {len(BENCH_COLUMNS)} columns)")
+    print(wrap(f"\nwritten: {out}/qec.{{json,csv}} (all {len(BENCH_COLUMNS)} columns)"))
     return rows
