@@ -21,7 +21,6 @@ from qlink.bench._crashrun import (
     qec_service_kill_run,
     sender_kill_run,
 )
-from qlink.errors import BrokenLinkError
 
 pytestmark = [pytest.mark.timeout(180)]
 
