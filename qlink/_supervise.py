@@ -213,7 +213,9 @@ def supervise(argv: list[str], *, prog: str, command: list[str] | None = None) -
                 _, shm, socks = _end_all(proc.pid, proc)
                 _remove(shm, sockets=False)
                 _remove(socks, sockets=True)
-            return rc if rc >= 0 else 128 - rc  # a worker killed by a signal: 128 + signal, never a rerun here
+            # a worker ended by a signal (a crash at exit) gives 128 + the signal, as a shell does: a
+            # negative status would read as "cannot supervise" and run the whole command again
+            return rc if rc >= 0 else 128 - rc
         signum = got[0]
         t0 = time.monotonic()
         n, shm, socks = _end_all(proc.pid, proc)

@@ -32,7 +32,10 @@ __all__ = ["main", "build_parser"]
 
 
 def _say(msg: str) -> None:
-    print(f"[qlink {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    """A progress line, wrapped to 100 columns (continuation lines indented under the message)."""
+    from .bench._report import wrap
+
+    print(wrap(f"[qlink {time.strftime('%H:%M:%S')}] {msg}", indent=" " * 19), flush=True)
 
 
 def _begin_conditions():
@@ -43,7 +46,9 @@ def _begin_conditions():
 
 
 def _end_conditions(cond) -> None:
-    print(cond.summary())
+    from .bench._report import wrap
+
+    print(wrap(cond.summary(), indent="  "))
 
 
 def _out(value, *, where):
@@ -75,17 +80,22 @@ def _bench_transport(args, failures: list[str]) -> dict:
     write_results(res["round_trip"], out_dir=out, name="transport_round_trip", meta={"num_round_trips": n})
     write_results(res["bandwidth"], out_dir=out, name="transport_bandwidth", meta={"sizes": list(sizes)})
     write_results(res["goals"], out_dir=out, name="transport_goals", meta={"num_round_trips": n})
+    from .bench._report import format_goals, wrap
+
+    rt_cols = {"case": "case", "p50_us": "p50 µs", "p99_us": "p99 µs", "p999_us": "p99.9 µs",
+               "x_floor_p50": "× floor p50", "ucxx_asyncio_over_this": "UCXX asyncio ×"}
     print("\n64-byte round trip between two processes (both busy-poll: 2 cores in use)")
-    print(format_table(res["round_trip"]))
+    print(format_table([{rt_cols[k]: r.get(k) for k in rt_cols} for r in res["round_trip"]],
+                       columns=list(rt_cols.values()), max_width=100))
     print("\nOne-sided put bandwidth into a registered remote region, beside numpy memcpy")
-    print(format_table(res["bandwidth"]))
+    print(format_table(res["bandwidth"], max_width=100))
     print("\nGoals (each figure from this run)")
-    print(format_table(res["goals"]))
+    print(format_goals(res["goals"]))
     for e in res["errors"]:
         print(f"  not measured: {e}")
         failures.append(f"bench transport: {e}")
-    print(f"\nwritten: {out}/transport_round_trip.{{json,csv}}, {out}/transport_bandwidth.{{json,csv}}, "
-          f"{out}/transport_goals.{{json,csv}}")
+    print(wrap(f"\nwritten under {out}/: transport_round_trip, transport_bandwidth, transport_goals (.json, "
+               ".csv; every column)"))
     return res
 
 
@@ -163,7 +173,9 @@ def _cmd_budget(args) -> int:
     write_results(rows, out_dir=out, name="cross_domain", meta={"notes": res.notes})
     png = plot_cross_domain(rows, out / "cross_domain.png")
     print_cross_domain_tables(rows, notes=res.notes)
-    print(f"\nwritten: {out}/cross_domain.{{json,csv}}, {png}")
+    from .bench._report import wrap
+
+    print(wrap(f"\nwritten: {out}/cross_domain.{{json,csv}} (every row), {png}"))
     _end_conditions(cond)
     # "not measured (Error: ...)" is a measurement that failed; a size skipped on purpose says why
     failures = [f"qlink budget: {n}" for n in res.notes if "not measured (" in n]

@@ -430,33 +430,12 @@ def run_cross_domain(*, transports=("shm", "tcp", "ucx"), distances=(5, 11), pre
 
 
 def plot_cross_domain(rows: list[dict], path, *, stages: bool = False) -> Path:
-    """A horizontal bar chart of budget share (log scale), measured solid, modeled hatched;
-    the per-stage rows only with ``stages=True`` (their totals stand in the table)."""
-    import matplotlib
+    """Draw :func:`qlink._budget_figure.fig_cross_domain` of ``rows`` to ``path`` (PNG, or
+    what the suffix names): both domains' figures against their budgets on one log time
+    axis; the per-stage panel only with ``stages=True`` (the stage rows stand in the table)."""
+    from ._budget_figure import fig_cross_domain
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r["share_pct"] > 0 and math.isfinite(r["share_pct"]) and (stages or not r.get("stage"))]
-    labels = [f"{r['what']} [{r['stat']}] — {r['transport']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(11, max(3, 0.28 * len(rows) + 1)))
-    colors = ["tab:blue" if r["domain"] == "qec" else "tab:orange" for r in rows]
-    hatches = ["" if r["basis"] == "measured" else "//" for r in rows]
-    y = range(len(rows))
-    bars = ax.barh(list(y), [r["share_pct"] for r in rows], color=colors, edgecolor="black", linewidth=0.4)
-    for b, h in zip(bars, hatches):
-        b.set_hatch(h)
-    ax.axvline(100, color="red", linestyle="--", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_yticks(list(y))
-    ax.set_yticklabels(labels, fontsize=6)
-    ax.invert_yaxis()
-    ax.set_xlabel("share of budget (%) — red line: budget; hatched: modeled; blue: QEC, orange: AI")
-    ax.set_title("qlink cross-domain latency budgets (same transports, both domains)")
-    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    fig_cross_domain(rows, stages=stages).savefig(path, dpi=200)
     return path
-

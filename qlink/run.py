@@ -25,14 +25,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .bench._report import format_table, write_results
+from .bench._report import write_results
 
 __all__ = ["main_job"]
-
-_TABLE_COLUMNS = ["domain", "engine", "what", "transport", "basis", "stat", "value_us", "budget_us", "share_pct",
-                  "headroom_us", "within"]
-_STAGE_COLUMNS = ["domain", "what", "transport", "stat", "value_us", "budget_us", "share_pct", "headroom_us"]
-
 
 def _scenario(name: str):
     from .paper import load_scenario
@@ -44,17 +39,20 @@ def _scenario(name: str):
 
 
 def print_cross_domain_tables(rows: list[dict], *, notes: list[str] = ()) -> None:
-    """Print the cross-domain table, then its measured per-stage rows (the ``stage`` column), then notes."""
-    print("\nCross-domain latency budgets — measured here vs modeled from the link catalog")
-    print(format_table([r for r in rows if not r.get("stage")], columns=_TABLE_COLUMNS))
-    stage_rows = [r for r in rows if r.get("stage")]
-    if stage_rows:
-        print("\nPer stage, measured only — share of the budget; headroom: what the budget has left after this "
-              "stage and those before it\n(QEC: means over shots, which a slow tail weighs on; the p50 rows above "
-              "are the typical shot)")
-        print(format_table(stage_rows, columns=_STAGE_COLUMNS))
+    """Print the cross-domain summary in at most 100 columns (:mod:`qlink._budget_table`):
+    per domain, measured then modeled, one line per transport or link; then where each
+    measured timeline spends its time; then the notes. Every row stays in the CSV/JSON."""
+    from ._budget_table import stage_summary, summary_text
+    from .bench._report import wrap
+
+    print("\nCross-domain latency budgets, measured here or modeled (every row: cross_domain.csv)\n")
+    print(summary_text(rows))
+    stages = stage_summary(rows)
+    if stages:
+        print("\nWhere the time goes (measured, per stage; all stages in cross_domain.csv)")
+        print(stages)
     for n in notes:
-        print(f"  note: {n}")
+        print(wrap(f"  note: {n}", indent="    "))
 
 
 def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[str], None] = print,

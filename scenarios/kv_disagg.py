@@ -527,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r["tokens_match"] and r["loaded"] for r in rows) else 1
     rows = run(transport=args.transport, num_requests=args.num_requests, seed=args.seed, quick=args.quick,
                out_dir=args.out, preset=args.preset, mfu=args.mfu)
-    print(_summary(rows))
-    print(f"written: {Path(args.out) / CSV_NAME}, {Path(args.out) / PNG_NAME}")
+    from qlink.bench._report import wrap
+
+    print(wrap(_summary(rows), indent="    "))
+    print(wrap(f"written: {Path(args.out) / CSV_NAME}, {Path(args.out) / PNG_NAME}"))
     return 0
 
 

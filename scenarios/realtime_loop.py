@@ -251,14 +251,17 @@ def main(argv: list[str] | None = None) -> int:
               shots_per_frame=args.shots_per_frame,
               deadline_ns=int(args.deadline_us * 1e3), seed=args.seed, quick=args.quick, decoder=args.decoder,
               feed_forward=not args.no_feed_forward, service_url=args.service_url, stim=args.stim)
+    from qlink.bench._report import wrap
+
     for name, s in rep["modes"].items():
-        print(f"[{name}] reaction p50 {s['reaction_p50_us']:.1f} us, p99 {s['reaction_p99_us']:.1f} us, "
+        print(wrap(f"[{name}] reaction p50 {s['reaction_p50_us']:.1f} us, p99 {s['reaction_p99_us']:.1f} us, "
               f"p99.9 {s['reaction_p999_us']:.1f} us (measured; +{sum(s['modeled_controller_ns'].values())} ns "
               f"modeled controller delay); LER {s['ler']:.2e}, LER(t={s['deadline_us']:g} us) "
               f"{s['ler_at_deadline']:.2e}; keeps up: {s['keeps_up']} (backlog max {s['backlog_max_rounds']} "
               f"rounds, growth {s['backlog_growth_rounds']:.0f}; controller lag p99 {s['emit_lag_p99_us']:.1f} us); shares transport {s['share_transport']:.2f} / queue "
-              f"{s['share_queue']:.2f} / decode {s['share_decode']:.2f}; deadline misses {s['deadline_misses']}")
-    print(f"written: {Path(args.out)}/realtime_loop.json, backlog.png, ler_deadline.png, reaction_cdf.png")
+              f"{s['share_queue']:.2f} / decode {s['share_decode']:.2f}; deadline misses {s['deadline_misses']}",
+                   indent="    "))
+    print(wrap(f"written: {Path(args.out)}/realtime_loop.json, backlog.png, ler_deadline.png, reaction_cdf.png"))
     return 0
 
 

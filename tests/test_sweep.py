@@ -259,3 +259,93 @@ def test_killed_cli_sweep_resumes_to_the_same_rows(client, tmp_path):
     one = tmp_path / "one.csv"
     run_sweep(grid, csv_path=one, client=client, progress=False)
     assert _rows(killed) == _rows(one) and len(_rows(one)) == 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_writes_the_finished_chunks_then_exits_130_and_resumes(client, tmp_path):
+    grid = QecGrid(distances=(5,), ps=(0.005, 0.01), num_shots=240_000, chunk_shots=30_000)
+    args = ["--distances", "5", "--ps", "0.005,0.01", "--shots", "240000", "--chunk-shots", "30000"]
+    path = tmp_path / "stopped.csv"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # its own session, as a terminal's foreground job: Ctrl-C goes to the CLI, its scheduler and its workers
+    proc = subprocess.Popen([sys.executable, "-m", "qlink.cli", "sweep", "qec", *args, "--csv", str(path),
+                             "--workers", "1", "--no-progress"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.exists() and path.read_text().count("\n") >= 3:  # header + 2 chunks
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the sweep finished before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "interrupted" in lines[0] and "resume" in lines[0], err
+    assert path.read_text().endswith("\n")  # no row cut by the stop
+    n_rows = len(_rows(path))
+    assert 2 <= n_rows < 8
+    res = run_sweep(grid, csv_path=path, client=client, progress=False)
+    assert res.complete and res.chunks_before == n_rows
+    one = tmp_path / "one.csv"
+    run_sweep(grid, csv_path=one, client=client, progress=False)
+    assert _rows(path) == _rows(one)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_that_dies_is_reported_and_its_chunk_runs_again(tmp_path):
+    import threading
+
+    grid = QecGrid(distances=(5,), ps=(0.005, 0.01), num_shots=240_000, chunk_shots=30_000)
+    cluster = _local_cluster(2)
+    c = distributed.Client(cluster)
+    try:
+        c.wait_for_workers(2, timeout=60)
+        victim = next(iter(c.run(os.getpid).values()))
+        path = tmp_path / "k.csv"
+
+        def kill_one_mid_sweep():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if path.exists() and path.read_text().count("\n") >= 3:
+                    os.kill(victim, signal.SIGKILL)
+                    return
+                time.sleep(0.02)
+
+        said: list[str] = []
+        killer = threading.Thread(target=kill_one_mid_sweep, daemon=True)
+        killer.start()
+        res = run_sweep(grid, csv_path=path, client=c, progress=False, say=said.append)
+        killer.join(5)
+        assert res.complete and res.workers_lost >= 1
+        assert any("left" in m for m in said), said
+        one = tmp_path / "one.csv"
+        run_sweep(grid, csv_path=one, client=c, progress=False)
+        assert _rows(path) == _rows(one) and len(_rows(one)) == 16
+    finally:
+        c.close()
+        cluster.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_with_no_workers_stops_instead_of_waiting_forever(tmp_path):
+    from distributed import LocalCluster
+
+    cluster = LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address="127.0.0.1:0")
+    c = distributed.Client(cluster)
+    try:
+        with pytest.raises(SweepError, match="no Dask worker has been connected for 2 s"):
+            run_sweep(QecGrid(distances=(3,), ps=(0.01,), num_shots=400, chunk_shots=200),
+                      csv_path=tmp_path / "n.csv", client=c, progress=False, no_worker_timeout_s=2)
+    finally:
+        c.close()
+        cluster.close()
+    assert read_done_chunks(tmp_path / "n.csv").chunks == {}

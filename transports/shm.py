@@ -154,7 +154,9 @@ _MIN_SLEEP_S = 5e-6
 _MAX_SLEEP_S = 1e-3
 _NOWAIT_SOCKET_CHECK_S = 1e-3
 _PEER_CHECK_NS = 5_000_000  # a send or put that fits the ring still looks at the peer this often
-_HANDSHAKE_TIMEOUT_S = 1.0
+# How long the listener waits for an accepted connection's hello (the connecting side sends
+# it right after connect()); as tcp's, generous for a host whose cores are all busy.
+_HANDSHAKE_TIMEOUT_S = 5.0
 
 _DONE = struct.Struct("<IIQQQ")  # region_id, tag_len, offset, nbytes, notify_id (then the tag)
 _INLINE = struct.Struct("<IIQ")  # region_id, reserved, offset (then the data)
@@ -1261,35 +1263,53 @@ def connect(url: str, *, timeout_s: float | None = 10.0, ring_nbytes: int = DEFA
         path = _rv.socket_path(name, create=False)
     except FileNotFoundError as e:
         raise BrokenLinkError(f"nobody listens on {url} (no shm socket directory {socket_dir()})") from e
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    # The shared memory is made ready before connecting, so the listener, which gives a
+    # connection _HANDSHAKE_TIMEOUT_S to say hello, waits for nothing but the hello itself
+    # (on a loaded host, setting up the rings can take longer than that).
+    token = secrets.randbits(64)
+    total = _rv.layout_nbytes(ring_nbytes)
+    fd = os.memfd_create(f"qlink-shm-{name}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+    mm = None
+    try:
+        os.ftruncate(fd, total)
+        _rv.seal(fd)
+        mm = mmap.mmap(fd, total, flags=_rv.MAP_FLAGS)
+        _rv.CONN.pack_into(mm, 0, _rv.CONN_MAGIC, _rv.VERSION, _rv.TABLE_SLOTS, ring_nbytes, token)
+        region = _ring.ring_region_nbytes(ring_nbytes)
+        for side in (0, 1):
+            off = _rv.ring_offset(side, ring_nbytes)
+            with memoryview(mm)[off:off + region] as ring_mem:
+                _ring.init_ring(ring_mem, data_nbytes=ring_nbytes)
+    except BaseException:
+        os.close(fd)
+        if mm is not None:
+            mm.close()
+        raise
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    except BaseException:
+        os.close(fd)
+        mm.close()
+        raise
     try:
         sock.settimeout(timeout_s)
         try:
-            sock.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError) as e:
-            raise BrokenLinkError(f"nobody listens on {url} (socket {path}: {e.strerror})") from e
-        except socket.timeout as e:
-            raise QlinkTimeoutError(f"shm: connecting to {url} did not complete within timeout_s={timeout_s}") from e
-        if _rv.peer_uid(sock) != os.getuid():
-            raise BrokenLinkError(f"{url} is served by another user; shm connects to your own processes only")
-        token = secrets.randbits(64)
-        total = _rv.layout_nbytes(ring_nbytes)
-        fd = os.memfd_create(f"qlink-shm-{name}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
-        try:
-            os.ftruncate(fd, total)
-            _rv.seal(fd)
-            mm = mmap.mmap(fd, total, flags=_rv.MAP_FLAGS)
-            _rv.CONN.pack_into(mm, 0, _rv.CONN_MAGIC, _rv.VERSION, _rv.TABLE_SLOTS, ring_nbytes, token)
-            region = _ring.ring_region_nbytes(ring_nbytes)
-            for side in (0, 1):
-                off = _rv.ring_offset(side, ring_nbytes)
-                with memoryview(mm)[off:off + region] as ring_mem:
-                    _ring.init_ring(ring_mem, data_nbytes=ring_nbytes)
+            try:
+                sock.connect(path)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                raise BrokenLinkError(f"nobody listens on {url} (socket {path}: {e.strerror})") from e
+            except socket.timeout as e:
+                raise QlinkTimeoutError(f"shm: connecting to {url} did not complete within timeout_s={timeout_s}") \
+                    from e
+            if _rv.peer_uid(sock) != os.getuid():
+                raise BrokenLinkError(f"{url} is served by another user; shm connects to your own processes only")
             try:
                 socket.send_fds(sock, [_rv.CONN.pack(_rv.HELLO_MAGIC, _rv.VERSION, _rv.TABLE_SLOTS, ring_nbytes, token)], [fd])
             except OSError as e:
-                mm.close()
                 raise BrokenLinkError(f"the listener on {url} went away during the handshake ({e.strerror})") from e
+        except BaseException:
+            mm.close()
+            raise
         finally:
             os.close(fd)
         sock.setblocking(False)

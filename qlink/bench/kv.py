@@ -488,7 +488,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench kv [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from ._report import format_table, write_results
+    from ._report import CONSOLE_WIDTH, format_goals, format_table, wrap, write_results
 
     quick = bool(getattr(args, "quick", False))
     tokens = (512, 4096) if quick else (512, 4096, 32768)
@@ -499,11 +499,15 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     meta = {"tokens": list(tokens), "repeats": repeats, "preset": "llama-3-8b"}
     write_results(rows, out_dir=out, name="kv", meta=meta)
     write_results(goals, out_dir=out, name="kv_goals", meta=meta)
-    cols = ["case", "basis", "tokens", "pattern", "GBps", "x_memcpy", "x_nixl", "x_mooncake", "p50_ms",
-            "num_descs", "moved_by", "prep_us_per_block", "submit_us_per_block", "note"]
+    shown = {"case": "case", "basis": "basis", "tokens": "tokens", "pattern": "pattern", "GBps": "GB/s",
+             "x_memcpy": "x memcpy", "x_nixl": "x nixl", "x_mooncake": "x mooncake", "p50_ms": "p50 ms", "num_descs": "descs"}
     print("\nKV-cache transfer, Llama-3-8B layout, two processes (modeled rows are link models, not measurements)")
-    print(format_table(rows, columns=cols))
+    print(format_table([{v: r.get(k) for k, v in shown.items()} for r in rows], columns=list(shown.values()),
+                       max_width=CONSOLE_WIDTH))
+    for r in rows:
+        if r.get("note"):
+            print(wrap(f"  note ({r.get('case')}, {r.get('tokens')} tokens): {r['note']}", indent="    "))
     print("\nKV goals (measured in this run; met is empty where a figure is missing)")
-    print(format_table(goals))
-    print(f"\nwritten: {out}/kv.{{json,csv}}, {out}/kv_goals.{{json,csv}}")
+    print(format_goals(goals))
+    print(wrap(f"\nwritten under {out}/: kv (every column), kv_goals (.json, .csv)"))
     return rows

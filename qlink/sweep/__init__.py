@@ -25,7 +25,7 @@ Running it (a LocalCluster of two worker processes; a few seconds)::
 from ._bench import default_speedup_grid, machine_parallel_speedup, sweep_speedup
 from ._csv import CHUNK_PREFIX, CsvAppender, DoneChunks, SweepError, chunk_of, read_done_chunks
 from ._grid import KvGrid, QecGrid, SweepTask, chunk_seed, expand
-from ._run import SweepResult, pending_chunks, run_sweep
+from ._run import SweepInterrupted, SweepResult, pending_chunks, run_sweep
 from ._work import run_chunk
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "run_sweep",
     "SweepResult",
     "SweepError",
+    "SweepInterrupted",
     "pending_chunks",
     "run_chunk",
     "read_done_chunks",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Callable
 
 __all__ = ["add_arguments", "run_from_cli"]
@@ -101,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_from_cli(args, *, say: Callable[[str], None] = print) -> int:
     """Run ``qlink sweep`` with parsed ``args``."""
-    from . import KvGrid, QecGrid, run_sweep, sweep_speedup
+    from . import KvGrid, QecGrid, SweepInterrupted, run_sweep, sweep_speedup
 
     if args.what == "speedup":
         say("timing the default CPU-bound grid on 1 and 2 workers (cluster start-up excluded)")
@@ -116,10 +117,15 @@ def run_from_cli(args, *, say: Callable[[str], None] = print) -> int:
         grid = KvGrid(tokens=args.tokens, transports=args.transports, preset=args.preset,
                       num_transfers=args.transfers, chunk_transfers=args.chunk_transfers, budget_ms=args.budget_ms)
     csv_path = args.csv or f"results/sweep/{args.what}.csv"
-    res = run_sweep(grid, csv_path=csv_path, scheduler=args.scheduler, num_workers=args.workers,
-                    max_chunks=args.max_chunks, progress=not args.no_progress)
+    try:
+        res = run_sweep(grid, csv_path=csv_path, scheduler=args.scheduler, num_workers=args.workers,
+                        max_chunks=args.max_chunks, progress=not args.no_progress)
+    except SweepInterrupted as e:
+        print(f"qlink sweep: {e}", file=sys.stderr)
+        return 130
+    lost = f"; {res.workers_lost} worker(s) lost on the way" if res.workers_lost else ""
     say(f"{res.chunks_run} chunk(s) run, {res.chunks_before} already there, {res.chunks_left} left "
-        f"of {res.chunks_total}; {res.seconds:.1f} s on {res.num_workers or 'no'} worker(s)")
+        f"of {res.chunks_total}; {res.seconds:.1f} s on {res.num_workers or 'no'} worker(s){lost}")
     say(f"written: {csv_path}  (read with sinter.read_stats_from_csv_files, or: "
         f"sinter plot --in {csv_path} --x_func m.{'p' if args.what == 'qec' else 'tokens'} "
         f"--group_func m.{'d' if args.what == 'qec' else 'transport'})")

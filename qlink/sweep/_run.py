@@ -10,6 +10,17 @@ workers need qlink installed and, for wire-path or KV tasks, must be allowed chi
 Chunks are submitted round-robin over the tasks (chunk 0 of every task, then chunk 1,
 …), at most a few per worker thread at a time, so a sweep that stops early covers the
 grid evenly; each is written to the CSV the moment it finishes.
+
+Stopping, as sinter's ``collect`` does: Ctrl-C (``KeyboardInterrupt``) lets the chunks
+already running finish for up to :data:`GRACE_S` seconds (a second Ctrl-C cuts that
+short), writes them, cancels the rest and raises :class:`SweepInterrupted`; the CSV
+then holds every finished chunk and the same call resumes from it. The workers of the
+``LocalCluster`` a sweep starts ignore SIGINT, so the terminal's Ctrl-C reaches the
+sweep alone and in-flight chunks are not lost with their workers. A worker that dies
+is reported on the progress line; Dask runs its chunk again elsewhere, and a chunk that
+kills :data:`ALLOWED_FAILURES` + 1 workers fails (``KilledWorker``) and is reported with
+the other failures. With no worker connected for ``no_worker_timeout_s`` the sweep
+stops with a :class:`SweepError` instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -24,7 +35,11 @@ from ._csv import CsvAppender, SweepError
 from ._grid import SweepTask, expand
 from ._work import run_chunk
 
-__all__ = ["run_sweep", "SweepResult", "pending_chunks"]
+__all__ = ["run_sweep", "SweepResult", "SweepInterrupted", "pending_chunks", "GRACE_S", "ALLOWED_FAILURES"]
+
+GRACE_S = 1.0  # after Ctrl-C, chunks that finish within this are still written
+ALLOWED_FAILURES = 3  # worker deaths one chunk may cause before it fails (Dask's default)
+_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -40,12 +55,24 @@ class SweepResult:
     failures: tuple = ()  # (strong_id, chunk, "Type: message")
     seconds: float = 0.0
     scheduler: str = ""
-    num_workers: int = 0
+    num_workers: int = 0  # workers connected at any time during the call
     transports_used: dict = field(default_factory=dict)  # requested name -> transport that carried the bytes
+    workers_lost: int = 0  # workers that left (died, or were stopped) while the sweep ran
+    interrupted: bool = False  # Ctrl-C stopped it; the finished chunks are in the CSV
 
     @property
     def complete(self) -> bool:
         return self.chunks_left == 0
+
+
+class SweepInterrupted(SweepError):
+    """Ctrl-C stopped a sweep; ``result`` (a :class:`SweepResult`) says what the CSV holds."""
+
+    def __init__(self, result: "SweepResult"):
+        self.result = result
+        super().__init__(f"interrupted: {result.chunks_run} chunk(s) written by this run, "
+                         f"{result.chunks_total - result.chunks_left} of {result.chunks_total} in "
+                         f"{result.csv_path}; run the same sweep again to resume")
 
 
 def pending_chunks(tasks: list[SweepTask], done: dict) -> list[tuple[SweepTask, int]]:
@@ -78,9 +105,27 @@ def _local_cluster(num_workers: int):
     import dask
     from distributed import LocalCluster
 
-    with dask.config.set({"distributed.worker.daemon": False}):
+    with dask.config.set({"distributed.worker.daemon": False,
+                          "distributed.scheduler.allowed-failures": ALLOWED_FAILURES}):
         return LocalCluster(n_workers=num_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                             dashboard_address="127.0.0.1:0", silence_logs=40)
+
+
+def _ignore_sigint_plugin():
+    """A worker plugin: the worker process ignores SIGINT (the terminal's Ctrl-C is the sweep's to handle)."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class IgnoreSigint(WorkerPlugin):
+        name = "qlink-ignore-sigint"
+
+        def setup(self, worker):
+            import signal
+            import threading
+
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    return IgnoreSigint()
 
 
 def _connect(scheduler, num_workers: int):
@@ -94,7 +139,12 @@ def _connect(scheduler, num_workers: int):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         cluster = _local_cluster(num_workers)
-        return Client(cluster), cluster
+        client = Client(cluster)
+        try:
+            client.register_plugin(_ignore_sigint_plugin())
+        except Exception:  # noqa: BLE001 - an older distributed: Ctrl-C then also reaches the workers
+            pass
+        return client, cluster
     if isinstance(scheduler, str):
         return Client(scheduler, timeout="30s"), None
     raise TypeError(f"scheduler must be None (start a LocalCluster) or an address like 'tcp://host:8786', "
@@ -102,7 +152,8 @@ def _connect(scheduler, num_workers: int):
 
 
 def run_sweep(grid, *, csv_path, scheduler: str | None = None, num_workers: int = 2, max_chunks: int | None = None,
-              progress: bool = True, in_flight_per_thread: int = 2, client=None) -> SweepResult:
+              progress: bool = True, in_flight_per_thread: int = 2, client=None, no_worker_timeout_s: float = 60.0,
+              say=None) -> SweepResult:
     """Run every chunk of ``grid`` the CSV at ``csv_path`` does not hold yet; return a summary.
 
     ``grid``: a :class:`~qlink.sweep.QecGrid`, :class:`~qlink.sweep.KvGrid`,
@@ -111,12 +162,18 @@ def run_sweep(grid, *, csv_path, scheduler: str | None = None, num_workers: int 
     cluster. ``client``: an existing ``distributed.Client`` (overrides both).
     ``max_chunks``: stop after submitting that many chunks (the rest wait for the next
     call). Chunks that fail are reported together in a :class:`SweepError` after every
-    other chunk has been written; rerunning retries only what is missing.
+    other chunk has been written; rerunning retries only what is missing. Ctrl-C raises
+    :class:`SweepInterrupted` once the chunks running then are written (see the module
+    docstring). ``say``: where worker arrivals and departures are reported (default:
+    above the progress bar, or stderr).
     """
     if max_chunks is not None and (isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 0):
         raise ValueError(f"max_chunks must be None or an int >= 0, got {max_chunks!r}")
     if isinstance(in_flight_per_thread, bool) or not isinstance(in_flight_per_thread, int) or in_flight_per_thread < 1:
         raise ValueError(f"in_flight_per_thread must be an int >= 1, got {in_flight_per_thread!r}")
+    if isinstance(no_worker_timeout_s, bool) or not isinstance(no_worker_timeout_s, (int, float)) \
+            or not no_worker_timeout_s > 0:
+        raise ValueError(f"no_worker_timeout_s must be a number > 0, got {no_worker_timeout_s!r}")
     tasks = expand(grid)
     t_start = time.perf_counter()
     with CsvAppender(csv_path) as out:
@@ -134,7 +191,8 @@ def run_sweep(grid, *, csv_path, scheduler: str | None = None, num_workers: int 
             client, cluster = _connect(scheduler, num_workers)
         try:
             return _drive(client, tasks, todo, out, total=total, before=before, progress=progress,
-                          in_flight_per_thread=in_flight_per_thread, t_start=t_start, csv_path=csv_path)
+                          in_flight_per_thread=in_flight_per_thread, t_start=t_start, csv_path=csv_path,
+                          no_worker_timeout_s=float(no_worker_timeout_s), say=say)
         finally:
             if own:
                 client.close()
@@ -142,21 +200,61 @@ def run_sweep(grid, *, csv_path, scheduler: str | None = None, num_workers: int 
                     cluster.close()
 
 
-def _drive(client, tasks, todo, out, *, total, before, progress, in_flight_per_thread, t_start, csv_path):
+class _Workers:
+    """Which workers the scheduler has, checked about once a second: arrivals and departures."""
+
+    def __init__(self, client, say):
+        self.client, self.say = client, say
+        self.now = set(client.scheduler_info().get("workers", {}))
+        self.seen = set(self.now)
+        self.lost = 0
+        self.none_since = None if self.now else time.monotonic()
+        self._next = time.monotonic() + 1.0
+
+    def threads(self) -> int:
+        info = self.client.scheduler_info().get("workers", {})
+        return sum(int(w.get("nthreads", 1)) for w in info.values()) or 1
+
+    def check(self) -> None:
+        t = time.monotonic()
+        if t < self._next:
+            return
+        self._next = t + 1.0
+        try:
+            now = set(self.client.scheduler_info().get("workers", {}))
+        except Exception:  # noqa: BLE001 - the scheduler itself is gone: no workers
+            now = set()
+        gone, new = self.now - now, now - self.now
+        if gone:
+            self.lost += len(gone)
+            self.say(f"sweep: {len(gone)} worker(s) left ({', '.join(sorted(gone))}); their running chunks "
+                     "run again on the others")
+        if new and self.seen:
+            self.say(f"sweep: {len(new)} worker(s) joined")
+        self.seen |= now
+        self.now = now
+        self.none_since = (self.none_since or t) if not now else None
+
+
+def _drive(client, tasks, todo, out, *, total, before, progress, in_flight_per_thread, t_start, csv_path,
+           no_worker_timeout_s, say):
     from distributed import as_completed
 
-    info = client.scheduler_info()
-    workers = info.get("workers", {})
-    threads = sum(int(w.get("nthreads", 1)) for w in workers.values()) or 1
-    window = max(2, threads * in_flight_per_thread)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=before, desc="sweep", unit="chunk", file=sys.stderr, dynamic_ncols=True)
+    if say is None:
+        say = bar.write if bar is not None else (lambda m: print(m, file=sys.stderr, flush=True))
+    workers = _Workers(client, say)
+    window = max(2, workers.threads() * in_flight_per_thread)
     queue = iter(todo)
     owners = {}
     futures = as_completed()
+    stats = {"run": 0, "shots": 0, "errors": 0}
+    failures = []
+    used: dict = {}
 
     def submit_next() -> bool:
         item = next(queue, None)
@@ -165,41 +263,76 @@ def _drive(client, tasks, todo, out, *, total, before, progress, in_flight_per_t
         task, chunk = item
         fut = client.submit(run_chunk, task.work, shots=task.chunk_shots, seed=task.seed(chunk),
                             key=f"qlink-sweep-{task.strong_id[:24]}-{chunk}-{os.getpid()}-{next(_keys)}", pure=False)
-        owners[fut.key] = (task, chunk)
+        owners[fut.key] = (task, chunk, fut)
         futures.add(fut)
         return True
+
+    def finished(fut) -> None:
+        task, chunk, _ = owners.pop(fut.key)
+        if fut.status == "finished":
+            counts = fut.result()
+            out.append(strong_id=task.strong_id, decoder=task.decoder, json_metadata=task.json_metadata,
+                       chunk=chunk, counts=counts)
+            stats["run"] += 1
+            stats["shots"] += int(counts["shots"])
+            stats["errors"] += int(counts["errors"])
+            if "transport_used" in counts:
+                used[task.work.get("transport")] = counts["transport_used"]
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{stats['errors']} errors in {stats['shots']} shots; "
+                                    f"{len(workers.now)} worker(s); last {task.decoder} {_short(task.json_metadata)}",
+                                    refresh=False)
+        elif fut.status == "cancelled":
+            failures.append((task.strong_id, chunk, "cancelled"))
+        else:
+            exc = fut.exception()
+            msg = f"{type(exc).__name__}: {exc}"
+            if type(exc).__name__ == "KilledWorker":
+                msg = (f"KilledWorker: the chunk's worker died {ALLOWED_FAILURES + 1} times running it "
+                       f"(a crash in the chunk, or memory); {exc}")
+            failures.append((task.strong_id, chunk, msg))
+        fut.release()
 
     for _ in range(window):
         if not submit_next():
             break
-    run = 0
-    failures = []
-    used: dict = {}
+    stop = _StopOnSigint()
+    interrupted = False
     try:
-        for fut in futures:
-            task, chunk = owners.pop(fut.key)
-            if fut.status == "finished":
-                counts = fut.result()
-                out.append(strong_id=task.strong_id, decoder=task.decoder, json_metadata=task.json_metadata,
-                           chunk=chunk, counts=counts)
-                run += 1
-                if "transport_used" in counts:
-                    used[task.work.get("transport")] = counts["transport_used"]
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"{task.decoder} {_short(task.json_metadata)}", refresh=False)
-            else:
-                exc = fut.exception()
-                failures.append((task.strong_id, chunk, f"{type(exc).__name__}: {exc}"))
-            fut.release()
-            submit_next()
+        with stop:
+            while futures.count() and not stop.count:
+                if futures.has_ready():
+                    for fut in futures.next_batch(block=False):
+                        finished(fut)
+                        if not stop.count:
+                            submit_next()
+                    continue
+                time.sleep(_POLL_S)
+                workers.check()
+                if workers.none_since is not None and time.monotonic() - workers.none_since > no_worker_timeout_s:
+                    client.cancel([f for _, _, f in owners.values()])
+                    raise SweepError(f"no Dask worker has been connected for {no_worker_timeout_s:g} s "
+                                     f"({client.scheduler.address}); {stats['run']} chunk(s) of this run are in "
+                                     f"{csv_path}; start workers, then run the same sweep again to resume")
+            if stop.count:
+                interrupted = True
+                _finish_in_flight(futures, finished, owners, stop)
+    except KeyboardInterrupt:  # raised where no handler could be installed (not the main thread), or a third Ctrl-C
+        interrupted = True
     finally:
+        if interrupted:
+            client.cancel([f for _, _, f in owners.values()])
         if bar is not None:
             bar.close()
     result = SweepResult(csv_path=str(csv_path), num_tasks=len(tasks), chunks_total=total, chunks_before=before,
-                         chunks_run=run, chunks_left=total - before - run, failures=tuple(failures),
+                         chunks_run=stats["run"], chunks_left=total - before - stats["run"],
+                         failures=tuple(failures),
                          seconds=time.perf_counter() - t_start, scheduler=client.scheduler.address,
-                         num_workers=len(workers), transports_used=used)
+                         num_workers=len(workers.seen), transports_used=used, workers_lost=workers.lost,
+                         interrupted=interrupted)
+    if interrupted:
+        raise SweepInterrupted(result)
     if failures:
         shown = "; ".join(f"chunk {c} of {sid[:12]}…: {msg}" for sid, c, msg in failures[:3])
         err = SweepError(f"{len(failures)} chunk(s) failed ({shown}); every other chunk is in {csv_path}; "
@@ -207,6 +340,47 @@ def _drive(client, tasks, todo, out, *, total, before, progress, in_flight_per_t
         err.result = result
         raise err
     return result
+
+
+class _StopOnSigint:
+    """While active (main thread only), Ctrl-C is counted instead of raised, so a row being
+    written is never cut; the third Ctrl-C raises ``KeyboardInterrupt`` as usual."""
+
+    def __init__(self):
+        self.count = 0
+        self._old = None
+
+    def _handler(self, signum, frame):
+        self.count += 1
+        if self.count >= 3:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+def _finish_in_flight(futures, finished, owners, stop) -> None:
+    """After Ctrl-C: write the chunks that finish within :data:`GRACE_S` (a second Ctrl-C stops at once)."""
+    deadline = time.monotonic() + GRACE_S
+    while futures.count() and time.monotonic() < deadline and stop.count < 2:
+        if futures.has_ready():
+            for fut in futures.next_batch(block=False):
+                if fut.key in owners:
+                    finished(fut)
+        else:
+            time.sleep(0.02)
 
 
 _keys = itertools.count()

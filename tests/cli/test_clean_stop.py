@@ -167,3 +167,19 @@ def test_a_scenario_script_stops_cleanly_too(tmp_path):
     assert _session(worker) == []
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("realtime_loop.py: stopped by SIGINT")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_by_a_signal_is_not_run_a_second_time(tmp_path):
+    """A worker that dies by a signal gives 128 + the signal; it is never read as "cannot supervise"
+    (which would run the whole command again in the supervisor)."""
+    marker = tmp_path / "runs"
+    worker = (f"import os, signal; open({str(marker)!r}, 'a').write('x'); "
+              "os.kill(os.getpid(), signal.SIGSEGV)")
+    # the supervisor in a process of its own (it makes itself a child subreaper)
+    sup = ("import sys; from qlink._supervise import supervise; "
+           f"sys.exit(supervise([], prog='qlink test', command=[sys.executable, '-c', {worker!r}]))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", sup], env=env, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 128 + signal.SIGSEGV, r.stderr
+    assert marker.read_text() == "x"  # it ran once

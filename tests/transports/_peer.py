@@ -282,8 +282,35 @@ class ProcessPeer:
             return None
 
     def kill(self) -> None:
+        """SIGKILL the peer; a watcher notes when it is gone (:meth:`exited_at`)."""
+        import select
+
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        self._exited: list[float] = []
+
+        def watch():
+            if pidfd is None:
+                return
+            try:
+                if select.select([pidfd], [], [], 60)[0]:
+                    self._exited.append(time.monotonic())
+            finally:
+                os.close(pidfd)
+
+        self._watcher = threading.Thread(target=watch, daemon=True)
         self.killed_at = time.monotonic()
         self.proc.send_signal(signal.SIGKILL)
+        self._watcher.start()
+
+    def exited_at(self) -> float:
+        """When the killed peer was gone (its sockets closed by the kernel), or the kill's time
+        where that could not be watched. On a loaded host the dying process waits for a core
+        before the kernel ends it; a transport can only notice its end after that."""
+        self._watcher.join(60)
+        return self._exited[0] if self._exited else self.killed_at
 
     def stop(self) -> None:
         if not self.proc.stdin.closed:
