@@ -64,7 +64,7 @@ def _cmd_info(args) -> int:
 
 
 def _bench_transport(args, failures: list[str]) -> dict:
-    from .bench._report import format_table, write_results
+    from .bench.report import format_table, write_results
     from .bench.transport import run_transport_bench
 
     n = 5000 if args.quick else 50000
@@ -89,11 +89,16 @@ def _bench_transport(args, failures: list[str]) -> dict:
     return res
 
 
+_RELIABILITY = ("soak",)
+
+
 def _bench_module(name: str, args, failures: list[str]):
     import argparse
     import importlib
 
-    mod = importlib.import_module(f"qlink.bench.{name}")
+    # the reliability harnesses run under `qlink bench` too; they live in qlink.reliability
+    package = "qlink.reliability" if name in _RELIABILITY else "qlink.bench"
+    mod = importlib.import_module(f"{package}.{name}")
     # the bench modules read lists as comma-separated text
     ns = argparse.Namespace(**{k: (",".join(map(str, v)) if isinstance(v, tuple) else v)
                                for k, v in vars(args).items()})
@@ -143,7 +148,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_budget(args) -> int:
-    from .bench._report import write_results
+    from .bench.report import write_results
     from .crossdomain import plot_cross_domain, run_cross_domain
     from .run import print_cross_domain_tables
 
@@ -184,8 +189,8 @@ def _cmd_paper(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from .sweep._cli import run_from_cli
-    from .sweep._csv import SweepError
+    from .sweep.cli import run_from_cli
+    from .sweep import SweepError
 
     try:
         return run_from_cli(args, say=_say)
@@ -196,7 +201,7 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_serve(args) -> int:
     from .qec.cudaq_config import CudaqConfigError, service_specs_from_cudaq
-    from .qec.service import run_service_process
+    from .qec import run_service_process
 
     source = args.decoder_config
     try:
@@ -356,7 +361,7 @@ def build_parser() -> Parser:
                                      "1-vs-2-worker timing (speedup)",
                        examples="qlink sweep qec --distances 3,5 --ps 0.001,0.002\n"
                                 "qlink sweep kv --tokens 512,4096 --transports shm,tcp")
-    from .sweep._cli import add_arguments
+    from .sweep.cli import add_arguments
 
     add_arguments(s)
     s.set_defaults(func=_cmd_sweep)

@@ -123,7 +123,7 @@ def _run(cmd: list[str]) -> str | None:
 
 def _environment() -> dict:
     from ._version_info import versions
-    from .bench._report import environment
+    from .bench.report import environment
 
     env = environment()
     gpu = None

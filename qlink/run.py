@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .bench._report import format_table, write_results
+from .bench.report import format_table, write_results
 
 __all__ = ["main_job"]
 

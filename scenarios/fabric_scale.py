@@ -80,7 +80,7 @@ def run(*, out: str | Path | None = "results/fabric_scale", quick: bool = False,
     ``ServiceTimes.to_dict`` (e.g. the ``service_times.json`` of an earlier run), or
     ``None`` to measure now. With ``out`` writes the CSV/JSON and the plots there.
     """
-    from qlink.bench._report import environment, write_results
+    from qlink.bench.report import environment, write_results
     from qlink.fabric import FabricConfig, simulate
     from qlink.links import link
 
@@ -197,7 +197,7 @@ def _plots(report: dict, out: Path) -> None:
 
 
 def _summary(rows: list[dict]) -> str:
-    from qlink.bench._report import format_table
+    from qlink.bench.report import format_table
 
     table = []
     for r in rows:

@@ -219,7 +219,6 @@ def run(*, transport: str = "shm", num_requests: int | None = None, seed: int = 
     import transports
     from qlink.ai import KVCache, KVReceiver
     from qlink.ai import preset as make_spec
-    from qlink.ai._peer import url_for
     from qlink.budget import BUDGETS
     from qlink.links import LINKS
 
@@ -237,7 +236,7 @@ def run(*, transport: str = "shm", num_requests: int | None = None, seed: int = 
         if v is not None:
             cfg[k] = v
     backend = "nixl" if transport == "nixl" else "transport"
-    url = transport if "://" in transport else url_for("shm" if backend == "nixl" else transport)
+    url = transports.loopback_url("shm" if backend == "nixl" else transport, tag="kv")
     scheme = url.split("://", 1)[0]
     if not transports.capabilities(scheme).cross_process:
         raise ValueError(f"transport {scheme!r} cannot cross processes; use shm, tcp, ucx or nixl")
@@ -366,8 +365,9 @@ def run(*, transport: str = "shm", num_requests: int | None = None, seed: int = 
 def run_vllm(*, transport: str = "shm", num_requests: int | None = None, seed: int = 0, quick: bool = True,
              out_dir=None, max_tokens: int = 8) -> list[dict]:
     """The vLLM leg: real prefill and decode engines, the qlink connector between them."""
+    import transports
+
     try:
-        from qlink.ai._peer import url_for
         from qlink.ai.vllm_engines import EngineProcess, connector_config, prompts, tiny_llama
         import vllm  # noqa: F401
     except ImportError as e:
@@ -378,7 +378,7 @@ def run_vllm(*, transport: str = "shm", num_requests: int | None = None, seed: i
     n = num_requests or (6 if quick else 24)
     lengths = [t for _, t, _ in _requests(n + 1, seed=seed, median=192 if quick else 384, sigma=0.6,
                                           max_tokens=1024 if quick else 2048, rate_per_s=1.0)]
-    url = transport if "://" in transport else url_for(transport)
+    url = transports.loopback_url(transport, tag="kv")
     rows = []
     with tempfile.TemporaryDirectory(prefix="qlink-kv-vllm-") as tmp:
         model = tiny_llama(os.path.join(tmp, "model"), seed=seed)

@@ -96,7 +96,7 @@ from ._base import check_notify_id as _check_notify_id
 from ._base import check_tag as _check_tag
 from ._pieces import check_pieces
 from ._shm_regions import LocalRegions, PeerRegions
-from ._shm_rendezvous import socket_dir
+from ._shm_rendezvous import reclaim_after_exit, socket_dir
 from ._ring import (
     KIND_CORRUPT,
     KIND_MSG,
@@ -123,6 +123,7 @@ __all__ = [
     "listen",
     "connect",
     "socket_dir",
+    "reclaim_after_exit",
     "ring_impls",
     "ShmEndpoint",
     "ShmListener",

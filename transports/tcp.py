@@ -1,6 +1,6 @@
 """``tcp://host:port``: framed messages and software-emulated puts over one TCP socket.
 
-Each message travels as one frame (see :mod:`transports._framing`): a 32-byte
+Each message travels as one frame (see :mod:`transports.framing`): a 32-byte
 header packed into a preallocated buffer, then the payload. Small payloads are
 copied behind the header and leave in one ``send``; large ones go out with
 ``sendmsg`` straight from the caller's buffer and are read with ``recv_into``
@@ -75,7 +75,7 @@ from qlink.errors import (BrokenLinkError, CapabilityError, ClosedError, QlinkTi
                           WouldBlock)
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
-from . import _framing as fr
+from . import framing as fr
 from ._accept import AcceptQueue
 from ._pieces import check_pieces, copy_pieces, message_groups, span
 from ._base import (MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics,
@@ -216,7 +216,7 @@ class TcpEndpoint(Endpoint):
     def native_socket(self) -> tuple[int, bytes]:
         """``(fd, leftover)``: the connected socket and the bytes already read from it, for
         native code that carries whole messages in this transport's framing
-        (:mod:`transports._framing`; qlink's QEC hot path). From then on the caller owns the
+        (:mod:`transports.framing`; qlink's QEC hot path). From then on the caller owns the
         stream: this endpoint's own send/receive must not be used until the caller is done
         (it leaves the stream at a frame boundary), and ``close()`` still closes it.
 

@@ -8,7 +8,7 @@ import operator
 from qlink.errors import CapabilityError, WireError
 from qlink.memory import RemoteRegion
 
-from . import _frames as fr
+from . import frames as fr
 from .kv import KVCache, KVCacheSpec
 
 __all__: list[str] = []  # private to qlink.ai

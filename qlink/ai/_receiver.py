@@ -22,7 +22,7 @@ from qlink.errors import (
 )
 from qlink.memory import as_byte_view
 
-from . import _frames as fr
+from . import frames as fr
 from ._handshake import (
     _ABORT_CORRUPT,
     _BREAK_GRACE_S,

@@ -39,7 +39,7 @@ import numpy as np
 from qlink import wire
 from qlink.errors import BrokenLinkError, QlinkError, QlinkTimeoutError, WireError, WouldBlock
 
-from . import _frames as fr
+from . import frames as fr
 from ._tracker import TransferAbortedError
 
 __all__ = ["PrefillServer", "DecodeClient", "LoadResult", "pack_pull", "unpack_pull", "FN_PULL"]

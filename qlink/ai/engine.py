@@ -61,7 +61,7 @@ import numpy as np
 from qlink.errors import BrokenLinkError, CapabilityError, QlinkError, WireError, WouldBlock
 from qlink.memory import as_byte_view
 
-from . import _frames as fr
+from . import frames as fr
 from ._descriptors import BlockIdError, TransferPlan, plan_transfer
 from ._handshake import (
     _ABORT_SUBMIT_FAILED,

@@ -39,7 +39,7 @@ from qlink.errors import (
     missing,
 )
 
-from . import _frames as fr
+from . import frames as fr
 from ._descriptors import plan_transfer
 from ._tracker import RequestTracker, TransferRecord
 from ._handshake import (

@@ -175,7 +175,7 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                      floor: _MemcpyFloor, copies_s: dict) -> list[dict]:
     """Transfer rounds of one backend, each right after a memcpy of the same bytes here
     (its seconds go into ``copies_s[tokens]``)."""
-    from qlink.ai._peer import open_link
+    from qlink.ai.peer import open_link
 
     rows = []
     rng = np.random.default_rng(7)
@@ -239,7 +239,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
     ``num_descs``, ``transport``, ``moved_by``, ``prep_us_per_block``, ``submit_us_per_block``.
     """
     from qlink.ai import preset as _preset
-    from qlink.ai._peer import transport_unavailable
+    from qlink.ai.peer import transport_unavailable
 
     base = _preset(preset)
     token_list = sorted(set(int(t) for t in tokens))
@@ -353,7 +353,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench kv [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     quick = bool(getattr(args, "quick", False))
     tokens = (512, 4096) if quick else (512, 4096, 32768)

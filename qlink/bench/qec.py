@@ -298,7 +298,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench qec [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     from .qec_hot import run_hot_bench
 

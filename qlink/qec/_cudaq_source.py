@@ -37,7 +37,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..errors import missing
-from .sources import CircuitError, SyndromeSource
+from ._source_base import CircuitError, SyndromeSource
 
 __all__ = ["CudaqSource", "repetition_code_kernel", "rounds_from_measurement_dependencies",
            "stim_dem_from_matrices"]

@@ -16,7 +16,7 @@ import transports
 from qlink.qec.controller import SyndromeStream, ler_under_deadline, wilson_interval
 from qlink.qec.decoders import BUILT_IN_DECODERS, compile_decoder
 from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
-from qlink.qec.service import start_service_process
+from qlink.qec import start_service_process
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qlink.ai._peer import transport_unavailable
+from qlink.ai.peer import transport_unavailable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scenarios"))
 import kv_disagg  # noqa: E402  (a script directory, not a package)

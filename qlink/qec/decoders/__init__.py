@@ -45,8 +45,8 @@ from ._base import CompiledDecoder, Decoder, DecoderUnavailableError
 from ._bp import BeliefPropagationDecoder
 from ._bposd import BpOsdDecoder
 from ._cudaq import CudaqDecoder
-from ._dem import DemGraph, DemMatrices, dem_to_graph, dem_to_matrices
-from ._chromobius import ChromobiusDecoder
+from ._dem import DemGraph, DemMatrices, dem_to_graph, dem_to_matrices, xor_merge
+from ._chromobius import ChromobiusDecoder, steane_color_code_circuit
 from ._fusion import FusionBlossomDecoder
 from ._matching import MatchingDecoder
 from ._measurement import MeasurementDecoder
@@ -65,6 +65,8 @@ __all__ = [
     "dem_to_graph",
     "DemMatrices",
     "DemGraph",
+    "xor_merge",
+    "steane_color_code_circuit",
     "SlidingWindowDecoder",
     "WindowStatistics",
     "MeasurementDecoder",
