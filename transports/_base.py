@@ -332,6 +332,22 @@ class Endpoint(abc.ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _deliver_queued(self, queue, out: memoryview) -> int:
+        """Copy the oldest message of ``queue`` (a deque of bytes-likes a transport set aside
+        while it looked for something else) into ``out``, count it and return its size; a
+        buffer too small raises :class:`BufferTooSmallError` and the message stays queued."""
+        msg = queue[0]
+        n = len(msg)
+        if n > len(out):
+            raise BufferTooSmallError(
+                f"next {self.capabilities.name} message is {n} bytes but the buffer holds {len(out)}; the message "
+                f"stays queued, call again with a buffer of at least {n} bytes", needed_nbytes=n)
+        out[:n] = msg
+        queue.popleft()
+        self._counters.messages_received += 1
+        self._counters.bytes_received += n
+        return n
+
     def statistics(self) -> Statistics:
         c = self._counters
         return Statistics(transport=self.capabilities.name, **{f.name: getattr(c, f.name) for f in fields(c)})

@@ -625,7 +625,9 @@ class ShmEndpoint(Endpoint):
         rx = self._rx
         while True:
             if self._msgq:
-                return self._deliver_queued(out)
+                n = self._deliver_queued(self._msgq, out)
+                self._set_clean()
+                return n
             rec = rx.peek()
             if rec is None:
                 w = self._idle(w, "recv_into", timeout_s, nowait)
@@ -718,22 +720,6 @@ class ShmEndpoint(Endpoint):
                     self._partial = None
         self._rx.consume()
         self._set_clean()
-
-    def _deliver_queued(self, out: memoryview) -> int:
-        m = self._msgq[0]
-        n = len(m)
-        if n > len(out):
-            raise BufferTooSmallError(
-                f"next shm message is {n} bytes but the buffer holds {len(out)}; the message stays queued, "
-                f"call again with a buffer of at least {n} bytes",
-                needed_nbytes=n,
-            )
-        out[:n] = m
-        self._msgq.popleft()
-        self._set_clean()
-        self._counters.messages_received += 1
-        self._counters.bytes_received += n
-        return n
 
     def _nowait_check(self, what: str) -> None:
         """In a ``*_nowait`` call that found nothing: look at the socket at most every millisecond."""

@@ -67,7 +67,6 @@ import socket
 import threading
 import time
 from collections import deque
-from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -76,6 +75,7 @@ from qlink.errors import (BrokenLinkError, CapabilityError, ClosedError, QlinkTi
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import framing as fr
+from ._address import split_host_port
 from ._accept import AcceptQueue
 from ._pieces import check_pieces, copy_pieces, message_groups, span
 from ._base import (MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics,
@@ -135,21 +135,6 @@ def _random_key() -> int:
 
 def _ms(left_s: float | None):
     return None if left_s is None else max(0, math.ceil(left_s * 1000))
-
-
-def _host_port(url: str, *, default_port: int | None) -> tuple[str, int]:
-    parts = urlsplit(url)
-    if parts.scheme != "tcp":
-        raise ValueError(f"tcp transport needs a URL like 'tcp://127.0.0.1:5555', got {url!r}")
-    try:
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"bad port in {url!r}: {e}") from None
-    if port is None:
-        if default_port is None:
-            raise ValueError(f"tcp URL needs a port, like 'tcp://127.0.0.1:5555', got {url!r}")
-        port = default_port
-    return parts.hostname or "127.0.0.1", port
 
 
 def _url_of(host: str, port: int) -> str:
@@ -401,7 +386,7 @@ class TcpEndpoint(Endpoint):
                     return n
                 self._msgq.append(dst)
                 if out is not None:
-                    return self._deliver_queued(out)
+                    return self._deliver_queued(self._msgq, out)
             elif kind == _KIND_PUTV:
                 note = self._land_putv(rid, n, off, nid, tag, dst)
                 if note is not None:
@@ -456,19 +441,6 @@ class TcpEndpoint(Endpoint):
             return None  # some piece was refused: the put_many is never announced
         return Notification(region_id=rid, offset=sp[0], nbytes=sp[1] - sp[0], notify_id=nid, tag=tag)
 
-    def _deliver_queued(self, out: memoryview) -> int:
-        msg = self._msgq[0]
-        n = len(msg)
-        if n > len(out):
-            raise BufferTooSmallError(
-                f"next tcp message is {n} bytes but the buffer holds {len(out)}; the message stays queued, "
-                f"call again with a buffer of at least {n} bytes", needed_nbytes=n)
-        out[:n] = msg
-        self._msgq.popleft()
-        self._counters.messages_received += 1
-        self._counters.bytes_received += n
-        return n
-
     def _detach(self) -> None:
         """Leaving a receive early: move a half-received message out of the caller's buffer."""
         if self._cur_direct:
@@ -480,7 +452,7 @@ class TcpEndpoint(Endpoint):
 
     def _recv_once(self, out: memoryview) -> int:
         if self._msgq:
-            return self._deliver_queued(out)
+            return self._deliver_queued(self._msgq, out)
         while True:
             r = self._pump(out)
             if r != _NOTE:
@@ -1079,7 +1051,7 @@ def _refuse(conn: socket.socket, status: int, reason: str) -> None:
 def listen(url: str, *, busy_poll_s: float = _DEFAULT_BUSY_POLL_S, backlog: int = 128,
            handshake_timeout_s: float = _HANDSHAKE_TIMEOUT_S) -> TcpListener:
     """Listen on ``tcp://host:port`` (host defaults to 127.0.0.1, port 0 picks a free one; see ``.url``)."""
-    host, port = _host_port(url, default_port=0)
+    host, port = split_host_port(url, scheme="tcp", for_listen=True)
     infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     family, stype, proto, _canon, addr = infos[0]
     sock = socket.socket(family, stype, proto)
@@ -1106,7 +1078,7 @@ def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = _D
     BrokenLinkError when nobody listens there, WireError when the listener refuses
     the handshake (its reason is in the message), QlinkTimeoutError after timeout_s.
     """
-    host, port = _host_port(url, default_port=None)
+    host, port = split_host_port(url, scheme="tcp", for_listen=False)
     where = _url_of(host, port)
     deadline = deadline_of(timeout_s)
 

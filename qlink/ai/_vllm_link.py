@@ -370,7 +370,7 @@ class DecodeClient:
     def _link(self, url: str):
         import transports
 
-        from .engine import KVReceiver
+        from ._receiver import KVReceiver
 
         link = self._links.get(url)
         if link is None:

@@ -62,7 +62,7 @@ from qlink.errors import BrokenLinkError, CapabilityError, QlinkError, WireError
 from qlink.memory import as_byte_view
 
 from . import frames as fr
-from ._descriptors import BlockIdError, TransferPlan, plan_transfer
+from ._descriptors import TransferPlan, plan_transfer
 from ._handshake import (
     _ABORT_SUBMIT_FAILED,
     _MAX_HELLO_NBYTES,
@@ -77,21 +77,10 @@ from ._handshake import (
     _parse_hello,
     _Peer,
 )
-from ._receiver import KVReceiver
-from ._tracker import KVStatistics, SubmitRecord, TransferAbortedError, TransferRecord
+from ._tracker import SubmitRecord
 from .kv import KVCache, KVCacheSpec, LayoutMismatchError
 
-__all__ = [
-    "KVSender",
-    "KVReceiver",
-    "KVSendRequest",
-    "TransferRecord",
-    "SubmitRecord",
-    "KVStatistics",
-    "TransferAbortedError",
-    "BlockIdError",
-    "MODES",
-]
+__all__ = ["KVSender", "KVSendRequest", "MODES"]  # qlink.ai exports them (and the rest of the KV API)
 
 
 class KVSendRequest:

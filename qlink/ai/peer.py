@@ -264,7 +264,7 @@ class DecodeStation:
         """Start a sender with ``tx_spec`` (default: the cache's) and return ``(receiver, peer)``."""
         import transports
 
-        from .engine import KVReceiver
+        from ._receiver import KVReceiver
 
         self.detach()
         tx_spec = self.cache.spec if tx_spec is None else tx_spec

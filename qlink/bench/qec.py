@@ -65,7 +65,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["run_qec_bench", "main_from_cli", "offline_rounds_per_s", "BENCH_COLUMNS"]
+__all__ = ["run_qec_bench", "main_from_cli", "BENCH_COLUMNS"]
 
 BENCH_COLUMNS = [
     "transport", "d", "rounds", "load_1m", "floor_rt_p50_us", "floor_rt_p99_us", "cpu_floor_ran_share",
@@ -97,13 +97,6 @@ def _available(transport: str) -> str | None:
     if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
         return "ucxx is not installed (pip install 'qlink[ucx]')"
     return None
-
-
-def offline_rounds_per_s(compiled, packed: np.ndarray, *, num_rounds: int, repeat: int = 3) -> float:
-    """Rounds per second of one ``decode_shots_bit_packed`` call over all shots (best of ``repeat``)."""
-    from qlink.qec.decoders import offline_throughput
-
-    return offline_throughput(compiled, packed, repeat=repeat) * num_rounds
 
 
 def _mean_batch(service_report: dict) -> float:
@@ -174,7 +167,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
     outstanding. ``keep_rows`` bounds the raw timestamps kept for the shares.
     """
     from qlink import wire
-    from qlink.qec.decoders import compile_decoder
+    from qlink.qec.decoders import compile_decoder, offline_throughput
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
 
     from .floor import cpu_availability
@@ -199,7 +192,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
         flat_frames = max(4 * max_in_flight_frames, -(-int(flat_rounds) // (R * k_flat)))
         flat_stream = sample_stream(src, num_shots=k_flat * flat_frames, seed=seed + 1000 + d)
         packed = np.packbits(flat_stream.detectors, axis=1, bitorder="little")
-        offline = offline_rounds_per_s(compile_decoder(decoder, src.dem), packed, num_rounds=R)
+        offline = offline_throughput(compile_decoder(decoder, src.dem), packed, repeat=3) * R
         shots = -(-int(cycle_rounds) // R)
         stream = sample_stream(src, num_shots=shots, seed=seed + d)
         k_cyc = cycle_shots_per_frame or max(1, -(-frame_period_ns // (R * cycle_ns)))
