@@ -2,11 +2,13 @@
 
 qlink's intra-node fast path (and its stand-in for NVLink / CUDA IPC on a CPU host).
 
-Rooms: this module is the handshake (listen, accept, connect); the ring records live in
-:mod:`transports._shm_records` (the ring itself in :mod:`transports._ring`, the region tables in
-:mod:`transports._shm_regions`, the socket directory in :mod:`transports._shm_rendezvous`), the
-endpoint in :mod:`transports._shm_endpoint`, and its waiting policy is
-:class:`transports._waiting.SpinThenSleep`.
+Rooms: this module is the handshake (listen, accept, connect: the memfd and the hello over
+the socket); :mod:`transports._shm_records` the records in the rings (the ring itself is
+:mod:`transports._ring`, its C twin ``_ringc``); :mod:`transports._shm_wait` the waiting
+policy (one of :mod:`transports._waiting`'s family); :mod:`transports._shm_endpoint` the
+endpoint and its two-sided half, :mod:`transports._shm_put` its one-sided half;
+:mod:`transports._shm_regions` the region tables and :mod:`transports._shm_rendezvous` the
+socket directory.
 
 * **Rendezvous.** ``listen("shm://name")`` binds a Unix-domain ``SOCK_SEQPACKET``
   socket ``<name>.sock`` in a private directory (``$QLINK_SHM_DIR``, else
