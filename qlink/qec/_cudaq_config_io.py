@@ -30,13 +30,9 @@ def _parse_text(text: str, *, origin: str) -> Any:
 
 
 def _import_yaml():
-    try:
-        import yaml
-    except ImportError as exc:  # pragma: no cover - pyyaml is a dependency
-        from ..errors import missing
+    from ..errors import optional_import
 
-        raise missing("pyyaml", extra="all", feature="reading and writing multi_decoder_config YAML") from exc
-    return yaml
+    return optional_import("yaml", package="pyyaml", extra="all", feature="reading and writing multi_decoder_config YAML")
 
 
 def _looks_like_path(source: str) -> bool:

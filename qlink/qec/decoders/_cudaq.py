@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import missing
+from ...errors import optional_import
 from ._base import CompiledDecoder, Decoder, DecoderUnavailableError
 from ._dem import dem_to_matrices
 
@@ -25,11 +25,7 @@ __all__ = ["CudaqDecoder", "CompiledCudaqDecoder"]
 
 
 def _import_cudaq_qec(feature: str):
-    try:
-        import cudaq_qec
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise missing("cudaq-qec-cu12", extra="quantum", feature=feature) from exc
-    return cudaq_qec
+    return optional_import("cudaq_qec", package="cudaq-qec-cu12", extra="quantum", feature=feature)
 
 
 def _gpu_present() -> bool:
