@@ -270,6 +270,7 @@ def run_random(target: str, *, num_cases: int = 10_000, seed: int = 0) -> dict:
 
 
 def atheris_available() -> bool:
+    """Whether atheris (coverage-guided fuzzing) is installed here."""
     import importlib.util
 
     return importlib.util.find_spec("atheris") is not None
