@@ -141,6 +141,17 @@ class ShmPutSide:
         """Forget a region; later puts into it raise RegistrationError on the initiator."""
         self._local.deregister(region, publish=not self._closed)
 
+    def _put_args(self, remote, tag, notify_id, timeout_s):
+        """The checks every put starts with: open, a valid timeout, the target as a RemoteRegion,
+        the tag and the notify id; returns ``(remote, tag, notify_id)``."""
+        if self._closed:
+            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
+        if timeout_s is not None and not timeout_s >= 0:
+            deadline_of(timeout_s)
+        if not isinstance(remote, RemoteRegion):
+            remote = RemoteRegion.from_bytes(remote)
+        return remote, _check_tag(tag), _check_notify_id(notify_id)
+
     def put(self, data, remote: RemoteRegion, *, offset: int = 0, notify_id: int = 0, tag: bytes = b"",
             timeout_s: float | None = None) -> None:
         """Write ``data`` into the peer's region at ``offset``; the peer then gets a Notification.
@@ -148,16 +159,9 @@ class ShmPutSide:
         Validation failures (unknown region, out of range) raise RegistrationError
         before anything is written.
         """
-        if self._closed:
-            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
-        if timeout_s is not None and not timeout_s >= 0:
-            deadline_of(timeout_s)
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
+        remote, tag, notify_id = self._put_args(remote, tag, notify_id, timeout_s)
         if type(offset) is not int:
             offset = operator.index(offset)
-        tag = _check_tag(tag)
-        notify_id = _check_notify_id(notify_id)
         try:
             src = memoryview(data)
         except TypeError:
@@ -205,14 +209,7 @@ class ShmPutSide:
         unchanged until :meth:`flush` returns (or the Notification was seen). Elsewhere
         ``defer`` changes nothing.
         """
-        if self._closed:
-            raise ClosedError(f"shm endpoint {self.url} was closed by this side")
-        if timeout_s is not None and not timeout_s >= 0:
-            deadline_of(timeout_s)
-        if not isinstance(remote, RemoteRegion):
-            remote = RemoteRegion.from_bytes(remote)
-        tag = _check_tag(tag)
-        notify_id = _check_notify_id(notify_id)
+        remote, tag, notify_id = self._put_args(remote, tag, notify_id, timeout_s)
         src = as_byte_view(data)
         so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=len(src), region_nbytes=remote.nbytes,
                                   region_id=remote.region_id)
