@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 
 from ._budget_view import format_share, format_us, group_rows, model_label
-from .bench._report import CONSOLE_WIDTH as WIDTH
-from .bench._report import format_table, wrap
+from .bench.report import CONSOLE_WIDTH as WIDTH
+from .bench.report import format_table, wrap
 
 __all__ = ["summary_text", "stage_summary"]
 

@@ -33,7 +33,7 @@ __all__ = ["main", "build_parser"]
 
 def _say(msg: str) -> None:
     """A progress line, wrapped to 100 columns (continuation lines indented under the message)."""
-    from .bench._report import wrap
+    from .bench.report import wrap
 
     print(wrap(f"[qlink {time.strftime('%H:%M:%S')}] {msg}", indent=" " * 19), flush=True)
 
@@ -46,7 +46,7 @@ def _begin_conditions():
 
 
 def _end_conditions(cond) -> None:
-    from .bench._report import wrap
+    from .bench.report import wrap
 
     print(wrap(cond.summary(), indent="  "))
 
@@ -69,7 +69,7 @@ def _cmd_info(args) -> int:
 
 
 def _bench_transport(args, failures: list[str]) -> dict:
-    from .bench._report import format_table, write_results
+    from .bench.report import format_table, write_results
     from .bench.transport import run_transport_bench
 
     n = 5000 if args.quick else 50000
@@ -80,7 +80,7 @@ def _bench_transport(args, failures: list[str]) -> dict:
     write_results(res["round_trip"], out_dir=out, name="transport_round_trip", meta={"num_round_trips": n})
     write_results(res["bandwidth"], out_dir=out, name="transport_bandwidth", meta={"sizes": list(sizes)})
     write_results(res["goals"], out_dir=out, name="transport_goals", meta={"num_round_trips": n})
-    from .bench._report import format_goals, wrap
+    from .bench.report import format_goals, wrap
 
     rt_cols = {"case": "case", "p50_us": "p50 µs", "p99_us": "p99 µs", "p999_us": "p99.9 µs",
                "x_floor_p50": "× floor p50", "ucxx_asyncio_over_this": "UCXX asyncio ×"}
@@ -100,13 +100,16 @@ def _bench_transport(args, failures: list[str]) -> dict:
 
 
 _BENCH_MODULES = {"cudaq": "cudaq_peer"}  # a bench whose module is not named after it
+_RELIABILITY = ("soak",)
 
 
 def _bench_module(name: str, args, failures: list[str]):
     import argparse
     import importlib
 
-    mod = importlib.import_module(f"qlink.bench.{_BENCH_MODULES.get(name, name)}")
+    # the reliability harnesses run under `qlink bench` too; they live in qlink.reliability
+    package = "qlink.reliability" if name in _RELIABILITY else "qlink.bench"
+    mod = importlib.import_module(f"{package}.{_BENCH_MODULES.get(name, name)}")
     # the bench modules read lists as comma-separated text
     ns = argparse.Namespace(**{k: (",".join(map(str, v)) if isinstance(v, tuple) else v)
                                for k, v in vars(args).items()})
@@ -160,7 +163,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_budget(args) -> int:
-    from .bench._report import write_results
+    from .bench.report import write_results
     from .crossdomain import plot_cross_domain, run_cross_domain
     from .run import print_cross_domain_tables
 
@@ -173,7 +176,7 @@ def _cmd_budget(args) -> int:
     write_results(rows, out_dir=out, name="cross_domain", meta={"notes": res.notes})
     png = plot_cross_domain(rows, out / "cross_domain.png")
     print_cross_domain_tables(rows, notes=res.notes)
-    from .bench._report import wrap
+    from .bench.report import wrap
 
     print(wrap(f"\nwritten: {out}/cross_domain.{{json,csv}} (every row), {png}"))
     _end_conditions(cond)
@@ -203,8 +206,8 @@ def _cmd_paper(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from .sweep._cli import run_from_cli
-    from .sweep._csv import SweepError
+    from .sweep.cli import run_from_cli
+    from .sweep import SweepError
 
     try:
         return run_from_cli(args, say=_say)
@@ -215,7 +218,7 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_serve(args) -> int:
     from .qec.cudaq_config import CudaqConfigError, service_specs_from_cudaq
-    from .qec.service import run_service_process
+    from .qec import run_service_process
 
     source = args.decoder_config
     try:
@@ -410,7 +413,7 @@ def build_parser() -> Parser:
                                      "1-vs-2-worker timing (speedup)",
                        examples="qlink sweep qec --distances 3,5 --ps 0.001,0.002\n"
                                 "qlink sweep kv --tokens 512,4096 --transports shm,tcp")
-    from .sweep._cli import add_arguments
+    from .sweep.cli import add_arguments
 
     add_arguments(s)
     s.set_defaults(func=_cmd_sweep)

@@ -350,7 +350,7 @@ def _measure_kv_link(scheme: str, spec, *, tokens: int, repeats: int, max_layer_
     """Whole requests (``repeats`` after a warm-up), then one request per layer for up to
     ``max_layer_requests`` layers spread over the model, each moving that layer alone, as a
     layer-wise prefill sends a layer when its compute ends."""
-    from .ai._peer import open_link
+    from .ai.peer import open_link
 
     ids = np.arange(spec.blocks_for(num_tokens=tokens))
     layers = np.unique(np.linspace(0, spec.num_layers - 1, min(spec.num_layers, max_layer_requests)).round()).astype(int)
@@ -374,7 +374,7 @@ def _measure_kv_link(scheme: str, spec, *, tokens: int, repeats: int, max_layer_
 def _measure_kv(res: CrossDomainResult, transports: Iterable[str], presets: Iterable[str], *, tokens: int,
                 repeats: int, say: Callable[[str], None]) -> None:
     from .ai import preset as kv_preset
-    from .ai._peer import transport_unavailable
+    from .ai.peer import transport_unavailable
     from .bench.kv import memcpy_layers_s, modeled_rows
 
     for name in presets:

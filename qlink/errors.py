@@ -80,3 +80,22 @@ def missing(package: str, *, extra: str, feature: str) -> MissingDependencyError
         f"{feature} needs the '{package}' package, which is not installed. "
         f"Install it with: pip install 'qlink[{extra}]' (or `make run`, which installs everything)."
     )
+
+
+def optional_import(module: str, *, package: str, extra: str, feature: str):
+    """Import ``module``, an optional dependency, or raise :func:`missing`'s error: what needs
+    it and what to install (the ImportError chained).
+
+    >>> optional_import("math", package="python", extra="all", feature="a doctest").floor(2.5)
+    2
+    >>> optional_import("no_such_module_here", package="nsm", extra="all", feature="a doctest")
+    Traceback (most recent call last):
+    ...
+    qlink.errors.MissingDependencyError: a doctest needs the 'nsm' package, which is not installed. Install it with: pip install 'qlink[all]' (or `make run`, which installs everything).
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise missing(package, extra=extra, feature=feature) from exc

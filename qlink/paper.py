@@ -30,7 +30,7 @@ minutes on two cores) and ``full`` (see ``papers/cross-domain-latency/README.md`
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import json
 import math
 import re
@@ -46,14 +46,14 @@ from ._paper_figures import (fig_backlog, fig_kv_bandwidth, fig_kv_exposed, fig_
                              fig_link_times, fig_reaction_cdf, fig_stage_shares)
 from ._paper_tables import _columns, to_latex, to_markdown, write_csv
 
-__all__ = ["build", "verify", "load_scenario", "to_latex", "to_markdown", "write_csv", "PROFILES", "STEPS",
+__all__ = ["build", "verify", "load_scenario", "SCENARIOS", "to_latex", "to_markdown", "write_csv", "PROFILES", "STEPS",
            "PAPER_DIR", "DEFAULT_OUT_DIR", "main_from_cli", "fig_reaction_cdf", "fig_backlog", "fig_ler_deadline",
            "fig_stage_shares", "fig_kv_exposed", "fig_kv_bandwidth", "fig_layer_arrival", "fig_link_times"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 PAPER_DIR = _ROOT / "papers" / "cross-domain-latency"
 DEFAULT_OUT_DIR = PAPER_DIR / "build"
-_SCENARIOS = _ROOT / "scenarios"
+SCENARIOS = ("qec_memory", "realtime_loop", "kv_disagg", "fabric_scale")
 STEPS = ("catalog", "cross_domain", "qec_memory", "realtime_loop", "kv_disagg")
 
 PROFILES: dict[str, dict[str, dict]] = {
@@ -87,31 +87,15 @@ PROFILES: dict[str, dict[str, dict]] = {
 
 
 def load_scenario(name: str):
-    """Import ``scenarios/<name>.py`` from the checkout by file path.
-
-    The module is registered under its own name and the scenarios folder is put on
-    ``sys.path``, so processes it spawns can import the functions they run.
+    """The scenario module ``qlink.scenarios.<name>`` (``python scenarios/<name>.py`` is its
+    command line).
 
     >>> load_scenario("qec_memory").CSV_NAME
     'qec_memory.csv'
     """
-    path = _SCENARIOS / f"{name}.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"scenario {name!r} not found at {path}; qlink paper needs a source checkout "
-                                f"(scenarios/ beside the qlink package)")
-    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
-        return sys.modules[name]
-    if str(_SCENARIOS) not in sys.path:
-        sys.path.append(str(_SCENARIOS))
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return mod
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    return importlib.import_module(f"qlink.scenarios.{name}")
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -124,7 +108,7 @@ def _run(cmd: list[str]) -> str | None:
 
 def _environment() -> dict:
     from ._version_info import versions
-    from .bench._report import environment
+    from .bench.report import environment
 
     env = environment()
     gpu = None
@@ -275,7 +259,7 @@ def _step_qec_memory(a: _Artifact, cfg: dict) -> dict:
     cli = (f"python scenarios/qec_memory.py --transport {cfg['transport']} --distances "
            f"{' '.join(map(str, cfg['distances']))} --ps {' '.join(map(str, cfg['ps']))} --shots {cfg['num_shots']} "
            f"--seed {a.seed} --out OUT")
-    return {"call": _call("scenarios/qec_memory.py:run", cfg, a.seed), "cli": cli,
+    return {"call": _call("qlink/scenarios/qec_memory.py:run", cfg, a.seed), "cli": cli,
             "wire_matches_offline": all(r.get("matches_offline", True) for r in rows)}
 
 
@@ -305,7 +289,7 @@ def _step_realtime_loop(a: _Artifact, cfg: dict) -> dict:
     a.figure("stage_shares", fig_stage_shares(results, title=f"Stages of the reaction time — {title}"))
     cli = (f"python scenarios/realtime_loop.py --transport {cfg['transport']} --distance {cfg['distance']} "
            f"--rounds {cfg['rounds']} --shots {cfg['num_shots']} --seed {a.seed} --out OUT")
-    return {"call": _call("scenarios/realtime_loop.py:run", cfg, a.seed), "cli": cli}
+    return {"call": _call("qlink/scenarios/realtime_loop.py:run", cfg, a.seed), "cli": cli}
 
 
 _KV_REQUEST_COLUMNS = ["request_id", "prompt_tokens", "kv_bytes", "exposed_ms_nvlink4_modeled",
@@ -323,7 +307,7 @@ def _step_kv_disagg(a: _Artifact, cfg: dict) -> dict:
     a.figure("kv_exposed", fig_kv_exposed(rows))
     cli = (f"python scenarios/kv_disagg.py --transport {cfg['transport']} --preset {cfg['preset']} "
            f"--num-requests {cfg['num_requests']} --seed {a.seed}{' --quick' if cfg['quick'] else ''} --out OUT")
-    return {"call": _call("scenarios/kv_disagg.py:run", cfg, a.seed), "cli": cli}
+    return {"call": _call("qlink/scenarios/kv_disagg.py:run", cfg, a.seed), "cli": cli}
 
 
 _STEP_FUNCS = {"catalog": _step_catalog, "cross_domain": _step_cross_domain, "qec_memory": _step_qec_memory,

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .bench._report import write_results
+from .bench.report import write_results
 
 __all__ = ["main_job"]
 
@@ -43,7 +43,7 @@ def print_cross_domain_tables(rows: list[dict], *, notes: list[str] = ()) -> Non
     per domain, measured then modeled, one line per transport or link; then where each
     measured timeline spends its time; then the notes. Every row stays in the CSV/JSON."""
     from ._budget_table import stage_summary, summary_text
-    from .bench._report import wrap
+    from .bench.report import wrap
 
     print("\nCross-domain latency budgets, measured here or modeled (every row: cross_domain.csv)\n")
     print(summary_text(rows))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,8 +242,7 @@ def test_prediction_matches_the_real_loop_p50():
 # ----------------------------------------------------------------------------- the scenario
 @pytest.mark.timeout(120)
 def test_scenario_sweep_writes_modeled_rows_and_plots(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))
-    import fabric_scale  # a script directory, not a package
+    from qlink.scenarios import fabric_scale
 
     svc = ServiceTimes.linear(fixed_ns=5_000, per_shot_ns=700, note="test")
     rep = fabric_scale.run(out=tmp_path, fabrics=("nvqlink", "tcp-100g"), controllers=(1, 10), decoders=("2",),

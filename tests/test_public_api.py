@@ -10,7 +10,10 @@ import pytest
 PACKAGES = ["qlink", "transports", "qlink.qec", "qlink.qec.decoders", "qlink.qec.cudaq_config",
             "qlink.qec.cudaq_realtime", "qlink.qec.hotpath", "qlink.bench.cudaq_peer", "qlink.bench.dsparse", "qlink.bench.decoders", "qlink.ai",
             "qlink.wire", "qlink.budget", "qlink.links", "qlink.histogram", "qlink.clock", "qlink.memory", "qlink.errors",
-            "qlink.checks", "qlink.bench.conditions", "qlink.doctor", "qlink.procs", "qlink.access",
+            "qlink.checks", "qlink.bench.conditions", "qlink.doctor", "qlink.procs", "qlink.ai.peer", "qlink.ai.frames",
+            "qlink.bench.report", "transports.framing", "transports.cuda", "qlink.reliability.soak",
+            "qlink.reliability.faults", "qlink.reliability.crash", "qlink.reliability.fuzz", "qlink.sweep.cli",
+            "qlink.fabric", "qlink.access",
             "qlink.qec.sessions", "qlink.bench.hostile"]
 
 

@@ -15,6 +15,8 @@ b'ping'
 from __future__ import annotations
 
 import importlib
+import itertools
+import os
 from urllib.parse import urlsplit
 
 from ._base import (
@@ -33,6 +35,7 @@ __all__ = [
     "schemes",
     "capabilities",
     "register_transport",
+    "loopback_url",
     "Endpoint",
     "Listener",
     "Capabilities",
@@ -54,11 +57,51 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-def register_transport(scheme: str, module: str) -> None:
-    """Register a transport module (providing ``listen``, ``connect``, ``CAPABILITIES``) for ``scheme``."""
+# schemes addressed by host:port (the rest by a name unique on this host)
+_HOST_PORT: set[str] = {"tcp", "ucx", "udp"}
+_fresh = itertools.count()
+
+
+def register_transport(scheme: str, module: str, *, host_port: bool = False) -> None:
+    """Register a transport module (providing ``listen``, ``connect``, ``CAPABILITIES``) for ``scheme``;
+    ``host_port=True`` when its URLs are ``scheme://host:port`` rather than ``scheme://name``."""
     if not scheme.isidentifier():
         raise ValueError(f"scheme must be an identifier, got {scheme!r}")
     _REGISTRY[scheme] = module
+    if host_port:
+        _HOST_PORT.add(scheme)
+    else:
+        _HOST_PORT.discard(scheme)
+
+
+def loopback_url(scheme: str, *, tag: str = "qlink") -> str:
+    """A fresh URL to listen on for ``scheme``, on this host only: ``tcp``/``udp``/``ucx`` get
+    the loopback address with a port the OS picks; ``shm``/``inproc``/``cuda_ipc`` a name no
+    other call (in any process) gets, ``<tag>-<pid>-<n>``. ``emulated+<scheme>`` keeps its
+    prefix. A full URL (``...://...``) comes back unchanged.
+
+    >>> loopback_url("tcp"), loopback_url("emulated+udp")
+    ('tcp://127.0.0.1:0', 'emulated+udp://127.0.0.1:0')
+    >>> loopback_url("shm", tag="doc").startswith(f"shm://doc-{os.getpid()}-")
+    True
+    >>> loopback_url("shm") != loopback_url("shm")
+    True
+    >>> loopback_url("carrier-pigeon")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown transport scheme 'carrier-pigeon'; known: cuda_ipc, inproc, shm, tcp, ucx, udp (or emulated+ any of them)
+    """
+    if "://" in scheme:
+        return scheme
+    inner = scheme[len("emulated+"):] if scheme.startswith("emulated+") else scheme
+    if inner not in _REGISTRY:
+        raise ValueError(f"unknown transport scheme {scheme!r}; known: {', '.join(sorted(_REGISTRY))} "
+                         "(or emulated+ any of them)")
+    if inner in _HOST_PORT:
+        return f"{scheme}://127.0.0.1:0"
+    if not tag or not all(c.isalnum() or c in "-_" for c in tag):
+        raise ValueError(f"tag must be letters, digits, '-' or '_', got {tag!r}")
+    return f"{scheme}://{tag}-{os.getpid()}-{next(_fresh)}"
 
 
 def schemes() -> list[str]:
@@ -93,9 +136,7 @@ def capabilities(url_or_scheme: str) -> Capabilities:
     """Declared capabilities of the transport for ``url_or_scheme``."""
     url = url_or_scheme if "://" in url_or_scheme else url_or_scheme + "://x"
     if _scheme_of(url).startswith("emulated+"):
-        from .emulated import capabilities_of
-
-        return capabilities_of(url)
+        return _module_for(url).capabilities_of(url)  # (by name, as every backend: no import cycle)
     return _module_for(url).CAPABILITIES
 
 

@@ -39,6 +39,8 @@ from typing import Any, Mapping
 from qlink.errors import ClosedError, QlinkError, QlinkTimeoutError, WouldBlock
 from qlink.memory import Region, RemoteRegion
 
+from ._waiting import Backoff, deadline_of  # (re-exported: every transport imports them from here)
+
 __all__ = [
     "Capabilities",
     "Statistics",
@@ -148,47 +150,6 @@ class Statistics:
     def __post_init__(self) -> None:
         # read-only, so a snapshot cannot be changed after it was taken
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
-
-
-class Backoff:
-    """Bounded busy-poll, then exponential sleep up to ``max_sleep_s``.
-
-    ``spin`` iterations return immediately (the hot path); after that each call
-    sleeps, doubling from ``min_sleep_s``. ``reset()`` after progress.
-    """
-
-    __slots__ = ("spin", "min_sleep_s", "max_sleep_s", "_n", "_sleep")
-
-    def __init__(self, *, spin: int = 20000, min_sleep_s: float = 5e-6, max_sleep_s: float = 1e-3):
-        self.spin = spin
-        self.min_sleep_s = min_sleep_s
-        self.max_sleep_s = max_sleep_s
-        self._n = 0
-        self._sleep = min_sleep_s
-
-    def reset(self) -> None:
-        self._n = 0
-        self._sleep = self.min_sleep_s
-
-    @property
-    def spinning(self) -> bool:
-        return self._n < self.spin
-
-    def pause(self) -> None:
-        if self._n < self.spin:
-            self._n += 1
-            return
-        time.sleep(self._sleep)
-        self._sleep = min(self._sleep * 2, self.max_sleep_s)
-
-
-def deadline_of(timeout_s: float | None) -> float | None:
-    """Absolute ``time.monotonic()`` deadline for a relative timeout (None or inf: no deadline)."""
-    if timeout_s is None or timeout_s == float("inf"):
-        return None
-    if timeout_s != timeout_s or timeout_s < 0:  # NaN or negative
-        raise ValueError(f"timeout_s must be a non-negative number or None, got {timeout_s!r}")
-    return time.monotonic() + timeout_s
 
 
 class Endpoint(abc.ABC):
@@ -331,6 +292,22 @@ class Endpoint(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _deliver_queued(self, queue, out: memoryview) -> int:
+        """Copy the oldest message of ``queue`` (a deque of bytes-likes a transport set aside
+        while it looked for something else) into ``out``, count it and return its size; a
+        buffer too small raises :class:`BufferTooSmallError` and the message stays queued."""
+        msg = queue[0]
+        n = len(msg)
+        if n > len(out):
+            raise BufferTooSmallError(
+                f"next {self.capabilities.name} message is {n} bytes but the buffer holds {len(out)}; the message "
+                f"stays queued, call again with a buffer of at least {n} bytes", needed_nbytes=n)
+        out[:n] = msg
+        queue.popleft()
+        self._counters.messages_received += 1
+        self._counters.bytes_received += n
+        return n
 
     def statistics(self) -> Statistics:
         c = self._counters

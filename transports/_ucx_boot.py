@@ -24,9 +24,10 @@ import ipaddress
 import socket
 import struct
 import time
-from urllib.parse import urlsplit
 
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
+
+from ._address import split_host_port
 
 __all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV"]
 
@@ -40,24 +41,8 @@ _CONN_MASK = 0xFFFFFF
 
 
 def split_url(url: str, *, for_listen: bool) -> tuple[str, int]:
-    """(host, port) of a ``ucx://host:port`` URL; ValueError naming what is wrong."""
-    parts = urlsplit(url)
-    if parts.scheme != "ucx":
-        raise ValueError(f"ucx transport needs a URL like 'ucx://127.0.0.1:0', got {url!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"ucx URL {url!r} has a port that is not a number in 0..65535") from None
-    host = parts.hostname or ("127.0.0.1" if for_listen else "")
-    if not host:
-        raise ValueError(f"ucx URL {url!r} needs a host, e.g. 'ucx://127.0.0.1:5555'")
-    if port is None:
-        raise ValueError(f"ucx URL {url!r} needs a port, e.g. 'ucx://{host}:0' (0 picks a free one when listening)")
-    if port == 0 and not for_listen:
-        raise ValueError(f"cannot connect to port 0 in {url!r}; use the port from the listener's url")
-    if parts.path not in ("", "/") or parts.query:
-        raise ValueError(f"ucx URL {url!r} takes only host and port, no path or query")
-    return host, port
+    """(host, port) of a ``ucx://host:port`` URL (no path, no query); ValueError naming what is wrong."""
+    return split_host_port(url, scheme="ucx", for_listen=for_listen, extras_ok=False)
 
 
 def scope_of(host: str) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 
 from qlink.errors import CapabilityError
 
-from . import _cuda
+from . import cuda as _cuda
 
 __all__ = ["CUDA_UCX_TLS", "tls_moves_device_memory", "device_view", "host_copy", "copy_into_region"]
 

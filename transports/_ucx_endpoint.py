@@ -18,7 +18,7 @@ import numpy as np
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, WouldBlock
 from qlink.memory import as_byte_view
 
-from . import _cuda
+from . import cuda as _cuda
 from . import _ucx_boot as boot
 from . import _ucx_core as core
 from . import _ucx_device as dev

@@ -35,7 +35,7 @@ import numpy as np
 from qlink.errors import RegistrationError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
-from . import _cuda
+from . import cuda as _cuda
 from . import _ucx_core as core
 from ._pieces import check_pieces, copy_pieces, message_groups, span
 from . import _ucx_device as dev

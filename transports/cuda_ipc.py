@@ -66,13 +66,13 @@ import numpy as np
 from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, RegistrationError
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
-from . import _cuda
+from . import cuda as _cuda
 from . import shm as _shm
 from ._base import Capabilities, Endpoint, Listener, deadline_of
 from ._base import check_notify_id as _check_notify_id
 from ._base import check_tag as _check_tag
 from ._pieces import check_pieces
-from ._cuda import DeviceMismatchError
+from .cuda import DeviceMismatchError
 from ._cuda_key import DeviceKey
 
 __all__ = ["CAPABILITIES", "listen", "connect", "CudaIpcEndpoint", "CudaIpcListener", "DeviceMismatchError",

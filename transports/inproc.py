@@ -45,7 +45,7 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from ._accept import AcceptQueue
 from ._pieces import check_pieces, copy_pieces, span
-from ._base import BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, check_put_target, deadline_of
+from ._base import Capabilities, Endpoint, Listener, Notification, check_put_target, deadline_of
 
 __all__ = ["CAPABILITIES", "listen", "connect", "InprocEndpoint", "InprocListener"]
 
@@ -153,22 +153,6 @@ class InprocEndpoint(Endpoint):
                     raise self._timed_out(what, timeout_s)
                 d.cond.wait(left)
 
-    def _deliver(self, q, buf) -> int:
-        msg = q[0]
-        n = len(msg)
-        out = as_byte_view(buf)
-        if n > len(out):
-            raise BufferTooSmallError(
-                f"next inproc message is {n} bytes but the buffer holds {len(out)}; the message stays queued, "
-                f"call again with a buffer of at least {n} bytes",
-                needed_nbytes=n,
-            )
-        out[:n] = msg
-        q.popleft()
-        self._counters.messages_received += 1
-        self._counters.bytes_received += n
-        return n
-
     def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
         """Receive the next message into ``buf`` (copied once); return its size in bytes."""
         self._check_open()
@@ -176,7 +160,7 @@ class InprocEndpoint(Endpoint):
         d = self._in
         with d.cond:
             q = self._wait("messages", "recv_into", timeout_s)
-            return self._deliver(q, buf)
+            return self._deliver_queued(q, as_byte_view(buf))
 
     def recv_into_nowait(self, buf) -> int:
         self._check_open()
@@ -184,7 +168,7 @@ class InprocEndpoint(Endpoint):
         d = self._in
         with d.cond:
             if d.messages:
-                return self._deliver(d.messages, buf)
+                return self._deliver_queued(d.messages, as_byte_view(buf))
             if d.closed_by_sender:
                 self._counters.errors += 1
                 raise BrokenLinkError("inproc peer closed the connection; no more messages will arrive")

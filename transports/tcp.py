@@ -1,6 +1,6 @@
 """``tcp://host:port``: framed messages and software-emulated puts over one TCP socket.
 
-Each message travels as one frame (see :mod:`transports._framing`): a 32-byte
+Each message travels as one frame (see :mod:`transports.framing`): a 32-byte
 header packed into a preallocated buffer, then the payload. Small payloads are
 copied behind the header and leave in one ``send``; large ones go out with
 ``sendmsg`` straight from the caller's buffer and are read with ``recv_into``
@@ -75,7 +75,6 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -84,7 +83,8 @@ from qlink.errors import (BrokenLinkError, CapabilityError, ClosedError, QlinkTi
                           WouldBlock)
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
-from . import _framing as fr
+from . import framing as fr
+from ._address import split_host_port
 from ._accept import AcceptQueue
 from ._pieces import check_pieces, copy_pieces, message_groups, span
 from ._base import (MAX_TAG_BYTES, BufferTooSmallError, Capabilities, Endpoint, Listener, Notification, Statistics,
@@ -148,21 +148,6 @@ def _random_key() -> int:
 
 def _ms(left_s: float | None):
     return None if left_s is None else max(0, math.ceil(left_s * 1000))
-
-
-def _host_port(url: str, *, default_port: int | None) -> tuple[str, int]:
-    parts = urlsplit(url)
-    if parts.scheme != "tcp":
-        raise ValueError(f"tcp transport needs a URL like 'tcp://127.0.0.1:5555', got {url!r}")
-    try:
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"bad port in {url!r}: {e}") from None
-    if port is None:
-        if default_port is None:
-            raise ValueError(f"tcp URL needs a port, like 'tcp://127.0.0.1:5555', got {url!r}")
-        port = default_port
-    return parts.hostname or "127.0.0.1", port
 
 
 def _url_of(host: str, port: int) -> str:
@@ -230,7 +215,7 @@ class TcpEndpoint(Endpoint):
     def native_socket(self) -> tuple[int, bytes]:
         """``(fd, leftover)``: the connected socket and the bytes already read from it, for
         native code that carries whole messages in this transport's framing
-        (:mod:`transports._framing`; qlink's QEC hot path). From then on the caller owns the
+        (:mod:`transports.framing`; qlink's QEC hot path). From then on the caller owns the
         stream: this endpoint's own send/receive must not be used until the caller is done
         (it leaves the stream at a frame boundary), and ``close()`` still closes it.
 
@@ -429,7 +414,7 @@ class TcpEndpoint(Endpoint):
                     return n
                 self._msgq.append(dst)
                 if out is not None:
-                    return self._deliver_queued(out)
+                    return self._deliver_queued(self._msgq, out)
             elif kind == _KIND_PUTV:
                 note = self._land_putv(rid, n, off, nid, tag, dst)
                 if note is not None:
@@ -484,19 +469,6 @@ class TcpEndpoint(Endpoint):
             return None  # some piece was refused: the put_many is never announced
         return Notification(region_id=rid, offset=sp[0], nbytes=sp[1] - sp[0], notify_id=nid, tag=tag)
 
-    def _deliver_queued(self, out: memoryview) -> int:
-        msg = self._msgq[0]
-        n = len(msg)
-        if n > len(out):
-            raise BufferTooSmallError(
-                f"next tcp message is {n} bytes but the buffer holds {len(out)}; the message stays queued, "
-                f"call again with a buffer of at least {n} bytes", needed_nbytes=n)
-        out[:n] = msg
-        self._msgq.popleft()
-        self._counters.messages_received += 1
-        self._counters.bytes_received += n
-        return n
-
     def _detach(self) -> None:
         """Leaving a receive early: move a half-received message out of the caller's buffer."""
         if self._cur_direct:
@@ -508,7 +480,7 @@ class TcpEndpoint(Endpoint):
 
     def _recv_once(self, out: memoryview) -> int:
         if self._msgq:
-            return self._deliver_queued(out)
+            return self._deliver_queued(self._msgq, out)
         while True:
             r = self._pump(out)
             if r != _NOTE:
@@ -1156,7 +1128,7 @@ def listen(url: str, *, busy_poll_s: float = _DEFAULT_BUSY_POLL_S, backlog: int 
     token = token_bytes(token)
     if not isinstance(read_ahead_nbytes, int) or read_ahead_nbytes < 4096:
         raise ValueError(f"read_ahead_nbytes must be an int >= 4096, got {read_ahead_nbytes!r}")
-    host, port = _host_port(url, default_port=0)
+    host, port = split_host_port(url, scheme="tcp", for_listen=True)
     infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     family, stype, proto, _canon, addr = infos[0]
     sock = socket.socket(family, stype, proto)
@@ -1186,7 +1158,7 @@ def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = _D
     the handshake (its reason is in the message), QlinkTimeoutError after timeout_s.
     """
     token = token_bytes(token)
-    host, port = _host_port(url, default_port=None)
+    host, port = split_host_port(url, scheme="tcp", for_listen=False)
     where = _url_of(host, port)
     deadline = deadline_of(timeout_s)
 

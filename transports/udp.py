@@ -75,11 +75,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import replace
-from urllib.parse import urlsplit
 
 from qlink.errors import BrokenLinkError, ClosedError, QlinkError, QlinkTimeoutError, WouldBlock
 from qlink.memory import as_byte_view
 
+from ._address import split_host_port
 from ._base import BufferTooSmallError, Capabilities, Endpoint, Listener, Statistics, deadline_of
 
 __all__ = [
@@ -130,28 +130,6 @@ class NoPeerError(QlinkError, LookupError):
 
 
 # ----- addresses -------------------------------------------------------------------------------
-def _split(url: str, *, for_listen: bool) -> tuple[str, int]:
-    parts = urlsplit(url)
-    if parts.scheme != "udp":
-        raise ValueError(f"udp transport needs a URL like 'udp://127.0.0.1:0', got {url!r}")
-    try:
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"udp URL {url!r} has a bad port ({e}); use udp://host:port with 0 <= port <= 65535") from None
-    host = parts.hostname or ""
-    if not host:
-        if not for_listen:
-            raise ValueError(f"udp URL {url!r} needs a host to connect to, like udp://127.0.0.1:5000")
-        host = "127.0.0.1"  # safe default: loopback only
-    if port is None:
-        if not for_listen:
-            raise ValueError(f"udp URL {url!r} needs a port, like udp://{host}:5000")
-        port = 0
-    if port == 0 and not for_listen:
-        raise ValueError(f"cannot connect to port 0 in {url!r}; give the port the listener reports in its url")
-    return host, port
-
-
 def _resolve(host: str, port: int, *, passive: bool) -> tuple[int, tuple]:
     flags = socket.AI_PASSIVE if passive else 0
     try:
@@ -889,7 +867,7 @@ def listen(url: str, *, max_message_bytes: int | None = None, rcvbuf_nbytes: int
     its own (:meth:`UdpServeEndpoint.peer_socket`); other processes of this user could then
     bind the same port too.
     """
-    host, port = _split(url, for_listen=True)
+    host, port = split_host_port(url, scheme="udp", for_listen=True)
     busy_poll_s = _check_busy_poll(busy_poll_s)
     if max_queued_datagrams < 1 or max_queued_total < 1:
         raise ValueError(f"max_queued_datagrams and max_queued_total must be at least 1, got "
@@ -916,13 +894,13 @@ def connect(url: str, *, timeout_s: float | None = 10.0, max_message_bytes: int 
     """
     deadline_of(timeout_s)
     busy_poll_s = _check_busy_poll(busy_poll_s)
-    host, port = _split(url, for_listen=False)
+    host, port = split_host_port(url, scheme="udp", for_listen=False)
     family, sockaddr = _resolve(host, port, passive=False)
     caps = _capabilities_for(family, max_message_bytes)
     sock = _new_socket(family, rcvbuf_nbytes=rcvbuf_nbytes, sndbuf_nbytes=sndbuf_nbytes)
     try:
         if bind is not None:
-            local_host, local_port = _split(bind, for_listen=True)
+            local_host, local_port = split_host_port(bind, scheme="udp", for_listen=True)
             sock.bind(_resolve(local_host, local_port, passive=True)[1])
         sock.connect(sockaddr)
     except OSError as e:

@@ -7,7 +7,8 @@
 
 from ._descriptors import BlockIdError, TransferPlan, plan_transfer
 from ._tracker import KVStatistics, SubmitRecord, TransferAbortedError, TransferRecord
-from .engine import KVReceiver, KVSender, KVSendRequest
+from ._receiver import KVReceiver
+from .engine import KVSender, KVSendRequest
 from .kv import PRESETS, KVCache, KVCacheSpec, LayoutMismatchError, preset
 from .nixl_backend import NixlKVReceiver, NixlKVSender, nixl_available  # nixl-cu12 itself is imported lazily
 

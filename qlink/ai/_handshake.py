@@ -8,26 +8,45 @@ import operator
 from qlink.errors import CapabilityError, WireError
 from qlink.memory import RemoteRegion
 
-from . import _frames as fr
+from . import frames as fr
 from .kv import KVCache, KVCacheSpec
 
-__all__: list[str] = []  # private to qlink.ai
+__all__ = [  # shared by the KV modules of qlink.ai (this module is private to the package)
+    "ABORT_CORRUPT",
+    "ABORT_SUBMIT_FAILED",
+    "BREAK_GRACE_S",
+    "BREAK_QUIET_POLLS",
+    "EVENTS_PER_PROGRESS",
+    "MAX_HELLO_NBYTES",
+    "MODE_CODES",
+    "Peer",
+    "ROLE_SENDER",
+    "ROLE_RECEIVER",
+    "ROLE_NIXL_SENDER",
+    "ROLE_NIXL_RECEIVER",
+    "can_defer",
+    "check_device",
+    "check_request_id",
+    "layers_of",
+    "parse_hello",
+    "MODES",
+]
 
 MODES = ("auto", "put", "send")
-_ROLE_SENDER, _ROLE_RECEIVER, _ROLE_NIXL_SENDER, _ROLE_NIXL_RECEIVER = 1, 2, 3, 4
+ROLE_SENDER, ROLE_RECEIVER, ROLE_NIXL_SENDER, ROLE_NIXL_RECEIVER = 1, 2, 3, 4
 _ROLE_NAMES = {1: "a KVSender", 2: "a KVReceiver", 3: "a NixlKVSender", 4: "a NixlKVReceiver"}
-_MODE_CODES = {"auto": 0, "put": 1, "send": 2, "nixl": 3}
-_MODE_NAMES = {v: k for k, v in _MODE_CODES.items()}
-_ABORT_SUBMIT_FAILED = 3  # INTERNAL_ERROR in the CUDA-Q status table
-_ABORT_CORRUPT = 2  # a part whose CRC-32 does not match (the receiver's own verdict)
+MODE_CODES = {"auto": 0, "put": 1, "send": 2, "nixl": 3}
+_MODE_NAMES = {v: k for k, v in MODE_CODES.items()}
+ABORT_SUBMIT_FAILED = 3  # INTERNAL_ERROR in the CUDA-Q status table
+ABORT_CORRUPT = 2  # a part whose CRC-32 does not match (the receiver's own verdict)
 _MAX_REQUEST_ID = (1 << 32) - 1
-_EVENTS_PER_PROGRESS = 4096
-_BREAK_GRACE_S = 0.25  # after the control link breaks, how long completions still in flight may take
-_BREAK_QUIET_POLLS = 20  # ... and how many empty polls (1 ms apart) end that wait sooner
-_MAX_HELLO_NBYTES = 1 << 20
+EVENTS_PER_PROGRESS = 4096
+BREAK_GRACE_S = 0.25  # after the control link breaks, how long completions still in flight may take
+BREAK_QUIET_POLLS = 20  # ... and how many empty polls (1 ms apart) end that wait sooner
+MAX_HELLO_NBYTES = 1 << 20
 
 
-def _layers_of(layers, num_layers: int) -> range:
+def layers_of(layers, num_layers: int) -> range:
     if isinstance(layers, str):
         if layers != "all":
             raise ValueError(f"layers must be 'all' or a range of layer indices, got {layers!r}")
@@ -41,13 +60,13 @@ def _layers_of(layers, num_layers: int) -> range:
     return layers
 
 
-def _check_device(cache: KVCache, endpoint) -> None:
+def check_device(cache: KVCache, endpoint) -> None:
     if cache.device != "cpu" and not endpoint.capabilities.device_memory:
         raise CapabilityError(f"the KV cache lives on device {cache.device!r} but transport "
                               f"{endpoint.capabilities.name!r} moves host memory only; use a device-capable transport")
 
 
-def _can_defer(endpoint) -> bool:
+def can_defer(endpoint) -> bool:
     """The endpoint may leave a put_many's copy to the target (``shm``): it has deferred
     puts to flush, so it overrides the base ``flush`` (which returns at once)."""
     from transports import Endpoint
@@ -55,7 +74,7 @@ def _can_defer(endpoint) -> bool:
     return getattr(getattr(endpoint, "flush", None), "__func__", None) is not Endpoint.flush
 
 
-def _check_request_id(request_id) -> int:
+def check_request_id(request_id) -> int:
     try:
         rid = operator.index(request_id)
     except TypeError:
@@ -65,7 +84,7 @@ def _check_request_id(request_id) -> int:
     return rid
 
 
-class _Peer:
+class Peer:
     """What the handshake learned about the other side."""
 
     __slots__ = ("spec", "mode", "regions", "crc32")
@@ -74,7 +93,7 @@ class _Peer:
         self.spec, self.mode, self.regions, self.crc32 = spec, mode, regions, crc32
 
 
-def _parse_hello(frame, *, expect_role: int, local: KVCacheSpec, side: str) -> _Peer:
+def parse_hello(frame, *, expect_role: int, local: KVCacheSpec, side: str) -> Peer:
     role, mode_code, spec_b, regions_b = fr.unpack_hello(frame)
     if role != expect_role:
         what = _ROLE_NAMES.get(role, f"role {role}")
@@ -84,6 +103,6 @@ def _parse_hello(frame, *, expect_role: int, local: KVCacheSpec, side: str) -> _
         raise WireError(f"the peer asked for unknown mode code {mode_code}")
     spec = KVCacheSpec.from_bytes(spec_b)
     local.check_compatible(spec, side=side)
-    regions = regions_b if expect_role in (_ROLE_NIXL_SENDER, _ROLE_NIXL_RECEIVER) else \
+    regions = regions_b if expect_role in (ROLE_NIXL_SENDER, ROLE_NIXL_RECEIVER) else \
         [RemoteRegion.from_bytes(r) for r in regions_b]
-    return _Peer(spec, _MODE_NAMES[mode_code], regions, bool(fr.hello_flags(frame) & fr.HELLO_PARTS_CRC32))
+    return Peer(spec, _MODE_NAMES[mode_code], regions, bool(fr.hello_flags(frame) & fr.HELLO_PARTS_CRC32))

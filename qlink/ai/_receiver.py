@@ -22,19 +22,19 @@ from qlink.errors import (
 )
 from qlink.memory import as_byte_view
 
-from . import _frames as fr
+from . import frames as fr
 from ._handshake import (
-    _ABORT_CORRUPT,
-    _BREAK_GRACE_S,
-    _BREAK_QUIET_POLLS,
-    _EVENTS_PER_PROGRESS,
-    _MAX_HELLO_NBYTES,
-    _ROLE_RECEIVER,
-    _ROLE_SENDER,
-    _check_device,
-    _check_request_id,
-    _parse_hello,
-    _Peer,
+    ABORT_CORRUPT,
+    BREAK_GRACE_S,
+    BREAK_QUIET_POLLS,
+    EVENTS_PER_PROGRESS,
+    MAX_HELLO_NBYTES,
+    ROLE_RECEIVER,
+    ROLE_SENDER,
+    check_device,
+    check_request_id,
+    parse_hello,
+    Peer,
 )
 from ._tracker import KVStatistics, RequestTracker, TransferRecord
 from .kv import KVCache, KVCacheSpec, LayoutMismatchError, _cupy
@@ -76,17 +76,17 @@ class _ReceiverBase:
         broken = None
         if self._peer is None:  # the sender's hello first: it says how to check the parts (CRC-32 or not)
             try:
-                n = self._poll_frames(_EVENTS_PER_PROGRESS)
+                n = self._poll_frames(EVENTS_PER_PROGRESS)
             except BrokenLinkError as e:
                 broken = e
         if self._peer is not None:
             try:
-                n += self._poll_sources(_EVENTS_PER_PROGRESS - n)
+                n += self._poll_sources(EVENTS_PER_PROGRESS - n)
             except BrokenLinkError as e:  # every completion before the break was handled first
                 broken = broken or e
         if broken is None:
             try:
-                n += self._poll_frames(_EVENTS_PER_PROGRESS - n)
+                n += self._poll_frames(EVENTS_PER_PROGRESS - n)
             except BrokenLinkError as e:
                 broken = e
         if broken is not None and n == 0:
@@ -101,14 +101,14 @@ class _ReceiverBase:
         """The control link broke: completions of the data path may still be on their way
         (NIXL delivers its notifications apart from the control link, and may deliver them
         after the sender's exit shows there). Take what comes within a short grace (until
-        ``_BREAK_QUIET_POLLS`` polls 1 ms apart find nothing, at most ``_BREAK_GRACE_S``)."""
+        ``BREAK_QUIET_POLLS`` polls 1 ms apart find nothing, at most ``BREAK_GRACE_S``)."""
         if self._peer is None:
             return 0
         n = quiet = 0
-        give_up = time.monotonic() + _BREAK_GRACE_S
-        while quiet < _BREAK_QUIET_POLLS and time.monotonic() < give_up:
+        give_up = time.monotonic() + BREAK_GRACE_S
+        while quiet < BREAK_QUIET_POLLS and time.monotonic() < give_up:
             try:
-                k = self._poll_sources(_EVENTS_PER_PROGRESS)
+                k = self._poll_sources(EVENTS_PER_PROGRESS)
             except (BrokenLinkError, ClosedError):
                 break
             if k:
@@ -131,7 +131,7 @@ class _ReceiverBase:
                 needed = getattr(e, "needed_nbytes", None)
                 if needed is None:
                     raise
-                if needed > _MAX_HELLO_NBYTES:
+                if needed > MAX_HELLO_NBYTES:
                     self._refuse_oversized(needed)
                 frame = ep.recv(timeout_s=self.data_timeout_s, max_nbytes=needed)
                 self._on_frame(memoryview(frame))
@@ -152,7 +152,7 @@ class _ReceiverBase:
         except QlinkError:
             pass
         raise BrokenLinkError(f"the KV sender announced a {needed}-byte control frame, longer than any "
-                              f"({_MAX_HELLO_NBYTES} bytes); the link was closed")
+                              f"({MAX_HELLO_NBYTES} bytes); the link was closed")
 
     def _on_frame(self, frame) -> None:
         tr = self._tracker
@@ -236,7 +236,7 @@ class _ReceiverBase:
     def wait_layer(self, request_id: int, layer: int, *, timeout_s: float | None = 10.0) -> int:
         """Wait until ``layer`` of ``request_id`` (and every layer of the request below it)
         has landed; return when it became ready (``time.monotonic_ns``)."""
-        request_id = _check_request_id(request_id)
+        request_id = check_request_id(request_id)
         if not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer must be in [0, {self.spec.num_layers}), got {layer}")
         return self._wait(lambda: self._tracker.ready_ns(request_id, layer), timeout_s,
@@ -250,7 +250,7 @@ class _ReceiverBase:
     def wait_request(self, request_id: int, *, timeout_s: float | None = 10.0, release: bool = True) -> TransferRecord:
         """Wait until every layer of ``request_id`` has landed; return its record (and forget
         the request unless ``release=False``, so its id may be reused)."""
-        request_id = _check_request_id(request_id)
+        request_id = check_request_id(request_id)
         rec = self._wait(lambda: self._tracker.record(request_id), timeout_s, f"request {request_id}")
         if release:
             self._tracker.release(request_id)
@@ -271,7 +271,7 @@ class KVReceiver(_ReceiverBase):
     def __init__(self, endpoint, cache: KVCache, *, max_requests: int = 65536, data_timeout_s: float = 10.0):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        _check_device(cache, endpoint)
+        check_device(cache, endpoint)
         self.endpoint = endpoint
         self.cache = cache
         self.spec = cache.spec
@@ -284,7 +284,7 @@ class KVReceiver(_ReceiverBase):
         self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
         self._tracker = RequestTracker(num_layers=self.spec.num_layers, transport=self.transport, mode="",
                                        max_requests=max_requests)
-        self._peer: _Peer | None = None
+        self._peer: Peer | None = None
         self._peer_error: BaseException | None = None
         self._max_part_nbytes = max(v.nbytes for v in self._views) + 4096
         self._ctl = bytearray(4096)
@@ -293,7 +293,7 @@ class KVReceiver(_ReceiverBase):
         self._rows2d = [np.frombuffer(v, dtype=np.uint8).reshape(-1, self.spec.block_nbytes) for v in self._views] \
             if cache.device == "cpu" else None
         self._closed = False
-        endpoint.send(fr.pack_hello(role=_ROLE_RECEIVER, mode=0, spec=self.spec.to_bytes(),
+        endpoint.send(fr.pack_hello(role=ROLE_RECEIVER, mode=0, spec=self.spec.to_bytes(),
                                     regions=[r.descriptor().to_bytes() for r in self._regions]))
 
     # ----- progress ----------------------------------------------------------------
@@ -337,12 +337,12 @@ class KVReceiver(_ReceiverBase):
         if want == got:
             return True
         self.crc_mismatches += 1
-        self._tracker.on_abort(rid, _ABORT_CORRUPT, layer, f"a part of {len(landed)} B arrived with CRC-32 "
+        self._tracker.on_abort(rid, ABORT_CORRUPT, layer, f"a part of {len(landed)} B arrived with CRC-32 "
                                f"0x{got:08x} where the sender computed 0x{want:08x} (corrupted on the way)")
         return False
 
     def _on_hello(self, frame) -> None:
-        peer = _parse_hello(frame, expect_role=_ROLE_SENDER, local=self.spec, side="sender")
+        peer = parse_hello(frame, expect_role=ROLE_SENDER, local=self.spec, side="sender")
         self._peer = peer
         self._crc32 = peer.crc32
         mode = "send" if (peer.mode == "send" or not self._regions) else "put"

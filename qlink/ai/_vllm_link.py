@@ -50,9 +50,9 @@ import numpy as np
 
 from qlink import wire
 from qlink.errors import BrokenLinkError, QlinkError, QlinkTimeoutError, WireError, WouldBlock
-from transports._base import BufferTooSmallError
+from transports import BufferTooSmallError
 
-from . import _frames as fr
+from . import frames as fr
 from ._tracker import TransferAbortedError
 
 __all__ = ["PrefillServer", "DecodeClient", "LoadResult", "pack_pull", "unpack_pull", "pack_expect", "unpack_expect",
@@ -640,7 +640,7 @@ class DecodeClient:
     def _link(self, url: str):
         import transports
 
-        from .engine import KVReceiver
+        from ._receiver import KVReceiver
 
         link = self._links.get(url)
         if link is None:

@@ -61,37 +61,26 @@ import numpy as np
 from qlink.errors import BrokenLinkError, CapabilityError, QlinkError, WireError, WouldBlock
 from qlink.memory import as_byte_view
 
-from . import _frames as fr
-from ._descriptors import BlockIdError, TransferPlan, plan_transfer
+from . import frames as fr
+from ._descriptors import TransferPlan, plan_transfer
 from ._handshake import (
-    _ABORT_SUBMIT_FAILED,
-    _MAX_HELLO_NBYTES,
-    _MODE_CODES,
-    _ROLE_RECEIVER,
-    _ROLE_SENDER,
+    ABORT_SUBMIT_FAILED,
+    MAX_HELLO_NBYTES,
+    MODE_CODES,
+    ROLE_RECEIVER,
+    ROLE_SENDER,
     MODES,
-    _can_defer,
-    _check_device,
-    _check_request_id,
-    _layers_of,
-    _parse_hello,
-    _Peer,
+    can_defer,
+    check_device,
+    check_request_id,
+    layers_of,
+    parse_hello,
+    Peer,
 )
-from ._receiver import KVReceiver
-from ._tracker import KVStatistics, SubmitRecord, TransferAbortedError, TransferRecord
+from ._tracker import SubmitRecord
 from .kv import KVCache, KVCacheSpec, LayoutMismatchError
 
-__all__ = [
-    "KVSender",
-    "KVReceiver",
-    "KVSendRequest",
-    "TransferRecord",
-    "SubmitRecord",
-    "KVStatistics",
-    "TransferAbortedError",
-    "BlockIdError",
-    "MODES",
-]
+__all__ = ["KVSender", "KVSendRequest", "MODES"]  # qlink.ai exports them (and the rest of the KV API)
 
 
 class KVSendRequest:
@@ -205,7 +194,7 @@ class KVSender:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        _check_device(cache, endpoint)
+        check_device(cache, endpoint)
         if checksum and cache.device != "cpu":
             raise ValueError("checksum=True needs a host (NumPy) cache: the CRC-32 of each part is taken on the host")
         if mode == "put" and not endpoint.capabilities.one_sided:
@@ -217,7 +206,7 @@ class KVSender:
         self.transport = endpoint.capabilities.name
         self.requested_mode = mode
         self.mode = ""  # decided by the handshake
-        self._peer: _Peer | None = None
+        self._peer: Peer | None = None
         self._views = [as_byte_view(a) if cache.device == "cpu" else a.reshape(-1).view("uint8") for a in cache.layers]
         self._rows2d = [a.reshape(-1).view(np.uint8).reshape(-1, self.spec.block_nbytes) for a in cache.layers] \
             if cache.device == "cpu" else None
@@ -227,7 +216,7 @@ class KVSender:
         # a CRC-32 per part needs one notification per descriptor: no gathered put_many then
         self._gathers = bool(getattr(endpoint, "put_many_gathers", False)) and not self.checksum
         self._src_regions = []
-        if defer and self._gathers and _can_defer(endpoint) and cache.device == "cpu" and mode != "send":
+        if defer and self._gathers and can_defer(endpoint) and cache.device == "cpu" and mode != "send":
             try:
                 for a in cache.layers:  # so the receiver can copy out of them (deferred put_many)
                     self._src_regions.append(endpoint.register(a))
@@ -235,15 +224,15 @@ class KVSender:
                 self._release_sources()
         self._defer = bool(self._src_regions)
         self._max_desc_nbytes = endpoint.capabilities.max_message_bytes
-        endpoint.send(fr.pack_hello(role=_ROLE_SENDER, mode=_MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[],
+        endpoint.send(fr.pack_hello(role=ROLE_SENDER, mode=MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[],
                                     flags=fr.HELLO_PARTS_CRC32 if self.checksum else 0))
 
     def handshake(self, *, timeout_s: float | None = 10.0) -> str:
         """Read the receiver's hello, check the layouts, and return the mode (``"put"``/``"send"``)."""
         if self._peer is not None:
             return self.mode
-        frame = self.endpoint.recv(timeout_s=timeout_s, max_nbytes=_MAX_HELLO_NBYTES)
-        peer = _parse_hello(frame, expect_role=_ROLE_RECEIVER, local=self.spec, side="receiver")
+        frame = self.endpoint.recv(timeout_s=timeout_s, max_nbytes=MAX_HELLO_NBYTES)
+        peer = parse_hello(frame, expect_role=ROLE_RECEIVER, local=self.spec, side="receiver")
         if len(peer.regions) not in (0, self.spec.num_layers):
             raise WireError(f"receiver sent {len(peer.regions)} region descriptors for {self.spec.num_layers} layers")
         if self.requested_mode == "send" or not peer.regions:
@@ -271,9 +260,9 @@ class KVSender:
         ``src``, of the receiver's for ``dst``), lists of different lengths, or a
         destination block named twice; nothing is sent then.
         """
-        request_id = _check_request_id(request_id)
+        request_id = check_request_id(request_id)
         self.handshake(timeout_s=timeout_s)
-        layer_range = _layers_of(layers, self.spec.num_layers)
+        layer_range = layers_of(layers, self.spec.num_layers)
         t0 = time.perf_counter_ns()
         plan = plan_transfer(src_block_ids, dst_block_ids, src_num_blocks=self.spec.num_blocks,
                              dst_num_blocks=self._peer.spec.num_blocks, block_nbytes=self.spec.block_nbytes,
@@ -369,7 +358,7 @@ class KVSender:
 
     def _abort(self, req: KVSendRequest, layer: int, exc: BaseException) -> None:
         try:
-            self.endpoint.send(fr.pack_abort(req.request_id, status=_ABORT_SUBMIT_FAILED, layer=layer,
+            self.endpoint.send(fr.pack_abort(req.request_id, status=ABORT_SUBMIT_FAILED, layer=layer,
                                              reason=f"{type(exc).__name__}: {exc}"), timeout_s=1.0)
         except QlinkError:
             pass  # the link is going down too; the receiver will see BrokenLinkError

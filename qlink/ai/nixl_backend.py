@@ -52,17 +52,17 @@ from qlink.errors import (
     missing,
 )
 
-from . import _frames as fr
+from . import frames as fr
 from ._descriptors import plan_transfer
 from ._tracker import RequestTracker, TransferRecord
 from ._handshake import (
-    _MAX_HELLO_NBYTES,
-    _MODE_CODES,
-    _ROLE_NIXL_RECEIVER,
-    _ROLE_NIXL_SENDER,
-    _check_request_id,
-    _layers_of,
-    _parse_hello,
+    MAX_HELLO_NBYTES as _MAX_HELLO_NBYTES,
+    MODE_CODES as _MODE_CODES,
+    ROLE_NIXL_RECEIVER as _ROLE_NIXL_RECEIVER,
+    ROLE_NIXL_SENDER as _ROLE_NIXL_SENDER,
+    check_request_id as _check_request_id,
+    layers_of as _layers_of,
+    parse_hello as _parse_hello,
 )
 from ._receiver import _ReceiverBase
 from .engine import KVSender, KVSendRequest

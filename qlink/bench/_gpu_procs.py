@@ -33,7 +33,7 @@ _CHECK_MAGIC, _SHOT_MAGIC = b"CHK!", b"SHOT"
 def array_module(device: str):
     """``cupy`` for ``"gpu"``, ``numpy`` for ``"cpu"``."""
     if device == "gpu":
-        from transports._cuda import require
+        from transports.cuda import require
 
         return require("qlink bench gpu")
     if device == "cpu":

@@ -14,7 +14,7 @@ A floor under :data:`BUSY_FLOOR_PCT` means the host is busy: :func:`begin` print
 warning line, and the conditions say ``busy: true`` so nobody mistakes a loaded run
 for a figure.
 
-A command calls :func:`begin` once before it measures; :func:`qlink.bench._report.write_results`
+A command calls :func:`begin` once before it measures; :func:`qlink.bench.report.write_results`
 then stamps :func:`current` into every JSON (``conditions``) and CSV (``host_*``,
 ``load_*``, ``cpu_floor_pct`` columns). Where no command called :func:`begin`, the first
 result written measures the conditions then.

@@ -47,7 +47,7 @@ def transport_env(transport: str, host) -> dict:
 
 
 class _Ready:
-    """A ``ready_queue`` for :func:`~qlink.qec.service.run_service_process` that emits instead."""
+    """A ``ready_queue`` for :func:`~qlink.qec.run_service_process` that emits instead."""
 
     def __init__(self, emit: Callable) -> None:
         self._emit = emit
@@ -59,7 +59,7 @@ class _Ready:
 def serve_decoder(*, url: str, configs_spec: dict, service_options: dict, accept_timeout_s: float = 60.0,
                   emit: Callable) -> dict:
     """Run the decoder service on ``url`` for one controller; emit ``{"ready": bound_url}``; return its counts."""
-    from qlink.qec.service import run_service_process
+    from qlink.qec import run_service_process
 
     rep = run_service_process(url, {int(k): v for k, v in configs_spec.items()}, ready_queue=_Ready(emit),
                               accept_timeout_s=accept_timeout_s, service_options=service_options)
@@ -270,7 +270,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
 
     from qlink.netns import netns_unavailable
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     why = netns_unavailable()
     if why:

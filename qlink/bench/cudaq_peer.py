@@ -4,7 +4,7 @@
 experiment, runs CUDA-Q's realtime kernel with decoders configured from it
 (:func:`qlink.qec.cudaq_realtime.run_cudaq_realtime`), then plays the very same
 measurement records through qlink's decoder service (a spawned
-:func:`~qlink.qec.service.start_service_process` configured from the same file, one
+:func:`~qlink.qec.start_service_process` configured from the same file, one
 ``enqueue_syndromes`` frame per round, over each transport) and compares the
 corrections shot by shot. Figures (a dict, also what the bench writes):
 
@@ -35,9 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .dsparse import measurement_overhead
 
-__all__ = ["compare_with_cudaq", "serve_records", "measurement_overhead", "cudaq_decoder_timings", "bench_rows",
+__all__ = ["compare_with_cudaq", "serve_records", "cudaq_decoder_timings", "bench_rows",
            "main_from_cli"]
 
 
@@ -63,7 +62,7 @@ def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray,
     from qlink.qec.controller import Controller, SyndromeStream
     from qlink.qec.cudaq_config import service_specs_from_cudaq
     from qlink.qec.loop import resolve_url
-    from qlink.qec.service import start_service_process
+    from qlink.qec import start_service_process
 
     specs = service_specs_from_cudaq(config_path)
     stream = SyndromeStream(detectors=measurements, observables=true_flips, round_of_detector=round_of_measurement)
@@ -260,7 +259,7 @@ def main_from_cli(args, *, say=print) -> list[dict]:
     """``qlink bench cudaq [--quick] [--transports shm,tcp] [--out DIR]``: the table, JSON and CSV."""
     from qlink.errors import missing
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     try:
         import cudaq_qec  # noqa: F401

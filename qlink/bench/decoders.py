@@ -72,7 +72,7 @@ def run_decoder_bench(*, distances=(5,), p: float = 0.005, num_shots: int = 5000
     ratios to PyMatching on the same shots. ``decoders``: names (default: every registered
     one that runs here)."""
     from qlink.qec.decoders import BUILT_IN_DECODERS
-    from qlink.qec.decoders._chromobius import steane_color_code_circuit
+    from qlink.qec.decoders import steane_color_code_circuit
 
     say = say or (lambda msg: None)
     names = list(decoders) if decoders is not None else sorted(BUILT_IN_DECODERS)
@@ -121,7 +121,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench decoders [--quick] [--distances 5,7] [--out DIR]``: the table, JSON and CSV."""
     from pathlib import Path
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     quick = bool(getattr(args, "quick", False))
     dist = getattr(args, "distances", None)
@@ -145,7 +145,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
 
 def _dsparse_table(*, out, quick: bool, say) -> list[dict]:
     """The measurement-level (D_sparse) overhead at d = 5: its table, JSON and CSV."""
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
     from .dsparse import measurement_overhead, overhead_rows
 
     res = measurement_overhead(distance=5, num_shots=1000 if quick else 4096, repeats=5 if quick else 10, say=say)

@@ -52,7 +52,7 @@ _names = itertools.count()
 
 def gpu_unavailable() -> str | None:
     """None when CuPy can run on an NVIDIA GPU here, else why not."""
-    from transports._cuda import cuda_unavailable
+    from transports.cuda import cuda_unavailable
 
     return cuda_unavailable()
 
@@ -60,7 +60,7 @@ def gpu_unavailable() -> str | None:
 def _device_label(device: str) -> str:
     if device == "cpu":
         return "cpu (NumPy, host regions: a harness check, not a GPU figure)"
-    from transports._cuda import device_name, require
+    from transports.cuda import device_name, require
 
     cp = require("qlink bench gpu")
     return device_name(cp, cp.cuda.runtime.getDevice())
@@ -173,7 +173,7 @@ def measure_kv(*, device: str = "gpu", preset: str = "llama-3-8b", tokens: Itera
                repeats: int = 3, progress: Callable[[str], None] = print) -> list[dict]:
     """KV-engine transfers of ``tokens``-token requests between device caches over cuda_ipc."""
     from qlink.ai import preset as _preset
-    from qlink.ai._peer import open_link
+    from qlink.ai.peer import open_link
 
     xp, label = array_module(device), _device_label(device)
     base = _preset(preset)
@@ -330,7 +330,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench gpu [--quick] [--out DIR]``: run (or record why not), print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     quick = bool(getattr(args, "quick", False))
     out = Path(getattr(args, "out", "results/bench"))

@@ -99,7 +99,7 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
                       say: Callable[[str], None] | None = None) -> list[dict]:
     """The rows of both tables (see the module docstring); each measurement stops after
     ``num_shots`` or ``time_limit_s`` (a starved host), its row says how many shots it took."""
-    from qlink.qec.service import start_service_process
+    from qlink.qec import start_service_process
 
     from ._hostile_clients import HostileProcess
 
@@ -159,7 +159,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     import os
     from pathlib import Path
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     quick = bool(getattr(args, "quick", False))
     shots = 2000 if quick else 10000

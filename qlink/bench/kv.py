@@ -102,7 +102,7 @@ class _Floor:
         recorded under ``key`` when it beats the best so far.
 
         >>> from qlink.ai import KVCache, preset
-        >>> from qlink.ai._descriptors import plan_transfer
+        >>> from qlink.ai import plan_transfer
         >>> spec = preset("tiny", num_blocks=8)
         >>> cache = KVCache.allocate(spec)
         >>> plan = plan_transfer([0, 3], [5, 1], src_num_blocks=8, dst_num_blocks=8, block_nbytes=spec.block_nbytes)
@@ -220,8 +220,8 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
     """Transfer rounds of one backend, each right after a floor copy of the same pieces in
     the receiver's cache. qlink: the peer sends, the receiver here waits for the last layer;
     NIXL: the receiver here pulls the request with one prepared READ (vLLM's way)."""
-    from qlink.ai._descriptors import plan_transfer
-    from qlink.ai._peer import open_link
+    from qlink.ai import plan_transfer
+    from qlink.ai.peer import open_link
 
     rows = []
     rng = np.random.default_rng(7)
@@ -280,7 +280,7 @@ def _check_landed(cache, plan) -> None:
 
 def _measure_mooncake(spec, token_list, patterns, repeats: int, say) -> list[dict]:
     """Mooncake TE over TCP, one process pair per slice size (see :mod:`._kv_mooncake`)."""
-    from qlink.ai._descriptors import plan_transfer
+    from qlink.ai import plan_transfer
 
     from ._kv_mooncake import SLICE_SIZES, MooncakePair
 
@@ -326,7 +326,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
     tokens and pattern; Mooncake at its faster slice size).
     """
     from qlink.ai import preset as _preset
-    from qlink.ai._peer import transport_unavailable
+    from qlink.ai.peer import transport_unavailable
 
     base = _preset(preset)
     token_list = sorted(set(int(t) for t in tokens))
@@ -385,7 +385,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
 
     if not floor.best:  # nothing measured beside it: the floor alone, in a cache of its own
         from qlink.ai import KVCache
-        from qlink.ai._descriptors import plan_transfer
+        from qlink.ai import plan_transfer
 
         cache = KVCache.allocate(spec)
         for a in cache.layers:
@@ -488,7 +488,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench kv [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from ._report import CONSOLE_WIDTH, format_goals, format_table, wrap, write_results
+    from .report import CONSOLE_WIDTH, format_goals, format_table, wrap, write_results
 
     quick = bool(getattr(args, "quick", False))
     tokens = (512, 4096) if quick else (512, 4096, 32768)

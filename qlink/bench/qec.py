@@ -65,7 +65,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["run_qec_bench", "main_from_cli", "offline_rounds_per_s", "BENCH_COLUMNS", "console_rows"]
+__all__ = ["run_qec_bench", "main_from_cli", "BENCH_COLUMNS", "console_rows"]
 
 BENCH_COLUMNS = [
     "transport", "d", "circuit", "rounds", "load_1m", "floor_rt_p50_us", "floor_rt_p99_us", "cpu_floor_ran_share",
@@ -97,13 +97,6 @@ def _available(transport: str) -> str | None:
     if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
         return "ucxx is not installed (pip install 'qlink[ucx]')"
     return None
-
-
-def offline_rounds_per_s(compiled, packed: np.ndarray, *, num_rounds: int, repeat: int = 3) -> float:
-    """Rounds per second of one ``decode_shots_bit_packed`` call over all shots (best of ``repeat``)."""
-    from qlink.qec.decoders import offline_throughput
-
-    return offline_throughput(compiled, packed, repeat=repeat) * num_rounds
 
 
 def _mean_batch(service_report: dict) -> float:
@@ -178,7 +171,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
     empty and ``circuit`` names the file).
     """
     from qlink import wire
-    from qlink.qec.decoders import compile_decoder
+    from qlink.qec.decoders import compile_decoder, offline_throughput
     from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
 
     from .floor import cpu_availability
@@ -207,7 +200,7 @@ def run_qec_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx", "udp"), d
         flat_frames = max(4 * max_in_flight_frames, -(-int(flat_rounds) // (R * k_flat)))
         flat_stream = sample_stream(src, num_shots=k_flat * flat_frames, seed=seed + 1000 + (d or case_i))
         packed = np.packbits(flat_stream.detectors, axis=1, bitorder="little")
-        offline = offline_rounds_per_s(compile_decoder(decoder, src.dem), packed, num_rounds=R)
+        offline = offline_throughput(compile_decoder(decoder, src.dem), packed, repeat=3) * R
         shots = -(-int(cycle_rounds) // R)
         stream = sample_stream(src, num_shots=shots, seed=seed + (d or case_i))
         k_cyc = cycle_shots_per_frame or max(1, -(-frame_period_ns // (R * cycle_ns)))
@@ -320,7 +313,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench qec [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from ._report import format_goals, format_table, wrap, write_results
+    from .report import format_goals, format_table, wrap, write_results
 
     from .qec_hot import run_hot_bench
 
@@ -368,7 +361,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
 
 def _stim_from_cli(args, stim: str, *, quick: bool, out, say) -> list[dict]:
     """``qlink bench qec --stim FILE``: the per-transport table for a circuit of one's own."""
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
 
     kw = dict(cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000, ff_shots=1000) if quick else {}
     given = getattr(args, "transports", None)

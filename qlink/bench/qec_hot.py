@@ -254,26 +254,18 @@ def offline_rounds_per_s(decoder: str, dem, packed: np.ndarray, *, num_rounds: i
     the decoder's batch call (the one the service uses) in chunks of 256 and 4096 shots and
     in one call over all of them, and by its compiled ``decode_shots_bit_packed`` over all of
     them — the fastest of these, best of ``repeats`` each (rounds per second), and which it was."""
-    from qlink.qec.decoders import compile_decoder
+    from qlink.qec.decoders import compile_decoder, offline_throughput
     from qlink.qec.hotpath import single_shot_decoder
 
     one = single_shot_decoder(decoder, dem)
-    compiled = compile_decoder(decoder, dem)
     n = len(packed)
-    ways = {"decode_shots_bit_packed, all shots": lambda: compiled.decode_shots_bit_packed(packed)}
+    ways = {"decode_shots_bit_packed, all shots": (compile_decoder(decoder, dem), None)}
     if one.batch_fn is not None:
         for chunk in (256, 4096, n):
-            ways[f"batch call, {min(chunk, n)} shots per call"] = (
-                lambda c=chunk: [one.batch_fn(packed[i:i + c]) for i in range(0, n, c)])
-    best_ns, best_way = math.inf, ""
-    for way, run in ways.items():
-        for _ in range(repeats):
-            t0 = time.perf_counter_ns()
-            run()
-            dt = time.perf_counter_ns() - t0
-            if dt < best_ns:
-                best_ns, best_way = dt, way
-    return {"rounds_per_s": n * num_rounds / (best_ns / 1e9), "way": best_way}
+            ways[f"batch call, {min(chunk, n)} shots per call"] = (one.batch_fn, chunk)
+    rates = {way: offline_throughput(fn, packed, repeat=repeats, chunk_shots=chunk) for way, (fn, chunk) in ways.items()}
+    best_way = max(rates, key=rates.__getitem__)
+    return {"rounds_per_s": rates[best_way] * num_rounds, "way": best_way}
 
 
 def _flat_out(t: str, d: int, *, p: float, decoder: str, seed: int, flat_rounds: int, say) -> dict:

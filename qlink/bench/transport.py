@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from qlink.procs import die_with_parent, pin_to_cpu, pinned
+from transports import loopback_url
 from ._stats import ratio, summarize_ns
 
 __all__ = ["run_transport_bench", "round_trip_ns", "put_bandwidth", "DEFAULT_PUT_SIZES"]
@@ -33,14 +34,6 @@ __all__ = ["run_transport_bench", "round_trip_ns", "put_bandwidth", "DEFAULT_PUT
 DEFAULT_PUT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 _MIN_BATCH_NBYTES = 64 << 20  # each timed batch of puts moves at least this much, as each memcpy timing does
 _ACK = b"k"
-
-
-def _url_for(scheme: str, tag: str) -> str:
-    if scheme in ("tcp", "ucx", "udp"):
-        return f"{scheme}://127.0.0.1:0"
-    import os
-
-    return f"{scheme}://bench-{tag}-{os.getpid()}"
 
 
 def _echo_child(url: str, q, nbytes: int, num: int) -> None:
@@ -65,7 +58,7 @@ def round_trip_ns(scheme: str, *, nbytes: int = 64, num_round_trips: int = 20000
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_echo_child, args=(_url_for(scheme, "rt"), q, nbytes, num_round_trips + warmup), daemon=True)
+    p = ctx.Process(target=_echo_child, args=(loopback_url(scheme, tag="bench-rt"), q, nbytes, num_round_trips + warmup), daemon=True)
     p.start()
     try:
         url = q.get(timeout=60)
@@ -132,7 +125,7 @@ def put_bandwidth(scheme: str, *, sizes: Iterable[int] = DEFAULT_PUT_SIZES, budg
     sizes = list(sizes)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_put_target_child, args=(_url_for(scheme, "put"), q, max(sizes), 0), daemon=True)
+    p = ctx.Process(target=_put_target_child, args=(loopback_url(scheme, tag="bench-put"), q, max(sizes), 0), daemon=True)
     p.start()
     rows = []
     clock = time.perf_counter_ns

@@ -72,11 +72,11 @@ def _median(xs):
 
 def _engines_for(case: str, model_dir: str, tmp: str, port: int):
     """(prefill kwargs, decode kwargs) for EngineProcess."""
-    from qlink.ai._peer import url_for
+    from transports import loopback_url
     from qlink.ai.vllm_engines import connector_config
 
     if case.startswith("qlink-"):
-        return dict(kv_transfer_config=connector_config("kv_producer", url=url_for(case[6:]))), None
+        return dict(kv_transfer_config=connector_config("kv_producer", url=loopback_url(case[6:]))), None
     if case == "example":
         cfg = connector_config("kv_both", connector="ExampleConnector", module=None,
                                extra={"shared_storage_path": os.path.join(tmp, "example-kv")})
@@ -124,7 +124,7 @@ def _one_request(case: str, prefill, decode, p) -> dict:
 
 def _start_engines(cases, model: str, tmp: str, errors: list, say) -> dict:
     """case -> (prefill, decode); one qlink decode engine serves recompute and every qlink case."""
-    from qlink.ai._peer import transport_unavailable
+    from qlink.ai.peer import transport_unavailable
     from qlink.ai.vllm_engines import EngineProcess, connector_config
 
     engines: dict = {}
@@ -241,7 +241,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench vllm [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from ._report import format_table, write_results
+    from .report import format_table, write_results
     from .floor import cpu_availability
 
     import importlib.util

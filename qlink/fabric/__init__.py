@@ -20,6 +20,7 @@ from ._dist import EmpiricalDistribution
 from ._events import EventLoop
 from ._layout import FrameSpec, corrections_response_nbytes, detectors_per_round, round_frame_nbytes, shot_frames
 from ._service import ServiceTimes, measure_service_times
+from ._validate import Validation, validate_against_loop
 from .model import FabricConfig, FabricResult, describe_link, simulate
 
 __all__ = [
@@ -36,4 +37,6 @@ __all__ = [
     "round_frame_nbytes",
     "corrections_response_nbytes",
     "describe_link",
+    "Validation",
+    "validate_against_loop",
 ]

@@ -148,7 +148,7 @@ class ServiceTimes:
 
 
 def _environment() -> dict:
-    from qlink.bench._report import environment
+    from qlink.bench.report import environment
 
     env = environment()
     env["host"] = platform.node()

@@ -12,7 +12,8 @@ from .controller import (Controller, ControllerResult, FrameTooLargeError, Syndr
                          wilson_interval)
 from .decoders import BUILT_IN_DECODERS, MeasurementDecoder, SlidingWindowDecoder, compile_decoder, get_decoder
 from .loop import LoopResult, build_source, circuit_spec, run_loop, source_spec
-from .service import DecoderConfig, DecoderService, run_service_process, start_service_process
+from ._service_process import run_service_process, start_service_process
+from .service import DecoderConfig, DecoderService
 from .sources import CircuitError, CudaqSource, StimSource, SyndromeBatch
 
 __all__ = [

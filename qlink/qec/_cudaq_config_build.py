@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 import scipy.sparse as sp
 
-from .decoders._dem import dem_to_matrices, xor_merge
+from .decoders import dem_to_matrices, xor_merge
 
 __all__ = ["decoder_entry", "multi_decoder_config_from_dem", "multi_decoder_config_from_circuit",
            "multi_decoder_config_from_source", "stim_measurement_matrices"]
@@ -48,7 +48,7 @@ def _rows_of(matrix) -> list[list[int]]:
 
 
 def _sparse(matrix) -> list[int]:
-    from .cudaq_config import rows_to_sparse
+    from ._cudaq_config_check import rows_to_sparse
 
     return rows_to_sparse(_rows_of(matrix))
 
@@ -108,7 +108,7 @@ def decoder_entry(dem, *, id: int = 0, type: str = "pymatching", measurement_to_
 def multi_decoder_config_from_dem(dem, *, id: int = 0, type: str = "pymatching", measurement_to_detectors=None,
                                   custom_args: Mapping[str, Any] | None = None) -> dict:
     """A one-decoder document for ``dem`` (see :func:`decoder_entry`), validated."""
-    from .cudaq_config import validate_multi_decoder_config
+    from ._cudaq_config_io import validate_multi_decoder_config
 
     doc = {"decoders": [decoder_entry(dem, id=id, type=type, measurement_to_detectors=measurement_to_detectors,
                                       custom_args=custom_args)]}
@@ -204,7 +204,7 @@ def multi_decoder_config_from_source(source, *, id: int = 0, type: str = "pymatc
     if isinstance(source, stim.Circuit):
         return multi_decoder_config_from_circuit(source, measurement_level=measurement_level, **kw)
     if isinstance(source, Mapping):
-        from .loop import build_source
+        from .specs import build_source
 
         source = build_source(source).source
     inner = getattr(source, "source", None)  # a bound source (qlink.qec.loop.build_source)

@@ -43,7 +43,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ._cudaq_config_check import sparse_to_rows
-from .decoders._base import CompiledDecoder
+from .decoders import CompiledDecoder
 
 __all__ = ["decoder_configs_from_cudaq", "compile_cudaq_entry", "decoder_config_from_spec",
            "service_specs_from_cudaq"]
@@ -67,7 +67,7 @@ def _entry_dem(entry: Mapping[str, Any], *, base_dir: Path | None):
     import stim
 
     from ._cudaq_source import stim_dem_from_matrices
-    from .cudaq_config import CudaqConfigError, sparse_to_rows
+    from ._cudaq_config_check import CudaqConfigError
 
     where = f"decoders[id={entry['id']}]"
     d_rows = sparse_to_rows(entry["D_sparse"], field=f"{where}.D_sparse")
@@ -104,7 +104,7 @@ class _WindowCompiled(CompiledDecoder):
 
 
 def _sliding_window(dem, args: Mapping[str, Any], where: str):
-    from .cudaq_config import CudaqConfigError
+    from ._cudaq_config_check import CudaqConfigError
     from .decoders import SlidingWindowDecoder
 
     inner = args.get("inner_decoder_name", "pymatching")
@@ -130,18 +130,12 @@ def _cudaq_table_or_bp(entry: Mapping[str, Any], dem, args: Mapping[str, Any], d
     """qlink's CUDA-Q decoder wrapper over exactly this entry: the entry's own check matrix (its
     columns in its order) and exactly its custom arguments, none of qlink's defaults added (an
     omitted ``lut_error_depth`` is CUDA-Q's default, as in CUDA-Q's realtime path)."""
-    from .decoders import get_decoder
-    from .decoders._base import DecoderUnavailableError
-    from .decoders._cudaq import CompiledCudaqDecoder, _gpu_present, _import_cudaq_qec
-    from .decoders._dem import DemMatrices, dem_to_matrices
+    from .decoders import DecoderUnavailableError, DemMatrices, dem_to_matrices, get_decoder
 
     registered = get_decoder(_QLINK_NAME[dtype])
     reason = registered.unavailable_reason()
     if reason is not None:
         raise DecoderUnavailableError(reason)
-    qec = _import_cudaq_qec(f"the {registered.name} decoder")
-    if dtype == "nv-qldpc-decoder" and not _gpu_present():  # pragma: no cover - unavailable_reason says so
-        raise DecoderUnavailableError("nv-qldpc-decoder runs only on an NVIDIA GPU and none is available here")
     if "H_sparse" in entry:
         block = entry["block_size"]
         rates = args.get("error_rate_vec")
@@ -150,21 +144,15 @@ def _cudaq_table_or_bp(entry: Mapping[str, Any], dem, args: Mapping[str, Any], d
                            priors=np.full(block, _UNIT_WEIGHT_P) if rates is None else np.asarray(rates, float))
     else:
         mats = dem_to_matrices(dem)
-    try:
-        decoder = qec.get_decoder(dtype, mats.check_matrix.tocsr(), **dict(args))
-    except RuntimeError as exc:
-        if "GPU" in str(exc):
-            raise DecoderUnavailableError(str(exc)) from exc
-        raise
-    return CompiledCudaqDecoder(decoder, mats, name=registered.name)
+    return registered.compile_for_matrices(mats, **dict(args))
 
 
 def compile_cudaq_entry(entry: Mapping[str, Any], *, base_dir=None, measurement_level: bool = True):
     """A compiled decoder (``decode_shots_bit_packed``) for one ``decoders`` entry; with
     ``measurement_level`` (default) it takes the measurement record through ``D_sparse``."""
-    from .cudaq_config import CudaqConfigError
+    from ._cudaq_config_check import CudaqConfigError
     from .decoders import MeasurementDecoder, get_decoder
-    from .decoders._base import DecoderUnavailableError
+    from .decoders import DecoderUnavailableError
 
     where = f"decoders[id={entry['id']}]"
     dtype = entry["type"]
@@ -199,7 +187,7 @@ def decoder_configs_from_cudaq(source, *, capacity_shots: int = 1024, frames_per
     here (see the module docstring); a relative ``stim_dem_path`` is read from the
     file's folder (or ``base_dir``); ``use_cudaq_schema`` as in
     :func:`~qlink.qec.cudaq_config.validate_multi_decoder_config`."""
-    from .cudaq_config import config_file, load_multi_decoder_config
+    from ._cudaq_config_io import config_file, load_multi_decoder_config
     from .service import DecoderConfig
 
     doc = load_multi_decoder_config(source, use_cudaq_schema=use_cudaq_schema)
@@ -216,10 +204,10 @@ def decoder_configs_from_cudaq(source, *, capacity_shots: int = 1024, frames_per
 
 
 def service_specs_from_cudaq(source, *, capacity_shots: int = 1024, base_dir=None) -> dict:
-    """Plain-data decoder specs for :func:`qlink.qec.service.start_service_process`:
+    """Plain-data decoder specs for :func:`qlink.qec.start_service_process`:
     ``{decoder_id: {"multi_decoder_config": <that decoder's document>, ...}}``; the child
     compiles each with :func:`decoder_config_from_spec`."""
-    from .cudaq_config import config_file, load_multi_decoder_config
+    from ._cudaq_config_io import config_file, load_multi_decoder_config
 
     doc = load_multi_decoder_config(source)
     path = config_file(source)

@@ -36,27 +36,19 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from ..errors import missing
-from .sources import CircuitError, SyndromeSource
+from ..errors import optional_import
+from ._source_base import CircuitError, SyndromeSource
 
 __all__ = ["CudaqSource", "repetition_code_kernel", "rounds_from_measurement_dependencies",
            "stim_dem_from_matrices"]
 
 
 def _import_cudaq():
-    try:
-        import cudaq
-    except ImportError as exc:
-        raise missing("cuda-quantum-cu12", extra="quantum", feature="CudaqSource") from exc
-    return cudaq
+    return optional_import("cudaq", package="cuda-quantum-cu12", extra="quantum", feature="CudaqSource")
 
 
 def _import_qec():
-    try:
-        import cudaq_qec
-    except ImportError as exc:
-        raise missing("cudaq-qec-cu12", extra="quantum", feature="CudaqSource.surface_code") from exc
-    return cudaq_qec
+    return optional_import("cudaq_qec", package="cudaq-qec-cu12", extra="quantum", feature="CudaqSource.surface_code")
 
 
 def _use_stim_target(cudaq) -> None:

@@ -258,7 +258,7 @@ class ServiceProcess:
                 self.process.kill()
                 self.process.join(timeout=5)
         if not self.process.is_alive() and self.url.startswith("shm://"):
-            from transports._shm_rendezvous import reclaim_after_exit
+            from transports.shm import reclaim_after_exit
 
             reclaim_after_exit(self.url)  # a killed service could not remove its listener's socket
 

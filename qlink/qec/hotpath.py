@@ -94,7 +94,7 @@ except ImportError as _e:  # not built: the Python path serves, and available() 
     _hotcore = None
     _WHY = f"qlink.qec._hotcore is not built ({_e}); run 'python setup.py build_ext --inplace' or reinstall qlink"
 else:
-    from transports._framing import native_layout as _stream_layout
+    from transports.framing import native_layout as _stream_layout
 
     _hotcore.set_wire_layout(wire.native_layout())
     _hotcore.set_stream_layout(_stream_layout())
@@ -431,7 +431,7 @@ class NativeDecoderService:
         return self.report()
 
     def _slow_frame(self, endpoint, buf: bytearray, mv: memoryview) -> None:
-        from transports._base import BufferTooSmallError
+        from transports import BufferTooSmallError
 
         try:
             n = endpoint.recv_into_nowait(buf)

@@ -1,6 +1,6 @@
 """The closed QEC loop in two processes: a decoder service and a controller emulator.
 
-:func:`run_loop` starts :func:`~qlink.qec.service.run_service_process` in a spawned
+:func:`run_loop` starts :func:`~qlink.qec.run_service_process` in a spawned
 child listening on the transport URL (a thread instead, for transports that cannot
 cross processes, such as ``inproc``), connects a :class:`~qlink.qec.controller.Controller`,
 plays ``num_shots`` shots at the cycle time, gathers both sides' stage histograms
@@ -28,7 +28,6 @@ or lacks detectors or observables.
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import threading
@@ -55,23 +54,18 @@ __all__ = [
     "resolve_url",
 ]
 
-_url_counter = itertools.count()
 
 
 def resolve_url(transport: str) -> str:
     """A URL for a transport name or URL: ``"tcp"`` → ``tcp://127.0.0.1:0``, ``"shm"`` →
-    a fresh ``shm://`` name; a full URL is returned unchanged.
+    a fresh ``shm://`` name (:func:`transports.loopback_url`); a full URL is returned unchanged.
 
     >>> resolve_url("tcp"), resolve_url("tcp://127.0.0.1:5555")
     ('tcp://127.0.0.1:0', 'tcp://127.0.0.1:5555')
     """
-    if "://" in transport:
-        return transport
-    if transport in ("tcp", "ucx", "udp"):
-        return f"{transport}://127.0.0.1:0"
-    if transport in ("shm", "inproc"):
-        return f"{transport}://qlink-loop-{os.getpid()}-{next(_url_counter)}"
-    raise ValueError(f"unknown transport {transport!r}; give a URL or one of tcp, shm, ucx, udp, inproc")
+    import transports
+
+    return transports.loopback_url(transport, tag="qlink-loop")
 
 
 @dataclass(frozen=True)
@@ -263,7 +257,7 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
     """
     import transports
 
-    from .service import start_service_process
+    from ._service_process import start_service_process
 
     # checked before a service starts (the Controller checks the rest, and these again)
     _knob("timeout_s", timeout_s, 0, above=True)

@@ -91,7 +91,7 @@ from qlink import wire
 from qlink.clock import now_ns, ptp_now_ns
 from qlink.errors import BrokenLinkError, ClosedError, WouldBlock
 from qlink.wire import FrameError, Status
-from transports._base import Backoff, BufferTooSmallError
+from transports import Backoff, BufferTooSmallError
 
 from ._decoder_state import _Decoder, compile_decoder
 from .timeline import SERVICE_SHOT_FIELDS, ShotRecords, StageRecorder
@@ -101,9 +101,6 @@ __all__ = [
     "DecoderService",
     "SERVICE_STAGES",
     "compile_decoder",
-    "run_service_process",
-    "ServiceProcess",
-    "start_service_process",
 ]
 
 # Stages the service times (ns), one histogram each.
@@ -1107,6 +1104,3 @@ class DecoderService:
 class _SessionRefused(Exception):
     """serve(): the peer announced a message too long to read; the session ends (close frame sent)."""
 
-
-# The process helpers live in their own module; re-exported here.
-from ._service_process import ServiceProcess, run_service_process, start_service_process  # noqa: E402

@@ -49,7 +49,7 @@ from typing import Callable
 from qlink.access import verify_datagram
 from qlink.clock import now_ns
 from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, WouldBlock
-from transports._base import Backoff, BufferTooSmallError
+from transports import Backoff, BufferTooSmallError
 
 from ._session_terms import CLOSE_REQUEST_ID, CloseReason, SessionLimits, encode_close_frame, parse_close_frame
 

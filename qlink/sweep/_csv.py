@@ -47,13 +47,9 @@ class SweepError(QlinkError):
 
 
 def _sinter():
-    try:
-        import sinter
-    except ImportError:
-        from qlink.errors import missing
+    from qlink.errors import optional_import
 
-        raise missing("sinter", extra="quantum", feature="the sweep CSV") from None
-    return sinter
+    return optional_import("sinter", package="sinter", extra="quantum", feature="the sweep CSV")
 
 
 def chunk_of(custom_counts: dict) -> int | None:

@@ -98,7 +98,7 @@ def _qec_wire(work: dict, shots: int, seed: int) -> dict:
 
 def _kv(work: dict, transfers: int, seed: int) -> dict:
     from qlink.ai import preset as make_spec
-    from qlink.ai._peer import open_link, transport_unavailable
+    from qlink.ai.peer import open_link, transport_unavailable
 
     transport = work["transport"]
     backend = "nixl" if transport == "nixl" else "transport"

@@ -23,7 +23,8 @@ from qlink.ai import (
     plan_transfer,
     preset,
 )
-from qlink.ai._peer import DecodeStation, open_link, transport_unavailable, url_for
+from qlink.ai.peer import DecodeStation, open_link, transport_unavailable
+from transports import loopback_url
 from qlink.errors import BrokenLinkError, CapabilityError, ClosedError, QlinkTimeoutError, RegistrationError, WireError
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,7 +115,7 @@ def test_over_shm_the_receiver_copies_the_blocks_unless_the_sender_copies_them(d
     why = transport_unavailable("shm")
     if why:
         pytest.skip(why)
-    with transports.listen(url_for("shm")) as lis:
+    with transports.listen(loopback_url("shm")) as lis:
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)
         with a, b:
@@ -212,7 +213,7 @@ def test_a_layer_is_one_transport_call_however_scattered_its_blocks(scheme, mode
     why = transport_unavailable(scheme)
     if why:
         pytest.skip(why)
-    with transports.listen(url_for(scheme)) as lis:
+    with transports.listen(loopback_url(scheme)) as lis:
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)
         with a, b:
@@ -251,7 +252,7 @@ def test_two_sided_layers_past_the_message_limit_go_in_several_parts(pair, check
 
 
 def test_a_two_sided_part_naming_rows_outside_the_layer_fails_its_request_only(pair):
-    from qlink.ai import _frames as fr
+    from qlink.ai import frames as fr
 
     tx, rx, src_cache, dst_cache = pair(mode="send")
     tx.handshake(timeout_s=5)
@@ -285,7 +286,7 @@ def pair():
         why = transport_unavailable(scheme)
         if why:
             pytest.skip(why)
-        lis = transports.listen(url_for(scheme))
+        lis = transports.listen(loopback_url(scheme))
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)
         made.extend([a, b, lis])
@@ -477,7 +478,7 @@ def test_garbage_from_the_peer_is_counted_not_fatal(pair):
 
 def test_a_second_sender_is_refused(pair):
     tx, rx, src_cache, _ = pair()
-    lis = transports.listen(url_for("inproc"))
+    lis = transports.listen(loopback_url("inproc"))
     try:
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)
@@ -510,7 +511,7 @@ def test_records_are_frozen(pair):
 
 
 def test_bad_constructor_arguments():
-    lis = transports.listen(url_for("inproc"))
+    lis = transports.listen(loopback_url("inproc"))
     try:
         a = transports.connect(lis.url, timeout_s=5)
         cache = KVCache.allocate(_spec(4))
@@ -574,13 +575,13 @@ def test_checksummed_parts_arrive_and_a_bad_crc_fails_only_its_request(mode, sch
     """KVSender(checksum=True) puts a CRC-32 of every part in its frame; the receiver
     compares the bytes as they landed. A part whose CRC does not match (forged here by
     hand on the same link) fails its request, counted, and the next request completes."""
-    from qlink.ai import _frames as fr
+    from qlink.ai import frames as fr
 
     why = transport_unavailable(scheme)
     if why:
         pytest.skip(why)
     spec = _spec(RX_BLOCKS)
-    with transports.listen(url_for(scheme)) as lis:
+    with transports.listen(loopback_url(scheme)) as lis:
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)
         tx_cache, rx_cache = KVCache.allocate(_spec(TX_BLOCKS)), KVCache.allocate(spec)

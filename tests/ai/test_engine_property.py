@@ -14,7 +14,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import transports  # noqa: E402
 from qlink.ai import KVCache, KVReceiver, KVSender, preset  # noqa: E402
-from qlink.ai._peer import transport_unavailable, url_for  # noqa: E402
+from qlink.ai.peer import transport_unavailable
+from transports import loopback_url  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +28,7 @@ def shm_link():
     why = transport_unavailable("shm")
     if why:
         pytest.skip(why)
-    with transports.listen(url_for("shm")) as lis:
+    with transports.listen(loopback_url("shm")) as lis:
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)
         with a, b:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from qlink.ai import KVCache, KVCacheSpec
-from qlink.ai._peer import url_for
+from transports import loopback_url as url_for
 from qlink.ai._vllm_link import DecodeClient, PrefillServer
 
 pytestmark = pytest.mark.timeout(120)

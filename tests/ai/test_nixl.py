@@ -10,7 +10,8 @@ import pytest
 
 import transports
 from qlink.ai import BlockIdError, KVCache, LayoutMismatchError, plan_transfer, preset
-from qlink.ai._peer import open_link, transport_unavailable, url_for
+from qlink.ai.peer import open_link, transport_unavailable
+from transports import loopback_url
 from qlink.ai.nixl_backend import NixlError, NixlKVReceiver, NixlKVSender, XferState, nixl_available
 from qlink.errors import BrokenLinkError, MissingDependencyError, RegistrationError
 
@@ -117,7 +118,7 @@ def local_pair():
     scheme = next((s for s in ("inproc", "shm") if not transport_unavailable(s)), None)
     if scheme is None:
         pytest.skip("no in-process qlink transport")
-    lis = transports.listen(url_for(scheme))
+    lis = transports.listen(loopback_url(scheme))
     a = transports.connect(lis.url, timeout_s=5)
     b = lis.accept(timeout_s=5)
     made = []

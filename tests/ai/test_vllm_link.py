@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from qlink.ai import KVCache, KVCacheSpec
-from qlink.ai._peer import transport_unavailable, url_for
+from qlink.ai.peer import transport_unavailable
+from transports import loopback_url as url_for
 from qlink.ai._vllm_link import DecodeClient, PrefillServer, pack_expect, pack_pull, unpack_expect, unpack_pull
 from qlink.errors import WireError
 
@@ -60,7 +61,7 @@ def test_offer_pull_push_bit_exact(scheme):
     src = KVCache.allocate(SPEC, shared=False)
     src.fill_random(seed=3)
     dst = KVCache.allocate(SPEC, shared=False)
-    server = PrefillServer(url_for(scheme), src)
+    server = PrefillServer(loopback_url(scheme), src)
     client = DecodeClient(dst, load_timeout_s=20)
     try:
         server.offer(1, [4, 5, 11], key="a")
@@ -86,7 +87,7 @@ def test_offer_pull_push_bit_exact(scheme):
 
 def test_pull_of_blocks_not_offered_fails_clearly():
     src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
-    server = PrefillServer(url_for("tcp"), src)
+    server = PrefillServer(loopback_url("tcp"), src)
     client = DecodeClient(dst, load_timeout_s=20)
     try:
         server.offer(1, [4, 5], key="a")
@@ -105,8 +106,8 @@ def test_pull_of_blocks_not_offered_fails_clearly():
 def test_prefill_gone_fails_the_load_and_the_next_url_still_serves():
     src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
     src.fill_random(seed=5)
-    doomed = PrefillServer(url_for("tcp"), src)
-    good = PrefillServer(url_for("tcp"), src)
+    doomed = PrefillServer(loopback_url("tcp"), src)
+    good = PrefillServer(loopback_url("tcp"), src)
     client = DecodeClient(dst, load_timeout_s=10)
     try:
         doomed.offer(1, [1], key="warm")
@@ -128,7 +129,7 @@ def test_prefill_gone_fails_the_load_and_the_next_url_still_serves():
 
 def test_load_that_never_comes_times_out():
     src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
-    server = PrefillServer(url_for("tcp"), src)
+    server = PrefillServer(loopback_url("tcp"), src)
     client = DecodeClient(dst, load_timeout_s=0.5)
     try:
         client.load("x", url=server.url, xfer_id=99, src_block_ids=[1], dst_block_ids=[1])  # never offered
@@ -143,7 +144,7 @@ def test_layout_mismatch_is_refused():
     src = KVCache.allocate(SPEC, shared=False)
     other = KVCache.allocate(KVCacheSpec(num_layers=3, num_kv_heads=2, head_size=32, block_size=32,
                                          dtype_name="float32", num_blocks=24), shared=False)  # two planes
-    server = PrefillServer(url_for("tcp"), src)
+    server = PrefillServer(loopback_url("tcp"), src)
     client = DecodeClient(other, load_timeout_s=5)
     try:
         server.offer(1, [1], key="a")
@@ -175,7 +176,7 @@ class _DiesMidPush(PrefillServer):
 def _dying_prefill(url_q):
     src = KVCache.allocate(SPEC, shared=False)
     src.fill_random(seed=5)
-    server = _DiesMidPush(url_for("tcp"), src)
+    server = _DiesMidPush(loopback_url("tcp"), src)
     server.offer(1, [1, 2, 3], key="a")
     url_q.put(server.url)
     time.sleep(60)
@@ -195,7 +196,7 @@ def test_prefill_process_dies_mid_transfer():
     client = DecodeClient(dst, load_timeout_s=20)
     good_src = KVCache.allocate(SPEC, shared=False)
     good_src.fill_random(seed=6)
-    good = PrefillServer(url_for("tcp"), good_src)
+    good = PrefillServer(loopback_url("tcp"), good_src)
     try:
         url = q.get(timeout=30)
         client.load("a", url=url, xfer_id=1, src_block_ids=[1, 2, 3], dst_block_ids=[4, 5, 6])
@@ -217,7 +218,7 @@ def test_prefill_process_dies_mid_transfer():
 def test_pull_into_blocks_the_decode_cache_lacks_fails_at_once():
     src = KVCache.allocate(SPEC, shared=False)
     dst = KVCache.allocate(SPEC.with_blocks(8), shared=False)
-    server = PrefillServer(url_for("tcp"), src)
+    server = PrefillServer(loopback_url("tcp"), src)
     client = DecodeClient(dst, load_timeout_s=20)
     try:
         server.offer(1, [3], key="a")

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from qlink.bench import conditions
-from qlink.bench._report import write_results
+from qlink.bench.report import write_results
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from qlink.ai._peer import transport_unavailable
+from qlink.ai.peer import transport_unavailable
 from qlink.bench.kv import (
     GOAL_PREP_SUBMIT_US_PER_BLOCK,
     GOAL_SHM_X_MEMCPY,

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from qlink.ai._peer import transport_unavailable
+from qlink.ai.peer import transport_unavailable
 from qlink.bench.transport import put_bandwidth, round_trip_ns, transport_goals
 
 

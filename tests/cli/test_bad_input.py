@@ -94,7 +94,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, phrase, tmp_path):
 def test_the_same_list_syntax_everywhere():
     from qlink._argparse import Parser
     from qlink.cli import build_parser
-    from qlink.sweep._cli import add_arguments
+    from qlink.sweep.cli import add_arguments
 
     p = build_parser()
     for argv in (["5,7"], ["5", "7"], ["5, 7"], ["5,", "7"]):

@@ -267,7 +267,7 @@ def test_source_spec_builds_detection_level_without_circuit_loss():
 def test_cudaq_schema_errors_name_the_field():
     pytest.importorskip("cudaq_qec")
     pytest.importorskip("jsonschema")
-    from qlink.qec.cudaq_config import _check_cudaq_schema, cudaq_json_schema
+    from qlink.qec._cudaq_config_io import _check_cudaq_schema, cudaq_json_schema
 
     with pytest.raises(CudaqConfigError) as info:
         _check_cudaq_schema(_tiny(decoder_custom_args={"bogus_key": 1}), cudaq_json_schema())

@@ -61,7 +61,7 @@ def test_compare_with_cudaq_reports_both_paths():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_measurement_and_detector_level_service_give_the_same_corrections():
-    from qlink.bench.cudaq_peer import measurement_overhead
+    from qlink.bench.dsparse import measurement_overhead
 
     res = measurement_overhead(distance=3, p=0.004, num_shots=300, batch_sizes=(1, 16), engines=("python",))
     assert res["identical_offline"] and res["service"]["python"]["identical"]

@@ -274,7 +274,7 @@ def test_a_killed_service_is_reported_within_a_second(scheme):
 
     import transports
     from qlink.qec.loop import build_source, sample_stream, source_spec
-    from qlink.qec.service import start_service_process
+    from qlink.qec import start_service_process
 
     spec = source_spec(distance=3, p=0.001)
     src = build_source(spec)

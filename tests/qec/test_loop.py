@@ -16,7 +16,7 @@ import transports
 from qlink.qec.controller import SyndromeStream, ler_under_deadline, wilson_interval
 from qlink.qec.decoders import BUILT_IN_DECODERS, compile_decoder
 from qlink.qec.loop import build_source, run_loop, sample_stream, source_spec
-from qlink.qec.service import start_service_process
+from qlink.qec import start_service_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -278,14 +278,9 @@ def _first_frame_of_a_shot(stream, *, counter):
 
 
 def _scenario(name):
-    import importlib.util
-    import pathlib
+    import importlib
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "scenarios" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"qlink_scenario_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"qlink.scenarios.{name}")
 
 
 def test_qec_memory_scenario_writes_a_sinter_csv_that_resumes(tmp_path):

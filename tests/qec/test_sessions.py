@@ -12,7 +12,7 @@ import pymatching
 import pytest
 
 from qlink.bench._lockstep import LockstepController
-from qlink.qec.service import start_service_process
+from qlink.qec import start_service_process
 from qlink.qec.specs import build_source
 
 pytestmark = pytest.mark.timeout(180)

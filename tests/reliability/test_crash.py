@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import transports
-from qlink.bench._crashrun import (
+from qlink.reliability.crash import (
     kv_receiver_kill_run,
     kv_sender_kill_run,
     qec_controller_kill_run,
@@ -66,7 +66,7 @@ def test_the_next_controller_needs_no_reset_after_a_crash():
 
 def test_run_service_process_accepts_a_next_controller():
     from qlink.qec.loop import source_spec
-    from qlink.qec.service import start_service_process
+    from qlink.qec import start_service_process
 
     spec = source_spec(distance=3, rounds=3, p=0.001)
     with start_service_process("tcp://127.0.0.1:0", {0: {"source": spec, "decoder": "pymatching"}}) as svc:

@@ -18,7 +18,7 @@ import pytest
 
 import transports
 from qlink import wire
-from qlink.bench._faultrun import FAULTS, field_of_offset, kv_fault_run, qec_fault_run
+from qlink.reliability.faults import FAULTS, field_of_offset, kv_fault_run, qec_fault_run
 from qlink.errors import QlinkTimeoutError, WouldBlock
 from qlink.links import LinkModel
 from qlink.memory import RemoteRegion, alloc
@@ -530,7 +530,7 @@ def test_gets_lost_or_duplicated_on_the_way_to_the_service_keep_every_correction
     answered twice from what the service kept, consuming once."""
     import sys
 
-    from qlink.bench._faultrun import _ServiceThread
+    from qlink.reliability.faults import _ServiceThread
     from qlink.qec.controller import Controller
     from qlink.qec.decoders import compile_decoder
     from qlink.qec.loop import build_source, sample_stream, source_spec

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import transports
 from qlink import wire
-from qlink.bench._fuzz import TARGETS, FuzzCrash, atheris_available, check, run_atheris, run_random, seeds_for
+from qlink.reliability.fuzz import TARGETS, FuzzCrash, atheris_available, check, run_atheris, run_random, seeds_for
 from qlink.errors import QlinkError, QlinkTimeoutError, RegistrationError, WireError
 from qlink.wire import Fault, FrameError, Status
 
@@ -90,7 +90,7 @@ def test_hypothesis_hundred_thousand_frames(data):
 def _mutants(n: int, seed: int) -> list[bytes]:
     import random
 
-    from qlink.bench._fuzz import _mutate
+    from qlink.reliability.fuzz import _mutate
 
     rng = random.Random(seed)
     seeds = seeds_for("wire_request")
@@ -156,7 +156,7 @@ def test_the_kv_receiver_counts_garbage_frames_and_still_receives():
         tx.handshake(timeout_s=2)
         import random
 
-        from qlink.bench._fuzz import _mutate
+        from qlink.reliability.fuzz import _mutate
 
         rng = random.Random(3)
         hello = wire.fnv1a_32("kv_hello")
@@ -177,7 +177,7 @@ def test_the_kv_receiver_counts_garbage_frames_and_still_receives():
 
 def test_a_malformed_hello_after_the_handshake_is_counted_not_fatal():
     from qlink.ai import KVCache, KVReceiver, KVSender, preset
-    from qlink.ai import _frames as fr
+    from qlink.ai import frames as fr
 
     spec = preset("tiny", num_blocks=8)
     with transports.listen("inproc://qlrel-fuzz-hello") as lis:
@@ -238,7 +238,7 @@ def test_encoders_refuse_out_of_range_values_before_writing():
 
 def test_oversize_descriptors_and_specs_are_typed_errors():
     from qlink.ai import KVCacheSpec, LayoutMismatchError
-    from qlink.ai import _frames as fr
+    from qlink.ai import frames as fr
     from qlink.memory import RemoteRegion
 
     good = RemoteRegion(region_id=1, nbytes=64, key=b"k").to_bytes()

@@ -14,7 +14,7 @@ import pytest
 
 from qlink.bench._hostile_clients import HostileProcess
 from qlink.bench._lockstep import LockstepController
-from qlink.qec.service import start_service_process
+from qlink.qec import start_service_process
 from qlink.qec.specs import build_source
 
 pytestmark = pytest.mark.timeout(240)

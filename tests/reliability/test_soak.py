@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from qlink.bench.soak import backpressure_run, resource_counts, rss_kib, run_soak
+from qlink.reliability.soak import backpressure_run, resource_counts, rss_kib, run_soak
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import csv
-import sys
-from pathlib import Path
 
 import pytest
 
-from qlink.ai._peer import transport_unavailable
+from qlink.ai.peer import transport_unavailable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scenarios"))
-import kv_disagg  # noqa: E402  (a script directory, not a package)
+from qlink.scenarios import kv_disagg
 
 
 @pytest.mark.timeout(180)

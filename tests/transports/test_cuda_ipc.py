@@ -349,7 +349,7 @@ def test_descriptor_naming_an_unseen_gpu_is_a_device_mismatch(pair):
 @pytest.mark.gpu
 def test_kv_engine_moves_device_caches_over_cuda_ipc():
     from qlink.ai import preset
-    from qlink.ai._peer import open_link
+    from qlink.ai.peer import open_link
 
     spec = preset("tiny", num_blocks=16)
     with open_link("cuda_ipc", spec, device="gpu") as (rx, cache, peer):

@@ -16,7 +16,7 @@ import pytest
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, RegistrationError, WireError, WouldBlock
 from qlink.memory import alloc
 from transports import BufferTooSmallError, tcp
-from transports import _framing as fr
+from transports import framing as fr
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ import pytest
 
 from qlink.errors import BrokenLinkError, QlinkTimeoutError
 from qlink.memory import RemoteRegion
-from transports import _framing as fr
+from transports import framing as fr
 from transports import tcp
 
 pytestmark = pytest.mark.timeout(60)

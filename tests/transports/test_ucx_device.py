@@ -43,7 +43,7 @@ def test_ucx_tls_values_that_load_a_cuda_transport():
 
 def test_device_buffers_without_cuda_are_typed_errors_and_the_link_survives():
     pytest.importorskip("ucxx", reason="the ucx:// transport needs the optional 'ucxx' package")
-    from transports._cuda import cuda_unavailable
+    from transports.cuda import cuda_unavailable
 
     if cuda_unavailable() is None:
         pytest.skip("CUDA runs here; this checks the errors raised without it")

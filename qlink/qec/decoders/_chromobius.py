@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import missing
+from ...errors import optional_import
 from ._base import Decoder, PackedCompiledDecoder
 
 __all__ = ["ChromobiusDecoder", "CompiledChromobiusDecoder", "steane_color_code_circuit"]
@@ -79,11 +79,7 @@ def steane_color_code_circuit(*, rounds: int, p: float):
 
 
 def _import_chromobius():
-    try:
-        import chromobius
-    except ImportError as exc:
-        raise missing("chromobius", extra="decoders", feature="the chromobius decoder") from exc
-    return chromobius
+    return optional_import("chromobius", package="chromobius", extra="decoders", feature="the chromobius decoder")
 
 
 class CompiledChromobiusDecoder(PackedCompiledDecoder):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import missing
+from ...errors import optional_import
 from ._base import CompiledDecoder, Decoder, DecoderUnavailableError
 from ._dem import dem_to_matrices
 
@@ -25,11 +25,7 @@ __all__ = ["CudaqDecoder", "CompiledCudaqDecoder"]
 
 
 def _import_cudaq_qec(feature: str):
-    try:
-        import cudaq_qec
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise missing("cudaq-qec-cu12", extra="quantum", feature=feature) from exc
-    return cudaq_qec
+    return optional_import("cudaq_qec", package="cudaq-qec-cu12", extra="quantum", feature=feature)
 
 
 def _gpu_present() -> bool:
@@ -85,17 +81,22 @@ class CudaqDecoder(Decoder):
         return None
 
     def compile_for_dem(self, dem, **options) -> CompiledCudaqDecoder:
+        matrices = dem_to_matrices(dem)
+        kwargs = {**self._DEFAULTS.get(self.cudaq_name, {}), **options}
+        kwargs.setdefault("error_rate_vec", matrices.priors.tolist())
+        return self.compile_for_matrices(matrices, **kwargs)
+
+    def compile_for_matrices(self, matrices, **cudaq_args) -> CompiledCudaqDecoder:
+        """CUDA-Q's decoder over exactly ``matrices`` (a :class:`~qlink.qec.decoders.DemMatrices`)
+        with exactly ``cudaq_args``: none of qlink's defaults added (a CUDA-Q config entry's way)."""
         qec = _import_cudaq_qec(f"the {self.name} decoder")
         if self._needs_gpu and not _gpu_present():
             raise DecoderUnavailableError(
                 f"{self.name} runs only on an NVIDIA GPU and none is available here; "
                 "use 'qlink-bp' or 'bposd' for a CPU belief-propagation decoder"
             )
-        matrices = dem_to_matrices(dem)
-        kwargs = {**self._DEFAULTS.get(self.cudaq_name, {}), **options}
-        kwargs.setdefault("error_rate_vec", matrices.priors.tolist())
         try:
-            decoder = qec.get_decoder(self.cudaq_name, matrices.check_matrix.tocsr(), **kwargs)
+            decoder = qec.get_decoder(self.cudaq_name, matrices.check_matrix.tocsr(), **cudaq_args)
         except RuntimeError as exc:
             if "GPU" in str(exc):
                 raise DecoderUnavailableError(f"{self.name} cannot run here: {exc}") from exc

@@ -33,9 +33,9 @@ def prefill_engines(model_dir):
 
     def get(scheme: str) -> EngineProcess:
         if scheme not in engines:
-            from qlink.ai._peer import url_for
+            from transports import loopback_url
 
-            url = url_for(scheme)
+            url = loopback_url(scheme)
             engines[scheme] = EngineProcess(model_dir, kv_transfer_config=connector_config("kv_producer", url=url))
         return engines[scheme]
 

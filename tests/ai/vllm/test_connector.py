@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from qlink.ai._peer import transport_unavailable
+from qlink.ai.peer import transport_unavailable
 from qlink.ai.vllm_engines import prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -80,10 +80,10 @@ def test_prefill_killed_request_is_recomputed_and_next_served(decode, model_dir)
     """A prefill engine dies (SIGKILL) after handing out transfer params, with the decode
     side's link to it open: the decode side reports the load failed, vLLM recomputes the
     request (kv_load_failure_policy="recompute") and the next request is served."""
-    from qlink.ai._peer import url_for
+    from transports import loopback_url
     from qlink.ai.vllm_engines import EngineProcess, connector_config
 
-    doomed = EngineProcess(model_dir, kv_transfer_config=connector_config("kv_producer", url=url_for("tcp")))
+    doomed = EngineProcess(model_dir, kv_transfer_config=connector_config("kv_producer", url=loopback_url("tcp")))
     try:
         ps = prompts([70, 90, 50], seed=31)
         ref = _reference(decode, ps, 8)

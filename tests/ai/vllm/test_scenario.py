@@ -4,13 +4,10 @@ connector between them, every decode checked against the decode engine computing
 from __future__ import annotations
 
 import csv
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scenarios"))
-import kv_disagg  # noqa: E402  (a script directory, not a package)
+from qlink.scenarios import kv_disagg
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

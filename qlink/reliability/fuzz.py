@@ -7,7 +7,7 @@ past the input) is a crash, raised as :class:`FuzzCrash` with the input attached
 * :func:`run_random` -- a seeded mutation fuzzer with no dependency: it mutates valid
   frames (bit flips, truncation, extension, boundary values written into each field,
   spliced random bytes) and runs them through a target.
-* coverage-guided: ``python -m qlink.bench._fuzz <target> -runs=N`` runs a target under
+* coverage-guided: ``python -m qlink.reliability.fuzz <target> -runs=N`` runs a target under
   atheris (libFuzzer) when it is installed (``pip install atheris``; Linux x86-64 wheels).
 
 >>> sorted(TARGETS)[:3]
@@ -84,7 +84,7 @@ def _wire_frame_nbytes(data: bytes) -> None:
 
 
 def _kv_frames(data: bytes) -> None:
-    from qlink.ai import _frames as fr
+    from qlink.ai import frames as fr
     from qlink.errors import WireError
 
     for fn in (fr.function_of, fr.unpack_write, fr.unpack_data, fr.unpack_abort, fr.unpack_hello):
@@ -123,7 +123,7 @@ def _remote_region(data: bytes) -> None:
 
 def _tcp_framing(data: bytes) -> None:
     from qlink.errors import WireError
-    from transports import _framing as fr
+    from transports import framing as fr
 
     # the transport reads exactly a header / hello / reply before parsing it: fuzz that many bytes
     for fn, size in ((fr.parse_header, fr.HEADER.size), (fr.check_hello, fr.HELLO.size),
@@ -135,7 +135,7 @@ def _tcp_framing(data: bytes) -> None:
 
 
 def _fault_query(data: bytes) -> None:
-    from transports._faults import FaultSpec
+    from transports.emulated import FaultSpec
 
     try:
         FaultSpec.from_query(data.decode("latin-1"))
@@ -189,7 +189,7 @@ def seeds_for(target: str) -> list[bytes]:
         n = wire.encode_response_into(buf, status=wire.Status.NOT_READY, request_id=4)
         out.append(bytes(buf[:n]))
     elif target == "kv_frames":
-        from qlink.ai import _frames as fr
+        from qlink.ai import frames as fr
         from qlink.ai import preset
 
         out.append(fr.pack_write(fr.FN_WRITE, 7, 123, layer=2, layer_lo=0, layer_hi=4, num_parts=3, num_descs=3,
@@ -208,7 +208,7 @@ def seeds_for(target: str) -> list[bytes]:
         out += [RemoteRegion(region_id=1, nbytes=64, key=b"k" * 10).to_bytes(),
                 RemoteRegion(region_id=2, nbytes=0, kind="device").to_bytes()]
     elif target == "tcp_framing":
-        from transports import _framing as fr
+        from transports import framing as fr
 
         hdr = bytearray(fr.HEADER.size)
         fr.pack_header(hdr, fr.KIND_PUT, nbytes=5, region_id=3, offset=8, notify_id=1, tag_nbytes=2)
@@ -270,6 +270,7 @@ def run_random(target: str, *, num_cases: int = 10_000, seed: int = 0) -> dict:
 
 
 def atheris_available() -> bool:
+    """Whether atheris (coverage-guided fuzzing) is installed here."""
     import importlib.util
 
     return importlib.util.find_spec("atheris") is not None
@@ -279,8 +280,8 @@ def atheris_available() -> bool:
 _LAUNCHER = (
     "import sys, atheris\n"
     "with atheris.instrument_imports(include=['qlink', 'transports']):\n"
-    "    import qlink.ai._frames, qlink.ai.kv, qlink.memory, qlink.wire, transports._faults, transports._framing\n"
-    "    from qlink.bench import _fuzz\n"
+    "    import qlink.ai.frames, qlink.ai.kv, qlink.memory, qlink.wire, transports._faults, transports.framing\n"
+    "    from qlink.reliability import fuzz as _fuzz\n"
     "sys.exit(_fuzz.main(sys.argv, instrumented=True))\n"
 )
 
@@ -308,10 +309,10 @@ def run_atheris(target: str, *, runs: int = 20_000, seed: int = 1, timeout_s: fl
 
 
 def main(argv: list[str] | None = None, *, instrumented: bool = False) -> int:
-    """``python -m qlink.bench._fuzz TARGET [libFuzzer options]``: coverage-guided under atheris."""
+    """``python -m qlink.reliability.fuzz TARGET [libFuzzer options]``: coverage-guided under atheris."""
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in TARGETS:
-        print(f"usage: python -m qlink.bench._fuzz TARGET [-runs=N ...]; targets: {', '.join(sorted(TARGETS))}")
+        print(f"usage: python -m qlink.reliability.fuzz TARGET [-runs=N ...]; targets: {', '.join(sorted(TARGETS))}")
         return 2
     target = argv.pop(1)
     try:

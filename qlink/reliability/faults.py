@@ -23,7 +23,6 @@ incomplete* -- ``accounted_pct`` is the share that is one of those, which must b
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["FAULTS", "SYNDROME_FRAME_MIN_NBYTES", "qec_fault_run", "kv_fault_run", "field_of_offset",
-           "inner_url", "DETECTABLE_FIELDS"]
+           "DETECTABLE_FIELDS"]
 
 FAULTS = ("drop", "dup", "reorder", "corrupt", "delay")
 SYNDROME_FRAME_MIN_NBYTES = 48  # an enqueue_syndromes frame is >= 57 B; get_corrections is 41 B
@@ -46,7 +45,6 @@ _FIELDS = (
 )
 #: fields whose corruption the service must refuse and count (one refusal per frame)
 DETECTABLE_FIELDS = ("magic", "function_id", "arg_len", "decoder_id", "syndrome_mapping_id", "num_syndromes")
-_names = iter(range(1 << 62))
 
 
 def field_of_offset(offset: int) -> str:
@@ -55,15 +53,6 @@ def field_of_offset(offset: int) -> str:
         if lo <= offset < hi:
             return name
     return "syndrome_bits"
-
-
-def inner_url(transport: str) -> str:
-    """A fresh listen URL for an inner transport name."""
-    if transport in ("tcp", "ucx"):
-        return f"{transport}://127.0.0.1:0"
-    if transport in ("shm", "inproc"):
-        return f"{transport}://qlink-fault-{os.getpid()}-{next(_names)}"
-    raise ValueError(f"unknown transport {transport!r}; use inproc, shm, tcp or ucx")
 
 
 def _spec_for(fault: str, rate: float, *, seed: int, delay_ns: int, stop: int | None, start: int = 0,
@@ -178,7 +167,7 @@ def qec_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_shots:
     else:
         spec = None
         service_faults = _spec_for(fault, rate, seed=seed, delay_ns=delay_ns, stop=None)
-    base = f"emulated+{inner_url(transport)}?link={link}"
+    base = f"emulated+{transports.loopback_url(transport, tag='qlink-fault')}?link={link}"
     st = _ServiceThread(service, base, faults=service_faults)
     old_switch = sys.getswitchinterval()
     sys.setswitchinterval(2e-5)  # two busy-polling threads under one GIL: take turns often
@@ -278,7 +267,7 @@ def kv_fault_run(fault: str, *, rate: float, transport: str = "tcp", num_request
     for i in range(num_requests):
         src = rng.choice(num_blocks, blocks_per_request, replace=False)
         reqs.append((src, dst_all[i * blocks_per_request:(i + 1) * blocks_per_request]))
-    base = f"emulated+{inner_url(transport)}?link={link}"
+    base = f"emulated+{transports.loopback_url(transport, tag='qlink-fault')}?link={link}"
     lis = transports.listen(base)
     # faults on the sender's puts only (its hello must arrive); the marker request is sent healed
     fspec = replace(_spec_for(fault, rate, seed=seed, delay_ns=delay_ns, stop=None), messages=False)

@@ -43,15 +43,14 @@ import numpy as np
 __all__ = ["qec_service_kill_run", "qec_controller_kill_run", "kv_receiver_kill_run", "kv_sender_kill_run",
            "sender_kill_run", "KILL_RUNS", "serve_forever"]
 
-_names = iter(range(1 << 62))
 
 
 def _url(transport: str) -> str:
-    if transport in ("tcp", "ucx"):
-        return f"{transport}://127.0.0.1:0"
-    if transport == "shm":
-        return f"shm://qlink-crash-{os.getpid()}-{next(_names)}"
-    raise ValueError(f"a crash run needs a cross-process transport (shm, tcp, ucx), got {transport!r}")
+    if transport not in ("shm", "tcp", "ucx"):
+        raise ValueError(f"a crash run needs a cross-process transport (shm, tcp, ucx), got {transport!r}")
+    import transports
+
+    return transports.loopback_url(transport, tag="qlink-crash")
 
 
 _exits: dict[int, tuple[threading.Thread, list]] = {}  # kill time -> (its exit watcher, [exit time])
@@ -167,7 +166,7 @@ def qec_service_kill_run(*, transport: str = "tcp", num_shots: int = 4000, chunk
     import transports
     from qlink.errors import BrokenLinkError
     from qlink.qec.controller import Controller
-    from qlink.qec.service import start_service_process
+    from qlink.qec import start_service_process
 
     _, stream, configs = _qec_setup(distance, num_shots, seed)
     opts = {"ack_enqueue": "errors"}
@@ -340,7 +339,7 @@ def qec_controller_kill_run(*, transport: str = "tcp", reset_first: bool = True,
         _reap(controller)
         _reap(service)
         if url_holder:
-            from transports._shm_rendezvous import reclaim_after_exit
+            from transports.shm import reclaim_after_exit
 
             reclaim_after_exit(url_holder[0])  # the killed service's listener socket
     out["next_shots"] = num_shots

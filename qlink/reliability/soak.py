@@ -90,7 +90,7 @@ def resource_counts(pid: int | None = None) -> dict:
     except FileNotFoundError:
         dev_shm = 0
     try:
-        from transports._shm_rendezvous import socket_dir
+        from transports.shm import socket_dir
 
         d = socket_dir()  # shared by every process of this user: count the sockets of this process's listeners
         mine = f"-{os.getpid() if pid is None else pid}-"
@@ -140,9 +140,9 @@ class _RssSampler:
 
 
 def _url(transport: str) -> str:
-    from ._faultrun import inner_url
+    import transports
 
-    return inner_url(transport)
+    return transports.loopback_url(transport, tag="qlink-soak")
 
 
 def _soak_frames(distance: int, num_distinct: int, seed: int):
@@ -170,7 +170,7 @@ def _qec_soak(*, num_frames: int, transport: str, distance: int, window_shots: i
     import transports
     from qlink import wire
     from qlink.errors import WouldBlock
-    from qlink.qec.service import start_service_process
+    from qlink.qec import start_service_process
 
     P = 4096
     if P % window_shots:
@@ -470,7 +470,7 @@ def backpressure_run(*, transport: str = "tcp", capacity_shots: int = 32, num_sh
     from qlink.qec.loop import build_source, sample_stream, source_spec
     from qlink.qec.service import DecoderConfig, DecoderService
 
-    from ._faultrun import _ServiceThread
+    from .faults import _ServiceThread
 
     src = build_source(source_spec(distance=3, rounds=3, p=0.001))
     stream = sample_stream(src, num_shots=num_shots, seed=seed)
@@ -511,7 +511,7 @@ def backpressure_run(*, transport: str = "tcp", capacity_shots: int = 32, num_sh
 
 
 def _fault_rows(transports_: tuple, *, quick: bool, say) -> tuple[list[dict], list[dict]]:
-    from ._faultrun import FAULTS, kv_fault_run, qec_fault_run
+    from .faults import FAULTS, kv_fault_run, qec_fault_run
 
     rows, details = [], []
     qec_rate = {"drop": 0.03, "dup": 0.03, "reorder": 0.03, "corrupt": 0.03, "delay": 0.01}
@@ -564,7 +564,7 @@ def _fault_rows(transports_: tuple, *, quick: bool, say) -> tuple[list[dict], li
 
 
 def _crash_rows(transports_: tuple, *, say) -> tuple[list[dict], list[dict]]:
-    from ._crashrun import KILL_RUNS
+    from .crash import KILL_RUNS
 
     rows, details = [], []
     for t in transports_:
@@ -597,7 +597,7 @@ def _crash_rows(transports_: tuple, *, say) -> tuple[list[dict], list[dict]]:
 
 
 def _fuzz_rows(*, quick: bool, say) -> tuple[list[dict], int]:
-    from ._fuzz import TARGETS, atheris_available, run_atheris, run_random
+    from .fuzz import TARGETS, atheris_available, run_atheris, run_random
 
     rows, total = [], 0
     for target in sorted(TARGETS):
@@ -625,7 +625,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     import json
     from pathlib import Path
 
-    from ._report import environment, format_table, write_results
+    from qlink.bench.report import environment, format_table, write_results
 
     quick = bool(getattr(args, "quick", False))
     frames = int(os.environ.get("QLINK_SOAK_FRAMES", 200_000 if quick else 10_000_000))

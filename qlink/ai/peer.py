@@ -23,12 +23,10 @@ Failures come back as ``("err", class name, message)`` and the loop goes on.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 
-_names = itertools.count()
 
-__all__ = ["serve", "PeerHandle", "start_peer", "open_link", "DecodeStation", "transport_unavailable", "url_for"]
+__all__ = ["serve", "PeerHandle", "start_peer", "open_link", "DecodeStation", "transport_unavailable"]
 
 
 def _sender(endpoint, cache, backend: str, mode: str):
@@ -125,7 +123,7 @@ def _paced(conn, tx, req) -> None:
 
 def _partial_layer(tx, req, layer: int, extra: int) -> None:
     """Send only the first ``extra`` descriptors of ``layer`` (as a dying peer would)."""
-    from . import _frames as fr
+    from . import frames as fr
 
     if tx.mode not in ("put", "send"):
         raise ValueError(f"a partial layer needs a put/send sender, not mode {tx.mode!r}")
@@ -246,13 +244,6 @@ def transport_unavailable(scheme: str) -> str | None:
     return None
 
 
-def url_for(scheme: str) -> str:
-    """A fresh listen URL for ``scheme`` (loopback, port chosen by the OS for tcp/ucx)."""
-    if scheme in ("tcp", "ucx"):
-        return f"{scheme}://127.0.0.1:0"
-    return f"{scheme}://kv-{os.getpid()}-{next(_names)}"
-
-
 class DecodeStation:
     """The decode side of one listener: a cache that outlives its links. Each
     :meth:`attach` starts a new :func:`serve` sender (a spawned process, a thread for
@@ -265,7 +256,7 @@ class DecodeStation:
 
         self.scheme = scheme
         self.cache = cache
-        self.listener = transports.listen(url_for(scheme))
+        self.listener = transports.listen(transports.loopback_url(scheme, tag="kv"))
         self._link: contextlib.ExitStack | None = None
 
     def attach(self, tx_spec=None, *, seed: int = 1, mode: str = "auto", backend: str = "transport",
@@ -273,7 +264,7 @@ class DecodeStation:
         """Start a sender with ``tx_spec`` (default: the cache's) and return ``(receiver, peer)``."""
         import transports
 
-        from .engine import KVReceiver
+        from ._receiver import KVReceiver
 
         self.detach()
         tx_spec = self.cache.spec if tx_spec is None else tx_spec

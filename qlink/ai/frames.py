@@ -119,6 +119,7 @@ def function_of(frame) -> int:
 
 def pack_write(fn: int, request_id: int, submit_ns: int, *, layer: int, layer_lo: int, layer_hi: int,
                num_parts: int, num_descs: int, layer_nbytes: int, part_nbytes: int) -> bytes:
+    """A whole kv_write frame (``fn``: FN_WRITE, or a sibling id): one layer's announcement."""
     return _WRITE_FULL.pack(MAGIC_REQUEST, fn, _WRITE.size, request_id, submit_ns,
                             layer, layer_lo, layer_hi, num_parts, num_descs, 0, layer_nbytes, part_nbytes)
 
@@ -135,6 +136,7 @@ def unpack_write(frame) -> tuple:
 
 def pack_data(request_id: int, submit_ns: int, *, layer: int, layer_lo: int, layer_hi: int, num_parts: int,
               num_descs: int, layer_nbytes: int, part_nbytes: int, dst_offset: int, crc32: int = 0) -> bytes:
+    """A kv_data frame's header (the part's bytes follow it): where the part goes, its CRC-32."""
     return _DATA_FULL.pack(MAGIC_REQUEST, FN_DATA, _DATA_FULL.size - HEADER.size, request_id, submit_ns,
                            layer, layer_lo, layer_hi, num_parts, num_descs, crc32, layer_nbytes, part_nbytes,
                            dst_offset)
@@ -177,6 +179,7 @@ def unpack_rows(frame) -> tuple:
 
 
 def pack_abort(request_id: int, *, status: int, layer: int, reason: str) -> bytes:
+    """A kv_abort frame: the request failed at ``layer`` with ``status``; ``reason`` cut to fit."""
     r = reason.encode("utf-8", "replace")[:_MAX_REASON]
     return _ABORT_FULL.pack(MAGIC_REQUEST, FN_ABORT, _ABORT_FULL.size - HEADER.size + len(r), request_id, 0,
                             status, layer, len(r)) + r

@@ -1,0 +1,121 @@
+"""Waiting, one family of policies for every transport: spin while the answer is close, then
+give the CPU back, then sleep longer and longer, and never past the caller's deadline.
+
+* :class:`Backoff`: counted, for loops that own their own clock (``spin`` polls return at
+  once, then sleeps doubling from ``min_sleep_s`` to ``max_sleep_s``); ``reset()`` after progress.
+* :class:`SpinThenSleep`: timed, with a deadline, for the blocking calls of an endpoint:
+  busy-poll for ``spin_s`` (yielding the CPU after ``yield_after_s``, so two processes that
+  share a core still take turns), then sleep doubling to ``max_sleep_s``; ``progressed()``
+  starts over. A subclass says what an idle moment also does (:meth:`SpinThenSleep.idle`:
+  look at the peer's socket, say) and what an expired deadline raises.
+* :func:`deadline_of`: a ``timeout_s`` as an absolute ``time.monotonic()`` deadline.
+
+>>> b = Backoff(spin=2)
+>>> b.pause(); b.pause(); b.spinning
+False
+>>> w = SpinThenSleep(timeout_s=0.0, spin_s=0.0)
+>>> w.pause()
+Traceback (most recent call last):
+...
+qlink.errors.QlinkTimeoutError: wait did not complete within timeout_s=0.0
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from qlink.errors import QlinkTimeoutError
+
+__all__ = ["Backoff", "SpinThenSleep", "deadline_of"]
+
+
+class Backoff:
+    """Bounded busy-poll, then exponential sleep up to ``max_sleep_s``.
+
+    ``spin`` iterations return immediately (the hot path); after that each call
+    sleeps, doubling from ``min_sleep_s``. ``reset()`` after progress.
+    """
+
+    __slots__ = ("spin", "min_sleep_s", "max_sleep_s", "_n", "_sleep")
+
+    def __init__(self, *, spin: int = 20000, min_sleep_s: float = 5e-6, max_sleep_s: float = 1e-3):
+        self.spin = spin
+        self.min_sleep_s = min_sleep_s
+        self.max_sleep_s = max_sleep_s
+        self._n = 0
+        self._sleep = min_sleep_s
+
+    def reset(self) -> None:
+        self._n = 0
+        self._sleep = self.min_sleep_s
+
+    @property
+    def spinning(self) -> bool:
+        return self._n < self.spin
+
+    def pause(self) -> None:
+        if self._n < self.spin:
+            self._n += 1
+            return
+        time.sleep(self._sleep)
+        self._sleep = min(self._sleep * 2, self.max_sleep_s)
+
+
+def deadline_of(timeout_s: float | None) -> float | None:
+    """Absolute ``time.monotonic()`` deadline for a relative timeout (None or inf: no deadline)."""
+    if timeout_s is None or timeout_s == float("inf"):
+        return None
+    if timeout_s != timeout_s or timeout_s < 0:  # NaN or negative
+        raise ValueError(f"timeout_s must be a non-negative number or None, got {timeout_s!r}")
+    return time.monotonic() + timeout_s
+
+
+class SpinThenSleep:
+    """Deadline; busy-poll for ``spin_s``, after ``yield_after_s`` of it also yielding the CPU,
+    then sleep doubling from ``min_sleep_s`` to ``max_sleep_s`` (never past the deadline),
+    calling :meth:`idle` before each sleep. ``progressed()`` starts the phases over."""
+
+    __slots__ = ("what", "timeout_s", "deadline", "spin_s", "yield_after_s", "min_sleep_s", "max_sleep_s",
+                 "yield_after", "spin_until", "sleep_s")
+
+    def __init__(self, *, timeout_s: float | None, spin_s: float, what: str = "wait", yield_after_s: float = 100e-6,
+                 min_sleep_s: float = 5e-6, max_sleep_s: float = 1e-3) -> None:
+        self.what = what
+        self.timeout_s = timeout_s
+        self.deadline = deadline_of(timeout_s)
+        self.spin_s = spin_s
+        self.yield_after_s = yield_after_s
+        self.min_sleep_s = min_sleep_s
+        self.max_sleep_s = max_sleep_s
+        self.progressed()
+
+    def progressed(self) -> None:
+        now = time.monotonic()
+        self.yield_after = now + self.yield_after_s
+        self.spin_until = now + self.spin_s
+        self.sleep_s = self.min_sleep_s
+
+    def timed_out(self) -> Exception:
+        """The error an expired deadline raises (a subclass names its endpoint)."""
+        return QlinkTimeoutError(f"{self.what} did not complete within timeout_s={self.timeout_s}")
+
+    def idle(self) -> bool:
+        """Called before each sleep; True skips the sleep (the caller has something to see)."""
+        return False
+
+    def pause(self) -> None:
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            raise self.timed_out()
+        if now < self.spin_until:
+            if now >= self.yield_after:
+                # still busy-polling, but let a runnable process sharing this CPU (perhaps the
+                # peer itself, on a machine with few cores) run instead of spinning against it
+                os.sched_yield()
+            return
+        if self.idle():
+            return
+        sleep_s = self.sleep_s if self.deadline is None else min(self.sleep_s, self.deadline - now)
+        time.sleep(sleep_s)
+        self.sleep_s = min(self.sleep_s * 2, self.max_sleep_s)
