@@ -110,6 +110,7 @@ class SessionServer:
         self.listener = listener
         self.token = token
         self.on_session_end = on_session_end
+        self._serving: tuple | None = None  # (thread id, wall and CPU clocks) while serve() runs
         caps = getattr(listener, "capabilities", None)
         if caps is None:
             import transports
@@ -465,6 +466,7 @@ class SessionServer:
         by_fd = self._by_fd
         gc.freeze()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
+        self._serving = (threading.get_ident(), wall0, cpu0)
         svc._counts["serve_calls"] += 1
         try:
             while True:
@@ -509,6 +511,7 @@ class SessionServer:
             svc.stages.settle()
             svc._serve_wall_s += time.perf_counter() - wall0
             svc._serve_cpu_s += time.thread_time() - cpu0
+            self._serving = None
         return self.report()
 
     def close(self, *, reason: CloseReason = CloseReason.SERVICE_STOPPING) -> None:
@@ -541,6 +544,11 @@ class SessionServer:
                 rep = svc.report()
             finally:
                 svc._use_states(*decs)
+        serving = self._serving
+        if serving is not None and serving[0] == threading.get_ident() and "serve_wall_s" in rep:
+            # a session's report while the serve loop runs: its wall and CPU time so far
+            rep["serve_wall_s"] += time.perf_counter() - serving[1]
+            rep["serve_cpu_s"] += time.thread_time() - serving[2]
         refused = collections.Counter(self.refused)
         refused.update(getattr(self.listener, "refused_by_reason", {}) or {})
         rep["transport"] = self.scheme

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from qlink.ai import KVCache, KVCacheSpec
-from transports import loopback_url as url_for
+from transports import loopback_url
+url_for = loopback_url
 from qlink.ai._vllm_link import DecodeClient, PrefillServer
 
 pytestmark = pytest.mark.timeout(120)

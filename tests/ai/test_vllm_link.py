@@ -11,7 +11,8 @@ import pytest
 
 from qlink.ai import KVCache, KVCacheSpec
 from qlink.ai.peer import transport_unavailable
-from transports import loopback_url as url_for
+from transports import loopback_url
+url_for = loopback_url
 from qlink.ai._vllm_link import DecodeClient, PrefillServer, pack_expect, pack_pull, unpack_expect, unpack_pull
 from qlink.errors import WireError
 
@@ -286,6 +287,7 @@ def test_layers_stream_out_while_the_forward_pass_runs(scheme):
         r = _results(client, 1)["late"]
         assert r.ok, r.error
         assert (dst.block_checksums([11, 12]) == src.block_checksums([1, 3])).all()
+        _wait(lambda: len(server.stream_log) == 2)  # (the link thread logs it after the answer)
         assert server.streamed == 1 and len(server.stream_log) == 2 and not server.stream_log[-1]["streamed"]
     finally:
         client.close()

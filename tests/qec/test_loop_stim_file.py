@@ -7,7 +7,7 @@ refused with a :class:`~qlink.qec.sources.CircuitError` naming it, before any se
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import pathlib
 
 import numpy as np
@@ -186,11 +186,7 @@ def test_a_source_of_the_wrong_type_or_spec_keys_is_refused():
 
 
 def _scenario(name):
-    path = pathlib.Path(__file__).resolve().parents[2] / "scenarios" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"qlink_scenario_{name}_stim", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"qlink.scenarios.{name}")
 
 
 def test_realtime_loop_scenario_runs_a_stim_file(tmp_path):
