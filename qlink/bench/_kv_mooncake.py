@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 
 import numpy as np
 
@@ -172,7 +173,7 @@ def _initiator(conn, spec_bytes: bytes, slice_nbytes: int, session: str, remote:
         conn.send(("err", f"{type(e).__name__}: {e}"))
 
 
-_ENV_LOCK = __import__("threading").Lock()
+_ENV_LOCK = threading.Lock()
 
 
 def _start_with(proc, env: dict) -> None:
