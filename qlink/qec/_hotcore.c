@@ -1263,20 +1263,29 @@ static int svc_decode(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint8_
     return rc;
 }
 
-/* A completed shot: queue it (BUSY when the queue is full) and decode it at once. */
-static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint32_t rid, int64_t ptp, int64_t t_in,
-                         int64_t *status_out) {
+/* A completed shot takes the next queue slot (the drops before it recorded there); -1 and
+ * BUSY in *status_out when the queue is full (the shot counted as dropped). */
+static int64_t svc_admit(ServiceCore *s, SvcDecoder *d, int64_t *status_out) {
     s->counts[C_SHOTS_COMPLETED]++;
     if ((int64_t)(d->tail - d->head) >= d->cap) {
         s->counts[C_SHOTS_REFUSED_BUSY]++;
         s->counts[C_SHOTS_DROPPED]++;
         d->pending_drops++;
         *status_out = W.st_busy;
-        return;
+        return -1;
     }
     int64_t slot = (int64_t)(d->tail % (uint64_t)d->cap);
     d->drops_before[slot] = d->pending_drops;
     d->pending_drops = 0;
+    return slot;
+}
+
+/* A completed shot: queue it (BUSY when the queue is full) and decode it at once. */
+static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint32_t rid, int64_t ptp, int64_t t_in,
+                         int64_t *status_out) {
+    int64_t slot = svc_admit(s, d, status_out);
+    if (slot < 0)
+        return;
     if (t_in == 0) /* the frame came while the service was busy: stamped now (parsed, about to decode) */
         t_in = mono_ns();
     int64_t *r = d->rec + slot * SVC_FIELDS;
@@ -1493,17 +1502,9 @@ static void win_advance(ServiceCore *s, WinState *w) {
 static void svc_complete_win(ServiceCore *s, SvcDecoder *d, uint32_t rid, int64_t ptp, int64_t t_in,
                              int64_t *status_out) {
     WinState *w = d->win;
-    s->counts[C_SHOTS_COMPLETED]++;
-    if ((int64_t)(d->tail - d->head) >= d->cap) {
-        s->counts[C_SHOTS_REFUSED_BUSY]++;
-        s->counts[C_SHOTS_DROPPED]++;
-        d->pending_drops++;
-        *status_out = W.st_busy;
+    int64_t slot = svc_admit(s, d, status_out);
+    if (slot < 0)
         return;
-    }
-    int64_t slot = (int64_t)(d->tail % (uint64_t)d->cap);
-    d->drops_before[slot] = d->pending_drops;
-    d->pending_drops = 0;
     if (t_in == 0)
         t_in = w->t0;
     int64_t *r = d->rec + slot * SVC_FIELDS;
