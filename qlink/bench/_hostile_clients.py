@@ -118,13 +118,21 @@ def _drain(sock: socket.socket, seen: Counter, *, wait_s: float) -> bool:
         return False
 
 
+def _session_or_count(url: str, seen: Counter) -> socket.socket | None:
+    """A session for the next try of a hostile loop; None (counted as refused, after a short
+    pause) when the service refuses it."""
+    try:
+        return _tcp_session(url)
+    except (OSError, ConnectionError):
+        seen["refused"] += 1
+        time.sleep(0.05)
+        return None
+
+
 def _half_frame(url: str, stop, seen: Counter, count: int) -> None:
     while not stop.is_set():
-        try:
-            sock = _tcp_session(url)
-        except (OSError, ConnectionError):
-            seen["refused"] += 1
-            time.sleep(0.05)
+        sock = _session_or_count(url, seen)
+        if sock is None:
             continue
         sock.sendall(_FRAME.pack(_KIND_MSG, 0, 0, 0, 80, 0, 0) + b"\x52\x51\x55\x43" + bytes(16))  # 20 of 80 bytes
         seen["half_frames_sent"] += 1
@@ -154,11 +162,8 @@ def _idle(url: str, stop, seen: Counter, count: int) -> None:
 
 def _huge_header(url: str, stop, seen: Counter, count: int) -> None:
     while not stop.is_set():
-        try:
-            sock = _tcp_session(url)
-        except (OSError, ConnectionError):
-            seen["refused"] += 1
-            time.sleep(0.05)
+        sock = _session_or_count(url, seen)
+        if sock is None:
             continue
         sock.sendall(_FRAME.pack(_KIND_MSG, 0, 0, 0, 1 << 30, 0, 0))  # announces 1 GiB, sends none of it
         seen["huge_headers_sent"] += 1
@@ -215,11 +220,8 @@ def _udp_flood(url: str, stop, seen: Counter, count: int) -> None:
 
 def _tcp_flood(url: str, stop, seen: Counter, count: int) -> None:
     while not stop.is_set():
-        try:
-            sock = _tcp_session(url)
-        except (OSError, ConnectionError):
-            seen["refused"] += 1
-            time.sleep(0.05)
+        sock = _session_or_count(url, seen)
+        if sock is None:
             continue
         body = b"".join(_FRAME.pack(_KIND_MSG, 0, 0, 0, len(f), 0, 0) + f for f in map(_valid_enqueue, range(256)))
         sock.setblocking(False)
