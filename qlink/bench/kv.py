@@ -215,12 +215,19 @@ def _blocks(pattern: str, nblocks: int, capacity: int, rng) -> tuple[np.ndarray,
     raise ValueError(f"pattern must be 'contiguous' or 'scattered', got {pattern!r}")
 
 
+def _plan(spec, src, dst):
+    """The transfer plan of blocks ``src`` -> ``dst`` between two caches of ``spec``'s layout."""
+    from qlink.ai import plan_transfer
+
+    return plan_transfer(src, dst, src_num_blocks=spec.num_blocks, dst_num_blocks=spec.num_blocks,
+                         block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+
+
 def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repeats: int, say,
                      floor: _Floor) -> list[dict]:
     """Transfer rounds of one backend, each right after a floor copy of the same pieces in
     the receiver's cache. qlink: the peer sends, the receiver here waits for the last layer;
     NIXL: the receiver here pulls the request with one prepared READ (vLLM's way)."""
-    from qlink.ai import plan_transfer
     from qlink.ai.peer import open_link
 
     rows = []
@@ -234,8 +241,7 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
             nblocks = spec.blocks_for(num_tokens=n_tokens)
             for pattern in patterns:
                 src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
-                plan = plan_transfer(src, dst, src_num_blocks=spec.num_blocks, dst_num_blocks=spec.num_blocks,
-                                     block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+                plan = _plan(spec, src, dst)
                 times_us, subs, pulled = [], [], []
                 for rep in range(repeats + 1):  # the first is a warm-up
                     rid += 1
@@ -280,8 +286,6 @@ def _check_landed(cache, plan) -> None:
 
 def _measure_mooncake(spec, token_list, patterns, repeats: int, say) -> list[dict]:
     """Mooncake TE over TCP, one process pair per slice size (see :mod:`._kv_mooncake`)."""
-    from qlink.ai import plan_transfer
-
     from ._kv_mooncake import SLICE_SIZES, MooncakePair
 
     rows = []
@@ -293,8 +297,7 @@ def _measure_mooncake(spec, token_list, patterns, repeats: int, say) -> list[dic
                 nblocks = spec.blocks_for(num_tokens=n_tokens)
                 for pattern in patterns:
                     src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
-                    plan = plan_transfer(src, dst, src_num_blocks=spec.num_blocks, dst_num_blocks=spec.num_blocks,
-                                         block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+                    plan = _plan(spec, src, dst)
                     secs = [pair.write(plan, range(spec.num_layers)) for _ in range(repeats + 1)][1:]
                     nbytes = plan.layer_nbytes * spec.num_layers
                     t = float(np.median(secs))
@@ -385,7 +388,6 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
 
     if not floor.best:  # nothing measured beside it: the floor alone, in a cache of its own
         from qlink.ai import KVCache
-        from qlink.ai import plan_transfer
 
         cache = KVCache.allocate(spec)
         for a in cache.layers:
@@ -394,8 +396,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
         for t in fits:
             for pattern in patterns:
                 src, dst = _blocks(pattern, spec.blocks_for(num_tokens=t), spec.num_blocks, rng)
-                plan = plan_transfer(src, dst, src_num_blocks=spec.num_blocks, dst_num_blocks=spec.num_blocks,
-                                     block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+                plan = _plan(spec, src, dst)
                 for _ in range(max(repeats, 3)):
                     floor.copy_s(cache, plan, key=(t, pattern))
         del cache
