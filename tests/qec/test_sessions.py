@@ -43,8 +43,11 @@ def _run_controllers(url, dem, dets, n, *, decoder_ids=None, token=None, shots=1
             did = 0 if decoder_ids is None else decoder_ids[k]
             with LockstepController(url, num_observables=dem.num_observables, decoder_id=did, token=token,
                                     timeout_s=30) as ctl:
-                barrier.wait(timeout=30)
-                out[k] = ctl.run(dets[k * shots:(k + 1) * shots])
+                mine = dets[k * shots:(k + 1) * shots]
+                first = ctl.run(mine[:1])  # answered: the service now holds this session
+                barrier.wait(timeout=30)  # so all n sessions are live at once past this line
+                rest = ctl.run(mine[1:])
+                out[k] = tuple(np.concatenate([a, b]) for a, b in zip(first, rest))
         except Exception as e:
             errors.append(e)
 
