@@ -59,6 +59,30 @@ def check_pieces(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nb
     return so, do, ln
 
 
+_FEW = 16  # piece lists up to this long are checked with plain integers (no NumPy call per check)
+
+
+def check_few(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nbytes: int, region_id: int = 0):
+    """The pieces as a list of ``(src_offset, dst_offset, nbytes)`` int tuples, checked as
+    :func:`check_pieces` checks them (same errors). Short lists of Python ints are checked
+    here in microseconds (a device put's pieces: a KV layer's K and V); anything else goes
+    through :func:`check_pieces`.
+
+    >>> check_few([0, 8], [16, 0], [8, 4], src_nbytes=16, region_nbytes=32)
+    [(0, 16, 8), (8, 0, 4)]
+    """
+    if (type(src_offsets) in (list, tuple) and type(dst_offsets) in (list, tuple) and type(nbytes) in (list, tuple)
+            and 0 < len(nbytes) <= _FEW and len(src_offsets) == len(dst_offsets) == len(nbytes)
+            and all(type(v) is int for seq in (src_offsets, dst_offsets, nbytes) for v in seq)):
+        out = list(zip(src_offsets, dst_offsets, nbytes))
+        if all(0 <= n <= src_nbytes and 0 <= so <= src_nbytes - n and 0 <= do and n <= region_nbytes
+               and do <= region_nbytes - n for so, do, n in out):
+            return out
+    so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=src_nbytes, region_nbytes=region_nbytes,
+                              region_id=region_id)  # raises with the message that names the bad piece
+    return list(zip(so.tolist(), do.tolist(), ln.tolist()))
+
+
 def message_groups(ln: np.ndarray, *, entry_nbytes: int, max_nbytes: int) -> list[tuple[int, int]]:
     """Split pieces into runs ``[start, stop)`` whose table entries (``entry_nbytes`` each)
     and bytes fit one message of ``max_nbytes`` (a piece larger than that goes alone).

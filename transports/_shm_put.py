@@ -244,6 +244,20 @@ class ShmPutSide:
         self._counters.put_bytes += int(ln.sum())
         return 1
 
+    def _publish_span(self, remote: RemoteRegion, lo: int, span: int, *, notify_id: int, tag: bytes,
+                      timeout_s: float | None) -> None:
+        """Publish one Notification over ``[lo, lo + span)`` of ``remote`` and move no byte: the
+        completion of bytes another engine (CUDA) has already written there. The same checks
+        and record as a ``put_many`` whose pieces are empty, without building piece arrays."""
+        remote, tag, notify_id = self._put_args(remote, tag, notify_id, timeout_s)
+        self._peer.entry(remote, offset=lo, nbytes=span)  # raises before anything is published
+        self._look_at_peer()
+        if self._peer_gone is not None or self._tx.consumer_closed:
+            self._peer_flags()
+            raise self._broken("put_many")
+        self._finish_put(DONE.pack(remote.region_id, len(tag), lo, span, notify_id), tag, timeout_s)
+        self._x["gathered_puts"] += 1
+
     def _post_pull(self, home: tuple[int, int], rid: int, so, do, ln, lo: int, hi: int, notify_id: int, tag: bytes,
                    timeout_s: float | None) -> None:
         """PUT_PULL records naming the pieces; the target copies them out of our region ``home``."""

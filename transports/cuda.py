@@ -93,6 +93,9 @@ def is_device(obj) -> bool:
 
 def device_span(obj, *, writable: bool = False) -> tuple[int, int]:
     """``(address, nbytes)`` of a C-contiguous device array; ValueError otherwise."""
+    ptr = getattr(getattr(obj, "data", None), "ptr", None)  # a CuPy array: no interface dict to build
+    if type(ptr) is int and obj.flags.c_contiguous:
+        return ptr, int(obj.nbytes)
     cai = obj.__cuda_array_interface__
     shape = tuple(int(x) for x in cai["shape"])
     itemsize = np.dtype(cai["typestr"]).itemsize

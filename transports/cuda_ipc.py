@@ -71,7 +71,7 @@ from . import shm as _shm
 from ._base import Capabilities, Endpoint, Listener, deadline_of
 from ._base import check_notify_id as _check_notify_id
 from ._base import check_tag as _check_tag
-from ._pieces import check_pieces
+from ._pieces import check_few
 from .cuda import DeviceMismatchError
 from ._cuda_key import DeviceKey
 
@@ -134,7 +134,7 @@ class CudaIpcEndpoint(Endpoint):
         ep.url = url  # its errors then name the URL the caller used
         self._device_regions: dict[int, tuple[Region, Region]] = {}  # region id -> (device region, stand-in)
         self._mappings = _cuda.IpcMappings()
-        self._x = dict(device_puts=0, device_put_bytes=0, device_notifications=0, notify_pieces=0,
+        self._x = dict(device_puts=0, device_put_bytes=0, device_notifications=0,
                        staged_to_host_puts=0)
         # the control path is the shm endpoint's own (its C fast paths included)
         self.send, self.send_nowait = ep.send, ep.send_nowait
@@ -229,11 +229,10 @@ class CudaIpcEndpoint(Endpoint):
             defer = defer and source is data  # a staged copy is not registered memory: no deferral
             return self._shm.put_many(source, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
                                       timeout_s=timeout_s, defer=defer)
-        so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=_source_nbytes(data),
-                                  region_nbytes=remote.nbytes, region_id=remote.region_id)
-        lo, hi = int(do.min()), int((do + ln).max())
-        self._device_put(data, remote, list(zip(so.tolist(), do.tolist(), ln.tolist())), lo, hi - lo, notify_id,
-                         tag, timeout_s)
+        pieces = check_few(src_offsets, dst_offsets, nbytes, src_nbytes=_source_nbytes(data),
+                           region_nbytes=remote.nbytes, region_id=remote.region_id)
+        lo, hi = min(d for _, d, _ in pieces), max(d + n for _, d, n in pieces)
+        self._device_put(data, remote, pieces, lo, hi - lo, notify_id, tag, timeout_s)
         return 1
 
     def _prelude(self, remote, data):
@@ -291,12 +290,8 @@ class CudaIpcEndpoint(Endpoint):
 
     def _notify(self, stand_in: RemoteRegion, lo: int, span: int, notify_id: int, tag: bytes,
                 timeout_s: float | None) -> None:
-        """One shm notification covering [lo, lo + span) of the stand-in, moving no byte: a
-        gathered put_many of zero-byte pieces at both ends of the span."""
-        offsets = [lo, lo + span] if span else [lo]
-        zeros = [0] * len(offsets)
-        self._shm.put_many(b"", stand_in, zeros, offsets, zeros, notify_id=notify_id, tag=tag, timeout_s=timeout_s)
-        self._x["notify_pieces"] += len(offsets)
+        """One shm notification covering [lo, lo + span) of the stand-in, moving no byte."""
+        self._shm._publish_span(stand_in, lo, span, notify_id=notify_id, tag=tag, timeout_s=timeout_s)
         self._x["device_notifications"] += 1
 
     # ----- lifecycle ------------------------------------------------------------------------
@@ -305,11 +300,10 @@ class CudaIpcEndpoint(Endpoint):
         s = self._shm.statistics()
         x = self._x
         extra = dict(s.extra)
-        for name, ours in (("inline_puts", x["notify_pieces"]), ("gathered_puts", x["device_notifications"])):
-            if name in extra:  # the zero-byte puts that carried device completions are not host puts
-                extra[name] = max(0, extra[name] - ours)
+        if "gathered_puts" in extra:  # the records that carried device completions are not host puts
+            extra["gathered_puts"] = max(0, extra["gathered_puts"] - x["device_notifications"])
         extra.update(x, opened_ipc_handles=len(self._mappings), device_regions=len(self._device_regions))
-        return replace(s, transport=CAPABILITIES.name, puts=s.puts - x["notify_pieces"] + x["device_puts"],
+        return replace(s, transport=CAPABILITIES.name, puts=s.puts + x["device_puts"],
                        put_bytes=s.put_bytes + x["device_put_bytes"], extra=extra)
 
     def close(self) -> None:

@@ -234,8 +234,9 @@ def _qec_loop(decoder, dets: np.ndarray, *, landing: str, xp) -> tuple[np.ndarra
     else:
         decode = lambda: decoder.decode_batch(row)  # noqa: E731
     busy = next((k for k in range(num_shots) if dets[k].any()), 0)
+    rx = xp if landing == "device" else np  # the module of the region's own memory
     for shot in (busy, busy):  # warm-up: compile kernels, touch every buffer
-        region_mem[...] = xp.asarray(dets[shot])
+        region_mem[...] = rx.asarray(dets[shot])
         host_copy(decode())
     region_mem[...] = 0
     out = bytearray(8 + no)
