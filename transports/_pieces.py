@@ -65,12 +65,13 @@ _FEW = 16  # piece lists up to this long are checked with plain integers (no Num
 def check_few(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nbytes: int, region_id: int = 0):
     """The pieces as a list of ``(src_offset, dst_offset, nbytes)`` int tuples, checked as
     :func:`check_pieces` checks them (same errors). Short lists of Python ints are checked
-    here in microseconds (a device put's pieces: a KV layer's K and V); anything else goes
-    through :func:`check_pieces`.
+    here in microseconds (a device put's pieces: a KV layer's K and V), short integer NumPy
+    arrays too; anything else goes through :func:`check_pieces`.
 
     >>> check_few([0, 8], [16, 0], [8, 4], src_nbytes=16, region_nbytes=32)
     [(0, 16, 8), (8, 0, 4)]
     """
+    src_offsets, dst_offsets, nbytes = (_few_ints(v) for v in (src_offsets, dst_offsets, nbytes))
     if (type(src_offsets) in (list, tuple) and type(dst_offsets) in (list, tuple) and type(nbytes) in (list, tuple)
             and 0 < len(nbytes) <= _FEW and len(src_offsets) == len(dst_offsets) == len(nbytes)
             and all(type(v) is int for seq in (src_offsets, dst_offsets, nbytes) for v in seq)):
@@ -81,6 +82,13 @@ def check_few(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nbyte
     so, do, ln = check_pieces(src_offsets, dst_offsets, nbytes, src_nbytes=src_nbytes, region_nbytes=region_nbytes,
                               region_id=region_id)  # raises with the message that names the bad piece
     return list(zip(so.tolist(), do.tolist(), ln.tolist()))
+
+
+def _few_ints(v):
+    """A short 1-D integer NumPy array as a list of ints (a transfer plan's offsets); else ``v``."""
+    if type(v) is np.ndarray and v.ndim == 1 and v.size <= _FEW and v.dtype.kind in "iu":
+        return v.tolist()
+    return v
 
 
 def message_groups(ln: np.ndarray, *, entry_nbytes: int, max_nbytes: int) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from qlink.memory import as_byte_view, is_device_array
 from ._cuda_key import HANDLE_NBYTES, DeviceKey
 
 __all__ = ["PROCESS_NONCE", "DeviceMismatchError", "cuda_unavailable", "require", "is_device", "device_span",
-           "device_of", "export_region", "IpcMappings", "copy_pieces", "to_host", "device_name"]
+           "device_of", "export_region", "IpcMappings", "copy_pieces", "queue_pieces", "to_host", "device_name"]
 
 #: Tells this process's exports from another's (a PID may repeat across PID namespaces).
 PROCESS_NONCE = secrets.randbits(64)
@@ -237,7 +237,19 @@ def copy_pieces(cp, *, dst_address: int, dst_device: int, src, pieces) -> int:
     """Copy ``(src_offset, dst_offset, nbytes)`` pieces of ``src`` (a device array or a host
     buffer) to ``dst_address + dst_offset`` on ``dst_device``; return once every byte is in
     place (the stream is synchronised). Returns the bytes copied."""
+    return _copy(cp, dst_address=dst_address, dst_device=dst_device, src=src, pieces=pieces, wait=True)[0]
+
+
+def queue_pieces(cp, *, dst_address: int, dst_device: int, src, pieces) -> tuple[int, object, object]:
+    """:func:`copy_pieces` without the wait: the copies are queued on the stream and
+    ``(bytes, event, keep)`` returned, ``event`` a CUDA event recorded after the last piece
+    (``event.done`` once every byte is in place) and ``keep`` what must stay alive until then."""
+    return _copy(cp, dst_address=dst_address, dst_device=dst_device, src=src, pieces=pieces, wait=False)
+
+
+def _copy(cp, *, dst_address: int, dst_device: int, src, pieces, wait: bool):
     rt = cp.cuda.runtime
+    host = None
     total = 0
     with cp.cuda.Device(dst_device):
         stream = cp.cuda.get_current_stream()
@@ -261,8 +273,12 @@ def copy_pieces(cp, *, dst_address: int, dst_device: int, src, pieces) -> int:
                 if n:
                     rt.memcpyAsync(dst_address + do, h_addr + so, n, rt.memcpyHostToDevice, sp)
                     total += n
-        stream.synchronize()
-    return total
+        if wait:
+            stream.synchronize()
+            return total, None, None
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+    return total, event, (src, host)
 
 
 def to_host(cp, obj) -> np.ndarray:

@@ -17,11 +17,15 @@ adds is the data path of device memory:
   ``cudaMemcpyPeerAsync`` across GPUs) on the current CuPy stream, synchronises it, and only
   then sends the completion, so the target never sees a notification before the bytes.
   Into a host region, put is the shm put (a device source is first copied to host).
+* **deferred device puts.** ``put_many(..., defer=True)`` into a device region queues the
+  copies, records a CUDA event and returns; the completion is published once the event has
+  fired, oldest first, at the next put or :meth:`~CudaIpcEndpoint.flush`, and before any
+  message sent after it. A sender of many puts (a KV cache, layer by layer) then keeps the
+  copy engine busy instead of waiting for each copy in turn.
 * **notifications.** For each device region the target also registers a *host stand-in* of
   the same size on the shm path: address space only (an anonymous ``MAP_NORESERVE``
-  mapping nobody writes). A device put's completion is a gathered shm ``put_many`` of
-  zero-byte pieces at the put's first and last byte into that stand-in: no byte moves, and
-  the shm target reports ``Notification(region_id, offset, nbytes, notify_id, tag)`` exactly
+  mapping nobody writes). A device put's completion is one shm completion record over
+  the put's span of that stand-in: no byte moves, and the shm target reports ``Notification(region_id, offset, nbytes, notify_id, tag)`` exactly
   as for a host put, in order with every other message and notification. The stand-in's
   id is the device region's id, so deregistering it makes later puts fail at the initiator
   (``RegistrationError``) before any byte is copied.
@@ -59,6 +63,7 @@ import mmap
 import operator
 import re
 import time
+from collections import deque
 from dataclasses import replace
 
 import numpy as np
@@ -126,6 +131,7 @@ class CudaIpcEndpoint(Endpoint):
 
     capabilities = CAPABILITIES
     put_many_gathers = True  # one Notification per put_many, host and device regions alike
+    defers_device_puts = True  # put_many(..., defer=True) into a device region returns once queued
 
     def __init__(self, shm_endpoint: _shm.ShmEndpoint, *, url: str) -> None:
         super().__init__()
@@ -134,8 +140,10 @@ class CudaIpcEndpoint(Endpoint):
         ep.url = url  # its errors then name the URL the caller used
         self._device_regions: dict[int, tuple[Region, Region]] = {}  # region id -> (device region, stand-in)
         self._mappings = _cuda.IpcMappings()
-        self._x = dict(device_puts=0, device_put_bytes=0, device_notifications=0,
+        self._x = dict(device_puts=0, device_put_bytes=0, device_notifications=0, deferred_device_puts=0,
                        staged_to_host_puts=0)
+        # deferred device puts, oldest first: (CUDA event, stand-in, lo, span, notify_id, tag, keep-alive)
+        self._pending: deque = deque()
         # the control path is the shm endpoint's own (its C fast paths included)
         self.send, self.send_nowait = ep.send, ep.send_nowait
         self.recv_into, self.recv_into_nowait, self.recv = ep.recv_into, ep.recv_into_nowait, ep.recv
@@ -170,9 +178,34 @@ class CudaIpcEndpoint(Endpoint):
         return self._shm.poll_notification_nowait()
 
     def flush(self, *, timeout_s: float | None = None) -> None:
-        """Wait until deferred host puts have been copied by the peer (device puts never defer)."""
+        """Wait until every deferred put is done: device puts copied by CUDA and their
+        notifications published, host puts copied by the peer."""
         self._check_open()
+        self._publish_pending(wait=True, timeout_s=timeout_s)
         self._shm.flush(timeout_s=timeout_s)
+
+    def _send_after_pending(self, data, *, timeout_s: float | None = None) -> None:
+        self._publish_pending(wait=True, timeout_s=timeout_s)  # a message never overtakes a completion
+        self._shm.send(data, timeout_s=timeout_s)
+
+    def _send_nowait_after_pending(self, data) -> None:
+        self._publish_pending(wait=True, timeout_s=None)
+        self._shm.send_nowait(data)
+
+    def _publish_pending(self, *, wait: bool, timeout_s: float | None) -> None:
+        """Publish the notifications of deferred device puts whose copies are done, oldest
+        first; ``wait``: wait for all of them. While some are pending, a message sent goes
+        after them (``send`` is rebound to wait first), so order is kept."""
+        q = self._pending
+        while q:
+            event, stand_in, lo, span, notify_id, tag, _keep = q[0]
+            if not event.done:
+                if not wait:
+                    return
+                event.synchronize()
+            self._notify(stand_in, lo, span, notify_id, tag, timeout_s)
+            q.popleft()
+        self.send, self.send_nowait = self._shm.send, self._shm.send_nowait  # nothing pending: the fast path
 
     # ----- registration ---------------------------------------------------------------------
     def register(self, array) -> Region:
@@ -212,6 +245,8 @@ class CudaIpcEndpoint(Endpoint):
         before the notification is sent. Validation failures raise before anything is written."""
         remote, data = self._prelude(remote, data)
         if remote.kind == "host":
+            if self._pending:
+                self._publish_pending(wait=True, timeout_s=timeout_s)
             self._shm.put(data, remote, offset=offset, notify_id=notify_id, tag=tag, timeout_s=timeout_s)
             return
         offset = operator.index(offset)
@@ -222,17 +257,22 @@ class CudaIpcEndpoint(Endpoint):
                  tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
         """Write pieces of ``data`` into the peer's region and publish ONE Notification for all
         (see :meth:`transports.Endpoint.put_many`). Device regions: one copy per piece on one
-        stream, synchronised, then the notification; ``defer`` applies to host regions only.
+        stream, synchronised, then the notification. ``defer=True`` into a device region: the
+        copies are queued and the call returns; the notification is published once CUDA has
+        finished them, at a later put or :meth:`flush` (and before any message sent after
+        it); ``data`` must stay unchanged until then. Into a host region, shm's ``defer``.
         Returns 1."""
         remote, source = self._prelude(remote, data)
         if remote.kind == "host":
+            if self._pending:
+                self._publish_pending(wait=True, timeout_s=timeout_s)
             defer = defer and source is data  # a staged copy is not registered memory: no deferral
             return self._shm.put_many(source, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
                                       timeout_s=timeout_s, defer=defer)
         pieces = check_few(src_offsets, dst_offsets, nbytes, src_nbytes=_source_nbytes(data),
                            region_nbytes=remote.nbytes, region_id=remote.region_id)
         lo, hi = min(d for _, d, _ in pieces), max(d + n for _, d, n in pieces)
-        self._device_put(data, remote, pieces, lo, hi - lo, notify_id, tag, timeout_s)
+        self._device_put(data, remote, pieces, lo, hi - lo, notify_id, tag, timeout_s, defer=defer)
         return 1
 
     def _prelude(self, remote, data):
@@ -252,7 +292,7 @@ class CudaIpcEndpoint(Endpoint):
         return _cuda.to_host(cp, data)
 
     def _device_put(self, data, remote: RemoteRegion, pieces, lo: int, span: int, notify_id, tag,
-                    timeout_s: float | None) -> None:
+                    timeout_s: float | None, *, defer: bool = False) -> None:
         """Check everything, copy every piece with CUDA, then publish one notification over [lo, lo + span)."""
         deadline_of(timeout_s)
         tag, notify_id = _check_tag(tag), _check_notify_id(notify_id)
@@ -267,11 +307,23 @@ class CudaIpcEndpoint(Endpoint):
         stand_in = RemoteRegion(region_id=remote.region_id, nbytes=remote.nbytes, kind="host", key=key.notify_key)
         self._check_target(stand_in, lo, span)  # before any byte moves: issued here, still registered, peer alive
         moved = 0
-        if any(n for _, _, n in pieces):  # a put of no bytes only notifies
+        has_bytes = any(n for _, _, n in pieces)
+        defer = defer and has_bytes  # a put of no bytes only notifies, after every earlier one
+        if self._pending:  # earlier deferred puts: theirs first (all of them, unless this one defers too)
+            self._publish_pending(wait=not defer, timeout_s=timeout_s)
+        if has_bytes:
             cp = _cuda.require("a put into a device region")
             dev, address = self._mappings.target(cp, key)
-            moved = _cuda.copy_pieces(cp, dst_address=address, dst_device=dev, src=data, pieces=pieces)
-        self._notify(stand_in, lo, span, notify_id, tag, timeout_s)
+            if defer:
+                moved, event, keep = _cuda.queue_pieces(cp, dst_address=address, dst_device=dev, src=data,
+                                                        pieces=pieces)
+                self._pending.append((event, stand_in, lo, span, notify_id, tag, keep))
+                self.send, self.send_nowait = self._send_after_pending, self._send_nowait_after_pending
+                self._x["deferred_device_puts"] += 1
+            else:
+                moved = _cuda.copy_pieces(cp, dst_address=address, dst_device=dev, src=data, pieces=pieces)
+        if not defer:
+            self._notify(stand_in, lo, span, notify_id, tag, timeout_s)
         self._x["device_puts"] += len(pieces)
         self._x["device_put_bytes"] += moved
 
@@ -310,6 +362,11 @@ class CudaIpcEndpoint(Endpoint):
         """Close this side (the peer sees BrokenLinkError) and close the peer's IPC handles. Idempotent."""
         if self._closed:
             return
+        if self._pending:
+            try:  # what was queued before the close is still completed, as a host put's would be
+                self._publish_pending(wait=True, timeout_s=1.0)
+            except Exception:  # noqa: BLE001 - the peer may be gone: closing goes on
+                self._pending.clear()
         self._closed = True
         self._shm.close()
         if len(self._mappings):

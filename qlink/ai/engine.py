@@ -156,8 +156,14 @@ class KVSendRequest:
             self._failed = e
             s._abort(self, layer, e)
             raise
-        self._submit_ns_total += time.perf_counter_ns() - t0
         self._sent.add(layer)
+        if getattr(s, "_device_defer", False) and len(self._sent) == len(self.layers):
+            try:  # the request's last layer: every queued device copy is done and published
+                s.endpoint.flush(timeout_s=timeout_s)
+            except BaseException as e:
+                self._failed = e
+                raise
+        self._submit_ns_total += time.perf_counter_ns() - t0
 
     def send_all(self, *, timeout_s: float | None = 10.0) -> SubmitRecord:
         """Send every layer not sent yet, in order; return the submission record."""
@@ -223,6 +229,11 @@ class KVSender:
             except QlinkError:
                 self._release_sources()
         self._defer = bool(self._src_regions)
+        # device caches over an endpoint that queues device copies (cuda_ipc): each layer's copy
+        # is queued and its notification published once CUDA has done it; a request's last
+        # layer waits for all of them
+        self._device_defer = bool(defer and self._gathers and cache.device != "cpu" and mode != "send"
+                                  and getattr(endpoint, "defers_device_puts", False))
         self._max_desc_nbytes = endpoint.capabilities.max_message_bytes
         endpoint.send(fr.pack_hello(role=ROLE_SENDER, mode=MODE_CODES[mode], spec=self.spec.to_bytes(), regions=[],
                                     flags=fr.HELLO_PARTS_CRC32 if self.checksum else 0))
@@ -311,7 +322,7 @@ class KVSender:
         else:  # one notification per descriptor: n parts, each the size its notification reports (0 here)
             tag = pack(fr.MAGIC_REQUEST, fr.FN_WRITE, fr.WRITE_ARG_NBYTES, rid, ts, layer, lo, hi, n, n, 0, lnb, 0)
         self.endpoint.put_many(src, remote, plan.src_offsets, plan.dst_offsets, plan.nbytes, notify_id=rid,
-                               tag=tag, timeout_s=timeout_s, defer=self._defer)
+                               tag=tag, timeout_s=timeout_s, defer=self._defer or self._device_defer)
 
     def _staging(self, nbytes: int) -> np.ndarray:
         st = self._stage
@@ -379,7 +390,7 @@ class KVSender:
     def flush(self, *, timeout_s: float | None = 10.0) -> None:
         """Wait until the receiver has copied every block submitted so far (deferred puts);
         the source blocks may change from then on. Immediate where nothing is deferred."""
-        if self._defer:
+        if self._defer or self._device_defer:
             self.endpoint.flush(timeout_s=timeout_s)
 
     def _release_sources(self) -> None:

@@ -359,3 +359,29 @@ def test_kv_engine_moves_device_caches_over_cuda_ipc():
         assert rec.transport == "cuda_ipc" and rec.mode == "put"
         theirs = peer.call("checksums", src, None)
         assert (cache.block_checksums(dst) == theirs).all()
+
+
+@pytest.mark.gpu
+def test_deferred_device_puts_publish_in_order_once_copied_and_before_a_later_message(pair):
+    import cupy
+
+    a, b = pair
+    mib = 1 << 20
+    target = cupy.zeros(8 * mib, dtype=cupy.uint8)
+    region = b.register(target)
+    desc = RemoteRegion.from_bytes(region.descriptor().to_bytes())
+    src = cupy.asarray(np.random.default_rng(8).integers(0, 256, size=8 * mib, dtype=np.uint8))
+    for i in range(8):  # queued, not waited for: each returns once its copy is on the stream
+        a.put_many(src, desc, [i * mib], [i * mib], [mib], notify_id=i, tag=b"L%d" % i, defer=True)
+    assert a.statistics().extra["deferred_device_puts"] == 8
+    a.send(b"after")  # never overtakes a completion queued before it
+    assert b.recv(timeout_s=10) == b"after"
+    notes = [b.poll_notification_nowait() for _ in range(8)]  # already there: they came first
+    assert [(n.notify_id, n.offset, n.nbytes, n.tag) for n in notes] == \
+        [(i, i * mib, mib, b"L%d" % i) for i in range(8)]
+    assert zlib.crc32(cupy.asnumpy(target)) == zlib.crc32(cupy.asnumpy(src))
+    src[:mib] = 7
+    a.put_many(src, desc, [0], [0], [mib], notify_id=99, defer=True)
+    a.flush(timeout_s=10)  # publishes what is still queued
+    assert b.wait_notification(timeout_s=10).notify_id == 99
+    assert int((target[:mib] == 7).sum()) == mib
