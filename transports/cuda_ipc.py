@@ -144,6 +144,7 @@ class CudaIpcEndpoint(Endpoint):
                        staged_to_host_puts=0)
         # deferred device puts, oldest first: (CUDA event, stand-in, lo, span, notify_id, tag, keep-alive)
         self._pending: deque = deque()
+        self._keys: dict[bytes, DeviceKey] = {}  # a descriptor's key bytes, unpacked once
         # the control path is the shm endpoint's own (its C fast paths included)
         self.send, self.send_nowait = ep.send, ep.send_nowait
         self.recv_into, self.recv_into_nowait, self.recv = ep.recv_into, ep.recv_into_nowait, ep.recv
@@ -296,7 +297,11 @@ class CudaIpcEndpoint(Endpoint):
         """Check everything, copy every piece with CUDA, then publish one notification over [lo, lo + span)."""
         deadline_of(timeout_s)
         tag, notify_id = _check_tag(tag), _check_notify_id(notify_id)
-        key = DeviceKey.unpack(remote.key)
+        key = self._keys.get(remote.key)
+        if key is None:
+            if len(self._keys) >= 4096:  # a peer that sends endless descriptors does not grow this
+                self._keys.clear()
+            key = self._keys[remote.key] = DeviceKey.unpack(remote.key)
         if key.nbytes != remote.nbytes:
             raise RegistrationError(f"descriptor says device region {remote.region_id} has {remote.nbytes} bytes, "
                                     f"its key says {key.nbytes}")
