@@ -77,6 +77,46 @@ def test_chunk_seeds_depend_on_task_and_chunk_only():
         chunk_seed("x", -1)
 
 
+def test_auto_chunk_size_aims_for_the_target_on_the_slowest_point():
+    from qlink.sweep._chunking import auto_chunk_shots, nice_floor
+
+    grid = QecGrid(distances=(3, 5), ps=(0.002, 0.005), num_shots=10**7, chunk_shots=1)
+    choice = auto_chunk_shots(grid, target_s=0.05)
+    assert choice.basis == "measured" and (choice.probed["d"], choice.probed["p"]) == (5, 0.005)
+    assert choice.chunk_shots == nice_floor(choice.chunk_shots)  # 1, 2 or 5 x 10^k
+    est_s = choice.chunk_shots * choice.seconds_per_shot
+    assert 0.05 / 2.5 < est_s <= 0.05 * 1.0001  # rounded down to a nice number: within 2.5x below the target
+    assert "5" in choice.describe() and "shots" in choice.describe()
+
+
+def test_auto_chunk_size_keeps_every_worker_busy_and_follows_the_csv(tmp_path):
+    from qlink.sweep._chunking import auto_chunk_shots
+
+    small = QecGrid(distances=(3,), ps=(0.002, 0.005), num_shots=400, chunk_shots=1)
+    assert auto_chunk_shots(small, num_workers=2).chunk_shots == 200  # 800 shots in all: 2 chunks a worker
+    path = tmp_path / "s.csv"
+    task = QecGrid(distances=(3,), ps=(0.005,), num_shots=900, chunk_shots=300).tasks()[0]
+    with CsvAppender(path) as out:
+        out.append(strong_id=task.strong_id, decoder=task.decoder, json_metadata=task.json_metadata, chunk=0,
+                   counts={"shots": 300, "errors": 1, "discards": 0, "seconds": 0.1})
+    again = auto_chunk_shots(small, csv_path=path)  # the file fixes it: its chunks hold 300 shots
+    assert (again.chunk_shots, again.basis) == (300, "csv")
+    with pytest.raises(ValueError, match="target_s"):
+        auto_chunk_shots(small, target_s=0)
+
+
+def test_cli_chunk_shots_is_auto_unless_given():
+    from qlink._argparse import Parser
+    from qlink.sweep.cli import add_arguments
+
+    p = Parser(prog="qlink sweep")
+    add_arguments(p)
+    assert p.parse_args(["qec"]).chunk_shots == "auto"
+    assert p.parse_args(["qec", "--chunk-shots", "5000"]).chunk_shots == 5000
+    with pytest.raises(SystemExit):
+        p.parse_args(["qec", "--chunk-shots", "0"])
+
+
 def test_grid_validation_names_what_is_wrong():
     with pytest.raises(ValueError, match="unknown decoder"):
         QecGrid(decoders=("nope",)).tasks()

@@ -40,6 +40,12 @@ def _preset(value, *, where):
     return checks.one_of(value, tuple(PRESETS), what="KV preset", where=where)
 
 
+def _chunk_shots(value, *, where):
+    from qlink import checks
+
+    return "auto" if str(value).strip().lower() == "auto" else checks.count(value, where=where)
+
+
 def _list(check):
     from qlink import checks
 
@@ -82,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds per shot (default: the distance)")
     q.add_argument("--shots", default=10_000, action=CheckedAction, check=checks.count,
                    help="shots per grid point (whole chunks)")
-    q.add_argument("--chunk-shots", default=1_000, action=CheckedAction, check=checks.count)
+    q.add_argument("--chunk-shots", default="auto", action=CheckedAction, check=_chunk_shots,
+                   help="shots per chunk, or auto (the default): chunks of about 2 s on the grid's slowest point, "
+                        "timed here first; a CSV that already holds chunks keeps its size")
     k = sub.add_parser("kv", help="prompt tokens x transport")
     _common(k)
     k.add_argument("--tokens", action=ListAction, check=_list(checks.count), default=(512, 4096), metavar="N")
@@ -109,14 +117,24 @@ def run_from_cli(args, *, say: Callable[[str], None] = print) -> int:
         res = sweep_speedup(progress=not args.no_progress)
         print(json.dumps(res, indent=2))
         return 0
+    csv_path = args.csv or f"results/sweep/{args.what}.csv"
     if args.what == "qec":
+        auto = args.chunk_shots == "auto"
         grid = QecGrid(distances=args.distances, ps=args.ps, decoders=args.decoders,
                        transports=args.transports, rounds=args.rounds, num_shots=args.shots,
-                       chunk_shots=args.chunk_shots)
+                       chunk_shots=1_000 if auto else args.chunk_shots)
+        if auto:
+            from dataclasses import replace
+
+            from ._chunking import auto_chunk_shots
+
+            say("timing one chunk of the grid's slowest point to size the chunks")
+            choice = auto_chunk_shots(grid, csv_path=csv_path, num_workers=args.workers)
+            grid = replace(grid, chunk_shots=choice.chunk_shots)
+            say(choice.describe())
     else:
         grid = KvGrid(tokens=args.tokens, transports=args.transports, preset=args.preset,
                       num_transfers=args.transfers, chunk_transfers=args.chunk_transfers, budget_ms=args.budget_ms)
-    csv_path = args.csv or f"results/sweep/{args.what}.csv"
     try:
         res = run_sweep(grid, csv_path=csv_path, scheduler=args.scheduler, num_workers=args.workers,
                         max_chunks=args.max_chunks, progress=not args.no_progress)
