@@ -1,7 +1,7 @@
 """The ``qlink`` command line.
 
 ``qlink run`` is the main job (the default end-to-end scenario on one machine);
-``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|cudaq|hostile|vllm|all`` measures figures beside their floors and peers;
+``qlink bench transport|qec|kv|soak|crosshost|gpu|decoders|cudaq|hostile|vllm|sweep|all`` measures figures beside their floors and peers;
 ``qlink budget`` draws the cross-domain budget table; ``qlink serve --decoder-config FILE`` serves the
 decoders of a CUDA-Q QEC ``multi_decoder_config``; ``qlink doctor`` says what is installed
 and what to install; ``qlink sweep qec|kv|speedup`` runs parameter sweeps on Dask into a
@@ -99,7 +99,7 @@ def _bench_transport(args, failures: list[str]) -> dict:
     return res
 
 
-_BENCH_MODULES = {"cudaq": "cudaq_peer"}  # a bench whose module is not named after it
+_BENCH_MODULES = {"cudaq": "cudaq_peer", "sweep": "sinter_peer"}  # a bench whose module is not named after it
 _RELIABILITY = ("soak",)
 
 
@@ -297,6 +297,8 @@ _BENCH = {
                 "controllers at once beside one alone", "qlink bench hostile --quick"),
     "vllm": ("vLLM decode-side TTFT and exposed KV transfer: the qlink connector over shm/tcp/ucx beside vLLM's "
              "ExampleConnector, NixlConnector and recompute (needs vLLM: make bench-vllm)", "qlink bench vllm --quick"),
+    "sweep": ("qlink sweep qec with its defaults beside sinter collect on 2 processes, same grid: wall time "
+              "(goal <= 1.2x) and LERs within Wilson intervals", "qlink bench sweep --quick"),
     "all": ("transport, qec and kv in turn", "qlink bench all --quick --keep-going"),
 }
 

@@ -23,6 +23,7 @@ Running it (a LocalCluster of two worker processes; a few seconds)::
 """
 
 from ._bench import default_speedup_grid, machine_parallel_speedup, sweep_speedup
+from ._chunking import ChunkChoice, auto_chunk_shots
 from ._csv import CHUNK_PREFIX, CsvAppender, DoneChunks, SweepError, chunk_of, read_done_chunks
 from ._grid import KvGrid, QecGrid, SweepTask, chunk_seed, expand
 from ._run import SweepInterrupted, SweepResult, pending_chunks, run_sweep
@@ -45,6 +46,8 @@ __all__ = [
     "CsvAppender",
     "chunk_of",
     "CHUNK_PREFIX",
+    "auto_chunk_shots",
+    "ChunkChoice",
     "sweep_speedup",
     "default_speedup_grid",
     "machine_parallel_speedup",

@@ -1,0 +1,133 @@
+"""``qlink bench sweep``: ``qlink sweep qec`` with its defaults beside ``sinter collect``.
+
+The same grid (surface-code memory, d = 3, 5 × p = 0.002, 0.005, PyMatching, 4 × 10^6 shots
+a point; ``--quick``: 4 × 10^5) is collected twice on this machine, in the same run:
+
+* **sinter** — ``sinter.collect(num_workers=2, ...)`` on the very circuits qlink samples
+  (its own process pool and batching; ``max_shots`` per point, no error cap), the way its
+  users call it. Wall time from the call to its return.
+* **qlink** — :func:`qlink.sweep.run_sweep` on a ``LocalCluster`` of two workers with the
+  command line's defaults: the chunk size chosen by timing the slowest point
+  (:func:`qlink.sweep.auto_chunk_shots`), a fresh CSV. Wall time from before the
+  chunk size is chosen (the cluster's start included, as the command line pays it) to the
+  return.
+
+Rows: the wall time of each and their ratio (goal: qlink ≤ 1.2 × sinter), and per point the
+two logical error rates with their Wilson intervals and whether the intervals overlap.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["compare_with_sinter", "main_from_cli", "wilson_interval"]
+
+GOAL_RATIO = 1.2
+
+
+def wilson_interval(errors: int, shots: int, *, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of ``errors`` in ``shots`` (95 % by default).
+
+    >>> lo, hi = wilson_interval(10, 1000); round(lo, 4), round(hi, 4)
+    (0.0054, 0.0183)
+    """
+    if shots <= 0:
+        return 0.0, 1.0
+    f = errors / shots
+    den = 1 + z * z / shots
+    mid = (f + z * z / (2 * shots)) / den
+    half = z * math.sqrt(f * (1 - f) / shots + z * z / (4 * shots * shots)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def _grid(quick: bool):
+    from qlink.sweep import QecGrid
+
+    return QecGrid(distances=(3, 5), ps=(0.002, 0.005), decoders=("pymatching",), transports=("offline",),
+                   num_shots=400_000 if quick else 4_000_000, chunk_shots=1)
+
+
+def compare_with_sinter(*, quick: bool = False, num_workers: int = 2, progress: Callable[[str], None] = print,
+                        grid=None) -> list[dict]:
+    """Run both on the same grid (see the module notes); return the rows."""
+    import dataclasses
+
+    import sinter
+
+    from qlink.sweep import auto_chunk_shots, read_done_chunks, run_sweep
+
+    grid = grid or _grid(quick)
+    tasks = grid.tasks()
+    by_id = {t.strong_id: t for t in tasks}
+    from qlink.qec.loop import build_source
+
+    sinter_tasks = [sinter.Task(circuit=build_source(t.work["source"]).source.circuit, json_metadata={"id": sid})
+                    for sid, t in by_id.items()]
+    progress(f"sinter collect: {len(sinter_tasks)} points x {grid.num_shots} shots on {num_workers} processes")
+    t0 = time.perf_counter()
+    stats = sinter.collect(num_workers=num_workers, tasks=sinter_tasks, decoders=["pymatching"],
+                           max_shots=int(grid.num_shots), max_errors=None)
+    sinter_s = time.perf_counter() - t0
+    theirs = {}
+    for s in stats:
+        sid = s.json_metadata["id"]
+        e, n = theirs.get(sid, (0, 0))
+        theirs[sid] = (e + s.errors, n + s.shots)
+    progress(f"  sinter: {sinter_s:.1f} s")
+
+    progress(f"qlink sweep: the same points on a LocalCluster of {num_workers} workers, chunk size auto")
+    with tempfile.TemporaryDirectory(prefix="qlink-bench-sweep-") as tmp:
+        csv_path = Path(tmp) / "sweep.csv"
+        t0 = time.perf_counter()
+        choice = auto_chunk_shots(grid, csv_path=csv_path, num_workers=num_workers)
+        g = dataclasses.replace(grid, chunk_shots=choice.chunk_shots)
+        res = run_sweep(g, csv_path=csv_path, num_workers=num_workers, progress=False, say=lambda m: None)
+        qlink_s = time.perf_counter() - t0
+        ours: dict[str, tuple[int, int]] = {}
+        import csv
+
+        with open(csv_path) as f:
+            for row in csv.DictReader(f, skipinitialspace=True):
+                sid = row["strong_id"].strip()
+                e, n = ours.get(sid, (0, 0))
+                ours[sid] = (e + int(row["errors"]), n + int(row["shots"]))
+        assert read_done_chunks(csv_path).count() == res.chunks_total
+    progress(f"  qlink: {qlink_s:.1f} s ({choice.describe()})")
+
+    ratio = qlink_s / sinter_s if sinter_s > 0 else float("nan")
+    rows = [{"case": "wall time", "tool": "sinter collect", "seconds": round(sinter_s, 2), "x_sinter": 1.0,
+             "note": f"{num_workers} processes, max_shots {grid.num_shots} a point"},
+            {"case": "wall time", "tool": "qlink sweep", "seconds": round(qlink_s, 2), "x_sinter": round(ratio, 3),
+             "chunk_shots": choice.chunk_shots, "goal": f"<= {GOAL_RATIO}", "met": ratio <= GOAL_RATIO,
+             "note": f"{num_workers} Dask workers, cluster start and chunk sizing included; {res.chunks_total} chunks"}]
+    for sid, t in by_id.items():
+        m = t.json_metadata
+        (e1, n1), (e2, n2) = theirs.get(sid, (0, 0)), ours.get(sid, (0, 0))
+        i1, i2 = wilson_interval(e1, n1), wilson_interval(e2, n2)
+        rows.append({"case": "logical error rate", "d": m["d"], "p": m["p"], "sinter_shots": n1, "sinter_errors": e1,
+                     "sinter_ler": e1 / n1 if n1 else None, "qlink_shots": n2, "qlink_errors": e2,
+                     "qlink_ler": e2 / n2 if n2 else None,
+                     "intervals_overlap": bool(i1[0] <= i2[1] and i2[0] <= i1[1])})
+    return rows
+
+
+def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
+    """``qlink bench sweep [--quick] [--out DIR]``: run, print the tables, write JSON/CSV."""
+    from .report import format_table, write_results
+
+    quick = bool(getattr(args, "quick", False))
+    out = Path(getattr(args, "out", "results/bench"))
+    rows = compare_with_sinter(quick=quick, progress=say)
+    write_results(rows, out_dir=out, name="sweep_vs_sinter", meta={"quick": quick})
+    print("\nqlink sweep (defaults) beside sinter collect, same grid, same machine, same run")
+    print(format_table([r for r in rows if r["case"] == "wall time"],
+                       columns=["tool", "seconds", "x_sinter", "chunk_shots", "goal", "met", "note"]))
+    print(format_table([r for r in rows if r["case"] != "wall time"],
+                       columns=["d", "p", "sinter_shots", "sinter_errors", "qlink_shots", "qlink_errors",
+                                "intervals_overlap"]))
+    print(f"\nwritten: {out}/sweep_vs_sinter.{{json,csv}}")
+    return rows
