@@ -105,8 +105,11 @@ def _local_cluster(num_workers: int):
     import dask
     from distributed import LocalCluster
 
+    # the worker's statistical profiler samples every thread 100 times a second: on a 2-core
+    # machine that is CPU taken from the chunks, for a profile nobody reads here
     with dask.config.set({"distributed.worker.daemon": False,
-                          "distributed.scheduler.allowed-failures": ALLOWED_FAILURES}):
+                          "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+                          "distributed.worker.profile.enabled": False}):
         return LocalCluster(n_workers=num_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                             dashboard_address="127.0.0.1:0", silence_logs=40)
 
