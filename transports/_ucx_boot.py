@@ -7,6 +7,12 @@ sends here), ``8s token`` (names this side's regions), ``u32 address length``. T
 speaks first; the server answers with the flags both sides will use: peer error handling
 when either side asked for it, vectored puts only when both sides offered them.
 
+Shared token: a listener given ``token=`` admits only clients that prove they hold it. Such
+a client sets flag bit 2 and sends, right after its hello and address, a 32-byte
+HMAC-SHA256 of them under the token (the token never travels). A client without it, or
+with another, gets a hello with flag bit 3 (refused) whose connection id says why (1: no
+token, 2: wrong token) and raises :class:`PeerRefusedError`; the listener counts it.
+
 The vectored-put flag leaves the version at 1: a server that predates it masks the flags
 it answers with to bit 0, and a client that predates it neither sets bit 1 nor looks at
 it in the answer, so either kind of older peer connects as before and gets one put per
@@ -20,6 +26,8 @@ it in the answer, so either kind of older peer connects as before and gets one p
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import socket
 import struct
@@ -29,13 +37,34 @@ from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
 from ._address import split_host_port
 
-__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV"]
+__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV", "FLAG_AUTH",
+           "PeerRefusedError"]
 
 _MAGIC = b"QLUX"
 _VERSION = 1
 _HELLO = struct.Struct("<4sHHI8sI")
 FLAG_PEER_ERRORS = 1
 FLAG_PUTV = 2  # takes vectored puts (OP_PUTV control frames); in force only when both sides set it
+FLAG_AUTH = 4  # (client) an HMAC of the hello under the shared token follows the address
+FLAG_REFUSED = 8  # (server) not admitted; the connection id says why
+_REFUSALS = {1: ("no_token", "this ucx listener admits only clients holding its shared token; connect with "
+                             "token=... (the same token the service was given)"),
+             2: ("bad_token", "the token this client proved is not the listener's; connect with the service's "
+                              "shared token")}
+_PROOF_NBYTES = 32
+_AUTH_LABEL = b"qlink ucx hello v1\0"
+
+
+class PeerRefusedError(WireError):
+    """The other side refused the handshake (``reason``: ``no_token`` or ``bad_token``)."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _proof(token: bytes, hello: bytes) -> bytes:
+    return hmac.new(token, _AUTH_LABEL + hello, hashlib.sha256).digest()
 _MAX_ADDRESS = 1 << 16
 _CONN_MASK = 0xFFFFFF
 
@@ -77,19 +106,25 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
 
 
 def handshake(sock: socket.socket, *, conn_id: int, token: bytes, flags: int, address: bytes,
-              deadline: float | None, server: bool) -> tuple[int, int, bytes, bytes]:
+              deadline: float | None, server: bool, shared_token: bytes | None = None) -> tuple[int, int, bytes, bytes]:
     """Swap hellos; returns (peer connection id, flags in force, peer token, peer worker address).
 
-    Raises WireError for a peer that is not a qlink ucx endpoint, QlinkTimeoutError when
-    the hello does not arrive by ``deadline``, BrokenLinkError when the peer hangs up.
+    ``shared_token``: the server admits only a client that proves it; the client proves it.
+    Raises WireError for a peer that is not a qlink ucx endpoint (PeerRefusedError for a
+    refused token, on both sides), QlinkTimeoutError when the hello does not arrive by
+    ``deadline``, BrokenLinkError when the peer hangs up.
     """
     def hello(fl: int) -> bytes:
         return _HELLO.pack(_MAGIC, _VERSION, fl, conn_id, token, len(address)) + address
 
     if not server:
-        sock.sendall(hello(flags))
-    magic, version, peer_flags, peer_conn, peer_token, addr_len = _HELLO.unpack(
-        _recv_exact(sock, _HELLO.size, deadline))
+        if shared_token is None:
+            sock.sendall(hello(flags))
+        else:
+            mine = hello(flags | FLAG_AUTH)
+            sock.sendall(mine + _proof(shared_token, mine))
+    head = _recv_exact(sock, _HELLO.size, deadline)
+    magic, version, peer_flags, peer_conn, peer_token, addr_len = _HELLO.unpack(head)
     if magic != _MAGIC:
         raise WireError(f"ucx: the peer is not a qlink ucx endpoint (hello magic {magic!r}, expected {_MAGIC!r})")
     if version != _VERSION:
@@ -98,8 +133,18 @@ def handshake(sock: socket.socket, *, conn_id: int, token: bytes, flags: int, ad
         raise WireError(f"ucx: bad hello (worker address of {addr_len} bytes, connection id {peer_conn})")
     peer_addr = _recv_exact(sock, addr_len, deadline)
     if server:
+        proof = _recv_exact(sock, _PROOF_NBYTES, deadline) if peer_flags & FLAG_AUTH else None
+        if shared_token is not None:
+            why = 1 if proof is None else 0 if hmac.compare_digest(proof, _proof(shared_token, head + peer_addr)) else 2
+            if why:
+                sock.sendall(_HELLO.pack(_MAGIC, _VERSION, FLAG_REFUSED, why, bytes(8), 1) + b"\0")
+                reason, text = _REFUSALS[why]
+                raise PeerRefusedError(f"ucx: refused a client: {text}", reason=reason)
         flags = ((peer_flags | flags) & FLAG_PEER_ERRORS) | (peer_flags & flags & FLAG_PUTV)
         sock.sendall(hello(flags))
     else:
+        if peer_flags & FLAG_REFUSED:
+            reason, text = _REFUSALS.get(peer_conn, ("refused", "the listener refused this client"))
+            raise PeerRefusedError(f"ucx: {text}", reason=reason)
         flags = peer_flags & (FLAG_PEER_ERRORS | (flags & FLAG_PUTV))
     return peer_conn, flags, peer_token, peer_addr

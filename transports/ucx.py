@@ -75,12 +75,14 @@ b'ping'
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import select
 import socket
 import threading
 import time
 
+from qlink.access import token_bytes
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
 from . import _ucx_boot as boot
@@ -102,7 +104,7 @@ atexit.register(core.close_lingering)
 
 # ----- listener and connect ----------------------------------------------------------------
 _DEFAULTS = dict(peer_error_handling=False, send_buffer_nbytes=256 << 20, zero_copy_send_nbytes=None,
-                 linger_s=1.0, handshake_timeout_s=5.0, hot_path="ucp")
+                 linger_s=1.0, handshake_timeout_s=5.0, hot_path="ucp", token=None)
 
 
 def _options(opts: dict, where: str) -> dict:
@@ -117,6 +119,7 @@ def _options(opts: dict, where: str) -> dict:
         raise ValueError(f"zero_copy_send_nbytes must be None or above {wire.SMALL}, got {z}")
     if out["hot_path"] not in core.HOT_PATHS:
         raise ValueError(f"hot_path must be one of {sorted(core.HOT_PATHS)}, got {out['hot_path']!r}")
+    out["token"] = token_bytes(out["token"])
     return out
 
 
@@ -126,7 +129,8 @@ def _endpoint(url, sock, box, opts, deadline, *, server: bool) -> UcxEndpoint:
     conn_id, token = box.next_conn_id(), os.urandom(8)
     flags = _offered_flags(opts, server=server)
     peer_conn, flags, peer_token, peer_addr = boot.handshake(
-        sock, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline, server=server)
+        sock, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline, server=server,
+        shared_token=opts["token"])
     ep = UcxEndpoint(url=url, sock=sock, box=box, conn_id=conn_id, token=token, peer_conn_id=peer_conn,
                      peer_token=peer_token, peer_address=peer_addr, opts=opts, flags=flags)
     try:
@@ -154,6 +158,8 @@ class UcxListener(Listener):
     def __init__(self, host: str, port: int, opts: dict) -> None:
         self._opts = opts
         self.rejected = 0  # connections that failed the handshake (counted, never fatal)
+        #: refused handshakes by reason: no_token, bad_token, bad_hello, hung_up, handshake_timeout
+        self.refused_by_reason: collections.Counter = collections.Counter()
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                        flags=socket.AI_PASSIVE)[0]
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -197,8 +203,11 @@ class UcxListener(Listener):
                 conn.setblocking(True)
                 ep = _endpoint(self.url, conn, self._box, self._opts,
                                time.monotonic() + self._opts["handshake_timeout_s"], server=True)
-            except (WireError, BrokenLinkError, QlinkTimeoutError, OSError):
+            except (WireError, BrokenLinkError, QlinkTimeoutError, OSError) as e:
                 self.rejected += 1  # a bad or vanished client never takes the listener down
+                self.refused_by_reason[getattr(e, "reason", None) or (
+                    "handshake_timeout" if isinstance(e, QlinkTimeoutError) else
+                    "bad_hello" if isinstance(e, WireError) else "hung_up")] += 1
                 conn.close()
                 continue
             if not self._queue.offer(ep):
@@ -228,7 +237,10 @@ def listen(url: str, **options) -> UcxListener:
     notes), ``send_buffer_nbytes`` (staged bytes in flight before send blocks, 256 MiB),
     ``zero_copy_send_nbytes`` (send messages this big from the caller's buffer; None),
     ``linger_s`` (how long close waits for staged sends, 1 s), ``handshake_timeout_s`` (5 s),
-    ``hot_path`` (``"ucp"``: UCP calls on UCXX's handles, default; ``"ucxx"``: UCXX's API).
+    ``hot_path`` (``"ucp"``: UCP calls on UCXX's handles, default; ``"ucxx"``: UCXX's API),
+    ``token`` (a shared secret of at least 16 characters: only clients that prove it in the
+    handshake are admitted; others are refused with the reason and counted in
+    ``refused_by_reason``).
     """
     host, port = boot.split_url(url, for_listen=True)
     return UcxListener(host, port, _options(options, "ucx.listen"))
@@ -237,7 +249,8 @@ def listen(url: str, **options) -> UcxListener:
 def connect(url: str, *, timeout_s: float | None = 10.0, **options) -> UcxEndpoint:
     """Connect to a listener at ``ucx://host:port``; BrokenLinkError if nobody listens there.
 
-    Takes the same options as :func:`listen`.
+    Takes the same options as :func:`listen`; ``token`` is proved to a listener that wants
+    one (a refusal raises :class:`~transports._ucx_boot.PeerRefusedError`, a WireError).
     """
     host, port = boot.split_url(url, for_listen=False)
     opts = _options(options, "ucx.connect")
@@ -253,6 +266,9 @@ def connect(url: str, *, timeout_s: float | None = 10.0, **options) -> UcxEndpoi
         raise BrokenLinkError(f"ucx: nobody listens on {url} ({e.strerror or e})") from e
     try:
         return _endpoint(boot.url_of(host, port), sock, box, opts, deadline, server=False)
+    except boot.PeerRefusedError:
+        sock.close()
+        raise
     except WireError as e:
         sock.close()
         raise BrokenLinkError(f"ucx: {url} did not answer as a qlink ucx listener: {e}") from e

@@ -64,7 +64,7 @@ class LockstepController:
         else:
             import transports
 
-            opts = {"token": token} if token is not None and url.startswith("tcp://") else {}
+            opts = {"token": token} if token is not None and url.startswith(("tcp://", "ucx://")) else {}
             self._ep = transports.connect(url, timeout_s=timeout_s, **opts)
             self._sock = None
 

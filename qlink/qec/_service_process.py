@@ -59,8 +59,8 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     each starting with reset decoders. After ``max_peers`` sessions have ended the service
     ends; ``None``: until ``stop_event`` is set or the process is stopped.
     ``accept_timeout_s`` bounds the wait for the first controller; ``timeout_s`` each
-    session. A ``url`` beyond loopback needs a shared ``token`` (tcp clients prove it in the
-    handshake, udp datagrams carry its HMAC, see :mod:`qlink.access`) or ``insecure=True``;
+    session. A ``url`` beyond loopback needs a shared ``token`` (tcp and ucx clients prove it in
+    the handshake, udp datagrams carry its HMAC, see :mod:`qlink.access`) or ``insecure=True``;
     without either the service refuses to start (InsecureBindError). ``pin_cpu`` pins this process to that CPU slot
     (busy-polling benchmarks keep the service and the controller on different cores).
     Returns the last report. This is the target of :func:`start_service_process` (spawn).
@@ -140,10 +140,12 @@ def _listen_options(url: str, token: bytes | None, limits) -> dict:
     scheme = url.split("://", 1)[0]
     if scheme == "tcp":
         return {"token": token, "read_ahead_nbytes": limits.read_ahead_nbytes}
+    if scheme == "ucx":
+        return {"token": token}
     if scheme == "udp":  # room in the kernel for a burst from many senders (capped by net.core.rmem_max)
         return {"rcvbuf_nbytes": 4 << 20, "reuse_port": True}  # (a socket per sender: see sessions)
     if token is not None and scheme not in ("shm", "inproc"):
-        raise ValueError(f"a shared token is checked over tcp:// and udp:// (shm:// is for this user only), "
+        raise ValueError(f"a shared token is checked over tcp://, ucx:// and udp:// (shm:// is for this user only), "
                          f"not over {scheme}://; serve on one of those or without token=")
     return {}
 

@@ -142,6 +142,25 @@ def test_with_a_token_a_tcp_client_without_it_is_refused_and_counted(code):
     assert rep["refused_peers"] == {"no_token": 1, "bad_token": 1}
 
 
+def test_with_a_token_a_ucx_client_without_it_is_refused_and_counted(code):
+    pytest.importorskip("ucxx", reason="the ucx:// transport needs the optional 'ucxx' package")
+    from qlink.errors import WireError
+    import transports
+
+    dem, dets, expected = code
+    with start_service_process("ucx://127.0.0.1:0", {0: {"source": SPEC}}, token=TOKEN, max_peers=1) as svc:
+        with pytest.raises(WireError, match="shared token"):
+            transports.connect(svc.url, timeout_s=10)
+        with pytest.raises(WireError, match="not the listener's"):
+            transports.connect(svc.url, timeout_s=10, token="another-token-of-the-same-size")
+        with LockstepController(svc.url, num_observables=dem.num_observables, token=TOKEN, timeout_s=30) as ctl:
+            flips, statuses, _ = ctl.run(dets[:40])
+        np.testing.assert_array_equal(flips, expected[:40])
+        assert (statuses == 0).all()
+        rep = svc.report(timeout_s=30)
+    assert rep["refused_peers"] == {"no_token": 1, "bad_token": 1}
+
+
 def test_with_a_token_udp_datagrams_without_its_hmac_are_ignored_and_counted(code):
     from qlink import wire
 
