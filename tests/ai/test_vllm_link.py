@@ -283,6 +283,9 @@ def test_layers_stream_out_while_the_forward_pass_runs(scheme):
             server.stream_layer(k)
         server.end_streams()
         server.offer(101, [1, 3], key="late")
+        # the pass is over only once the serve thread has taken its commands (a loaded host may
+        # not have run it yet; an expectation read before that would still catch the pass)
+        _wait(lambda: not server._cmds)
         client.load("late", url=server.url, xfer_id=101, src_block_ids=None, dst_block_ids=[11, 12])
         r = _results(client, 1)["late"]
         assert r.ok, r.error

@@ -301,9 +301,9 @@ class ProcessPeer:
                 os.close(pidfd)
 
         self._watcher = threading.Thread(target=watch, daemon=True)
+        self._watcher.start()  # before the signal: a survivor may notice the death (and ask) at once
         self.killed_at = time.monotonic()
         self.proc.send_signal(signal.SIGKILL)
-        self._watcher.start()
 
     def exited_at(self) -> float:
         """When the killed peer was gone (its sockets closed by the kernel), or the kill's time
