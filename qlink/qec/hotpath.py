@@ -603,7 +603,8 @@ class NativeController:
                 raise QlinkTimeoutError(f"the native controller ran past timeout_s={timeout_s}: "
                                         f"{st['shots_answered']} of {self.stream.num_shots} shots answered "
                                         f"(answers by status {st['statuses']}, re-asks {st['reasks']}, gets sent "
-                                        f"again {st['resent_gets']}, stale answers {st['stale_answers']})")
+                                        f"again {st['resent_gets']}, stale answers {st['stale_answers']}, shots "
+                                        f"whose frames were sent again {st['repairs']})")
         return self._result(time.thread_time_ns() - cpu0)
 
     def _result(self, cpu_ns: int):
@@ -643,8 +644,8 @@ class NativeController:
             duration_ns=max(0, st["t_end_ns"] - st["t0_ns"]), statuses=statuses, stages=hists, correct=correct,
             reaction_ns=reaction, backlog_t_ns=bl[:, 0].copy(), backlog_rounds=bl[:, 1].copy(),
             corrections=self._corr, shot_records=rows, pauli_frame=pauli, cpu_ns=int(cpu_ns),
-            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits", "resent_gets", "stale_answers")
-                           if st[k]},
+            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits", "resent_gets", "stale_answers",
+                                              "repairs", "resent_frames") if st[k]},
         )
 
 

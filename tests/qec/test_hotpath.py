@@ -48,7 +48,7 @@ class _Served:
     """A native service serving one shm connection from a thread of this process."""
 
     def __init__(self, dem, *, decoder="pymatching", frames_per_shot=None, capacity_shots=1024, keep=0,
-                 ack="errors", scheme="shm"):
+                 ack="errors", scheme="shm", connect=True, rcvbuf_nbytes=None, accept_delay_s=0.0):
         import transports
 
         self.svc = NativeDecoderService({0: DecoderConfig(decoder=decoder, dem=dem, frames_per_shot=frames_per_shot,
@@ -56,16 +56,18 @@ class _Served:
                                         ack_enqueue=ack, keep_samples=keep)
         self.scheme = scheme
         url = f"shm://qlink-hot-test-{os.getpid()}-{next(_ids)}" if scheme == "shm" else f"{scheme}://127.0.0.1:0"
-        self.lis = transports.listen(url)
+        self.lis = transports.listen(url, rcvbuf_nbytes=rcvbuf_nbytes) if rcvbuf_nbytes else transports.listen(url)
         self.stop = threading.Event()
         self.report: dict = {}
         self.error: BaseException | None = None
+        self.accept_delay_s = accept_delay_s
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
-        self.ep = transports.connect(self.lis.url, timeout_s=10)
+        self.ep = transports.connect(self.lis.url, timeout_s=10) if connect else None
 
     def _serve(self):
         try:
+            time.sleep(self.accept_delay_s)  # (a service that starts reading late)
             peer = self.lis.accept(timeout_s=10)
             try:
                 self.report = self.svc.serve(peer, stop_event=self.stop)
