@@ -10,14 +10,20 @@ import select
 import socket
 import struct
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from qlink import wire
 from qlink.qec.hotpath import NativeController, available
-from tests.qec.test_hotpath import _direct, _frame_enqueue, _frame_get, _Served, _stream, _surface
+from tests.qec.test_hotpath import (
+    _direct,
+    _frame_enqueue,
+    _frame_get,
+    _Served,
+    _stream,
+    _surface,
+)
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"native path not built: {available()}")
 
@@ -43,7 +49,7 @@ class _LossyRelay:
         self.down.connect((host, int(port)))
         for s in (self.up, self.down):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self.url = "udp://127.0.0.1:%d" % self.up.getsockname()[1]
+        self.url = f"udp://127.0.0.1:{self.up.getsockname()[1]}"
         self.seen: set = set()
         self.dropped: list = []
         self.ctl = None
