@@ -694,7 +694,8 @@ enum {
     C_NOT_READY, C_SHOTS_DROPPED, C_FRAMES_LOST, C_FRAMES_DISCARDED, C_SHOTS_REFUSED_BUSY, C_DECODER_FAILED,
     C_F_SHORT_FRAME, C_F_BAD_MAGIC, C_F_LENGTH, C_F_UNKNOWN_FUNCTION, C_F_DECODER_NOT_CONFIGURED,
     C_F_DECODER_ID, C_F_MAPPING_ID, C_F_SYNDROME_COUNT, C_F_COUNTER_BACKWARDS, C_F_COUNTER_GAP, C_F_RETURN_SIZE,
-    C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_REPLAYED, C_WINDOWS, C_N
+    C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_REPLAYED, C_WINDOWS, C_SHOTS_REPAIRED,
+    C_REPAIR_FRAMES, C_FRAMES_REPEATED, C_ADDRESSED_GETS, C_N
 };
 static const char *count_names[C_N] = {
     "requests", "enqueue", "get_corrections", "reset_decoder", "shots_completed", "shots_decoded", "decode_calls",
@@ -702,7 +703,8 @@ static const char *count_names[C_N] = {
     "decoder_failed", "fault.short_frame", "fault.bad_magic", "fault.length", "fault.unknown_function",
     "fault.decoder_not_configured", "fault.decoder_id", "fault.syndrome_mapping_id", "fault.syndrome_count",
     "fault.counter_backwards", "fault.counter_gap", "fault.return_size", "fault.answer_blocked",
-    "fault.layout_mismatch", "slow_path_frames", "get_corrections_replayed", "windows_decoded",
+    "fault.layout_mismatch", "slow_path_frames", "get_corrections_replayed", "windows_decoded", "shots_repaired",
+    "repair_frames", "frames_repeated", "addressed_gets",
 };
 
 #define CALL_FIRED 0  /* fn(indices of the fired detectors, uint64) -> observable flips, one byte each */
@@ -768,6 +770,14 @@ typedef struct {
     /* the frame that completed the current shot */
     int64_t last_rid, last_ptp;
     WinState *win; /* sliding windows (a long experiment), or NULL */
+    /* datagram links (see ShotRec): each queued shot's key, the record of the shots answered or
+     * dropped, and the shot being repaired from frames sent again */
+    int64_t *key;      /* cap: the counter of the frame that completed the shot at each queue slot */
+    int64_t cur_key;   /* the counter of the frame being handled */
+    struct ShotRec *tab; /* TAB_N, or NULL (not a datagram link) */
+    uint8_t *rep;      /* nbd + 8 bytes: the shot being repaired */
+    int64_t rep_key, rep_next, rep_filled;
+    int rep_active;
 } SvcDecoder;
 
 #define DEFER_MAX 256
@@ -792,6 +802,24 @@ typedef struct {
     int64_t ptp;
     uint8_t res[KEEP_BYTES];
 } KeptAnswer;
+
+/* Over datagrams a consuming get whose request id has both top bits set (ADDR_BITS) names the
+ * shot it asks for: its low 30 bits are the counter of the shot's last frame (mod 2**30). Such a
+ * get is answered from the shot it names, whatever came or was lost before it, and may be
+ * asked any number of times: a shot once answered keeps its record (TAB_N of them, by shot).
+ * A shot lost to a counter gap is recorded as dropped; its frames sent again (their counters
+ * behind the stream's) are put together aside and the shot decoded: a repair. */
+#define ADDR_BITS 0xC0000000u
+#define ADDR_MASK 0x3FFFFFFFu
+#define TAB_N 4096
+#define REC_FINAL 1   /* answered (OK or INTERNAL_ERROR): its answer kept */
+#define REC_DROPPED 2 /* lost to a counter gap (or refused BUSY): repairable */
+typedef struct ShotRec {
+    int64_t key;
+    int32_t status;
+    int32_t state;
+    uint8_t obs[KEEP_BYTES];
+} ShotRec;
 
 typedef struct {
     PyObject_HEAD
@@ -941,6 +969,9 @@ static void dec_free(SvcDecoder *d) {
     PyMem_Free(d->failed);
     PyMem_Free(d->drops_before);
     PyMem_Free(d->rec);
+    PyMem_Free(d->key);
+    PyMem_Free(d->tab);
+    PyMem_Free(d->rep);
     memset(d, 0, sizeof(*d));
 }
 
@@ -954,6 +985,37 @@ static void dec_reset(SvcDecoder *d) {
     d->discard = 0;
     d->pending_drops = 0;
     d->head = d->tail = d->decoded = 0;
+    if (d->tab)
+        memset(d->tab, 0, TAB_N * sizeof(ShotRec));
+    d->rep_active = 0;
+}
+
+/* ----- datagram links: shot records */
+
+static inline ShotRec *tab_slot(SvcDecoder *d, int64_t key) {
+    uint64_t F = d->frames_per_shot > 0 ? (uint64_t)d->frames_per_shot : 1;
+    return &d->tab[((uint64_t)key / F) % TAB_N];
+}
+
+/* the record of the shot whose last frame has counter `key`, or NULL */
+static inline ShotRec *tab_get(SvcDecoder *d, int64_t key) {
+    if (d->tab == NULL)
+        return NULL;
+    ShotRec *r = tab_slot(d, key);
+    return r->state && r->key == key ? r : NULL;
+}
+
+static void tab_put(SvcDecoder *d, int64_t key, int state, int32_t status, const uint8_t *obs) {
+    if (d->tab == NULL)
+        return;
+    ShotRec *r = tab_slot(d, key);
+    r->key = key;
+    r->state = state;
+    r->status = status;
+    if (obs)
+        memcpy(r->obs, obs, (size_t)d->nbo);
+    else
+        memset(r->obs, 0, sizeof(r->obs));
 }
 
 static int svc_traverse(ServiceCore *s, visitproc visit, void *arg) {
@@ -1144,6 +1206,18 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
             PyErr_NoMemory();
             return -1;
         }
+        for (int i = 0; i < 64; i++) {
+            SvcDecoder *d = &s->dec[i];
+            if (!d->configured || d->nbo > KEEP_BYTES) /* (answers too long to keep: first come, first served) */
+                continue;
+            d->key = PyMem_Calloc((size_t)d->cap, sizeof(int64_t));
+            d->tab = PyMem_Calloc(TAB_N, sizeof(ShotRec));
+            d->rep = PyMem_Calloc((size_t)d->nbd + 8, 1);
+            if (!d->key || !d->tab || !d->rep) {
+                PyErr_NoMemory();
+                return -1;
+            }
+        }
     }
     s->max_batch = max_batch < 1 ? 1 : max_batch;
     return 0;
@@ -1272,9 +1346,12 @@ static int64_t svc_admit(ServiceCore *s, SvcDecoder *d, int64_t *status_out) {
         s->counts[C_SHOTS_DROPPED]++;
         d->pending_drops++;
         *status_out = W.st_busy;
+        tab_put(d, d->cur_key, REC_DROPPED, W.st_dropped, NULL); /* (its frames sent again repair it) */
         return -1;
     }
     int64_t slot = (int64_t)(d->tail % (uint64_t)d->cap);
+    if (d->key)
+        d->key[slot] = d->cur_key;
     d->drops_before[slot] = d->pending_drops;
     d->pending_drops = 0;
     return slot;
@@ -1393,6 +1470,15 @@ static void svc_lose(ServiceCore *s, SvcDecoder *d, int64_t g) {
     } else {
         int64_t total = d->pos + g;
         drops = (total - 1) / F + 1;
+        /* the shots touched, by the counter of each one's last frame: recorded as dropped */
+        int64_t first = d->next_counter - d->pos;
+        for (int64_t k = 0; d->tab && k < drops; k++) {
+            ShotRec *r = tab_get(d, first + k * F + F - 1);
+            if (r == NULL || r->state != REC_FINAL)
+                tab_put(d, first + k * F + F - 1, REC_DROPPED, W.st_dropped, NULL);
+        }
+        if (d->discard > 0) /* the shot in progress was dropped already (an earlier gap): counted then */
+            drops--;
         int64_t np = total % F;
         d->pos = np;
         d->discard = np ? F - np : 0;
@@ -1600,6 +1686,94 @@ static void win_enqueue(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, int6
     }
 }
 
+/* OR n bits of src into buf at bit *filled (buf's bytes past it clean) */
+static void append_bits_to(uint8_t *buf, int64_t *filled, const uint8_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = *filled + i;
+        if ((src[i >> 3] >> (i & 7)) & 1)
+            buf[b >> 3] |= (uint8_t)(1u << (b & 7));
+    }
+    *filled += n;
+}
+
+/* A frame of a shot recorded as dropped, sent again: put together aside (the shot's frames in
+ * order, from its first), the shot decoded once its last lands. 1 taken, 0 not such a frame. */
+static int svc_repair_frame(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, int64_t n, int64_t x, uint32_t rid,
+                            int64_t ptp) {
+    int64_t F = d->frames_per_shot;
+    if (d->tab == NULL || F <= 0 || d->win != NULL)
+        return 0;
+    /* the one shot whose last frame lies in [x, x + F) holds x */
+    ShotRec *r = NULL;
+    int64_t L = 0;
+    for (int64_t j = 0; j < F && r == NULL; j++)
+        if ((r = tab_get(d, x + j)) != NULL)
+            L = x + j;
+    if (r == NULL || r->state != REC_DROPPED)
+        return 0;
+    s->counts[C_REPAIR_FRAMES]++;
+    if (x == L - F + 1) { /* its first frame: (re)start */
+        d->rep_active = 1;
+        d->rep_key = L;
+        d->rep_filled = 0;
+        memset(d->rep, 0, (size_t)d->nbd + 8);
+    } else if (!d->rep_active || d->rep_key != L || x != d->rep_next) {
+        return 1; /* a frame out of turn: the shot is asked for (and sent) again */
+    }
+    if (d->rep_filled + n > d->num_det) {
+        d->rep_active = 0;
+        s->counts[C_F_LAYOUT_MISMATCH]++;
+        return 1;
+    }
+    append_bits_to(d->rep, &d->rep_filled, bits, n);
+    d->rep_next = x + 1;
+    if (x == L) {
+        d->rep_active = 0;
+        if (d->rep_filled != d->num_det) {
+            s->counts[C_F_LAYOUT_MISMATCH]++;
+            return 1;
+        }
+        uint8_t out[KEEP_BYTES];
+        int rc = svc_decode(s, d, d->rep, out);
+        s->counts[C_SHOTS_COMPLETED]++;
+        s->counts[rc < 0 ? C_DECODER_FAILED : C_SHOTS_DECODED]++;
+        s->counts[C_SHOTS_REPAIRED]++;
+        tab_put(d, L, REC_FINAL, rc < 0 ? W.st_internal : W.st_ok, rc < 0 ? NULL : out);
+    }
+    if (s->ack == 2)
+        svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
+    return 1;
+}
+
+/* A frame behind the stream (counter < the next expected) over datagrams: a frame of a
+ * dropped shot sent again (a repair), or one of a shot that is here already (counted, let
+ * be). 1 taken, 0 not (refused as counter_backwards). */
+static int svc_behind(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, int64_t n, int64_t x, uint32_t rid,
+                      int64_t ptp) {
+    int64_t F = d->frames_per_shot;
+    if (d->tab == NULL || F <= 0)
+        return 0;
+    if (svc_repair_frame(s, d, bits, n, x, rid, ptp))
+        return 1;
+    int here = d->filling && x >= d->next_counter - d->pos; /* the shot being filled */
+    for (int64_t j = 0; j < F && !here; j++) {
+        ShotRec *r = tab_get(d, x + j);
+        here = r != NULL && r->state == REC_FINAL;
+    }
+    for (uint64_t q = d->tail, k = 0; q > d->head && k < 256 && !here; q--, k++) { /* queued, not yet asked */
+        int64_t key = d->key[(q - 1) % (uint64_t)d->cap];
+        if (key < x)
+            break;
+        here = key < x + F;
+    }
+    if (!here)
+        return 0;
+    s->counts[C_FRAMES_REPEATED]++;
+    if (s->ack == 2)
+        svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
+    return 1;
+}
+
 static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp, int64_t t_in) {
     s->counts[C_ENQUEUE]++;
     if (arg_len < W.enq_fixed)
@@ -1617,12 +1791,16 @@ static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint
     if (n == 0)
         return svc_refuse(s, C_F_SYNDROME_COUNT, W.st_bad, rid, ptp);
     int64_t gap = 0;
+    const uint8_t *bits = p + W.enq_fixed;
     if (d->has_counter && counter != d->next_counter) {
-        if (counter < d->next_counter)
+        if (counter < d->next_counter) {
+            if (svc_behind(s, d, bits, n, counter, rid, ptp))
+                return;
             return svc_refuse(s, C_F_COUNTER_BACKWARDS, W.st_bad, rid, ptp);
+        }
         gap = counter - d->next_counter;
     }
-    const uint8_t *bits = p + W.enq_fixed;
+    d->cur_key = counter;
     if (d->win)
         return win_enqueue(s, d, bits, n, gap, counter, rid, ptp, t_in);
     int64_t nd = d->num_det;
@@ -1643,6 +1821,8 @@ static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint
         s->counts[C_FRAMES_DISCARDED]++;
         if (F > 0)
             d->pos = (d->pos + 1) % F;
+        if (d->rep_active && counter == d->rep_next && svc_repair_frame(s, d, bits, n, counter, rid, ptp))
+            return; /* (the rest of a dropped shot arriving while it is repaired: taken into the repair) */
         if (s->ack == 2)
             svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
         return;
@@ -1793,11 +1973,63 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
         svc_record(s, d, slot, W.st_ok, mono_ns());
 }
 
+static inline int is_addressed(ServiceCore *s, SvcDecoder *d, int consume, uint32_t rid) {
+    return consume && d->tab != NULL && (rid & ADDR_BITS) == ADDR_BITS;
+}
+
+/* A consuming get that names its shot (ADDR_BITS): the queued shots up to the named one are
+ * answered into their records (a get that named an earlier one was lost: asked again, it is
+ * answered from the record), then the named shot's record answers. NOT_READY while its last
+ * frame has not come; SYNDROMES_DROPPED for a shot lost (until its frames, sent again, repair it). */
+static void svc_get_addressed(ServiceCore *s, SvcDecoder *d, int64_t rs, uint32_t rid, int64_t ptp) {
+    s->counts[C_ADDRESSED_GETS]++;
+    if (!d->has_counter) {
+        s->counts[C_NOT_READY]++;
+        return svc_answer(s, W.st_not_ready, rid, ptp, NULL, 0);
+    }
+    /* the counter nearest the stream's that is the named one mod 2**30 */
+    uint32_t delta = ((rid & ADDR_MASK) - (uint32_t)(d->next_counter & ADDR_MASK)) & ADDR_MASK;
+    int64_t K = d->next_counter + (delta >= (ADDR_MASK + 1u) / 2 ? (int64_t)delta - (int64_t)(ADDR_MASK + 1u) : (int64_t)delta);
+    ShotRec *r = tab_get(d, K);
+    if (r == NULL && d->head != d->tail && d->key[d->head % (uint64_t)d->cap] <= K) {
+        if (d->decoded < d->tail)
+            svc_flush_decoder(s, d);
+        int64_t now = mono_ns();
+        while (d->head != d->tail) {
+            int64_t slot = (int64_t)(d->head % (uint64_t)d->cap);
+            if (d->key[slot] > K)
+                break;
+            int32_t st = d->failed[slot] ? W.st_internal : W.st_ok;
+            tab_put(d, d->key[slot], REC_FINAL, st, d->failed[slot] ? NULL : d->obs + slot * d->nbo);
+            d->head++;
+            svc_record(s, d, slot, st, now);
+        }
+        r = tab_get(d, K);
+    }
+    if (r != NULL && r->state == REC_FINAL) {
+        uint8_t out[KEEP_BYTES];
+        uint32_t nres = r->status == W.st_ok ? (uint32_t)((rs + 7) >> 3) : 0;
+        memcpy(out, r->obs, nres);
+        if (nres && (rs & 7))
+            out[nres - 1] &= (uint8_t)((1u << (rs & 7)) - 1);
+        return svc_answer(s, r->status, rid, ptp, out, nres);
+    }
+    if (r == NULL && K >= d->next_counter) { /* its last frame has not come (yet) */
+        s->counts[C_NOT_READY]++;
+        return svc_answer(s, W.st_not_ready, rid, ptp, NULL, 0);
+    }
+    svc_answer(s, W.st_dropped, rid, ptp, NULL, 0); /* lost (or answered too long ago to be kept) */
+}
+
 /* Answer the gets held back while shots waited for the decoder, in the order they came. */
 static void svc_settle(ServiceCore *s) {
     svc_flush(s);
     for (int i = 0; i < s->n_defer; i++) {
         DeferredGet *g = &s->defer[i];
+        if (is_addressed(s, &s->dec[g->did], g->consume, g->rid)) {
+            svc_get_addressed(s, &s->dec[g->did], g->rs, g->rid, g->ptp);
+            continue;
+        }
         /* (over datagrams a get held back may be a request sent again: answered as the first) */
         if (s->kept != NULL && s->n_kept && svc_replay(s, g->did, g->consume, g->rid, g->ptp))
             continue;
@@ -1819,7 +2051,8 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
         return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
     if (rs < 1 || rs > d->num_obs || rs > W.max_corr_bits)
         return svc_refuse(s, C_F_RETURN_SIZE, W.st_bad, rid, ptp);
-    if (s->kept != NULL && s->n_kept && svc_replay(s, (int)did, consume, rid, ptp))
+    int addressed = is_addressed(s, d, consume, rid);
+    if (!addressed && s->kept != NULL && s->n_kept && svc_replay(s, (int)did, consume, rid, ptp))
         return;
     /* The oldest shot still waits for the decoder (or earlier gets wait): hold this get back
      * while frames are still queued, so the waiting shots go to the decoder in one call. The
@@ -1837,6 +2070,8 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
             return;
         }
     }
+    if (addressed)
+        return svc_get_addressed(s, d, rs, rid, ptp);
     svc_get_now(s, d, rs, consume, rid, ptp);
 }
 
@@ -2107,7 +2342,15 @@ typedef struct {
     int64_t *get_rid_of, *get_ptp_of, *get_t_of;
     int64_t get_timeout_ns, resends, stale;
     int64_t get_owed; /* shot + 1 whose get could not be sent yet (the ring stayed full), or 0 */
+    /* datagrams: each shot's get names it (the counter of its last frame, ADDR_BITS); answers
+     * are taken in any order; a shot the service lacks has its frames sent again (a repair) */
+    int64_t *ctr_of, *repairs_of;
+    int64_t repairs, resent_frames, max_repairs;
+    int ready;     /* the service answered the first look (datagrams: nothing is played before) */
+    int64_t ping_t, pings;
 } ControllerCore;
+
+#define PING_RID 0x7FFFFFFFu /* the look before a datagram run: a peek, answered whatever the state */
 
 static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
     Py_VISIT(c->io.tx);
@@ -2130,7 +2373,9 @@ static int ctl_clear(ControllerCore *c) {
     PyMem_Free(c->get_rid_of);
     PyMem_Free(c->get_ptp_of);
     PyMem_Free(c->get_t_of);
-    c->get_rid_of = c->get_ptp_of = c->get_t_of = NULL;
+    PyMem_Free(c->ctr_of);
+    PyMem_Free(c->repairs_of);
+    c->get_rid_of = c->get_ptp_of = c->get_t_of = c->ctr_of = c->repairs_of = NULL;
     return 0;
 }
 
@@ -2157,17 +2402,19 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
         *backlog = Py_None;
     long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
     long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0, get_timeout_ns = 50000000;
+    long long max_repairs = 16;
     static char *kwlist[] = {"link", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
                              "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
                              "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
                              "request_id_start", "get_request_id_start", "late_ns", "lag", "backlog",
-                             "backlog_every", "get_timeout_ns", NULL};
+                             "backlog_every", "get_timeout_ns", "max_repairs", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLL:ControllerCore", kwlist, &link,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLLL:ControllerCore", kwlist, &link,
                                      &frames, &offs, &lens, &last_round, &get_frame, &rows, &corr, &S, &F, &R, &nbo,
                                      &cycle_ns, &gap_cycles, &lockstep, &stall_ns, &deadline_ns, &counter, &rid,
-                                     &get_rid, &late_ns, &lag, &backlog, &backlog_every, &get_timeout_ns))
+                                     &get_rid, &late_ns, &lag, &backlog, &backlog_every, &get_timeout_ns,
+                                     &max_repairs))
         return -1;
     if (S < 1 || F < 1 || R < 1 || nbo < 1 || nbo > 4096 || cycle_ns < 1 || gap_cycles < 0) {
         PyErr_SetString(PyExc_ValueError, "num_shots, frames_per_shot, rounds_per_shot, cycle_ns must be >= 1, "
@@ -2229,6 +2476,16 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     c->get_timeout_ns = get_timeout_ns > 0 ? get_timeout_ns : 50000000;
     c->resends = c->stale = 0;
     c->get_owed = 0;
+    c->ctr_of = PyMem_Calloc((size_t)S, 8);
+    c->repairs_of = PyMem_Calloc((size_t)S, 8);
+    if (!c->ctr_of || !c->repairs_of) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->repairs = c->resent_frames = 0;
+    c->max_repairs = max_repairs >= 0 ? max_repairs : 0;
+    c->ready = c->io.kind != IO_DGRAM;
+    c->ping_t = c->pings = 0;
     return 0;
 }
 
@@ -2258,6 +2515,8 @@ static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
 static int ctl_send_get(ControllerCore *c, int64_t s) {
     uint8_t *g = c->get_frame.buf;
     uint32_t rid = (uint32_t)(GET_BIT | (uint32_t)(c->get_rid++ & 0x7FFFFFFF));
+    if (c->io.kind == IO_DGRAM) /* the get names its shot */
+        rid = ADDR_BITS | (uint32_t)(c->ctr_of[s] & ADDR_MASK);
     int64_t t = mono_ns();
     wr32(g + 12, rid);
     wr64(g + 16, t + c->real_off);
@@ -2277,14 +2536,75 @@ static int ctl_send_get(ControllerCore *c, int64_t s) {
     return rc;
 }
 
-/* the oldest unanswered get once more, the very same bytes (a datagram may have been lost) */
-static int ctl_resend_get(ControllerCore *c, int64_t s, int64_t now) {
-    uint8_t *g = c->get_frame.buf;
-    wr32(g + 12, (uint32_t)c->get_rid_of[s]);
-    wr64(g + 16, c->get_ptp_of[s]);
-    c->get_t_of[s] = now;
-    c->resends++;
-    return ctl_send(c, g, W.hdr + W.get_payload);
+/* datagrams: shot s's frames once more, their own counters, and its get (the service lacks
+ * the shot: a frame of it was lost); 0 sent, else ctl_send's code */
+static int ctl_repair(ControllerCore *c, int64_t s) {
+    const int64_t *offs = c->offs.buf, *lens = c->lens.buf;
+    uint8_t *frames = c->frames.buf;
+    int64_t F = c->F, first = c->ctr_of[s] - (F - 1);
+    int64_t now = mono_ns();
+    c->repairs++;
+    c->repairs_of[s]++;
+    for (int64_t f = 0; f < F; f++) {
+        int64_t i = s * F + f;
+        uint8_t *fr = frames + offs[i];
+        wr32(fr + 12, (uint32_t)(c->rid++ & 0x7FFFFFFF));
+        wr64(fr + 16, now + c->real_off);
+        wr64(fr + W.hdr + 8, first + f);
+        int rc = ctl_send(c, fr, (uint32_t)lens[i]);
+        if (rc != 0)
+            return rc; /* (asked again on the timer: the answer says what is still missing) */
+        c->resent_frames++;
+    }
+    return ctl_send_get(c, s);
+}
+
+/* datagrams: an answer to a get that named its shot; 1 the oldest shot resolved */
+static int ctl_take_named(ControllerCore *c, int32_t status, uint32_t rid, int64_t ptp, const uint8_t *res,
+                          uint32_t rlen, int64_t t_resp) {
+    if ((rid & ADDR_BITS) != ADDR_BITS) /* an enqueue's answer, or the look's */
+        return 0;
+    if (c->s_ans >= c->s_emit) {
+        c->stale++;
+        return 0;
+    }
+    uint32_t delta = (rid - (uint32_t)c->ctr_of[c->s_ans]) & ADDR_MASK;
+    int64_t s = c->s_ans + (int64_t)(delta / (uint32_t)c->F);
+    if (delta % (uint32_t)c->F || s >= c->s_emit) { /* names no shot waiting: an earlier one's again */
+        c->stale++;
+        return 0;
+    }
+    int64_t *r = ctl_row(c, s);
+    if (r[K_STATUS] != -1) { /* answered already (asked twice) */
+        c->stale++;
+        return 0;
+    }
+    if (status == W.st_not_ready || status == W.st_dropped) {
+        if (ptp != c->get_ptp_of[s]) { /* an earlier ask's: the latest one's answer decides */
+            c->stale++;
+            return 0;
+        }
+        if (c->repairs_of[s] < c->max_repairs) {
+            c->reasks++;
+            ctl_repair(c, s);
+            return 0;
+        }
+        status = W.st_dropped; /* given up on: lost, and said so in its row */
+    }
+    r[K_RESP] = t_resp;
+    r[K_STATUS] = status;
+    if (status == W.st_ok) {
+        uint8_t *corr = (uint8_t *)c->corr.buf + s * c->nbo;
+        uint32_t m = rlen < c->nbo ? rlen : (uint32_t)c->nbo;
+        memcpy(corr, res, m);
+        for (uint32_t i = 0; i < m; i++)
+            c->pauli[i] ^= corr[i];
+        r[K_APPLIED] = mono_ns();
+    }
+    int64_t before = c->s_ans;
+    while (c->s_ans < c->s_emit && ctl_row(c, c->s_ans)[K_STATUS] != -1)
+        c->s_ans++;
+    return c->s_ans > before;
 }
 
 /* one answer at the head of rx: 1 a shot resolved, 0 nothing to do, -1 bad */
@@ -2300,8 +2620,14 @@ static int ctl_take_answer(ControllerCore *c, const uint8_t *a, uint32_t n, int6
         c->bad_answers++;
         return 0;
     }
+    if (rid == PING_RID && !(rid & GET_BIT) && c->io.kind == IO_DGRAM) { /* the look's answer */
+        c->ready = 1;
+        return 0;
+    }
     if (status >= 0 && status < 8)
         c->statuses[status]++;
+    if (c->io.kind == IO_DGRAM)
+        return ctl_take_named(c, status, rid, rd64(a + 16), a + W.hdr, rlen, t_resp);
     if (!(rid & GET_BIT)) /* an enqueue's answer (a refusal with ack='errors') */
         return 0;
     if (c->s_ans >= c->s_emit) {
@@ -2373,6 +2699,52 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
     int64_t S = c->S, F = c->F, R = c->R, cyc = c->cycle_ns;
     Py_BEGIN_ALLOW_THREADS;
     int64_t t_call = mono_ns(), t_progress = t_call;
+    if (!c->ready) {
+        /* datagrams: nothing is played before the service answers a look (a peek): a burst sent
+         * while it is not yet reading its socket would overflow the socket's buffer */
+        uint8_t ping[64];
+        uint32_t np = W.hdr + W.get_payload;
+        memcpy(ping, c->get_frame.buf, np);
+        wr32(ping + 12, PING_RID);
+        ping[W.hdr + 16] = 0;
+        int64_t now = t_call;
+        unsigned k = 0;
+        while (!c->ready) {
+            if (c->pings == 0 || now - c->ping_t > c->get_timeout_ns) {
+                c->pings++;
+                c->ping_t = now;
+                wr64(ping + 16, now + real_ns() - mono_ns());
+                if (ctl_send(c, ping, np) == -1 || io_flush(&c->io) < 0) {
+                    code = -1;
+                    break;
+                }
+            }
+            const uint8_t *a;
+            uint32_t n;
+            int rc = io_peek(&c->io, &a, &n);
+            if (rc == QLINK_RING_MSG) {
+                if (n >= W.hdr && rd32(a) == W.resp_magic && rd32(a + 12) == PING_RID)
+                    c->ready = 1;
+                io_consume(&c->io);
+                continue;
+            }
+            if (rc == IO_CLOSED || io_peer_closed(&c->io)) {
+                code = -1;
+                break;
+            }
+            if ((++k & 255) == 0) {
+                now = mono_ns();
+                if (now - t_call > budget_ns || now - t_call > c->stall_ns) {
+                    code = 1;
+                    break;
+                }
+            }
+            CPU_RELAX();
+        }
+        if (!c->ready)
+            goto out;
+        t_call = t_progress = mono_ns();
+    }
     if (!c->started) {
         c->started = 1;
         c->real_off = real_ns() - mono_ns(); /* ptp_timestamp: the send time on the wall clock */
@@ -2437,6 +2809,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 c->frames_sent++;
                 progress = 1;
                 if (f == F - 1) {
+                    c->ctr_of[s] = c->counter - 1;
                     int64_t *r = ctl_row(c, s);
                     r[K_SHOT] = s;
                     r[K_RID] = rid;
@@ -2518,14 +2891,25 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 code = -1;
                 break;
             }
-            if (c->io.kind == IO_DGRAM && c->s_ans < c->s_emit && now - c->get_t_of[c->s_ans] > c->get_timeout_ns &&
-                ctl_resend_get(c, c->s_ans, now) == -1) {
-                code = -1;
-                break;
+            if (c->io.kind == IO_DGRAM && c->s_ans < c->s_emit && now - c->get_t_of[c->s_ans] > c->get_timeout_ns) {
+                /* no answer in time: the gets of the oldest shots still unanswered, asked again
+                 * (their answers, or the service's word that it lacks them, come back) */
+                int64_t end = c->s_ans + 64 < c->s_emit ? c->s_ans + 64 : c->s_emit;
+                int grc = 0;
+                for (int64_t s = c->s_ans; s < end && grc == 0; s++)
+                    if (ctl_row(c, s)[K_STATUS] == -1 && now - c->get_t_of[s] > c->get_timeout_ns) {
+                        c->resends++;
+                        grc = ctl_send_get(c, s);
+                    }
+                if (grc == -1) {
+                    code = -1;
+                    break;
+                }
             }
         }
         CPU_RELAX();
     }
+out:
     io_flush(&c->io);
     Py_END_ALLOW_THREADS;
     return PyLong_FromLong(code);
@@ -2533,7 +2917,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
 
 static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)sLsL}", "shots_emitted", (long long)c->s_emit, "shots_answered",
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)sLsLsLsLsL}", "shots_emitted", (long long)c->s_emit, "shots_answered",
         (long long)c->s_ans, "frames_sent", (long long)c->frames_sent, "late_frames", (long long)c->late,
         "max_lag_ns", (long long)c->max_lag, "reasks", (long long)c->reasks, "deadline_misses", (long long)c->misses,
         "bad_answers", (long long)c->bad_answers, "full_waits", (long long)c->full_waits, "t0_ns", (long long)c->t0,
@@ -2541,7 +2925,8 @@ static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
         "get_request_id", (long long)c->get_rid, "pauli_frame", (const char *)c->pauli, (Py_ssize_t)c->nbo, "statuses",
         (long long)c->statuses[0], (long long)c->statuses[1], (long long)c->statuses[2], (long long)c->statuses[3],
         (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7],
-        "resent_gets", (long long)c->resends, "stale_answers", (long long)c->stale);
+        "resent_gets", (long long)c->resends, "stale_answers", (long long)c->stale, "repairs", (long long)c->repairs,
+        "resent_frames", (long long)c->resent_frames, "looks", (long long)c->pings);
 }
 
 /* start_ids(counter, request_id, get_request_id): where this run's ids start (before it runs) */

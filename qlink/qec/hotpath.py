@@ -35,14 +35,26 @@ What the native service serves (the rest of the protocol: :mod:`qlink.qec.servic
   lands and its commit region committed in C (:func:`window_plan`); the experiment's
   correction is answered once its last window is committed.
 * ``reset_decoder``; every malformed frame is answered with its status where its header
-  can be read, and counted by fault. Over udp (a lossy link) every consuming get's answer
-  is kept at its request id: the very same request again gets the same answer and consumes
-  nothing, and the controller sends a get again, the very same, when no answer came within
-  50 ms; answers are matched to their get by request id. A lost frame is a counter gap
-  (``SYNDROMES_DROPPED``); the run's very last frame lost is not recovered (the Python
-  controller sends one more frame to reveal it). Over tcp a frame
-  whose header announces more than the input buffer (4 MiB) ends the session without
-  allocating anything for it; frames of other kinds (puts) are skipped and counted.
+  can be read, and counted by fault. Over tcp a frame whose header announces more than the
+  input buffer (4 MiB) ends the session without allocating anything for it; frames of other
+  kinds (puts) are skipped and counted.
+
+Over udp (a lossy link) a shot is named, not taken first come first served: the native
+controller's get for a shot carries, as its request id, the counter of the shot's last
+frame (low 30 bits) under both top bits. The service answers such a get from that shot's
+own record, whatever was lost before it, and keeps each answered shot's record (the last
+4,096 shots), so a get asked again is answered again and nothing is consumed twice. A
+shot lost to a counter gap is recorded as dropped (a shot with two gaps once); the
+service answers ``NOT_READY`` for a shot whose last frame has not come and
+``SYNDROMES_DROPPED`` for a dropped one, and the controller then sends that shot's frames
+again (their own counters, behind the stream's) and asks again: the service puts them
+together aside and decodes the shot, a repair. Answers are taken in any order; gets of the
+oldest unanswered shots are asked again when none came within 50 ms; a shot still missing
+after 16 repairs is reported ``SYNDROMES_DROPPED`` in its row. Before its first frame the
+controller sends a peek and plays nothing until it is answered, so no burst lands in a
+socket the service does not read yet. Gets with other request ids keep the first come,
+first served answer, kept at the request id (the very same request again is answered
+again and consumes nothing).
 
 >>> available() is None
 True
@@ -525,6 +537,9 @@ class NativeController:
     before the next shot starts (on the next tick): the feed-forward reaction with no
     backlog; otherwise shots follow back to back on the clock and answers are applied
     between ticks. :meth:`run` returns a :class:`~qlink.qec.controller.ControllerResult`.
+    Over udp each get names its shot and a shot the service lacks has its frames sent
+    again (see the module's notes): ``answer_faults`` counts ``repairs`` (shots whose
+    frames were sent again), ``resent_frames``, ``resent_gets`` and ``stale_answers``.
     """
 
     def __init__(self, endpoint, stream, *, decoder_id: int = 0, cycle_ns: int = 1100, rounds_per_frame: int = 1,
@@ -603,7 +618,8 @@ class NativeController:
                 raise QlinkTimeoutError(f"the native controller ran past timeout_s={timeout_s}: "
                                         f"{st['shots_answered']} of {self.stream.num_shots} shots answered "
                                         f"(answers by status {st['statuses']}, re-asks {st['reasks']}, gets sent "
-                                        f"again {st['resent_gets']}, stale answers {st['stale_answers']})")
+                                        f"again {st['resent_gets']}, stale answers {st['stale_answers']}, shots "
+                                        f"whose frames were sent again {st['repairs']})")
         return self._result(time.thread_time_ns() - cpu0)
 
     def _result(self, cpu_ns: int):
@@ -643,8 +659,8 @@ class NativeController:
             duration_ns=max(0, st["t_end_ns"] - st["t0_ns"]), statuses=statuses, stages=hists, correct=correct,
             reaction_ns=reaction, backlog_t_ns=bl[:, 0].copy(), backlog_rounds=bl[:, 1].copy(),
             corrections=self._corr, shot_records=rows, pauli_frame=pauli, cpu_ns=int(cpu_ns),
-            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits", "resent_gets", "stale_answers")
-                           if st[k]},
+            answer_faults={k: st[k] for k in ("reasks", "bad_answers", "full_waits", "resent_gets", "stale_answers",
+                                              "repairs", "resent_frames") if st[k]},
         )
 
 

@@ -252,8 +252,8 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
     frame on the cycle (``rounds_per_frame``), the shot decoded the moment its last round
     lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
     ``"python"`` runs the Python service and controller (every transport and option);
-    ``"auto"`` (the default) takes the native engine wherever it can serve the run over shm
-    and tcp (over udp only when asked for; ``result.engine`` says which ran).
+    ``"auto"`` (the default) takes the native engine wherever it can serve the run over shm,
+    tcp and udp (``result.engine`` says which ran).
     """
     import transports
 
@@ -270,10 +270,7 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
     refusal = _native_refusal(url, shots_per_frame=shots_per_frame, max_in_flight_shots=max_in_flight_shots,
                               controller_query=controller_query, service_url=service_url)
     if engine == "auto":  # (the Python engine's own controller options and whole-shot frames keep it)
-        # (udp stays with the Python engine unless asked: under very heavy host load the native
-        # udp lock-step loop was seen to stall on a shot whose frame never reached the core)
-        engine = ("native" if refusal is None and rounds_per_frame >= 1 and not controller_options
-                  and not url.startswith("udp://") else "python")
+        engine = "native" if refusal is None and rounds_per_frame >= 1 and not controller_options else "python"
     if engine == "native" and refusal is not None:
         raise ValueError(refusal)
     spec, src = spec_and_source(source)
