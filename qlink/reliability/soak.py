@@ -127,7 +127,9 @@ class _RssSampler:
         for name, s in self.samples.items():
             if len(s) < 2:
                 continue
-            k = min(len(s) - 2, int(len(s) * skip_frac))  # after the warm-up
+            # after the warm-up: the first sample is taken as the run starts, before the service
+            # has built its buffers (a short run has only a few samples; 10 % of them is none)
+            k = min(len(s) - 2, max(1, int(len(s) * skip_frac)))
             base, last, peak = s[k][1], s[-1][1], max(v for _, v in s[k:])
             fds = self.fd_samples[name]
             out[name] = {"rss_start_kib": base, "rss_end_kib": last, "rss_peak_kib": peak,

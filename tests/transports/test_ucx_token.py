@@ -15,6 +15,20 @@ pytestmark = pytest.mark.timeout(120)
 TOKEN = "ucx-test-token-0123456789"
 
 
+def _round_trip(lis) -> None:
+    """A client holding the token connects and a message goes each way."""
+    a = transports.connect(lis.url, timeout_s=10, token=TOKEN)
+    b = lis.accept(timeout_s=10)
+    try:
+        a.send(b"admitted")
+        assert b.recv(timeout_s=10) == b"admitted"
+        b.send(b"fine")
+        assert a.recv(timeout_s=10) == b"fine"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_only_a_client_holding_the_token_is_admitted_and_refusals_are_counted():
     with transports.listen("ucx://127.0.0.1:0", token=TOKEN) as lis:
         with pytest.raises(PeerRefusedError, match="shared token") as no:
@@ -23,28 +37,14 @@ def test_only_a_client_holding_the_token_is_admitted_and_refusals_are_counted():
         with pytest.raises(PeerRefusedError, match="not the listener's") as bad:
             transports.connect(lis.url, timeout_s=10, token="another-token-of-the-same-size")
         assert bad.value.reason == "bad_token"
-        a = transports.connect(lis.url, timeout_s=10, token=TOKEN)
-        b = lis.accept(timeout_s=10)
-        try:
-            a.send(b"admitted")
-            assert b.recv(timeout_s=10) == b"admitted"
-        finally:
-            a.close()
-            b.close()
+        _round_trip(lis)
         assert dict(lis.refused_by_reason) == {"no_token": 1, "bad_token": 1}
         assert lis.rejected == 2
 
 
 def test_a_proof_sent_to_a_listener_without_a_token_is_ignored():
     with transports.listen("ucx://127.0.0.1:0") as lis:
-        a = transports.connect(lis.url, timeout_s=10, token=TOKEN)
-        b = lis.accept(timeout_s=10)
-        try:
-            b.send(b"fine")
-            assert a.recv(timeout_s=10) == b"fine"
-        finally:
-            a.close()
-            b.close()
+        _round_trip(lis)
         assert lis.rejected == 0
 
 
