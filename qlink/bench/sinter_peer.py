@@ -18,30 +18,14 @@ two logical error rates with their Wilson intervals and whether the intervals ov
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["compare_with_sinter", "main_from_cli", "wilson_interval"]
+__all__ = ["compare_with_sinter", "main_from_cli"]
 
 GOAL_RATIO = 1.2
-
-
-def wilson_interval(errors: int, shots: int, *, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of ``errors`` in ``shots`` (95 % by default).
-
-    >>> lo, hi = wilson_interval(10, 1000); round(lo, 4), round(hi, 4)
-    (0.0054, 0.0183)
-    """
-    if shots <= 0:
-        return 0.0, 1.0
-    f = errors / shots
-    den = 1 + z * z / shots
-    mid = (f + z * z / (2 * shots)) / den
-    half = z * math.sqrt(f * (1 - f) / shots + z * z / (4 * shots * shots)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def _grid(quick: bool):
@@ -58,6 +42,7 @@ def compare_with_sinter(*, quick: bool = False, num_workers: int = 2, progress: 
 
     import sinter
 
+    from qlink.qec.controller import wilson_interval
     from qlink.sweep import auto_chunk_shots, read_done_chunks, run_sweep
 
     grid = grid or _grid(quick)

@@ -37,8 +37,8 @@ def nice_floor(n: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkChoice:
-    """The chosen ``chunk_shots`` and why: ``basis`` is ``"csv"`` (the file's size),
-    ``"measured"`` (from ``seconds_per_shot`` of the probed point) or ``"given"``."""
+    """The chosen ``chunk_shots`` and why: ``basis`` is ``"csv"`` (the file's size) or
+    ``"measured"`` (from ``seconds_per_shot`` of the probed point)."""
 
     chunk_shots: int
     basis: str
@@ -48,12 +48,10 @@ class ChunkChoice:
     def describe(self) -> str:
         if self.basis == "csv":
             return f"chunks of {self.chunk_shots} shots, as the CSV already holds"
-        if self.basis == "measured":
-            where = " ".join(f"{k}={self.probed[k]}" for k in ("d", "p", "decoder", "transport") if k in self.probed)
-            est = self.chunk_shots * self.seconds_per_shot
-            return (f"chunks of {self.chunk_shots} shots (about {est:.2g} s each on the slowest point, {where}: "
-                    f"{self.seconds_per_shot * 1e6:.3g} us a shot here)")
-        return f"chunks of {self.chunk_shots} shots"
+        where = " ".join(f"{k}={self.probed[k]}" for k in ("d", "p", "decoder", "transport") if k in self.probed)
+        est = self.chunk_shots * self.seconds_per_shot
+        return (f"chunks of {self.chunk_shots} shots (about {est:.2g} s each on the slowest point, {where}: "
+                f"{self.seconds_per_shot * 1e6:.3g} us a shot here)")
 
 
 def auto_chunk_shots(grid, *, csv_path=None, num_workers: int = 2, target_s: float = TARGET_CHUNK_S,

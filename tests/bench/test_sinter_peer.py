@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from qlink.bench.sinter_peer import compare_with_sinter, wilson_interval
+from qlink.bench.sinter_peer import compare_with_sinter
+from qlink.qec.controller import wilson_interval
 from qlink.sweep import QecGrid
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
