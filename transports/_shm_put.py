@@ -170,10 +170,7 @@ class ShmPutSide:
             src = as_byte_view(data)  # casts, or says what is wrong with the buffer
         n = len(src)
         state, _, dst = self._peer.entry(remote, offset=offset, nbytes=n)  # raises before anything is written
-        self._look_at_peer()
-        if self._peer_gone is not None or self._tx.consumer_closed:
-            self._peer_flags()
-            raise self._broken("put")  # never write into memory the peer may have moved on from
+        self._check_peer_for_put("put")  # never write into memory the peer may have moved on from
         rid = remote.region_id
         w = None
         if dst is not None:
@@ -215,10 +212,7 @@ class ShmPutSide:
                                   region_id=remote.region_id)
         lo, hi = int(do.min()), int((do + ln).max())
         state, region_nbytes, dst = self._peer.entry(remote, offset=lo, nbytes=hi - lo)
-        self._look_at_peer()
-        if self._peer_gone is not None or self._tx.consumer_closed:
-            self._peer_flags()
-            raise self._broken("put_many")
+        self._check_peer_for_put("put_many")
         rid = remote.region_id
         if self._fast is not None:
             self._fast.cache_remote(remote, rid, state, region_nbytes, dst)  # later put_many into it run in C
@@ -251,12 +245,16 @@ class ShmPutSide:
         and record as a ``put_many`` whose pieces are empty, without building piece arrays."""
         remote, tag, notify_id = self._put_args(remote, tag, notify_id, timeout_s)
         self._peer.entry(remote, offset=lo, nbytes=span)  # raises before anything is published
+        self._check_peer_for_put("put_many")
+        self._finish_put(DONE.pack(remote.region_id, len(tag), lo, span, notify_id), tag, timeout_s)
+        self._x["gathered_puts"] += 1
+
+    def _check_peer_for_put(self, what: str) -> None:
+        """BrokenLinkError (naming ``what``) once the peer is gone or has stopped reading."""
         self._look_at_peer()
         if self._peer_gone is not None or self._tx.consumer_closed:
             self._peer_flags()
-            raise self._broken("put_many")
-        self._finish_put(DONE.pack(remote.region_id, len(tag), lo, span, notify_id), tag, timeout_s)
-        self._x["gathered_puts"] += 1
+            raise self._broken(what)
 
     def _post_pull(self, home: tuple[int, int], rid: int, so, do, ln, lo: int, hi: int, notify_id: int, tag: bytes,
                    timeout_s: float | None) -> None:
