@@ -24,6 +24,7 @@ other in the same run:
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -82,10 +83,13 @@ def _hist_p50_us(hist_dict) -> float:
 
 def measurement_overhead(*, distance: int = 5, p: float = 0.001, num_shots: int = 4096, batch_sizes=(1, 64, None),
                          engines=("python", "native"), transport: str = "shm", seed: int = 1, cycle_ns: int = 20_000,
-                         repeats: int = 7, service_shots: int = 2000, say=None) -> dict:
+                         repeats: int = 7, service_shots: int = 2000, service_rounds: int = 3, say=None) -> dict:
     """Measurement-level vs detector-level decoding of the same shots (see the module docstring).
     ``batch_sizes``: shots per offline call (None: all of them); ``engines``: the service's
-    engines to run through (``native`` where it is built), on the first ``service_shots`` shots."""
+    engines to run through (``native`` where it is built), on the first ``service_shots`` shots,
+    ``service_rounds`` times each, the two levels in turn (a fresh service every round); the
+    service figures are each level's best round (its p50s and p99 the lowest of the rounds), so a
+    busy moment of the host that fell on one level's round does not decide the difference."""
     from qlink.qec.cudaq_config import compile_cudaq_entry, dump_multi_decoder_config, multi_decoder_config_from_circuit
 
     from .cudaq_peer import serve_records
@@ -138,22 +142,30 @@ def measurement_overhead(*, distance: int = 5, p: float = 0.001, num_shots: int 
                 if why is not None:
                     out["service"][engine] = {"note": f"skipped: {why}"}
                     continue
-            row, corr = {}, {}
-            for k in ("detectors", "measurements"):
-                say(f"D_sparse overhead through the {engine} service over {transport}: {k}, {ns} shots")
-                res, report = serve_records(paths[k], inputs[k][:ns], obs[:ns].astype(np.uint8),
-                                            np.zeros(inputs[k].shape[1], np.int64), transport=transport,
-                                            cycle_ns=cycle_ns, engine=engine)
-                corr[k] = res.corrections
-                p50, p99 = res.reaction_percentiles_ns((50, 99))
-                row[f"{k}_reaction_p50_us"] = p50 / 1e3
-                row[f"{k}_reaction_p99_us"] = p99 / 1e3
-                row[f"{k}_decode_per_shot_p50_us"] = _hist_p50_us(report.get("stages", {}).get("decode_per_shot"))
+            row, corr, same = {}, {}, True
+            rounds = max(1, int(service_rounds))
+            for r in range(rounds):  # the two in turn, each round a fresh service: the best round of each
+                for k in ("detectors", "measurements"):
+                    say(f"D_sparse overhead through the {engine} service over {transport}: {k}, {ns} shots, "
+                        f"round {r + 1}/{rounds}")
+                    res, report = serve_records(paths[k], inputs[k][:ns], obs[:ns].astype(np.uint8),
+                                                np.zeros(inputs[k].shape[1], np.int64), transport=transport,
+                                                cycle_ns=cycle_ns, engine=engine)
+                    if k in corr:
+                        same &= bool(np.array_equal(corr[k], res.corrections))
+                    corr[k] = res.corrections
+                    p50, p99 = res.reaction_percentiles_ns((50, 99))
+                    dec = _hist_p50_us(report.get("stages", {}).get("decode_per_shot"))
+                    for name, v in (("reaction_p50_us", p50 / 1e3), ("reaction_p99_us", p99 / 1e3),
+                                    ("decode_per_shot_p50_us", dec)):
+                        key = f"{k}_{name}"
+                        row[key] = min(row.get(key, math.inf), v)
+            row["rounds"] = rounds
             row["added_reaction_p50_us"] = row["measurements_reaction_p50_us"] - row["detectors_reaction_p50_us"]
             row["added_decode_per_shot_p50_us"] = (row["measurements_decode_per_shot_p50_us"]
                                                    - row["detectors_decode_per_shot_p50_us"])
             row["decode_ratio"] = row["measurements_decode_per_shot_p50_us"] / row["detectors_decode_per_shot_p50_us"]
-            row["identical"] = bool(np.array_equal(corr["measurements"], corr["detectors"])
+            row["identical"] = bool(same and np.array_equal(corr["measurements"], corr["detectors"])
                                     and np.array_equal(corr["detectors"], preds["detectors"][:ns]))
             identical &= row["identical"]
             out["service"][engine] = row

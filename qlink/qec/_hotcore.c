@@ -778,6 +778,13 @@ typedef struct {
     uint8_t *rep;      /* nbd + 8 bytes: the shot being repaired */
     int64_t rep_key, rep_next, rep_filled;
     int rep_active;
+    /* measurement-level shots (CUDA-Q's D_sparse): the shot's bits are measurements, mapped
+     * to the decoder's detectors before the call by XOR of table rows (row 256 j + v: what
+     * byte j of the record holding value v contributes) */
+    PyObject *map;            /* the (nbd * 256, map_words) uint64 table, or NULL */
+    const uint64_t *map_rows; /* (its memory, kept alive by map) */
+    int64_t map_words, map_num_det, map_nbd;
+    uint64_t *mapped;         /* map_words: one shot's detectors */
 } SvcDecoder;
 
 #define DEFER_MAX 256
@@ -964,6 +971,8 @@ static void dec_free(SvcDecoder *d) {
     Py_CLEAR(d->row);
     Py_CLEAR(d->batch_fn);
     Py_CLEAR(d->pend);
+    Py_CLEAR(d->map);
+    PyMem_Free(d->mapped);
     PyMem_Free(d->shot); /* (idx and row_data borrow the arrays' memory) */
     PyMem_Free(d->obs);
     PyMem_Free(d->failed);
@@ -1052,13 +1061,53 @@ static void svc_dealloc(ServiceCore *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
+/* A measurement-level decoder's map: (table, num_detectors) with table a C-contiguous
+ * (nbd * 256, ceil(num_detectors / 64)) uint64 array (nbd: the measurement record's bytes). */
+static int dec_set_map(SvcDecoder *d, PyObject *dmap) {
+    PyObject *table;
+    long long ndet;
+    if (!PyArg_ParseTuple(dmap, "OL", &table, &ndet))
+        return -1;
+    int64_t words = (ndet + 63) / 64;
+    Py_buffer b;
+    if (ndet < 1 || ndet > W.max_bits || PyObject_GetBuffer(table, &b, PyBUF_C_CONTIGUOUS) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "measurement map: %lld detectors is out of range 1..%lld", ndet,
+                         (long long)W.max_bits);
+        return -1;
+    }
+    Py_ssize_t want = (Py_ssize_t)(d->nbd * 256 * words * 8);
+    if (b.len != want) {
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_ValueError, "measurement map: the table has %zd bytes, %zd expected "
+                     "(%lld record bytes x 256 rows x %lld words)", b.len, want, (long long)d->nbd, (long long)words);
+        return -1;
+    }
+    d->map_rows = (const uint64_t *)b.buf; /* borrowed: d->map holds the array */
+    PyBuffer_Release(&b);
+    d->mapped = PyMem_Calloc((size_t)words, 8);
+    if (d->mapped == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_INCREF(table);
+    d->map = table;
+    d->map_words = words;
+    d->map_num_det = ndet;
+    d->map_nbd = (ndet + 7) / 8;
+    return 0;
+}
+
 /* decoders: a sequence of (decoder_id, num_detectors, num_observables, fn, call_kind,
- * frames_per_shot, capacity_shots, index_array_or_None, row_array_or_None, views_or_None) */
+ * frames_per_shot, capacity_shots, index_array_or_None, row_array_or_None, views_or_None
+ * [, batch_fn, pending_rows, window_plan, measurement_map]); with a measurement map,
+ * num_detectors is the record's measurements and fn's index array, views and row are
+ * sized for the map's detectors. */
 static int svc_add_decoder(ServiceCore *s, PyObject *t) {
     long long id, nd, no, kind, fps, cap;
-    PyObject *fn, *idx_arr, *row_arr, *views, *batch_fn = Py_None, *pend = Py_None, *plan = Py_None;
-    if (!PyArg_ParseTuple(t, "LLLOLLLOOO|OOO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views,
-                          &batch_fn, &pend, &plan))
+    PyObject *fn, *idx_arr, *row_arr, *views, *batch_fn = Py_None, *pend = Py_None, *plan = Py_None, *dmap = Py_None;
+    if (!PyArg_ParseTuple(t, "LLLOLLLOOO|OOOO", &id, &nd, &no, &fn, &kind, &fps, &cap, &idx_arr, &row_arr, &views,
+                          &batch_fn, &pend, &plan, &dmap))
         return -1;
     if (id < 0 || id >= W.max_decoders || id >= 64) {
         PyErr_Format(PyExc_ValueError, "decoder_id %lld is out of range 0..%d", id, W.max_decoders - 1);
@@ -1093,15 +1142,21 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
         PyErr_NoMemory();
         return -1;
     }
+    if (dmap != Py_None && (plan != Py_None || dec_set_map(d, dmap) < 0)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a measurement map does not go with sliding windows");
+        return -1;
+    }
+    int64_t call_nd = d->map ? d->map_num_det : nd, call_nbd = d->map ? d->map_nbd : d->nbd;
     if (kind == CALL_FIRED) {
         Py_buffer b;
-        if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) != nd + 1 ||
+        if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) != call_nd + 1 ||
             PyObject_GetBuffer(idx_arr, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "call kind 'fired' needs num_detectors + 1 views over an index array");
             return -1;
         }
-        if (b.len < (Py_ssize_t)(8 * nd)) {
+        if (b.len < (Py_ssize_t)(8 * call_nd)) {
             PyBuffer_Release(&b);
             PyErr_SetString(PyExc_ValueError, "index array too small");
             return -1;
@@ -1117,7 +1172,7 @@ static int svc_add_decoder(ServiceCore *s, PyObject *t) {
         Py_buffer b;
         if (PyObject_GetBuffer(row_arr, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
             return -1;
-        if (b.len != (Py_ssize_t)d->nbd) {
+        if (b.len != (Py_ssize_t)call_nbd) {
             PyBuffer_Release(&b);
             PyErr_SetString(PyExc_ValueError, "call kind 'packed' needs a (1, ceil(num_detectors/8)) uint8 row");
             return -1;
@@ -1272,10 +1327,24 @@ static void note_failure(ServiceCore *s) {
 /* Decode `bits` (nbd bytes, pad bits clear) into `out` (nbo packed bytes). 0 ok, -1 failed (counted). */
 static int svc_decode(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint8_t *out) {
     PyObject *res;
+    int64_t nbd = d->nbd;
+    if (d->map_rows != NULL) { /* measurements -> detectors: XOR the rows of the bytes that are set */
+        const int64_t words = d->map_words;
+        uint64_t *acc = d->mapped;
+        memset(acc, 0, (size_t)words * 8);
+        for (int64_t j = 0; j < nbd; j++) {
+            if (bits[j] == 0)
+                continue;
+            const uint64_t *r = d->map_rows + ((size_t)(256 * j + bits[j])) * (size_t)words;
+            for (int64_t w = 0; w < words; w++)
+                acc[w] ^= r[w];
+        }
+        bits = (const uint8_t *)acc;
+        nbd = d->map_nbd;
+    }
     if (d->call_kind == CALL_FIRED) {
         int64_t k = 0;
         uint64_t *idx = d->idx;
-        int64_t nbd = d->nbd;
         int64_t j = 0;
         for (; j + 8 <= nbd; j += 8) {
             uint64_t w;
@@ -1295,7 +1364,7 @@ static int svc_decode(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint8_
         PyObject *view = PyTuple_GET_ITEM(d->views, k);
         res = PyObject_Vectorcall(d->fn, &view, 1, NULL);
     } else {
-        memcpy(d->row_data, bits, (size_t)d->nbd);
+        memcpy(d->row_data, bits, (size_t)nbd);
         res = PyObject_Vectorcall(d->fn, &d->row, 0, s->kw_packed);
     }
     s->counts[C_DECODE_CALLS]++;

@@ -168,10 +168,20 @@ class SingleShotDecoder:
     label: str
     batch_fn: Any = None  # rows (k, ceil(D/8)) uint8 -> (k, ceil(O/8)) packed flips: a backlog in one call
     plan: Any = None  # sliding windows: the service core's window plan (window_plan), decoded as rounds land
+    # measurement-level shots: (table, detectors) from MeasurementDecoder.byte_table; the shot's
+    # ``num_detectors`` bits are measurements, mapped to ``detectors`` before ``fn`` is called
+    measurement_map: Any = None
 
     def decode_one(self, detectors: np.ndarray) -> np.ndarray:
         """The observable flips (uint8, one per observable) of one shot's detection events."""
         det = np.asarray(detectors, dtype=np.uint8).reshape(-1)
+        if self.measurement_map is not None:
+            table, n = self.measurement_map
+            acc = np.zeros(table.shape[1], np.uint64)
+            for j, v in enumerate(np.packbits(det, bitorder="little").tolist()):
+                if v:
+                    acc ^= table[256 * j + v]
+            det = np.unpackbits(acc.view(np.uint8), count=n, bitorder="little")
         if self.kind == "fired":
             out = self.fn(np.flatnonzero(det).astype(np.uint64))
             out = out[0] if isinstance(out, tuple) else out
@@ -208,8 +218,14 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
         graph = pymatching.Matching.from_detector_error_model(dem)._matching_graph
         batch = functools.partial(graph.decode_batch, bit_packed_shots=True, bit_packed_predictions=True)
         return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)", batch)
-    from .decoders import compile_decoder
+    from .decoders import MeasurementDecoder, compile_decoder
 
+    if isinstance(decoder, MeasurementDecoder) and nd == decoder.num_detectors and decoder.byte_table() is not None:
+        return _measurement_single_shot(decoder, nd, no)
+    graph = _matching_graph_of(decoder)
+    if graph is not None and nd == decoder.num_detectors:  # a compiled PyMatching decoder (from a config file, say)
+        batch = functools.partial(graph.decode_batch, bit_packed_shots=True, bit_packed_predictions=True)
+        return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)", batch)
     compiled = compile_decoder(decoder, dem)
     name = decoder if isinstance(decoder, str) else type(decoder).__name__
     fn = compiled.decode_shots_bit_packed
@@ -218,6 +234,30 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
         return fn(bit_packed_detection_event_data=rows)
 
     return SingleShotDecoder(fn, "packed", nd, no, f"{name} (decode_shots_bit_packed, one shot)", batch)
+
+
+def _matching_graph_of(decoder):
+    """PyMatching's matching graph behind a compiled PyMatching decoder (the one whose single
+    shot goes to that graph's call on the fired detectors), else None."""
+    if not hasattr(decoder, "decode_detectors_int"):
+        return None
+    return getattr(getattr(decoder, "matching", None), "_matching_graph", None)
+
+
+def _measurement_single_shot(decoder, nd: int, no: int) -> SingleShotDecoder:
+    """A measurement-level decoder with its map in the call: the native core maps a shot's
+    measurements to detectors (one table row XORed per nonzero byte) and calls the inner
+    decoder as it would a detector-level shot; a backlog goes to the decoder's batch call."""
+    inner = decoder.inner
+    dmap = decoder.byte_table()
+    graph = _matching_graph_of(inner)
+    if graph is not None:
+        fn, kind, how = graph.decode, "fired", "matching graph on fired detectors"
+    else:
+        fn, kind, how = inner.decode_shots_bit_packed, "packed", "decode_shots_bit_packed, one shot"
+    return SingleShotDecoder(fn, kind, nd, no, f"measurements -> {dmap[1]} detectors in C, then {how}",
+                             decoder.decode_shots_bit_packed,
+                             measurement_map=dmap)
 
 
 def _no_call(*_a, **_k):  # (a window decoder's shots are matched window by window, never whole)
@@ -319,16 +359,21 @@ def _core_decoder_tuple(decoder_id: int, dec: SingleShotDecoder, *, frames_per_s
     pend = np.zeros((int(capacity_shots), (nd + 7) // 8), np.uint8)  # shots waiting while frames are queued
     keep.append(pend)
     tail = (dec.batch_fn, pend) if dec.batch_fn is not None else (None, None)
+    mapped = ()  # (window plan, measurement map): only with a map
+    call_nd = nd
+    if dec.measurement_map is not None:
+        keep.append(dec.measurement_map)
+        mapped, call_nd = (None, dec.measurement_map), int(dec.measurement_map[1])
     if dec.kind == "fired":
-        idx = np.zeros(max(1, nd), np.uint64)
-        views = tuple(idx[:k] for k in range(nd + 1))
+        idx = np.zeros(max(1, call_nd), np.uint64)
+        views = tuple(idx[:k] for k in range(call_nd + 1))
         keep.append((idx, views))
         return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_FIRED, int(frames_per_shot or 0),
-                int(capacity_shots), idx, None, views, *tail)
-    row = np.zeros((1, (nd + 7) // 8), np.uint8)
+                int(capacity_shots), idx, None, views, *tail, *mapped)
+    row = np.zeros((1, (call_nd + 7) // 8), np.uint8)
     keep.append(row)
     return (decoder_id, nd, dec.num_observables, dec.fn, _CALL_PACKED, int(frames_per_shot or 0),
-            int(capacity_shots), None, row, None, *tail)
+            int(capacity_shots), None, row, None, *tail, *mapped)
 
 
 # ------------------------------------------------------------------------ service

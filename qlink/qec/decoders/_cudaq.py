@@ -25,7 +25,21 @@ __all__ = ["CudaqDecoder", "CompiledCudaqDecoder"]
 
 
 def _import_cudaq_qec(feature: str):
-    return optional_import("cudaq_qec", package="cudaq-qec-cu12", extra="quantum", feature=feature)
+    """``cudaq_qec`` (its ``get_decoder``), or, where the full package does not load (a GPU
+    host with the cudaq-qec wheel and a CUDA runtime but without CUDA-Q itself), the wheel's
+    own decoders-only module: the same ``get_decoder``, the same decoder plugins."""
+    try:
+        import cudaq_qec
+
+        return cudaq_qec
+    except ImportError:
+        pass
+    try:
+        import _qec_decoders_standalone
+
+        return _qec_decoders_standalone.qecrt
+    except ImportError:
+        return optional_import("cudaq_qec", package="cudaq-qec-cu12", extra="quantum", feature=feature)
 
 
 def _gpu_present() -> bool:
@@ -33,6 +47,12 @@ def _gpu_present() -> bool:
         import cudaq
 
         return cudaq.num_available_gpus() > 0
+    except Exception:
+        pass
+    try:  # (a host with the decoders-only module and CuPy)
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
 
@@ -73,7 +93,7 @@ class CudaqDecoder(Decoder):
 
     def unavailable_reason(self) -> str | None:
         try:
-            import cudaq_qec  # noqa: F401
+            _import_cudaq_qec(f"the {self.name} decoder")
         except ImportError:
             return "needs the 'cudaq-qec-cu12' package (pip install 'qlink[quantum]')"
         if self._needs_gpu and not _gpu_present():

@@ -113,6 +113,15 @@ class MeasurementDecoder(CompiledDecoder):
             table[:, bits[:, k], :] ^= col_packed[:, k, None, :]
         return table
 
+    def byte_table(self) -> tuple[np.ndarray, int] | None:
+        """``(table, num_inner_detectors)``: the map as a C loop takes it, row ``256 j + v`` (64-bit
+        words of packed detectors) being what byte ``j`` of a record holding value ``v`` flips, so a
+        record's detectors are the XOR of one row per nonzero byte; None where the table would pass
+        ``max_table_nbytes`` (the map is then an index matrix)."""
+        if self._table is None:
+            return None
+        return self._table, self.num_inner_detectors
+
     def detectors_bit_packed(self, bit_packed_measurements) -> np.ndarray:
         """``(num_shots, ceil(num_measurements / 8))`` -> ``(num_shots, ceil(num_inner_detectors / 8))``,
         bit-packed little-endian on both sides."""
