@@ -82,7 +82,8 @@ bench-vllm: $(VLLM_STAMP)
 GPU_PY ?= python3
 GPU_OUT ?= results/gpu
 GPU_TESTS ?= tests/transports/test_cuda_ipc.py tests/qec/test_bp_device.py tests/ai/test_layout.py \
-	tests/bench/test_gpu_bench.py tests/transports/test_ucx_device.py tests/qec/test_decoders.py
+	tests/bench/test_gpu_bench.py tests/transports/test_ucx_device.py tests/qec/test_decoders.py \
+	tests/qec/test_nv_qldpc_gpu.py
 gpu-check:
 	$(GPU_PY) setup.py build_ext --inplace -q
 	$(GPU_PY) -c "from transports.cuda import cuda_unavailable as u; w = u(); assert w is None, w; import cupy; print('GPU:', cupy.cuda.runtime.getDeviceProperties(0)['name'].decode())"

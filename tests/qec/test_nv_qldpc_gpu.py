@@ -25,7 +25,7 @@ def _circuit(d=3, p=0.004):
                                   after_clifford_depolarization=p, before_measure_flip_probability=p)
 
 
-_ARGS = {"max_iterations": 50, "use_osd": True, "osd_order": 3, "osd_method": 1}
+_ARGS = {"max_iterations": 50, "use_osd": True, "osd_order": 3, "osd_method": 1, "use_sparsity": True}
 
 
 def _direct(dem, dets):

@@ -67,24 +67,39 @@ class CompiledCudaqDecoder(CompiledDecoder):
         self.num_observables = matrices.num_observables
         self.name = name
         self.num_not_converged = 0
+        self._per_shot = False  # the decoder refused a batch call (nv-qldpc without use_sparsity)
 
     def _decode_unpacked(self, dets: np.ndarray) -> np.ndarray:
         if dets.shape[0] == 0:
             return np.zeros((0, self.num_observables), dtype=np.uint8)
-        res = self._decoder.decode_batch(dets.astype(np.float64))
-        errors = (np.asarray(res.result) > 0.5).astype(np.int32)
-        self.num_not_converged += int(np.count_nonzero(~np.asarray(res.converged, dtype=bool)))
+        syndromes = dets.astype(np.float64)
+        if not self._per_shot:
+            try:
+                res = self._decoder.decode_batch(syndromes)
+            except RuntimeError as exc:  # nv-qldpc batches only with use_sparsity: then shot by shot
+                if "use_sparsity" not in str(exc):
+                    raise
+                self._per_shot = True
+        if self._per_shot:
+            res = [self._decoder.decode(row) for row in syndromes]
+            results, converged = [r.result for r in res], [r.converged for r in res]
+        else:
+            results, converged = res.result, res.converged
+        errors = (np.asarray(results, dtype=np.float64) > 0.5).astype(np.int32)
+        self.num_not_converged += int(np.count_nonzero(~np.asarray(converged, dtype=bool)))
         return (np.asarray(self._obs @ errors.T).T & 1).astype(np.uint8)
 
 
 class CudaqDecoder(Decoder):
     """A CUDA-Q QEC decoder by its ``cudaq_qec`` name; options are passed to ``get_decoder``.
 
-    ``multi_error_lut`` defaults to ``lut_error_depth=2`` (all pairs of errors);
+    ``multi_error_lut`` defaults to ``lut_error_depth=2`` (all pairs of errors), ``nv-qldpc-decoder``
+    to ``use_sparsity=True`` (the GPU decoder's batch call needs it; a configuration that leaves
+    it out is decoded shot by shot);
     every decoder gets ``error_rate_vec`` from the DEM priors unless given.
     """
 
-    _DEFAULTS = {"multi_error_lut": {"lut_error_depth": 2}}
+    _DEFAULTS = {"multi_error_lut": {"lut_error_depth": 2}, "nv-qldpc-decoder": {"use_sparsity": True}}
 
     def __init__(self, cudaq_name: str):
         self.cudaq_name = cudaq_name
