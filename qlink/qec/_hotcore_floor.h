@@ -1,0 +1,199 @@
+/* qlink.qec._hotcore: the floors measured beside the loop (a bare round trip, a udp pair).
+ * (part of the one translation unit _hotcore.c, which includes it: not compiled on its own) */
+
+/* ================================================================== floor */
+
+/* link_round_trip(link, n, nbytes, echo, out): the bare round trip of whole messages over
+ * the same link (rings or a stream socket) through the same I/O the cores use: the floor of
+ * a frame and its answer. echo=1 on the answering side (it returns after n messages). out:
+ * int64 per round trip (initiator). Each message goes out at once (no gathering). */
+static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *link, *out;
+    long long n, nbytes;
+    int echo;
+    if (!PyArg_ParseTuple(args, "OLLpO", &link, &n, &nbytes, &echo, &out))
+        return NULL;
+    if (nbytes < 1 || nbytes > 4096) {
+        PyErr_SetString(PyExc_ValueError, "nbytes in 1..4096");
+        return NULL;
+    }
+    Io io;
+    if (io_init(&io, link) < 0) {
+        io_free(&io);
+        return NULL;
+    }
+    Py_buffer ob;
+    int has_out = 0;
+    if (!echo) {
+        if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            io_free(&io);
+            return NULL;
+        }
+        has_out = 1;
+        if (ob.len < 8 * n) {
+            PyBuffer_Release(&ob);
+            io_free(&io);
+            PyErr_SetString(PyExc_ValueError, "out too small");
+            return NULL;
+        }
+    }
+    uint8_t msg[4096];
+    memset(msg, 0x5A, sizeof(msg));
+    int code = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (long long i = 0; i < n && code == 0; i++) {
+        int64_t t0 = mono_ns();
+        if (!echo && (io_send(&io, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT || io_flush(&io) < 0)) {
+            code = -1;
+            break;
+        }
+        const uint8_t *d;
+        uint32_t len;
+        int64_t waited = 0;
+        for (;;) {
+            int rc = io_peek(&io, &d, &len);
+            if (rc == QLINK_RING_MSG)
+                break;
+            if (rc != QLINK_RING_EMPTY || ((++waited & 1023) == 0 && io_peer_closed(&io))) {
+                code = -1;
+                break;
+            }
+            CPU_RELAX();
+        }
+        if (code)
+            break;
+        io_consume(&io);
+        if (echo) {
+            if (io_send(&io, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT || io_flush(&io) < 0)
+                code = -1;
+        } else {
+            ((int64_t *)ob.buf)[i] = mono_ns() - t0;
+        }
+    }
+    while (io_flush(&io) == 1) /* (a stream: what is left of the last answer) */
+        CPU_RELAX();
+    Py_END_ALLOW_THREADS;
+    if (has_out)
+        PyBuffer_Release(&ob);
+    io_free(&io);
+    return PyLong_FromLong(code);
+}
+
+/* udp_blast(fd, n, nbytes, period_ns, batch) -> (sent, t_first_ns, t_last_ns, full_waits): the
+ * kernel floor's sender. n datagrams of nbytes on a connected datagram socket, the i-th due
+ * at t0 + i * period_ns (0: at once), every datagram due sent in one sendmmsg of at most
+ * `batch`. Each datagram carries its sequence number in its first 8 bytes. */
+static PyObject *mod_udp_blast(PyObject *Py_UNUSED(m), PyObject *args) {
+    int fd, batch;
+    long long n, nbytes, period_ns;
+    if (!PyArg_ParseTuple(args, "iLLLi", &fd, &n, &nbytes, &period_ns, &batch))
+        return NULL;
+    if (nbytes < 8 || nbytes > 1400 || batch < 1 || batch > DG_SLOTS || n < 1 || period_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "udp_blast: nbytes in 8..1400, batch in 1..32, n >= 1, period_ns >= 0");
+        return NULL;
+    }
+    static uint8_t buf[DG_SLOTS][1400];
+    struct mmsghdr msg[DG_SLOTS];
+    struct iovec iov[DG_SLOTS];
+    memset(msg, 0, sizeof(msg));
+    for (int i = 0; i < DG_SLOTS; i++) {
+        memset(buf[i], 0x5A, sizeof(buf[i]));
+        iov[i].iov_base = buf[i];
+        iov[i].iov_len = (size_t)nbytes;
+        msg[i].msg_hdr.msg_iov = &iov[i];
+        msg[i].msg_hdr.msg_iovlen = 1;
+    }
+    long long sent = 0, waits = 0;
+    int64_t t0 = 0, t1 = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    t0 = mono_ns();
+    while (sent < n) {
+        int64_t now = mono_ns();
+        long long due = period_ns ? (now - t0) / period_ns + 1 : n;
+        if (due > n)
+            due = n;
+        long long k = due - sent;
+        if (k <= 0) {
+            CPU_RELAX();
+            continue;
+        }
+        if (k > batch)
+            k = batch;
+        for (long long i = 0; i < k; i++) {
+            long long seq = sent + i;
+            memcpy(buf[i], &seq, 8);
+        }
+        int r = sendmmsg(fd, msg, (unsigned)k, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r > 0) {
+            sent += r;
+            continue;
+        }
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR ||
+                      errno == ECONNREFUSED)) {
+            waits++;
+            continue;
+        }
+        err = errno;
+        break;
+    }
+    t1 = mono_ns();
+    Py_END_ALLOW_THREADS;
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("LLLL", sent, (long long)t0, (long long)t1, waits);
+}
+
+/* udp_sink(fd, n, idle_ns) -> (received, t_first_ns, t_last_ns, batches): the kernel floor's
+ * receiver, recvmmsg in batches of up to 32 (spinning, non-blocking) until n datagrams came or
+ * none came for idle_ns after the first. */
+static PyObject *mod_udp_sink(PyObject *Py_UNUSED(m), PyObject *args) {
+    int fd;
+    long long n, idle_ns;
+    if (!PyArg_ParseTuple(args, "iLL", &fd, &n, &idle_ns))
+        return NULL;
+    static uint8_t buf[DG_SLOTS][2048];
+    struct mmsghdr msg[DG_SLOTS];
+    struct iovec iov[DG_SLOTS];
+    long long got = 0, batches = 0;
+    int64_t t_first = 0, t_last = 0, t_wait0 = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    t_wait0 = mono_ns();
+    while (got < n) {
+        memset(msg, 0, sizeof(msg));
+        for (int i = 0; i < DG_SLOTS; i++) {
+            iov[i].iov_base = buf[i];
+            iov[i].iov_len = sizeof(buf[i]);
+            msg[i].msg_hdr.msg_iov = &iov[i];
+            msg[i].msg_hdr.msg_iovlen = 1;
+        }
+        int r = recvmmsg(fd, msg, DG_SLOTS, MSG_DONTWAIT, NULL);
+        if (r > 0) {
+            int64_t now = mono_ns();
+            if (got == 0)
+                t_first = now;
+            t_last = now;
+            got += r;
+            batches++;
+            continue;
+        }
+        if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            err = errno;
+            break;
+        }
+        int64_t now = mono_ns();
+        if (now - (got ? t_last : t_wait0) > (got ? idle_ns : 10 * idle_ns + 5000000000LL))
+            break;
+        CPU_RELAX();
+    }
+    Py_END_ALLOW_THREADS;
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("LLLL", got, (long long)t_first, (long long)t_last, batches);
+}
+
