@@ -196,6 +196,10 @@ def test_replay_windows_are_per_sender_and_bounded():
     assert len(guard) == 2 and guard.evicted == 1
     with pytest.raises(ValueError, match="window"):
         ReplayGuard(window=0)
+    from qlink.qec.sessions import SessionLimits
+
+    with pytest.raises(ValueError, match="replay_window"):
+        SessionLimits(replay_window=0)
 
 
 def test_signed_datagrams_keep_the_frame_bytes_and_a_resend_takes_a_new_number():
