@@ -26,6 +26,14 @@ KV is written, :meth:`~PrefillServer.end_streams` when the forward pass ends): e
 layer leaves while the next ones are computed. An expectation that arrives too late for
 the forward pass is served from the offer afterwards, as a pull.
 
+A link that carries nothing for ``idle_timeout_s`` (and has nothing of its own pending),
+or holds half a frame for ``frame_timeout_s``, is closed by the prefill side with a
+``kv_abort`` frame for request id 0xFFFFFFFF (which no load uses) whose reason says why,
+``qlink-close idle_timeout: ...``; a decode client opens a new link at its next load, and
+a load whose frame crossed that close on the wire is asked again on the new link.
+
+>>> close_notice_reason(fr.pack_abort(CLOSE_RID, status=0, layer=0, reason="qlink-close idle_timeout: 9 s"))
+'idle_timeout'
 >>> f = pack_pull(7, xfer_id=3, src_block_ids=[5, 6], dst_block_ids=[0, 1])
 >>> unpack_pull(f)
 (7, 3, [5, 6], [0, 1])
@@ -56,7 +64,7 @@ from . import frames as fr
 from ._tracker import TransferAbortedError
 
 __all__ = ["PrefillServer", "DecodeClient", "LoadResult", "pack_pull", "unpack_pull", "pack_expect", "unpack_expect",
-           "FN_PULL", "FN_EXPECT"]
+           "FN_PULL", "FN_EXPECT", "CLOSE_RID", "close_notice_reason"]
 
 _PULL = struct.Struct("<IIIIQ" + "II")  # header, then xfer_id, num_blocks; then 2 * num_blocks u32
 _MAX_PULL_BLOCKS = 1 << 16
@@ -69,6 +77,23 @@ _ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered
 _IDLE_SLEEP_MAX_S = 2e-4
 _ENGINE_POLLS_S = 2e-3  # poll() called this recently: the client's own thread stands by
 _PULLS_PER_TURN = 64  # one link's frames handled before the next link's turn
+_LINK_TIMERS_S = 0.05  # how often the links' idle and half-frame clocks are looked at
+CLOSE_RID = 0xFFFFFFFF  # the request id of a close notice (see the module docstring)
+_CLOSE_PREFIX = "qlink-close "
+
+
+def close_notice_reason(frame) -> str | None:
+    """The reason (``idle_timeout``, ``frame_timeout``) if ``frame`` is a prefill server's
+    close notice, else None."""
+    try:
+        if fr.function_of(frame) != fr.FN_ABORT:
+            return None
+        rid, _status, _layer, reason = fr.unpack_abort(frame)
+    except WireError:
+        return None
+    if rid != CLOSE_RID or not reason.startswith(_CLOSE_PREFIX):
+        return None
+    return reason[len(_CLOSE_PREFIX):].partition(":")[0]
 
 
 def pack_pull(request_id: int, *, xfer_id: int, src_block_ids, dst_block_ids) -> bytes:
@@ -151,6 +176,8 @@ class _Link:
     endpoint: object
     sender: object
     pending: deque = field(default_factory=deque)  # pulls that arrived before their offer
+    last_frame: float = field(default_factory=time.monotonic)  # when its last frame (or its handshake) came
+    partial_since: float | None = None  # since when half a frame waits in its read-ahead
 
 
 @dataclass
@@ -189,14 +216,18 @@ class PrefillServer:
     runs on a thread of its own and must finish within ``handshake_timeout_s`` (a silent
     peer holds up no other); at most ``max_links`` links (more are closed at once); a
     link's turn handles at most 64 pulls; a frame longer than the largest pull is refused
-    from its header and its link closed. ``url`` beyond loopback needs ``token`` (decode
+    from its header and its link closed; a link without a frame for ``idle_timeout_s``
+    (nothing of its own pending: no pull waiting for its offer, no expectation) or with half
+    a frame for ``frame_timeout_s`` is closed with a close notice (see the module
+    docstring), ``None`` turns either off. ``url`` beyond loopback needs ``token`` (decode
     engines connect with the same ``token=``) or ``insecure=True``. ``refused_by_reason``
-    counts refused peers.
+    counts refused peers, ``closed_by_reason`` the links closed by these timeouts.
     """
 
     def __init__(self, url: str, cache, *, checksum: bool = False, offer_ttl_s: float = 120.0,
                  push_timeout_s: float = 30.0, token: str | bytes | None = None, insecure: bool = False,
-                 max_links: int = 64, handshake_timeout_s: float = 10.0):
+                 max_links: int = 64, handshake_timeout_s: float = 10.0, idle_timeout_s: float | None = 300.0,
+                 frame_timeout_s: float | None = 1.0):
         import transports
 
         from qlink.access import check_bind, token_bytes
@@ -211,7 +242,13 @@ class PrefillServer:
         self.push_timeout_s = push_timeout_s
         self.max_links = int(max_links)
         self.handshake_timeout_s = float(handshake_timeout_s)
+        for name, v in (("idle_timeout_s", idle_timeout_s), ("frame_timeout_s", frame_timeout_s)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"{name} must be a positive number of seconds or None (no limit), got {v!r}")
+        self.idle_timeout_s = idle_timeout_s
+        self.frame_timeout_s = frame_timeout_s
         self.refused_by_reason: Counter = Counter()
+        self.closed_by_reason: Counter = Counter()
         self._handshaking = 0
         self.listener = transports.listen(url, **({"token": key} if key is not None else {}))
         self.url = self.listener.url
@@ -329,7 +366,7 @@ class PrefillServer:
         buf = bytearray(_PULL.size + 8 * _MAX_PULL_BLOCKS)
         mv = memoryview(buf)
         backoff = _Backoff()
-        next_expiry = 0.0
+        next_expiry = next_timers = 0.0
         while not self._stop.is_set():
             with self._lock:
                 if self._new_links:
@@ -349,6 +386,9 @@ class PrefillServer:
             if now >= next_expiry:
                 self._expire(now)
                 next_expiry = now + 0.5
+            if now >= next_timers:
+                self._link_timers(now)
+                next_timers = now + _LINK_TIMERS_S
             if busy:
                 backoff.reset()
             else:
@@ -440,6 +480,36 @@ class PrefillServer:
             self._push(ex.link, ex.rid, x, offer, src, ex.dst)
         return busy or bool(ready)
 
+    def _link_timers(self, now: float) -> None:
+        """Close the links whose half frame or silence has lasted too long (see the class docstring)."""
+        for link in list(self._links):
+            if link.partial_since is not None and self.frame_timeout_s is not None \
+                    and now - link.partial_since >= self.frame_timeout_s:
+                self._close_link(link, "frame_timeout", f"a frame stayed half received for {self.frame_timeout_s} s")
+            elif self.idle_timeout_s is not None and now - link.last_frame >= self.idle_timeout_s \
+                    and not link.pending and not any(ex.link is link for ex in self._expects.values()) \
+                    and not any(st.expect is not None and st.expect.link is link for st in self._streams.values()):
+                self._close_link(link, "idle_timeout", f"no frame for {self.idle_timeout_s} s")
+
+    def _close_link(self, link: _Link, reason: str, detail: str) -> None:
+        self.closed_by_reason[reason] += 1
+        self._links.remove(link)
+        self._drop_expects(link)
+        ep = link.endpoint
+        try:
+            ep.send_nowait(fr.pack_abort(CLOSE_RID, status=_ABORT_REFUSED if reason == "frame_timeout" else 0,
+                                         layer=0, reason=f"{_CLOSE_PREFIX}{reason}: {detail}"))
+        except (QlinkError, OSError):
+            pass  # a peer that does not read: closed all the same
+        try:
+            link.sender.close()
+        except QlinkError:
+            pass
+        try:
+            ep.close()
+        except (QlinkError, OSError):
+            pass
+
     def _drop_expects(self, link: _Link) -> None:
         for x in [x for x, ex in self._expects.items() if ex.link is link]:
             del self._expects[x]
@@ -457,10 +527,13 @@ class PrefillServer:
         for _ in range(len(link.pending)):  # pulls waiting for their offer
             frame = link.pending.popleft()
             busy |= self._serve_pull(link, frame, requeue=True)
+        got = 0
+        drained = False
         for _ in range(_PULLS_PER_TURN):
             try:
                 n = ep.recv_into_nowait(mv)
             except WouldBlock:
+                drained = True
                 break
             except BufferTooSmallError as e:  # longer than any pull: refused from its header, link closed
                 self.refused_by_reason["oversized_frame"] += 1
@@ -471,11 +544,17 @@ class PrefillServer:
                     abort()
                 raise BrokenLinkError("the decode engine announced an oversized frame") from e
             busy = True
+            got += 1
             frame = bytes(mv[:n])
             if fr.function_of(frame) == FN_EXPECT:
                 self._take_expect(link, frame)
             else:
                 self._serve_pull(link, frame, requeue=True)
+        if got:
+            link.last_frame = time.monotonic()
+            link.partial_since = None
+        if drained and link.partial_since is None and getattr(ep, "rx_buffered_nbytes", 0):
+            link.partial_since = time.monotonic()  # half a frame is here: its clock starts
         tx.progress()
         return busy
 
@@ -540,6 +619,26 @@ class PrefillServer:
                 self.expired += 1
 
 
+def _close_notice(rx) -> str | None:
+    """The reason of the close notice ``rx``'s sender sent before closing the link, if it did
+    (frames still read ahead are taken first: the break may have been seen before them)."""
+    for attempt in range(2):
+        try:
+            rx._tracker.record(CLOSE_RID)
+        except TransferAbortedError as e:
+            text = str(e)
+            if _CLOSE_PREFIX in text:
+                return text.split(_CLOSE_PREFIX, 1)[1].partition(":")[0]
+        except QlinkError:
+            pass
+        if attempt == 0:
+            try:
+                rx._poll_frames(64)
+            except (QlinkError, OSError, ValueError):
+                pass
+    return None
+
+
 @dataclass(frozen=True)
 class LoadResult:
     """One finished load: ``ok`` or the ``error`` that failed it, the destination blocks,
@@ -576,6 +675,11 @@ class DecodeClient:
 
     ``after_land`` (optional) is called with ``(key, dst_block_ids)`` on this client's
     thread when a load lands, before it is reported (a test uses it to change a block).
+
+    A link the prefill server closed with a close notice (an idle link) is dropped and
+    opened again at the next load; loads in flight on it were not read by the server
+    and are asked again on the new link. ``links_closed_by_server`` counts those closes
+    by reason.
     """
 
     def __init__(self, cache, *, load_timeout_s: float = 30.0, connect_timeout_s: float = 10.0, after_land=None,
@@ -590,6 +694,7 @@ class DecodeClient:
         self._queue: list[_Load] = []
         self._results: list[LoadResult] = []
         self._links: dict[str, tuple] = {}  # url -> (endpoint, receiver)
+        self.links_closed_by_server: Counter = Counter()
         self._inflight: dict[int, _Load] = {}
         self._work = threading.Lock()  # held by whoever does the client's work (its thread or poll())
         self._polled = 0.0  # when poll() was last called
@@ -657,9 +762,17 @@ class DecodeClient:
 
     def _drop_link(self, url: str, why: str) -> None:
         ep, rx = self._links.pop(url, (None, None))
+        closed = None if rx is None else _close_notice(rx)
+        if closed is not None:
+            self.links_closed_by_server[closed] += 1
         for rid, ld in list(self._inflight.items()):
             if ld.url == url:
                 del self._inflight[rid]
+                if closed is not None and time.monotonic() < ld.deadline:  # its frame crossed the close: again
+                    ld.rid = next(self._rids) & 0xFFFFFFFF
+                    with self._lock:
+                        self._queue.append(ld)
+                    continue
                 self._finish(ld, ok=False, error=why)
         if rx is not None:
             rx.close()
@@ -718,9 +831,11 @@ class DecodeClient:
                      pack_pull(ld.rid, xfer_id=ld.xfer_id, src_block_ids=ld.src, dst_block_ids=ld.dst))
             ep.send(frame, timeout_s=5)
         except (QlinkError, OSError, ValueError) as e:
+            self._inflight[ld.rid] = ld  # (asked again if the server had closed the link with a notice)
             if ld.url in self._links:
-                self._drop_link(ld.url, f"link to {ld.url} failed: {type(e).__name__}: {e}")
-            self._finish(ld, ok=False, error=f"cannot pull from {ld.url}: {type(e).__name__}: {e}")
+                self._drop_link(ld.url, f"cannot pull from {ld.url}: link failed: {type(e).__name__}: {e}")
+            if self._inflight.pop(ld.rid, None) is not None:
+                self._finish(ld, ok=False, error=f"cannot pull from {ld.url}: {type(e).__name__}: {e}")
             return
         self._inflight[ld.rid] = ld
 

@@ -49,9 +49,11 @@ block changed after it landed (a control for tests: the output then differs).
 
 Extra config: ``url`` (required for a producer; a decode engine learns the URL from the
 transfer params), ``checksum`` (bool, CRC-32 per part), ``load_timeout_s``,
-``offer_ttl_s``, ``shared_kv_memory`` (default true: vLLM's KV cache is allocated in
-memfd-backed memory through ``get_mem_pool_context``, so over ``shm://`` the decode side
-copies the blocks straight out of the prefill engine's cache, one copy; false: vLLM's own
+``offer_ttl_s``, ``link_idle_timeout_s`` (the prefill server closes a decode engine's
+link idle that long, default 300; null: never; the decode side opens a new one at its next
+load), ``shared_kv_memory`` (default true: vLLM's KV cache is allocated in memfd-backed
+memory through ``get_mem_pool_context``, so over ``shm://`` the decode side copies the
+blocks straight out of the prefill engine's cache, one copy; false: vLLM's own
 allocation, and ``shm://`` stages the blocks through its ring).
 
 The KV layout is vLLM's CPU layout ``[num_blocks, kv_heads, block_size, 2 * head_size]``
@@ -215,6 +217,8 @@ class QlinkConnector(KVConnectorBase_V1):
         self._checksum = bool(extra.get("checksum", False))
         self._load_timeout_s = float(extra.get("load_timeout_s", 30.0))
         self._offer_ttl_s = float(extra.get("offer_ttl_s", 120.0))
+        idle = extra.get("link_idle_timeout_s", 300.0)
+        self._link_idle_timeout_s = None if idle is None else float(idle)
         self._shared_kv_memory = bool(extra.get("shared_kv_memory", True))
         self._is_producer = cfg.is_kv_producer
         self._is_consumer = cfg.is_kv_consumer
@@ -260,7 +264,7 @@ class QlinkConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         if self._is_producer:
             self._server = PrefillServer(self._url, self._cache, checksum=self._checksum,
-                                         offer_ttl_s=self._offer_ttl_s)
+                                         offer_ttl_s=self._offer_ttl_s, idle_timeout_s=self._link_idle_timeout_s)
             _BOUND_URLS[self._engine_id] = self._server.url
             _SERVERS[self._engine_id] = self._server
             log.info("qlink KV: prefill server on %s (%s)", self._server.url, self._cache.spec)

@@ -4,7 +4,8 @@ frame and its ``get_corrections`` out, its answer back, then the next shot.
 It measures the reaction (last syndrome frame handed to the transport → correction
 received) of every shot into a preallocated array and keeps the corrections, so a
 caller can hold them bit for bit against a direct PyMatching call. Over ``udp://`` it
-speaks from a plain socket (signing each datagram when given a token) and, as a UDP
+speaks from a plain socket (signing each datagram when given a token, each with a new
+sequence number of its own, see :mod:`qlink.access`) and, as a UDP
 controller must, sends a shot's two frames again when no answer came within
 ``retry_s`` (the same counter, request ids and ``ptp_timestamp``: the service answers
 a repeated get_corrections from what it kept, so nothing is decoded twice); over other
@@ -25,7 +26,7 @@ import numpy as np
 
 from qlink import wire
 from qlink.clock import ptp_now_ns
-from qlink.access import sign_datagram, token_bytes
+from qlink.access import DatagramSigner, token_bytes
 from qlink.errors import QlinkTimeoutError
 
 __all__ = ["LockstepController"]
@@ -47,7 +48,8 @@ class LockstepController:
         self.decoder_id = decoder_id
         self.num_obs = num_observables
         self.timeout_s = timeout_s
-        self._key = token_bytes(token)
+        key = token_bytes(token)
+        self._signer = None if key is None else DatagramSigner(key)
         self._buf = bytearray(1 << 16)
         self._rbuf = bytearray(1 << 16)
         self.close_frames = 0
@@ -70,7 +72,7 @@ class LockstepController:
 
     def _send(self, mv) -> None:
         if self._sock is not None:
-            self._sock.send(mv if self._key is None else sign_datagram(mv, self._key))
+            self._sock.send(mv if self._signer is None else self._signer.sign(mv))
         else:
             self._ep.send(mv)
 

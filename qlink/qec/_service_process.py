@@ -60,7 +60,8 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     ends; ``None``: until ``stop_event`` is set or the process is stopped.
     ``accept_timeout_s`` bounds the wait for the first controller; ``timeout_s`` each
     session. A ``url`` beyond loopback needs a shared ``token`` (tcp and ucx clients prove it in
-    the handshake, udp datagrams carry its HMAC, see :mod:`qlink.access`) or ``insecure=True``;
+    the handshake, udp datagrams carry its HMAC and a sequence number the service holds against
+    replays, see :mod:`qlink.access`; a token on udp needs the Python engine) or ``insecure=True``;
     without either the service refuses to start (InsecureBindError). ``pin_cpu`` pins this process to that CPU slot
     (busy-polling benchmarks keep the service and the controller on different cores).
     Returns the last report. This is the target of :func:`start_service_process` (spawn).
@@ -82,6 +83,11 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     try:
         key = token_bytes(token)
         check_bind(url, token=key, insecure=insecure)
+        if key is not None and url.startswith("udp:") and (service_options or {}).get("engine") == "native":
+            raise ValueError("a udp:// service with a token checks every datagram's HMAC and sequence number "
+                             "(qlink.access) in the Python engine; the native engine does not: serve with "
+                             "engine='python' (the default), or over tcp:// where the native engine is "
+                             "served after the token handshake")
         limits = SessionLimits(**dict(session_limits or {}))
         if timeout_s is not None and limits.session_timeout_s is None:
             from dataclasses import replace

@@ -80,10 +80,12 @@ class SessionLimits:
     read_ahead_nbytes: int = 64 << 10
     max_queued_datagrams: int = 1024
     max_queued_nbytes: int = 1 << 20
+    replay_window: int = 1024
+    replay_senders: int = 4096
 
     def __post_init__(self):
         for name in ("max_sessions", "max_frames_per_turn", "max_queued_datagrams", "max_queued_nbytes",
-                     "read_ahead_nbytes"):
+                     "read_ahead_nbytes", "replay_window", "replay_senders"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -23,7 +23,10 @@ Limits (:class:`SessionLimits`), each counted when it bites:
   and bytes across all senders, and the drops are counted per sender;
 * beyond ``max_sessions`` a new session is refused with a close frame (status BUSY);
 * with a ``token``, tcp clients must prove it in the handshake and every udp datagram must
-  carry its HMAC tag (:mod:`qlink.access`); refused peers are counted by reason.
+  carry its HMAC tag and a sequence number of its sender's (:mod:`qlink.access`): a
+  datagram whose number its sender already used, or one older than the last
+  ``replay_window`` numbers, is refused as ``replayed`` (windows are kept per sender id for
+  up to ``replay_senders`` senders); refused peers are counted by reason.
 
 A close frame is a response (``CUQS``) with ``request_id`` 0xFFFFFFFF, which no request
 uses here, the status of the reason, and as its result ``qlink-close <reason>: <detail>``
@@ -46,7 +49,7 @@ import threading
 import time
 from typing import Callable
 
-from qlink.access import verify_datagram
+from qlink.access import ReplayGuard, datagram_sender_seq, verify_datagram
 from qlink.clock import now_ns
 from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, WouldBlock
 from transports import Backoff, BufferTooSmallError
@@ -100,7 +103,8 @@ class SessionServer:
     ``on_session_end(report)`` is called as each session ends, with the service's report
     and this server's (``sessions``, ``refused_peers``, the ended session's reason).
     ``token``: the shared secret udp datagrams must be signed with (tcp checks its own in
-    the handshake: give the listener the same token).
+    the handshake: give the listener the same token); replays are refused (see the module
+    docstring).
     """
 
     def __init__(self, service, listener, *, limits: SessionLimits | None = None, token: bytes | None = None,
@@ -137,6 +141,7 @@ class SessionServer:
         self._acceptor: threading.Thread | None = None
         self._epoll = select.epoll()
         self._udp = None
+        self._replay: ReplayGuard | None = None
         if self.datagram:
             self._udp = listener.serve_endpoint()
             self._udp_read = self._udp.socket_reader()
@@ -147,6 +152,8 @@ class SessionServer:
             self._scratch_mv = memoryview(self._scratch)
             self._arena = bytearray(self.limits.max_queued_nbytes)
             self._arena_mv = memoryview(self._arena)
+            self._replay = None if token is None else ReplayGuard(window=self.limits.replay_window,
+                                                                  max_senders=self.limits.replay_senders)
         else:
             self._acceptor = threading.Thread(target=self._accept_loop, name="qlink-session-acceptor", daemon=True)
             self._acceptor.start()
@@ -393,6 +400,10 @@ class SessionServer:
             if n < 0:
                 self.refused["udp_bad_hmac"] += 1
                 return used, queued
+            refusal = self._replay.check(*datagram_sender_seq(self._scratch, n))
+            if refusal is not None:
+                self.refused[refusal] += 1
+                return used, queued
         sessions = self.sessions
         s = sessions.get(addr)
         if s is None:
@@ -556,6 +567,9 @@ class SessionServer:
                            **dict(self.counts), "closed_by_reason": dict(self.closed_by_reason),
                            "max_frame_nbytes": self.max_frame}
         rep["refused_peers"] = dict(refused)
+        if self._replay is not None:
+            rep["sessions"]["replay_windows"] = len(self._replay)
+            rep["sessions"]["replay_windows_evicted"] = self._replay.evicted
         drops = dict(self.udp_dropped_by_sender)
         for s in self.sessions.values():
             if s.dropped:

@@ -134,3 +134,129 @@ def test_prefill_server_beyond_loopback_needs_a_token_and_checks_it():
     finally:
         server.close()
     assert server.refused_by_reason["no_token"] == 2
+
+
+def _kv_hello_session(url, spec):
+    """A plain-socket decode engine: the transport handshake, then a receiver's KV hello
+    (send mode, no regions), then whatever the test does."""
+    from qlink.ai import frames as fr
+    from qlink.ai._handshake import MODE_CODES, ROLE_RECEIVER
+
+    sock, status = _raw_session(url)
+    assert status == 0
+    hello = fr.pack_hello(role=ROLE_RECEIVER, mode=MODE_CODES["send"], spec=spec.to_bytes(), regions=[])
+    sock.sendall(_FRAME.pack(1, 0, 0, 0, len(hello), 0, 0) + hello)
+    return sock
+
+
+def _frames_until_closed(sock, timeout_s=20):
+    """Every MSG payload the server sends until it closes the connection."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    out, pos = [], 0
+    while pos + _FRAME.size <= len(data):
+        kind, _f, tag_n, _r, n, _o, _nid = _FRAME.unpack_from(data, pos)
+        pos += _FRAME.size + tag_n
+        if kind == 1:
+            out.append(data[pos:pos + n])
+        pos += n
+    return out
+
+
+def _wait_for(cond, timeout_s=20):
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def _land(client, server, src, dst, key, xfer, src_ids, dst_ids):
+    server.offer(xfer, src_ids, key=key)
+    client.load(key, url=server.url, xfer_id=xfer, src_block_ids=src_ids, dst_block_ids=dst_ids)
+    out = []
+    assert _wait_for(lambda: out.extend(client.take_results()) or out, 30), "the load never finished"
+    r = out[0]
+    assert r.ok, r
+    assert (dst.block_checksums(dst_ids) == src.block_checksums(src_ids)).all()
+
+
+def test_an_idle_link_is_closed_with_a_reason_while_a_transfer_lands_bit_exact():
+    from qlink.ai._vllm_link import close_notice_reason
+
+    src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=2)
+    server = PrefillServer(url_for("tcp"), src, idle_timeout_s=0.5)
+    client = DecodeClient(dst, load_timeout_s=30)
+    try:
+        silent = _kv_hello_session(server.url, SPEC)  # a link past both handshakes that says nothing more
+        _land(client, server, src, dst, "a", 1, [1, 2], [3, 4])
+        reasons = [close_notice_reason(f) for f in _frames_until_closed(silent)]
+        assert "idle_timeout" in reasons, reasons  # told why, then closed
+        silent.close()
+        # the decode client's own link went idle too: closed, and opened again for the next load
+        assert _wait_for(lambda: server.closed_by_reason["idle_timeout"] >= 2)
+        assert _wait_for(lambda: client.poll() or client.links_closed_by_server["idle_timeout"] >= 1)
+        _land(client, server, src, dst, "b", 2, [5, 6, 7], [0, 1, 2])
+    finally:
+        client.close()
+        server.close()
+    assert server.closed_by_reason["idle_timeout"] >= 2
+    assert server.pushed == 2 and not server.failed
+
+
+def test_a_half_sent_frame_is_closed_after_the_frame_timeout_and_others_go_on():
+    from qlink.ai._vllm_link import close_notice_reason
+
+    src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=3)
+    server = PrefillServer(url_for("tcp"), src, frame_timeout_s=0.3, idle_timeout_s=None)
+    client = DecodeClient(dst, load_timeout_s=30)
+    try:
+        half = _kv_hello_session(server.url, SPEC)
+        half.sendall(_FRAME.pack(1, 0, 0, 0, 64, 0, 0) + bytes(10))  # 64 bytes announced, 10 sent
+        _land(client, server, src, dst, "a", 1, [0, 1], [6, 7])
+        reasons = [close_notice_reason(f) for f in _frames_until_closed(half)]
+        assert "frame_timeout" in reasons, reasons
+        half.close()
+        _land(client, server, src, dst, "b", 2, [2], [5])  # the well-behaved link is still open
+    finally:
+        client.close()
+        server.close()
+    assert server.closed_by_reason == {"frame_timeout": 1}
+    assert not client.links_closed_by_server
+
+
+def test_prefill_server_timeouts_are_checked():
+    src = KVCache.allocate(SPEC, shared=False)
+    with pytest.raises(ValueError, match="idle_timeout_s"):
+        PrefillServer(url_for("tcp"), src, idle_timeout_s=0)
+    with pytest.raises(ValueError, match="frame_timeout_s"):
+        PrefillServer(url_for("tcp"), src, frame_timeout_s=-1.0)
+
+
+def test_a_load_sent_on_a_link_the_server_just_closed_is_asked_again_on_a_new_one():
+    src, dst = KVCache.allocate(SPEC, shared=False), KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=4)
+    server = PrefillServer(url_for("tcp"), src, idle_timeout_s=0.5)
+    client = DecodeClient(dst, load_timeout_s=30)
+    try:
+        _land(client, server, src, dst, "a", 1, [1], [2])
+        with client._work:  # the client does nothing while the server closes its idle link ...
+            assert _wait_for(lambda: server.closed_by_reason["idle_timeout"] >= 1)
+            time.sleep(0.1)
+            server.offer(2, [3, 4], key="b")
+            # ... so its next load goes out on the closed link first
+            client.load("b", url=server.url, xfer_id=2, src_block_ids=[3, 4], dst_block_ids=[5, 6])
+        out = []
+        assert _wait_for(lambda: out.extend(client.take_results()) or out, 30)
+        assert out[0].ok, out[0]
+        assert (dst.block_checksums([5, 6]) == src.block_checksums([3, 4])).all()
+        assert client.links_closed_by_server["idle_timeout"] == 1
+    finally:
+        client.close()
+        server.close()
