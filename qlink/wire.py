@@ -84,6 +84,9 @@ __all__ = [
     "ENQUEUE_SYNDROMES_FIXED_NBYTES",
     "GET_CORRECTIONS_PAYLOAD_NBYTES",
     "RESET_DECODER_PAYLOAD_NBYTES",
+    "REQUEST_IDS", "REQUEST_IDS_OFFSET", "REQUEST_ID_FIELD", "REQUEST_ID_OFFSET", "PTP_FIELD", "PTP_OFFSET",
+    "RESPONSE_FIELDS", "RESPONSE_FIELDS_OFFSET", "ENQUEUE_COUNTER", "ENQUEUE_COUNTER_OFFSET", "GET_RETURN_SIZE",
+    "GET_RETURN_SIZE_OFFSET",
     "Status",
     "Fault",
     "FrameError",
@@ -151,6 +154,25 @@ RESPONSE_HEADER = _RESPONSE_HEADER  # magic, status, result_len, request_id, ptp
 ENQUEUE_FIXED = _ENQUEUE_FIXED  # decoder_id, counter, syndrome_mapping_id, num_syndromes
 GET_CORRECTIONS_PAYLOAD = _GET_CORRECTIONS  # decoder_id, return_size, reset
 RESET_DECODER_PAYLOAD = _RESET_DECODER  # decoder_id
+
+
+def _fields(layout: struct.Struct, first: int, last: int, *, base: int = 0) -> tuple[struct.Struct, int]:
+    """Fields ``first..last`` (0-based) of ``layout`` (one code a field, little-endian, unpadded)
+    as a layout of their own, and the byte offset of the first (plus ``base``): what a hot path
+    patches in place in a prebuilt frame, derived here so no other module restates a layout."""
+    codes = layout.format[1:]
+    return struct.Struct("<" + codes[first:last + 1]), base + struct.calcsize("<" + codes[:first])
+
+
+# Fields patched in place by the fast paths (each with its byte offset in the frame)
+REQUEST_IDS, REQUEST_IDS_OFFSET = _fields(_REQUEST_HEADER, 3, 4)  # request_id, ptp_timestamp
+REQUEST_ID_FIELD, REQUEST_ID_OFFSET = _fields(_REQUEST_HEADER, 3, 3)
+PTP_FIELD, PTP_OFFSET = _fields(_REQUEST_HEADER, 4, 4)
+RESPONSE_FIELDS, RESPONSE_FIELDS_OFFSET = _fields(_RESPONSE_HEADER, 1, 4)  # status, result_len, request_id, ptp
+ENQUEUE_COUNTER, ENQUEUE_COUNTER_OFFSET = _fields(_ENQUEUE_FIXED, 1, 1, base=HEADER_NBYTES)
+GET_RETURN_SIZE, GET_RETURN_SIZE_OFFSET = _fields(_GET_CORRECTIONS, 1, 1, base=HEADER_NBYTES)
+assert (REQUEST_IDS_OFFSET, PTP_OFFSET, RESPONSE_FIELDS_OFFSET) == (12, 16, 4)
+assert ENQUEUE_COUNTER_OFFSET == GET_RETURN_SIZE_OFFSET == HEADER_NBYTES + 8
 assert _REQUEST_HEADER.size == _RESPONSE_HEADER.size == HEADER_NBYTES
 assert _ENQUEUE_FIXED.size == ENQUEUE_SYNDROMES_FIXED_NBYTES
 assert _GET_CORRECTIONS.size == GET_CORRECTIONS_PAYLOAD_NBYTES

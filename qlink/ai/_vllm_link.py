@@ -66,11 +66,11 @@ from ._tracker import TransferAbortedError
 __all__ = ["PrefillServer", "DecodeClient", "LoadResult", "pack_pull", "unpack_pull", "pack_expect", "unpack_expect",
            "FN_PULL", "FN_EXPECT", "CLOSE_RID", "close_notice_reason"]
 
-_PULL = struct.Struct("<IIIIQ" + "II")  # header, then xfer_id, num_blocks; then 2 * num_blocks u32
+_PULL = struct.Struct(wire.REQUEST_HEADER.format + "II")  # the header, then xfer_id, num_blocks; then 2 * num_blocks u32
 _MAX_PULL_BLOCKS = 1 << 16
 FN_PULL = wire.register_function("kv_pull", min_payload_nbytes=_PULL.size - fr.HEADER.size,
                                  max_payload_nbytes=_PULL.size - fr.HEADER.size + 8 * _MAX_PULL_BLOCKS)
-_EXPECT = struct.Struct("<IIIIQ" + "III")  # header, then xfer_id, skip_blocks, num_blocks; then num_blocks u32
+_EXPECT = struct.Struct(wire.REQUEST_HEADER.format + "III")  # the header, then xfer_id, skip_blocks, num_blocks; then num_blocks u32
 FN_EXPECT = wire.register_function("kv_expect", min_payload_nbytes=_EXPECT.size - fr.HEADER.size,
                                    max_payload_nbytes=_EXPECT.size - fr.HEADER.size + 4 * _MAX_PULL_BLOCKS)
 _ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered

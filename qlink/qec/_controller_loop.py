@@ -10,7 +10,6 @@ is :mod:`qlink.qec.hotpath`'s C core.
 
 from __future__ import annotations
 
-import struct
 from collections import deque
 
 import numpy as np
@@ -33,19 +32,14 @@ CONTROLLER_STAGES = (
     "reaction",  # last round's tick -> correction applied (the headline figure)
 )
 
-# Offsets inside an enqueue_syndromes frame (qlink.wire layout): the controller encodes
-# one template per frame position with wire.encode_enqueue_syndromes_into and patches
-# these fields in place for every shot.
-_HDR_IDS = struct.Struct("<IQ")  # request_id, ptp_timestamp
-_HDR_IDS_OFFSET = 12
-_COUNTER = struct.Struct("<q")
-_COUNTER_OFFSET = wire.HEADER_NBYTES + 8
-_GET_RETURN = struct.Struct("<q")  # get_corrections return_size (after the i64 decoder_id)
-_GET_RETURN_OFFSET = wire.HEADER_NBYTES + 8
+# Fields the controller patches in place in its prebuilt frames (qlink.wire's layouts): one
+# template per frame position is encoded with wire.encode_enqueue_syndromes_into.
+_HDR_IDS, _HDR_IDS_OFFSET = wire.REQUEST_IDS, wire.REQUEST_IDS_OFFSET  # request_id, ptp_timestamp
+_COUNTER, _COUNTER_OFFSET = wire.ENQUEUE_COUNTER, wire.ENQUEUE_COUNTER_OFFSET
+_GET_RETURN, _GET_RETURN_OFFSET = wire.GET_RETURN_SIZE, wire.GET_RETURN_SIZE_OFFSET
 _BITS_OFFSET = wire.HEADER_NBYTES + wire.ENQUEUE_SYNDROMES_FIXED_NBYTES
 
-_PTP = struct.Struct("<Q")  # ptp_timestamp, stamped into a prebuilt frame at its tick
-_PTP_OFFSET = 16
+_PTP, _PTP_OFFSET = wire.PTP_FIELD, wire.PTP_OFFSET  # ptp_timestamp, stamped into a prebuilt frame at its tick
 _RESP = wire.RESPONSE_HEADER  # magic, status, result_len, request_id, ptp_timestamp
 _RESP_NBYTES = wire.HEADER_NBYTES
 _RESPONSE_MAGIC = wire.RESPONSE_MAGIC

@@ -11,7 +11,6 @@ the report. The native engine's path is :mod:`qlink.qec.hotpath`'s C core.
 
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 
@@ -30,8 +29,7 @@ _MAX_FRAME_NBYTES = wire.enqueue_syndromes_nbytes(wire.MAX_SYNDROME_BITS)
 _OVERSIZE_READ_NBYTES = 4 * _MAX_FRAME_NBYTES
 # Response header fields after the magic (status, result_len, request_id, ptp_timestamp):
 # the layout of qlink.wire's response header, patched in place on the hot path.
-_RESP_FIELDS = struct.Struct("<iIIQ")
-_RESP_FIELDS_OFFSET = 4
+_RESP_FIELDS, _RESP_FIELDS_OFFSET = wire.RESPONSE_FIELDS, wire.RESPONSE_FIELDS_OFFSET
 # The request header and the fixed payload fields of the two hot calls (qlink.wire's
 # layout): a well-formed frame is read with two unpacks; anything unusual goes through
 # wire.decode_request, which names the fault.

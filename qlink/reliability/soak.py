@@ -33,7 +33,6 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
-import struct
 import time
 from typing import Callable
 
@@ -48,8 +47,8 @@ SOAK_COLUMNS = ["what", "case", "transport", "injected", "detected", "bound", "m
 
 _GET_BIT = 0x80000000
 _RESP = wire.RESPONSE_HEADER  # magic, status, result_len, request_id, ptp
-_PATCH_RID = struct.Struct("<I")
-_PATCH_COUNTER = struct.Struct("<q")
+_PATCH_RID, _PATCH_RID_OFFSET = wire.REQUEST_ID_FIELD, wire.REQUEST_ID_OFFSET
+_PATCH_COUNTER, _PATCH_COUNTER_OFFSET = wire.ENQUEUE_COUNTER, wire.ENQUEUE_COUNTER_OFFSET
 
 
 # ----------------------------------------------------------------------------- resources
@@ -242,8 +241,8 @@ def _qec_soak(*, num_frames: int, transport: str, distance: int, window_shots: i
     while f < num_frames:
         slot = f % P
         off = slot * fnb
-        _PATCH_COUNTER.pack_into(frames, off + 32, counter)
-        _PATCH_RID.pack_into(frames, off + 12, f & 0x7FFFFFFF)
+        _PATCH_COUNTER.pack_into(frames, off + _PATCH_COUNTER_OFFSET, counter)
+        _PATCH_RID.pack_into(frames, off + _PATCH_RID_OFFSET, f & 0x7FFFFFFF)
         fr = fmv[off:off + fnb]
         while True:
             try:
