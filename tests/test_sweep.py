@@ -105,6 +105,26 @@ def test_auto_chunk_size_keeps_every_worker_busy_and_follows_the_csv(tmp_path):
         auto_chunk_shots(small, target_s=0)
 
 
+@pytest.mark.timeout(300)
+def test_run_sweep_sizes_its_chunks_while_the_cluster_starts_and_a_rerun_keeps_the_size(tmp_path):
+    small = QecGrid(distances=(3,), ps=(0.002, 0.005), num_shots=400, chunk_shots=1)
+    path = tmp_path / "auto.csv"
+    res = run_sweep(small, csv_path=path, num_workers=2, progress=False, auto_chunks=True)
+    assert res.complete and res.chunk_choice.basis == "measured" and res.chunk_choice.chunk_shots == 200
+    assert res.chunks_total == 4 and {r[-1] for r in _shots_by_chunk(path)} == {200}
+    again = run_sweep(small, csv_path=path, num_workers=2, progress=False, auto_chunks=True)
+    assert (again.chunk_choice.basis, again.chunk_choice.chunk_shots, again.chunks_run) == ("csv", 200, 0)
+    with pytest.raises(TypeError, match="QecGrid"):
+        run_sweep(KvGrid(tokens=(64,), transports=("inproc",)), csv_path=tmp_path / "kv.csv", auto_chunks=True)
+
+
+def _shots_by_chunk(path) -> list[tuple]:
+    import csv
+
+    with open(path) as f:
+        return [(row["strong_id"].strip(), int(row["shots"])) for row in csv.DictReader(f, skipinitialspace=True)]
+
+
 def test_cli_chunk_shots_is_auto_unless_given():
     from qlink._argparse import Parser
     from qlink.sweep.cli import add_arguments

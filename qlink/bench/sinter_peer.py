@@ -8,7 +8,7 @@ a point; ``--quick``: 4 × 10^5) is collected twice on this machine, in the same
   users call it. Wall time from the call to its return.
 * **qlink** — :func:`qlink.sweep.run_sweep` on a ``LocalCluster`` of two workers with the
   command line's defaults: the chunk size chosen by timing the slowest point
-  (:func:`qlink.sweep.auto_chunk_shots`), a fresh CSV. Wall time from before the
+  (:func:`qlink.sweep.auto_chunk_shots`, timed while the cluster starts), a fresh CSV. Wall time from before the
   chunk size is chosen (the cluster's start included, as the command line pays it) to the
   return.
 
@@ -38,12 +38,11 @@ def _grid(quick: bool):
 def compare_with_sinter(*, quick: bool = False, num_workers: int = 2, progress: Callable[[str], None] = print,
                         grid=None) -> list[dict]:
     """Run both on the same grid (see the module notes); return the rows."""
-    import dataclasses
 
     import sinter
 
     from qlink.qec.controller import wilson_interval
-    from qlink.sweep import auto_chunk_shots, read_done_chunks, run_sweep
+    from qlink.sweep import read_done_chunks, run_sweep
 
     grid = grid or _grid(quick)
     tasks = grid.tasks()
@@ -68,9 +67,9 @@ def compare_with_sinter(*, quick: bool = False, num_workers: int = 2, progress: 
     with tempfile.TemporaryDirectory(prefix="qlink-bench-sweep-") as tmp:
         csv_path = Path(tmp) / "sweep.csv"
         t0 = time.perf_counter()
-        choice = auto_chunk_shots(grid, csv_path=csv_path, num_workers=num_workers)
-        g = dataclasses.replace(grid, chunk_shots=choice.chunk_shots)
-        res = run_sweep(g, csv_path=csv_path, num_workers=num_workers, progress=False, say=lambda m: None)
+        res = run_sweep(grid, csv_path=csv_path, num_workers=num_workers, progress=False, say=lambda m: None,
+                        auto_chunks=True)
+        choice = res.chunk_choice
         qlink_s = time.perf_counter() - t0
         ours: dict[str, tuple[int, int]] = {}
         import csv

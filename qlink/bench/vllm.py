@@ -7,6 +7,11 @@ float32 Llama: hidden 256, 4 layers, 4 heads of 64, block size 32):
 * ``recompute``: no disaggregation, the decode engine computes the prompt itself;
 * ``qlink-shm`` / ``qlink-tcp`` / ``qlink-ucx``: :class:`qlink.ai.vllm_connector.QlinkConnector`
   (one decode engine pulls from three prefill engines, one per transport);
+* ``qlink-shm-push``: the same connector in its push flow, on the ``qlink-shm`` engines: the
+  decode engine has the request first (``qlink_push``), so each layer leaves the prefill
+  engine as its forward pass writes it; its decode-side TTFT is counted from the prefill
+  engine's answer (the bench process's clock: the decode request was already in), which
+  also counts the decode engine's answer getting back to this process;
 * ``example``: vLLM's ``ExampleConnector`` (safetensors files in a temporary directory);
 * ``nixl``: vLLM's ``NixlConnector`` (``kv_buffer_device="cpu"``, UCX backend, the decode
   side READs). Set up as fairly as this host allows, and said so in the output: NIXL's
@@ -29,6 +34,7 @@ best other connector.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import sys
@@ -38,7 +44,8 @@ from typing import Callable
 
 __all__ = ["run_vllm_bench", "main_from_cli", "nixl_fair", "CASES", "NIXL_PROGRESS_DELAY_US"]
 
-CASES = ("recompute", "qlink-shm", "qlink-tcp", "qlink-ucx", "example", "nixl")
+CASES = ("recompute", "qlink-shm", "qlink-shm-push", "qlink-tcp", "qlink-ucx", "example", "nixl")
+_PUSH_IDS = itertools.count(1 << 31)  # transfer ids of the push flow (the connector's own stay below 2**31)
 NIXL_PROGRESS_DELAY_US = 100
 
 
@@ -76,7 +83,7 @@ def _engines_for(case: str, model_dir: str, tmp: str, port: int):
     from qlink.ai.vllm_engines import connector_config
 
     if case.startswith("qlink-"):
-        return dict(kv_transfer_config=connector_config("kv_producer", url=loopback_url(case[6:]))), None
+        return dict(kv_transfer_config=connector_config("kv_producer", url=loopback_url(_scheme(case)))), None
     if case == "example":
         cfg = connector_config("kv_both", connector="ExampleConnector", module=None,
                                extra={"shared_storage_path": os.path.join(tmp, "example-kv")})
@@ -104,8 +111,41 @@ def _one_token_ttft_ms(decode, repeats: int) -> float:
     return 1e3 * statistics.median(walls[1:])
 
 
+def _scheme(case: str) -> str:
+    """The transport of a ``qlink-…`` case (``qlink-shm-push`` -> ``shm``)."""
+    return case[6:].split("-")[0]
+
+
+def _push_request(prefill, decode, p) -> dict:
+    """One prompt in the push flow: the decode request first, then the prefill (see the module notes)."""
+    url = prefill.call("connector")["url"]
+    k = next(_PUSH_IDS) & 0xFFFFFFFF
+    seen = prefill.call("connector")["expected"]
+    decode.call("loads")
+    decode.submit_generate([p], [dict(max_tokens=1, kv_transfer_params={
+        "do_remote_prefill": True, "qlink_push": True, "remote_url": url, "remote_xfer_id": k,
+        "remote_num_tokens": len(p)})])
+    deadline = time.monotonic() + 60
+    while prefill.call("connector")["expected"] <= seen:  # the decode side's kv_expect is in
+        if time.monotonic() > deadline:
+            decode.result(timeout_s=60)
+            raise TimeoutError("the decode engine's kv_expect never reached the prefill engine")
+        time.sleep(0.001)
+    r = prefill.generate([p], dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True, "qlink_xfer_id": k}))
+    t_pre = time.monotonic_ns()
+    d = decode.result(timeout_s=120)
+    t_dec = time.monotonic_ns()
+    loads = decode.call("loads")
+    ok = d["outputs"][0]["finish_reason"] == "length" and bool(loads) and all(ld["ok"] for ld in loads)
+    # transfer: what was still moving after the prefill engine answered (0: all landed before)
+    xfer = max(0, loads[-1]["done_ns"] - t_pre) / 1e9 if loads else None
+    return dict(pre=_ttft_s(r), ttft=max(0, t_dec - t_pre) / 1e9, ok=ok, xfer=xfer if ok else None)
+
+
 def _one_request(case: str, prefill, decode, p) -> dict:
     """One prompt through ``case``: prefill (if any), then decode with the KV moved."""
+    if case.endswith("-push"):
+        return _push_request(prefill, decode, p)
     if case == "recompute":
         d = decode.generate([p], dict(max_tokens=1))
         return dict(pre=_ttft_s(d), ttft=_ttft_s(d), ok=d["outputs"][0]["finish_reason"] == "length")
@@ -131,10 +171,13 @@ def _start_engines(cases, model: str, tmp: str, errors: list, say) -> dict:
     qlink_decode = None
     for case in cases:
         if case.startswith("qlink-"):
-            why = transport_unavailable(case[6:])
+            why = transport_unavailable(_scheme(case))
             if why:
                 errors.append(f"{case}: {why}")
                 continue
+        if case.endswith("-push") and case[:-5] in engines:  # the pull case's engines serve both flows
+            engines[case] = engines[case[:-5]]
+            continue
         say(f"vllm bench: starting {case}")
         try:
             if case == "recompute" or case.startswith("qlink-"):
@@ -176,7 +219,9 @@ def run_vllm_bench(*, lengths=(128, 512, 2048), repeats: int = 3, cases=CASES,
              "the TTFT of a 1-token prompt on the same model's decode engine (same run, no connector work)",
              "ExampleConnector cannot serve two different 1-token prompts (both map to its empty-prefix file), so "
              "that floor is measured on the qlink decode engine with requests that carry no transfer params",
-             "all engines run at once and the cases take turns, request by request, in an order that rotates"]
+             "all engines run at once and the cases take turns, request by request, in an order that rotates",
+             "qlink-shm-push: decode-side TTFT counted from the prefill engine's answer (the decode request was "
+             "in before the prefill); transfer_ms = what was still moving after that answer"]
     ps_by_len = {n: prompts([n] * repeats, seed=100 + n) for n in lengths}
     samples: dict = {}
     floor_ms = None

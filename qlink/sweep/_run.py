@@ -29,6 +29,7 @@ import itertools
 import os
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 from ._csv import CsvAppender, SweepError
@@ -59,6 +60,7 @@ class SweepResult:
     transports_used: dict = field(default_factory=dict)  # requested name -> transport that carried the bytes
     workers_lost: int = 0  # workers that left (died, or were stopped) while the sweep ran
     interrupted: bool = False  # Ctrl-C stopped it; the finished chunks are in the CSV
+    chunk_choice: object = None  # with auto_chunks: the ChunkChoice (its describe() says why that size)
 
     @property
     def complete(self) -> bool:
@@ -154,9 +156,44 @@ def _connect(scheduler, num_workers: int):
                     f"got {type(scheduler).__name__}")
 
 
+def _size_chunks(grid, *, csv_path, scheduler, num_workers: int, client):
+    """``(grid with its chunk size chosen, ChunkChoice, client, cluster)``: the chunk size timed
+    by :func:`~qlink.sweep.auto_chunk_shots` in a thread while the cluster starts here (a
+    ``LocalCluster`` starts in a second or two, mostly its processes importing: time the probe
+    would otherwise add), or at once where the CSV fixes it or a client is given."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from ._chunking import auto_chunk_shots
+    from ._grid import QecGrid
+
+    if not isinstance(grid, QecGrid):
+        raise TypeError(f"auto_chunks sizes a QecGrid's chunks; got {type(grid).__name__} (give its chunk size)")
+    cluster = None
+    if client is not None or Path(csv_path).exists():
+        choice = auto_chunk_shots(grid, csv_path=csv_path, num_workers=num_workers)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="qlink-chunk-probe") as pool:
+            probe = pool.submit(auto_chunk_shots, grid, csv_path=csv_path, num_workers=num_workers)
+            try:
+                client, cluster = _connect(scheduler, num_workers)
+            except BaseException:
+                probe.cancel()
+                raise
+            try:
+                choice = probe.result()
+            except BaseException:
+                client.close()
+                if cluster is not None:
+                    cluster.close()
+                raise
+    return dataclasses.replace(grid, chunk_shots=choice.chunk_shots), choice, client, cluster
+
+
 def run_sweep(grid, *, csv_path, scheduler: str | None = None, num_workers: int = 2, max_chunks: int | None = None,
               progress: bool = True, in_flight_per_thread: int = 2, client=None, no_worker_timeout_s: float = 60.0,
-              say=None) -> SweepResult:
+              auto_chunks: bool = False, say=None) -> SweepResult:
     """Run every chunk of ``grid`` the CSV at ``csv_path`` does not hold yet; return a summary.
 
     ``grid``: a :class:`~qlink.sweep.QecGrid`, :class:`~qlink.sweep.KvGrid`,
@@ -167,8 +204,11 @@ def run_sweep(grid, *, csv_path, scheduler: str | None = None, num_workers: int 
     call). Chunks that fail are reported together in a :class:`SweepError` after every
     other chunk has been written; rerunning retries only what is missing. Ctrl-C raises
     :class:`SweepInterrupted` once the chunks running then are written (see the module
-    docstring). ``say``: where worker arrivals and departures are reported (default:
-    above the progress bar, or stderr).
+    docstring). ``auto_chunks``: a :class:`~qlink.sweep.QecGrid`'s chunk size is chosen
+    from the time a shot takes here (:func:`~qlink.sweep.auto_chunk_shots`, timed while the
+    cluster starts; the result's ``chunk_choice`` says what was chosen and why) instead of
+    its ``chunk_shots``. ``say``: where worker arrivals and departures are reported
+    (default: above the progress bar, or stderr).
     """
     if max_chunks is not None and (isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 0):
         raise ValueError(f"max_chunks must be None or an int >= 0, got {max_chunks!r}")
@@ -177,8 +217,26 @@ def run_sweep(grid, *, csv_path, scheduler: str | None = None, num_workers: int 
     if isinstance(no_worker_timeout_s, bool) or not isinstance(no_worker_timeout_s, (int, float)) \
             or not no_worker_timeout_s > 0:
         raise ValueError(f"no_worker_timeout_s must be a number > 0, got {no_worker_timeout_s!r}")
-    tasks = expand(grid)
     t_start = time.perf_counter()
+    own = client is None
+    cluster = choice = None
+    if auto_chunks:
+        grid, choice, client, cluster = _size_chunks(grid, csv_path=csv_path, scheduler=scheduler,
+                                                     num_workers=num_workers, client=client)
+    try:
+        res = _run_connected(grid, csv_path=csv_path, scheduler=scheduler, num_workers=num_workers,
+                             max_chunks=max_chunks, progress=progress, in_flight_per_thread=in_flight_per_thread,
+                             client=client, no_worker_timeout_s=no_worker_timeout_s, say=say, t_start=t_start)
+    finally:
+        if own and cluster is not None:  # (started by _size_chunks)
+            client.close()
+            cluster.close()
+    return res if choice is None else dataclasses.replace(res, chunk_choice=choice)
+
+
+def _run_connected(grid, *, csv_path, scheduler, num_workers, max_chunks, progress, in_flight_per_thread, client,
+                   no_worker_timeout_s, say, t_start) -> SweepResult:
+    tasks = expand(grid)
     with CsvAppender(csv_path) as out:
         todo = pending_chunks(tasks, out.done.chunks)
         total = sum(t.num_chunks for t in tasks)

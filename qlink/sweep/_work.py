@@ -69,7 +69,7 @@ def _needs_children(what: str) -> None:
 
 
 def _qec_wire(work: dict, shots: int, seed: int) -> dict:
-    from qlink.qec.loop import build_source, run_loop, sample_stream
+    from qlink.qec.loop import run_loop, sample_stream
 
     transport = work["transport"]
     if transport != "inproc":

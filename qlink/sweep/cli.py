@@ -124,23 +124,19 @@ def run_from_cli(args, *, say: Callable[[str], None] = print) -> int:
                        transports=args.transports, rounds=args.rounds, num_shots=args.shots,
                        chunk_shots=1_000 if auto else args.chunk_shots)
         if auto:
-            from dataclasses import replace
-
-            from ._chunking import auto_chunk_shots
-
-            say("timing one chunk of the grid's slowest point to size the chunks")
-            choice = auto_chunk_shots(grid, csv_path=csv_path, num_workers=args.workers)
-            grid = replace(grid, chunk_shots=choice.chunk_shots)
-            say(choice.describe())
+            say("timing one chunk of the grid's slowest point to size the chunks (while the cluster starts)")
     else:
+        auto = False
         grid = KvGrid(tokens=args.tokens, transports=args.transports, preset=args.preset,
                       num_transfers=args.transfers, chunk_transfers=args.chunk_transfers, budget_ms=args.budget_ms)
     try:
         res = run_sweep(grid, csv_path=csv_path, scheduler=args.scheduler, num_workers=args.workers,
-                        max_chunks=args.max_chunks, progress=not args.no_progress)
+                        max_chunks=args.max_chunks, progress=not args.no_progress, auto_chunks=auto)
     except SweepInterrupted as e:
         print(f"qlink sweep: {e}", file=sys.stderr)
         return 130
+    if res.chunk_choice is not None:
+        say(res.chunk_choice.describe())
     lost = f"; {res.workers_lost} worker(s) lost on the way" if res.workers_lost else ""
     say(f"{res.chunks_run} chunk(s) run, {res.chunks_before} already there, {res.chunks_left} left "
         f"of {res.chunks_total}; {res.seconds:.1f} s on {res.num_workers or 'no'} worker(s){lost}")
