@@ -348,6 +348,12 @@ def build_parser() -> Parser:
                                 lambda x, where: checks.transport(x, where=where, choices=("shm", "tcp")),
                                 v, where=where),
                             help="qlink's transports, of shm,tcp (default shm,tcp)")
+        if name == "hostile":
+            bb.add_argument("--attacker-nice", default=0, metavar="N", action=CheckedAction,
+                            check=lambda v, where: checks.integer(v, where=where, lo=0, hi=19),
+                            help="run the hostile clients at this nice level, 0..19 (default 0: the same priority "
+                                 "as the service; on a host of few cores a higher one stands in for attackers on "
+                                 "hosts of their own, whose CPU is not the service's)")
         if name == "decoders":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 3,5; --quick 3)")

@@ -28,6 +28,7 @@ CASES = [
     (QLINK + ["bnch"], "did you mean 'bench'"),
     (QLINK + ["bench", "transport", "--transports", "shmm"], "did you mean 'shm'"),
     (QLINK + ["bench", "qec", "--transports", "tcp,shmm"], "valid: shm, tcp, ucx, udp"),
+    (QLINK + ["bench", "hostile", "--attacker-nice", "30"], "--attacker-nice must be a whole number in [0, 19]"),
     (QLINK + ["budget", "--transports", "uxc"], "did you mean 'ucx'"),
     (QLINK + ["sweep", "qec", "--decoders", "pymatchng"], "did you mean 'pymatching'"),
     (QLINK + ["sweep", "kv", "--preset", "llama-3-7b"], "KV preset"),

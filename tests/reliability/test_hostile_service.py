@@ -159,3 +159,22 @@ def test_beyond_max_sessions_a_new_session_is_refused_with_a_status(code):
             rep = svc.report(timeout_s=10)
         assert rep["refused_peers"].get("max_sessions", 0) >= 2, rep["refused_peers"]
 
+
+
+def test_a_hostile_client_runs_at_the_nice_level_it_was_given():
+    """``qlink bench hostile --attacker-nice N``: the attacker's process really runs at nice N."""
+    import os
+    import socket
+
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        with HostileProcess("udp_garbage", f"udp://127.0.0.1:{sink.getsockname()[1]}", nice=7) as h:
+            assert os.getpriority(os.PRIO_PROCESS, h.process.pid) == min(19, base + 7)
+            sink.settimeout(30)
+            assert sink.recv(2048)  # its garbage arrives
+            seen = h.stop()
+        assert seen.get("datagrams_sent", 0) > 0
+    finally:
+        sink.close()
