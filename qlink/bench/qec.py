@@ -329,6 +329,10 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     if given:
         hot_kw["distances"] = tuple(int(x) for x in str(given).replace(" ", ",").split(",") if x.strip())
     hot = run_hot_bench(progress=say, trace_path=getattr(args, "trace", None), **hot_kw)
+    ds_rows, ds_goal = _measurement_level(quick=quick, say=say)
+    hot["goals"] += ds_goal
+    if ds_rows:
+        write_results(ds_rows, out_dir=out, name="qec_dsparse", meta={"quick": quick})
     write_results(hot["rows"], out_dir=out, name="qec_native", meta={"quick": quick})
     write_results(hot["goals"], out_dir=out, name="qec_goals", meta={"quick": quick})
     print("\nReal-time path (native, shm / tcp / udp, one frame per round): goals, each figure from this run (µs)")
@@ -336,6 +340,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     print(wrap(f"written under {out}/: qec_native (every figure), qec_goals (.json, .csv)"))
     if getattr(args, "native_only", False):
         return hot["rows"]
+    cq = _cudaq_side_by_side(quick=quick, out=out, say=say)
     kw = dict(distances=(5, 7), cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000,
               ff_shots=1000) if quick else {}
     for name, conv in (("distances", int), ("transports", str)):
@@ -356,6 +361,57 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
         if r.get("note"):
             print(wrap(f"  note ({r.get('transport')}, d={r.get('d')}): {r['note']}", indent="    "))
     print(wrap(f"\nwritten: {out}/qec.{{json,csv}} (all {len(BENCH_COLUMNS)} columns)"))
+    if cq:
+        from .cudaq_peer import COLUMNS as CQ_COLUMNS
+
+        print("\nCUDA-Q realtime decoding (in-process, stim target) beside qlink's service on the same records and "
+              "one multi_decoder_config (vs_cudaq_p50: qlink's last syndrome -> corrections p50 over CUDA-Q's)")
+        cols = [c for c in ("code", "path", "identical", "decode_p50_us", "last_syndrome_to_corrections_p50_us",
+                            "vs_cudaq_p50") if c in CQ_COLUMNS]
+        print(format_table(cq, columns=cols, max_width=100))
+        print(wrap(f"written: {out}/qec_cudaq.{{json,csv}}"))
+    return rows
+
+
+def _measurement_level(*, quick: bool, say) -> tuple[list[dict], list[dict]]:
+    """CUDA-Q's measurement-level syndromes (``D_sparse``) through the native service beside
+    detection events, d = 5, one shot per frame and in flight (:mod:`qlink.bench.dsparse`,
+    best of alternating rounds): its rows and its goal row (at most 1 µs more per shot)."""
+    from .dsparse import measurement_overhead, overhead_rows
+
+    try:
+        res = measurement_overhead(distance=5, num_shots=1000 if quick else 4000, batch_sizes=(1,),
+                                   engines=("native",), repeats=3, service_shots=1000 if quick else 2000,
+                                   service_rounds=3, say=say)
+    except ImportError as e:  # (no cudaq-qec config support here: the goal row says so)
+        return [], [{"goal": "D_sparse (measurement-level) syndromes cost <= 1 us more per shot than detector-level, "
+                             "d=5, native service", "figure_us": float("nan"), "target_us": 1.0, "met": False,
+                     "floor": f"not measured: {e}"}]
+    rows = overhead_rows(res)
+    svc = [r for r in rows if "service" in r["path"] and "added_us" in r]
+    if not svc:
+        return rows, []
+    r = svc[0]
+    return rows, [{"goal": "D_sparse (measurement-level) syndromes cost <= 1 us more per shot than detector-level, "
+                           "d=5, native service decode per shot p50", "figure_us": r["added_us"], "target_us": 1.0,
+                   "met": bool(r["added_us"] <= 1.0 and res["identical"]),
+                   "floor": f"{r['measurements_us']:.2f} vs {r['detectors_us']:.2f} us a shot; corrections "
+                            f"{'identical' if res['identical'] else 'DIFFER'}"}]
+
+
+def _cudaq_side_by_side(*, quick: bool, out, say) -> list[dict]:
+    """``qlink bench cudaq``'s rows (CUDA-Q's realtime path beside qlink's service on the same
+    records) where cudaq-qec is installed, written as ``qec_cudaq``; [] where it is not."""
+    import importlib.util
+
+    if importlib.util.find_spec("cudaq_qec") is None:
+        say("CUDA-Q realtime comparison skipped: cudaq-qec is not installed (pip install 'qlink[quantum]')")
+        return []
+    from .cudaq_peer import bench_rows
+    from .report import write_results
+
+    rows = bench_rows(quick=quick, transports=("shm", "tcp"), engines=("native",), say=say)
+    write_results(rows, out_dir=out, name="qec_cudaq", meta={"quick": quick})
     return rows
 
 
