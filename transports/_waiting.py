@@ -96,12 +96,13 @@ class SpinThenSleep:
                  "yield_after", "spin_until", "sleep_s")
 
     def __init__(self, *, timeout_s: float | None, spin_s: float, what: str = "wait", yield_after_s: float = 100e-6,
-                 min_sleep_s: float = 5e-6, max_sleep_s: float = 1e-3) -> None:
+                 min_sleep_s: float = 5e-6, max_sleep_s: float = 1e-3, deadline: float | None | str = "now") -> None:
         self.spin_s = spin_s
         self.yield_after_s = yield_after_s
         self.min_sleep_s = min_sleep_s
         self.max_sleep_s = max_sleep_s
-        self.restart(what, timeout_s, deadline_of(timeout_s))
+        # deadline: "now" counts timeout_s from here, else the call's own (taken when it began)
+        self.restart(what, timeout_s, deadline_of(timeout_s) if deadline == "now" else deadline)
 
     def restart(self, what: str, timeout_s: float | None, deadline: float | None) -> None:
         """Serve a new wait (``deadline``: :func:`deadline_of` ``timeout_s``, taken when the
@@ -120,6 +121,16 @@ class SpinThenSleep:
     def timed_out(self) -> Exception:
         """The error an expired deadline raises (a subclass names its endpoint)."""
         return QlinkTimeoutError(f"{self.what} did not complete within timeout_s={self.timeout_s}")
+
+    def left_s(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline); raises :meth:`timed_out`'s
+        error once it has passed. For a caller that waits some other way (a condition)."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.timed_out()
+        return left
 
     def idle(self) -> bool:
         """Called before each sleep; True skips the sleep (the caller has something to see)."""
@@ -165,10 +176,11 @@ class SpinThenPoll(SpinThenSleep):
     __slots__ = ("poller", "max_block_s")
 
     def __init__(self, poller, *, timeout_s: float | None, spin_s: float, what: str = "wait",
-                 max_block_s: float | None = None, yield_after_s: float = math.inf) -> None:
+                 max_block_s: float | None = None, yield_after_s: float = math.inf,
+                 deadline: float | None | str = "now") -> None:
         self.poller = poller
         self.max_block_s = max_block_s
-        super().__init__(timeout_s=timeout_s, spin_s=spin_s, what=what, yield_after_s=yield_after_s)
+        super().__init__(timeout_s=timeout_s, spin_s=spin_s, what=what, yield_after_s=yield_after_s, deadline=deadline)
 
     def sleep(self, left_s: float | None) -> None:
         self.poller.poll(poll_ms(left_s, cap_s=self.max_block_s))
