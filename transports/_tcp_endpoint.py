@@ -408,7 +408,6 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._regions.clear()
 
 
-
 def _byte_view(obj) -> memoryview:
     mv = memoryview(obj)
     if mv.ndim == 1 and mv.format == "B" and mv.c_contiguous:
