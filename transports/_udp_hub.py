@@ -148,7 +148,9 @@ class Hub:
                     try:
                         got = self.read_locked(want, buf, ep, done)
                     finally:
-                        self._end_turn()
+                        self.reading = False
+                        if self.waiting:
+                            self.cond.notify_all()
                     if got is True:
                         continue  # take() now finds it
                     if got is not None:
@@ -165,7 +167,9 @@ class Hub:
                         pause.pause()  # the lock released: spin on the socket, then sleep in poll
                     finally:
                         self.cond.acquire()
-                        self._end_turn()
+                        self.reading = False
+                        if self.waiting:
+                            self.cond.notify_all()
                 else:
                     left = pause.left_s()
                     self.waiting += 1
@@ -173,8 +177,3 @@ class Hub:
                         self.cond.wait(WAKE_S if left is None else min(left, WAKE_S))
                     finally:
                         self.waiting -= 1
-
-    def _end_turn(self) -> None:
-        self.reading = False
-        if self.waiting:
-            self.cond.notify_all()
