@@ -152,12 +152,10 @@ def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = DE
         local_key, peer_key, takes_putv = hs.client_handshake(sock, token=token, left=left, where=where)
         return TcpEndpoint(sock, url=where, local_key=local_key, peer_key=peer_key, busy_poll_s=busy_poll_s,
                            peer_takes_putv=takes_putv)
-    except TimeoutError as e:
+    except BaseException as e:
         sock.close()
-        raise QlinkTimeoutError(f"tcp: handshake with {where} did not complete within timeout_s={timeout_s}") from e
-    except OSError as e:
-        sock.close()
-        raise BrokenLinkError(f"tcp handshake with {where} failed: {e}") from e
-    except BaseException:
-        sock.close()
+        if isinstance(e, TimeoutError):
+            raise QlinkTimeoutError(f"tcp: handshake with {where} did not complete within timeout_s={timeout_s}") from e
+        if isinstance(e, OSError):
+            raise BrokenLinkError(f"tcp handshake with {where} failed: {e}") from e
         raise
