@@ -102,7 +102,7 @@ class SpinThenSleep:
         self.min_sleep_s = min_sleep_s
         self.max_sleep_s = max_sleep_s
         # deadline: "now" counts timeout_s from here, else the call's own (taken when it began)
-        self.restart(what, timeout_s, deadline_of(timeout_s) if deadline == "now" else deadline)
+        self.restart(what, timeout_s, deadline_of(timeout_s) if isinstance(deadline, str) else deadline)
 
     def restart(self, what: str, timeout_s: float | None, deadline: float | None) -> None:
         """Serve a new wait (``deadline``: :func:`deadline_of` ``timeout_s``, taken when the
