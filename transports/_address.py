@@ -1,5 +1,5 @@
-"""``scheme://host:port`` URLs: the one parser of the transports addressed by host and port
-(tcp, udp, ucx), so each says the same thing about the same mistake.
+"""``scheme://host:port`` URLs: the one parser (and the one writer) of the transports
+addressed by host and port (tcp, udp, ucx), so each says the same thing about the same mistake.
 
 >>> split_host_port("tcp://127.0.0.1:5555", scheme="tcp", for_listen=False)
 ('127.0.0.1', 5555)
@@ -11,13 +11,15 @@
 Traceback (most recent call last):
 ...
 ValueError: udp URL 'udp://127.0.0.1' needs a port, like 'udp://127.0.0.1:5000'
+>>> join_host_port("tcp", "::1", 7), join_host_port("udp", "127.0.0.1", 5000)
+('tcp://[::1]:7', 'udp://127.0.0.1:5000')
 """
 
 from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-__all__ = ["split_host_port"]
+__all__ = ["join_host_port", "split_host_port"]
 
 
 def split_host_port(url: str, *, scheme: str, for_listen: bool, extras_ok: bool = True) -> tuple[str, int]:
@@ -47,3 +49,8 @@ def split_host_port(url: str, *, scheme: str, for_listen: bool, extras_ok: bool 
     if not extras_ok and (parts.path not in ("", "/") or parts.query):
         raise ValueError(f"{scheme} URL {url!r} takes only host and port, no path or query")
     return host, port
+
+
+def join_host_port(scheme: str, host: str, port: int) -> str:
+    """The URL of ``host:port`` (an IPv6 address in brackets), as :func:`split_host_port` reads it."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

@@ -35,7 +35,7 @@ import time
 
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
-from ._address import split_host_port
+from ._address import join_host_port, split_host_port
 
 __all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV", "FLAG_AUTH",
            "PeerRefusedError"]
@@ -85,7 +85,7 @@ def scope_of(host: str) -> str:
 
 
 def url_of(host: str, port: int) -> str:
-    return f"ucx://[{host}]:{port}" if ":" in host else f"ucx://{host}:{port}"
+    return join_host_port("ucx", host, port)
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:

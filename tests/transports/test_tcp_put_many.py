@@ -15,7 +15,7 @@ import pytest
 from qlink.errors import BrokenLinkError, QlinkTimeoutError
 from qlink.memory import RemoteRegion
 from transports import framing as fr
-from transports import tcp
+from transports import _tcp_frames, _tcp_handshake, tcp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,7 +101,7 @@ def test_a_put_many_past_the_frame_limit_goes_as_several_frames_one_notification
     region = server.register(target)
     src = np.arange(1 << 15, dtype=np.uint32).view(np.uint8)[: 1 << 15]
     so, do, ln = np.arange(20) * 1500, np.arange(20) * 3000 + 7, np.full(20, 1500)
-    assert tcp._frame_groups(ln)[:2] == [(0, 2), (2, 4)]  # two pieces and their table entries per frame
+    assert _tcp_frames.frame_groups(ln)[:2] == [(0, 2), (2, 4)]  # two pieces and their table entries per frame
     client.put_many(src, region.descriptor(), so, do, ln, notify_id=9, tag=b"t", timeout_s=10)
     note = server.wait_notification(timeout_s=10)
     assert (note.offset, note.nbytes, note.tag) == (7, 19 * 3000 + 1500, b"t")
@@ -131,7 +131,7 @@ def test_a_malformed_putv_frame_breaks_the_link(pair):
     target = np.zeros(64, np.uint8)
     region = server.register(target)
     head = bytearray(fr.HEADER.size)
-    fr.HEADER.pack_into(head, 0, tcp._KIND_PUTV, 0, 0, region.region_id, 16 + 4, 1, 0)
+    fr.HEADER.pack_into(head, 0, _tcp_frames.KIND_PUTV, 0, 0, region.region_id, 16 + 4, 1, 0)
     client._sock.sendall(bytes(head) + struct.pack("<QQ", 0, 8) + b"abcd")  # a table of 8 B, 4 B follow
     with pytest.raises(BrokenLinkError, match="add up"):
         server.wait_notification(timeout_s=5)
@@ -179,7 +179,7 @@ def test_a_new_client_speaks_version_1_to_a_version_1_listener():
                                    tag=b"kv", timeout_s=5) == 3
             t.join(5)
     magic, version, flags, _key = seen["hello"]
-    assert (magic, version, flags & tcp._HELLO_PUTV, seen["check"]) == (fr.MAGIC, 1, 1, fr.STATUS_OK)
+    assert (magic, version, flags & _tcp_handshake.HELLO_PUTV, seen["check"]) == (fr.MAGIC, 1, 1, fr.STATUS_OK)
     frames = _parse_frames(seen["frames"])
     assert [(f[0], f[1], f[2], f[3], f[4], f[5]) for f in frames] == [
         (fr.KIND_PUT, 3, 90, 6, b"kv", b"01"), (fr.KIND_PUT, 3, 0, 6, b"kv", b"234"),
@@ -206,7 +206,7 @@ def test_a_version_2_listener_answers_version_2_to_a_client_that_takes_putv():
     with tcp.listen("tcp://127.0.0.1:0") as lis:
         host, port = lis.url.removeprefix("tcp://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as sock:
-            sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, tcp._HELLO_PUTV, 5))
+            sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _tcp_handshake.HELLO_PUTV, 5))
             version, status, _key, _n = fr.parse_reply(_recv_exact(sock, fr.REPLY.size))
             assert (version, status) == (2, fr.STATUS_OK)
             with lis.accept(timeout_s=5) as server:
