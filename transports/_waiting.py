@@ -62,11 +62,18 @@ class Backoff:
     def spinning(self) -> bool:
         return self._n < self.spin
 
-    def pause(self) -> None:
+    def pause(self, wake=None) -> None:
+        """One idle moment. ``wake``: a ``threading.Event`` that ends a sleep early (work was
+        handed over): it is then cleared and the backoff starts over."""
         if self._n < self.spin:
             self._n += 1
             return
-        time.sleep(self._sleep)
+        if wake is None:
+            time.sleep(self._sleep)
+        elif wake.wait(self._sleep):
+            wake.clear()
+            self.reset()
+            return
         self._sleep = min(self._sleep * 2, self.max_sleep_s)
 
 

@@ -58,7 +58,7 @@ import numpy as np
 
 from qlink import wire
 from qlink.errors import BrokenLinkError, QlinkError, QlinkTimeoutError, WireError, WouldBlock
-from transports import BufferTooSmallError
+from transports import Backoff, BufferTooSmallError
 
 from . import frames as fr
 from ._tracker import TransferAbortedError
@@ -142,26 +142,9 @@ def unpack_expect(frame) -> tuple[int, int, int, list[int]]:
     return rid, xfer_id, skip, np.frombuffer(frame, dtype="<u4", count=n, offset=_EXPECT.size).tolist()
 
 
-class _Backoff:
+def _backoff() -> Backoff:
     """Spin a little, then sleep with a doubling pause (an idle link costs no core)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.spins, self.sleep_s = 0, 1e-5
-
-    def idle(self, wake: threading.Event | None = None) -> None:
-        if self.spins < 200:
-            self.spins += 1
-            return
-        if wake is None:
-            time.sleep(self.sleep_s)
-        elif wake.wait(self.sleep_s):
-            wake.clear()
-            self.reset()
-            return
-        self.sleep_s = min(self.sleep_s * 2, _IDLE_SLEEP_MAX_S)
+    return Backoff(spin=200, min_sleep_s=1e-5, max_sleep_s=_IDLE_SLEEP_MAX_S)
 
 
 @dataclass
@@ -365,7 +348,7 @@ class PrefillServer:
     def _serve_loop(self) -> None:
         buf = bytearray(_PULL.size + 8 * _MAX_PULL_BLOCKS)
         mv = memoryview(buf)
-        backoff = _Backoff()
+        backoff = _backoff()
         next_expiry = next_timers = 0.0
         while not self._stop.is_set():
             with self._lock:
@@ -392,7 +375,7 @@ class PrefillServer:
             if busy:
                 backoff.reset()
             else:
-                backoff.idle(self._wake)
+                backoff.pause(self._wake)
 
     # ----- streams (push during the forward pass) ---------------------------------------
     def _run_commands(self) -> bool:
@@ -790,7 +773,7 @@ class DecodeClient:
             self._work.release()
 
     def _loop(self) -> None:
-        backoff = _Backoff()
+        backoff = _backoff()
         while not self._stop.is_set():
             if time.monotonic() - self._polled < _ENGINE_POLLS_S:
                 time.sleep(_ENGINE_POLLS_S)  # the engine's thread is doing the work: do not contend for the GIL
@@ -800,7 +783,7 @@ class DecodeClient:
             if busy:
                 backoff.reset()
             else:
-                backoff.idle()
+                backoff.pause()
 
     def _step(self) -> bool:
         with self._lock:

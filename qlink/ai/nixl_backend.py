@@ -303,6 +303,20 @@ class _Agent:
             pass
 
 
+def _attach(side, endpoint, cache, *, agent_name, backends, progress_thread: bool, progress_delay_us,
+            num_threads: int) -> None:
+    """What both sides set up first: ``cache`` checked, its NIXL agent, and the attributes every
+    KV side has (``endpoint``, ``cache``, ``spec``, ``transport``)."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
+    side._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread,
+                      progress_delay_us=progress_delay_us, num_threads=num_threads)
+    side.endpoint = endpoint
+    side.cache = cache
+    side.spec = cache.spec
+    side.transport = side._nx.backend
+
+
 class NixlKVSender(KVSender):
     """Prefill side over NIXL: ``endpoint`` (any qlink transport) carries the handshake,
     NIXL's agent the bytes (``progress_thread``: NIXL's own progress thread, its default;
@@ -313,14 +327,8 @@ class NixlKVSender(KVSender):
     def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",),
                  progress_thread: bool = True, progress_delay_us: int | None = PROGRESS_DELAY_US,
                  num_threads: int = NUM_THREADS):
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread,
-                          progress_delay_us=progress_delay_us, num_threads=num_threads)
-        self.endpoint = endpoint
-        self.cache = cache
-        self.spec = cache.spec
-        self.transport = self._nx.backend
+        _attach(self, endpoint, cache, agent_name=agent_name, backends=backends, progress_thread=progress_thread,
+                progress_delay_us=progress_delay_us, num_threads=num_threads)
         self.requested_mode = "nixl"
         self.mode = ""
         self._peer = None
@@ -408,14 +416,8 @@ class NixlKVReceiver(_ReceiverBase):
     def __init__(self, endpoint, cache: KVCache, *, agent_name: str | None = None, backends=("UCX",),
                  progress_thread: bool = True, progress_delay_us: int | None = PROGRESS_DELAY_US,
                  num_threads: int = NUM_THREADS, max_requests: int = 65536):
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a qlink.ai.KVCache, got {type(cache).__name__}")
-        self._nx = _Agent(cache, name=agent_name, backends=tuple(backends), progress_thread=progress_thread,
-                          progress_delay_us=progress_delay_us, num_threads=num_threads)
-        self.endpoint = endpoint
-        self.cache = cache
-        self.spec = cache.spec
-        self.transport = self._nx.backend
+        _attach(self, endpoint, cache, agent_name=agent_name, backends=backends, progress_thread=progress_thread,
+                progress_delay_us=progress_delay_us, num_threads=num_threads)
         self._tracker = RequestTracker(num_layers=self.spec.num_layers, transport=self.transport, mode="",
                                        max_requests=max_requests)
         self._peer = None

@@ -96,42 +96,34 @@ class EmpiricalDistribution:
                 "p99_us": self.quantile_ns(0.99) / 1e3, "source": dict(self.source)}
 
 
-class _Uniforms:
-    """Uniform [0, 1) numbers drawn from a generator in blocks (cheap scalar draws)."""
+class _BlockDraws:
+    """Scalar draws taken one at a time from blocks that ``fill(n)`` (a generator's vectorised
+    call) makes: cheap scalar draws, the same numbers as the vectorised call's."""
 
-    __slots__ = ("_rng", "_buf", "_i")
+    __slots__ = ("_fill", "_buf", "_i")
 
-    def __init__(self, rng: np.random.Generator) -> None:
-        self._rng = rng
+    def __init__(self, fill) -> None:
+        self._fill = fill
         self._buf: list = []
         self._i = 0
 
     def next(self) -> float:
         i = self._i
         if i >= len(self._buf):
-            self._buf = self._rng.random(_BLOCK).tolist()
+            self._buf = self._fill(_BLOCK).tolist()
             i = 0
         self._i = i + 1
         return self._buf[i]
 
 
-class _HalfNormals:
-    """``|N(0, 1)|`` draws in blocks."""
+def _Uniforms(rng: np.random.Generator) -> _BlockDraws:
+    """Uniform [0, 1) draws."""
+    return _BlockDraws(rng.random)
 
-    __slots__ = ("_rng", "_buf", "_i")
 
-    def __init__(self, rng: np.random.Generator) -> None:
-        self._rng = rng
-        self._buf: list = []
-        self._i = 0
-
-    def next(self) -> float:
-        i = self._i
-        if i >= len(self._buf):
-            self._buf = np.abs(self._rng.standard_normal(_BLOCK)).tolist()
-            i = 0
-        self._i = i + 1
-        return self._buf[i]
+def _HalfNormals(rng: np.random.Generator) -> _BlockDraws:
+    """``|N(0, 1)|`` draws."""
+    return _BlockDraws(lambda n: np.abs(rng.standard_normal(n)))
 
 
 def _finite_positive(name: str, v: Any) -> float:

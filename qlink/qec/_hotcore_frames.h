@@ -128,14 +128,8 @@ static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint
     }
     if (gap)
         svc_lose(s, d, gap);
-    d->next_counter = counter + 1;
-    d->has_counter = 1;
     int64_t F = d->frames_per_shot;
-    if (d->discard > 0) {
-        d->discard--;
-        s->counts[C_FRAMES_DISCARDED]++;
-        if (F > 0)
-            d->pos = (d->pos + 1) % F;
+    if (dec_take_counter(s, d, counter)) {
         if (d->rep_active && counter == d->rep_next && svc_repair_frame(s, d, bits, n, counter, rid, ptp))
             return; /* (the rest of a dropped shot arriving while it is repaired: taken into the repair) */
         if (s->ack == 2)

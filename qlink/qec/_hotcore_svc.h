@@ -842,6 +842,20 @@ static void svc_flush(ServiceCore *s) {
 }
 
 /* `g` frames were lost before this one: drop every shot they touched. */
+/* A frame's counter taken (the next one expected after it); 1 when the frame belongs to a shot
+ * already dropped and is discarded here (counted, its place in the shot kept), else 0. */
+static inline int dec_take_counter(ServiceCore *s, SvcDecoder *d, int64_t counter) {
+    d->next_counter = counter + 1;
+    d->has_counter = 1;
+    if (d->discard <= 0)
+        return 0;
+    d->discard--;
+    s->counts[C_FRAMES_DISCARDED]++;
+    if (d->frames_per_shot > 0)
+        d->pos = (d->pos + 1) % d->frames_per_shot;
+    return 1;
+}
+
 static void svc_lose(ServiceCore *s, SvcDecoder *d, int64_t g) {
     s->counts[C_F_COUNTER_GAP]++;
     s->counts[C_FRAMES_LOST] += (uint64_t)g;

@@ -118,14 +118,8 @@ static void win_enqueue(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, int6
         svc_lose(s, d, gap);
         win_reset(w);
     }
-    d->next_counter = counter + 1;
-    d->has_counter = 1;
     int64_t F = d->frames_per_shot;
-    if (d->discard > 0) {
-        d->discard--;
-        s->counts[C_FRAMES_DISCARDED]++;
-        if (F > 0)
-            d->pos = (d->pos + 1) % F;
+    if (dec_take_counter(s, d, counter)) {
         if (s->ack == 2)
             svc_answer(s, W.st_dropped, rid, ptp, NULL, 0);
         return;
