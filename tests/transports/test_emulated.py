@@ -104,9 +104,10 @@ def test_jitter_never_early_and_spreads_the_delay(scheme):
     late = delays - modeled
     assert late.min() >= 0, f"message {int(late.argmin())} was delivered {-late.min():.0f} ns before its modeled time"
     assert np.median(late) <= _late_tolerance_ns(np.median(modeled))
-    # the spread is the jitter's: the interquartile range of the delays matches the modeled one
+    # the spread is the jitter's: the delays spread at least as the modeled ones do (a busy host
+    # only adds to some delays, so the spread is bounded from below; the ranks below pin it down)
     iqr = lambda x: float(np.subtract(*np.percentile(x, [75, 25])))  # noqa: E731
-    assert abs(iqr(delays) - iqr(modeled)) <= _late_tolerance_ns(iqr(modeled)), (iqr(delays), iqr(modeled))
+    assert iqr(delays) >= iqr(modeled) - _late_tolerance_ns(iqr(modeled)), (iqr(delays), iqr(modeled))
     assert iqr(modeled) > 2 * LATE_FLOOR_NS  # (so a link that ignored the jitter would fail the line above)
     # and message by message: the longest modeled delays are the longest measured ones
     ranks = lambda x: np.argsort(np.argsort(x))  # noqa: E731
