@@ -155,8 +155,12 @@ def test_grid_validation_names_what_is_wrong():
 def test_pending_chunks_round_robin_and_chunk_size_mismatch():
     a, b = QecGrid(distances=(3,), ps=(0.005, 0.01), num_shots=300, chunk_shots=100).tasks()
     todo = pending_chunks([a, b], {a.strong_id: {1: 100}})
-    assert [(t.strong_id == a.strong_id, c) for t, c in todo] == [(True, 0), (False, 0), (False, 1), (True, 2),
-                                                                  (False, 2)]
+    # round-robin over the chunk indices, the costlier point (p = 0.01) first in each round
+    assert [(t.strong_id == a.strong_id, c) for t, c in todo] == [(False, 0), (True, 0), (False, 1), (False, 2),
+                                                                  (True, 2)]
+    big, small = QecGrid(distances=(3, 5), ps=(0.005,), num_shots=200, chunk_shots=100).tasks()[::-1]
+    assert big.json_metadata["d"] == 5
+    assert [t.json_metadata["d"] for t, _ in pending_chunks([small, big], {})] == [5, 3, 5, 3]
     with pytest.raises(SweepError, match="chunk size"):
         pending_chunks([a, b], {a.strong_id: {1: 250}})
 

@@ -77,8 +77,19 @@ class SweepInterrupted(SweepError):
                          f"{result.csv_path}; run the same sweep again to resume")
 
 
+def _chunk_cost(task: SweepTask) -> float:
+    """A rough cost of one chunk of ``task``, only to order them: a QEC point's detectors
+    times its rounds, more for a noisier one (more defects to match); a KV point's tokens."""
+    m = task.json_metadata
+    if "d" in m:
+        return float(m["d"]) ** 2 * float(m.get("r", m["d"])) * (float(m.get("p", 0.0)) + 0.001)
+    return float(m.get("tokens", 0))
+
+
 def pending_chunks(tasks: list[SweepTask], done: dict) -> list[tuple[SweepTask, int]]:
-    """The (task, chunk) pairs not in ``done`` (``{strong_id: {chunk: shots}}``), round-robin.
+    """The (task, chunk) pairs not in ``done`` (``{strong_id: {chunk: shots}}``), round-robin,
+    the costliest task first in each round: the workers then end on the cheap chunks, and
+    the last slow chunk does not run alone while the other workers wait.
 
     Raises :class:`SweepError` when a done chunk holds a different number of shots than
     the task's chunks (the CSV was written with another chunk size).
@@ -86,7 +97,7 @@ def pending_chunks(tasks: list[SweepTask], done: dict) -> list[tuple[SweepTask, 
     >>> from qlink.sweep._grid import QecGrid
     >>> a, b = QecGrid(distances=(3,), ps=(0.001, 0.002), num_shots=300, chunk_shots=100).tasks()
     >>> [(t is a, c) for t, c in pending_chunks([a, b], {a.strong_id: {0: 100, 2: 100}})]
-    [(False, 0), (True, 1), (False, 1), (False, 2)]
+    [(False, 0), (False, 1), (True, 1), (False, 2)]
     """
     for t in tasks:
         for c, shots in done.get(t.strong_id, {}).items():
@@ -96,8 +107,9 @@ def pending_chunks(tasks: list[SweepTask], done: dict) -> list[tuple[SweepTask, 
                     f"grid's chunks hold {t.chunk_shots}; rerun with the chunk size the file was written with "
                     f"({shots}) or write to a new CSV")
     out = []
+    ordered = sorted(tasks, key=_chunk_cost, reverse=True)  # (stable: equal costs keep the grid's order)
     for c in range(max(t.num_chunks for t in tasks)):
-        for t in tasks:
+        for t in ordered:
             if c < t.num_chunks and c not in done.get(t.strong_id, {}):
                 out.append((t, c))
     return out
@@ -111,7 +123,9 @@ def _local_cluster(num_workers: int):
     # machine that is CPU taken from the chunks, for a profile nobody reads here
     with dask.config.set({"distributed.worker.daemon": False,
                           "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
-                          "distributed.worker.profile.enabled": False}):
+                          "distributed.worker.profile.enabled": False,
+                          # each worker imports what chunks use while it starts (see _preload)
+                          "distributed.worker.preload": ["qlink.sweep._preload"]}):
         return LocalCluster(n_workers=num_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                             dashboard_address="127.0.0.1:0", silence_logs=40)
 
