@@ -468,9 +468,13 @@ static int find_home(struct one_sided *o, const uint8_t *p, uint64_t n, uint32_t
 
 /* Streaming (non-temporal) copy for large deferred puts: the pieces go to memory without first
  * reading each destination line into the cache (what a plain memcpy does below glibc's own,
- * much larger, threshold). Measured here on 32 KiB pieces scattered over 16-128 MiB: ~4.7 GB/s
- * with memcpy, 6.7 (SSE2) to 8 (AVX-512) GB/s streamed. Chosen at import by what the CPU has. */
-#define STREAM_COPY_NBYTES (1u << 20) /* a record moving at least this much is streamed */
+ * much larger, threshold). Which is faster depends on the host: on one (AVX-512) host, 32 KiB
+ * pieces scattered over 16-128 MiB went ~4.7 GB/s with memcpy and 6.7 (SSE2) to 8 (AVX-512)
+ * GB/s streamed; on a 2-core AMD EPYC VM (AVX2) the same copies went ~5 GB/s with memcpy and
+ * 1.1-2.5 GB/s streamed. So by default (kind "auto") the target measures both on its own large
+ * pulls and uses the faster (see pick_copy); set_stream_copy(kind) fixes one. The streaming body
+ * is chosen at import by what the CPU has. */
+#define STREAM_COPY_NBYTES (1u << 20) /* a record moving at least this much is streamed (or picked) */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 /* Each copies n bytes (a multiple of 64; d 64-aligned) four pages at a time, interleaved, the
@@ -866,6 +870,36 @@ static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
 
 static void memcpy_fn(void *d, const void *s, size_t n) { memcpy(d, s, n); }
 
+/* Kind "auto" (the default): each record of a large pull is copied with glibc's memcpy or the
+ * streaming copy, whichever has gone faster here, measured on the pulls themselves. Each kind's
+ * rate is its best ns/byte, allowed to rise by at most 1/16 per slower sample: a copy slowed by a
+ * preemption (a loaded host) barely moves it, a lasting change is followed within a few dozen
+ * samples. The slower kind is tried again every PICK_PROBE_EVERY-th large record (~1 % of the
+ * bytes), so the choice follows the host. The GIL is held across take_pull: one writer. */
+#define PICK_PROBE_EVERY 128
+static int pick_auto = 1;
+static double pick_ns_per_byte[2]; /* [0] memcpy, [1] streamed; 0: not measured yet */
+static unsigned long long pick_records[2], pick_large;
+
+/* 1: stream the next large record, 0: memcpy it. */
+static int pick_copy(void) {
+    if (pick_ns_per_byte[0] == 0.0)
+        return 0;
+    if (pick_ns_per_byte[1] == 0.0)
+        return 1;
+    int best = pick_ns_per_byte[1] < pick_ns_per_byte[0];
+    return (++pick_large % PICK_PROBE_EVERY == 0) ? !best : best;
+}
+
+static void pick_note(int streamed, uint64_t ns, uint64_t nbytes) {
+    double r = (double)ns / (double)nbytes, *e = &pick_ns_per_byte[streamed];
+    if (*e == 0.0 || r < *e)
+        *e = r;
+    else
+        *e = r < *e * (1.0 + 1.0 / 16) ? r : *e * (1.0 + 1.0 / 16);
+    pick_records[streamed]++;
+}
+
 /* A PUT_PULL record at the head of rx: copy its pieces out of the peer's mapped region into ours.
  * The GIL stays held for the copy: the destination is this process's own registered memory,
  * which another thread could otherwise deregister and free under it.
@@ -913,13 +947,23 @@ static int take_pull(FastPathObject *f, const rec_hdr *h, uint64_t pos, PyObject
     if ((flags & PULL_LAST) && (span_n > lim || span_off > lim - span_n))
         return 0;
     void (*copy)(void *, const void *, size_t) = memcpy_fn;
-    if (total >= STREAM_COPY_NBYTES)
-        copy = copy_streaming;
+    int streamed = -1; /* >= 0: a large record copied by "auto", timed for pick_note */
+    if (total >= STREAM_COPY_NBYTES) {
+        if (!pick_auto)
+            copy = copy_streaming;
+        else if ((streamed = pick_copy()) != 0)
+            copy = copy_streaming;
+    }
+    uint64_t t0 = streamed >= 0 ? mono_ns() : 0;
     for (uint32_t i = 0; i < k; i++) {
         uint64_t q[3];
         memcpy(q, pieces + (size_t)i * PIECE_NBYTES, PIECE_NBYTES);
         copy(dst + q[1], src + q[0], (size_t)q[2]);
     }
+    if (streamed > 0)
+        store_fence(); /* part of the streamed copy's cost (the memcpy side pays none) */
+    if (streamed >= 0)
+        pick_note(streamed, mono_ns() - t0, total);
     o->pulled_bytes += total;
     if (flags & PULL_LAST) {
         *note = new_note(o, dst_rid, span_off, span_n, nid, p + PULL_NBYTES, tag_len);
@@ -1077,7 +1121,9 @@ static PyObject *mod_make_note(PyObject *Py_UNUSED(m), PyObject *args) {
     return note;
 }
 
-/* set_stream_copy(kind=None) -> the kind in use before: how large deferred puts are copied. */
+/* set_stream_copy(kind=None) -> the kind in use before: how large deferred puts are copied.
+ * None or "auto": the faster of memcpy and the CPU's best streaming copy, measured as pulls go
+ * (the streaming body stays the best this CPU has); a named kind: always that one. */
 static PyObject *mod_set_stream_copy(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
     const char *kind = NULL;
     if (nargs > 1) {
@@ -1089,12 +1135,31 @@ static PyObject *mod_set_stream_copy(PyObject *Py_UNUSED(m), PyObject *const *ar
         if (kind == NULL)
             return NULL;
     }
-    const char *old = stream_kind;
-    if (select_stream_copy(kind) < 0) {
-        PyErr_Format(PyExc_ValueError, "stream copy %R is not available on this CPU (kinds: avx512, avx2, sse2, "
-                     "memcpy)", args[0]);
+    const char *old = pick_auto ? "auto" : stream_kind;
+    int is_auto = kind == NULL || strcmp(kind, "auto") == 0;
+    if (select_stream_copy(is_auto ? NULL : kind) < 0) {
+        PyErr_Format(PyExc_ValueError, "stream copy %R is not available on this CPU (kinds: auto, avx512, avx2, "
+                     "sse2, memcpy)", args[0]);
         return NULL;
     }
+    pick_auto = is_auto;
     return PyUnicode_FromString(old);
+}
+
+/* pull_copy() -> (kind, memcpy GB/s, streamed GB/s, memcpy records, streamed records): how large
+ * deferred puts are copied here ("auto" or the fixed kind) and, under "auto", the best rate each
+ * copy has shown on them (None before its first large record). */
+static PyObject *mod_pull_copy(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
+    PyObject *rate[2];
+    for (int i = 0; i < 2; i++) {
+        if (pick_ns_per_byte[i] > 0.0)
+            rate[i] = PyFloat_FromDouble(1.0 / pick_ns_per_byte[i]);
+        else {
+            Py_INCREF(Py_None);
+            rate[i] = Py_None;
+        }
+    }
+    return Py_BuildValue("(sNNKK)", pick_auto ? "auto" : stream_kind, rate[0], rate[1], pick_records[0],
+                         pick_records[1]);
 }
 
