@@ -37,9 +37,12 @@ def test_kv_bench_rows_on_a_tiny_layout():
     floor = {(r["tokens"], r["pattern"]): r for r in by_basis["floor"]}
     assert set(floor) == {(t, p) for t in (16, 64) for p in ("contiguous", "scattered")}
     assert all(r["repeats"] == 2 for r in floor.values())  # one floor copy per round: warm-up + 1 repeat
-    for r in measured:  # each row's ratio is over the floor of its own tokens and pattern
+    for r in measured:  # each row's best round over the floor (a best of rounds) of its own tokens and pattern
         f = floor[(r["tokens"], r["pattern"])]["GBps"]
-        assert r["x_memcpy"] == pytest.approx(r["GBps"] / f, rel=0.02, abs=1e-3)
+        assert r["best_GBps"] >= r["GBps"] * 0.999
+        assert r["x_memcpy"] == pytest.approx(r["best_GBps"] / f, rel=0.02, abs=1e-3)
+        if scheme == "shm":
+            assert r["pull_copy"] is None or r["pull_copy"].startswith("auto")  # how the receiver copied
     goals = kv_goals(rows)
     assert len(goals) == 2 * 2 * 4  # token counts x patterns x (memcpy, NIXL, Mooncake, per-block cost)
     for g in goals:
@@ -54,6 +57,31 @@ def test_kv_bench_rows_on_a_tiny_layout():
     skipped = {r["case"]: r for r in by_basis["skipped"]}
     assert skipped["all"]["tokens"] == 1 << 20  # too big for the memory budget
     assert "nosuch" in skipped["qlink nosuch"]["note"]
+
+
+def test_the_floor_copies_each_layer_out_of_the_layer_half_the_cache_away():
+    """No source is one the CPU's cache still holds when it is written next: layer k's pieces
+    come out of layer (k + L/2) mod L, and exactly the plan's pieces move."""
+    import numpy as np
+
+    from qlink.ai import KVCache, plan_transfer, preset
+    from qlink.bench.kv import _Floor
+
+    spec = preset("tiny", num_blocks=8)
+    cache = KVCache.allocate(spec)
+    for k, a in enumerate(cache.layers):
+        a.view(np.uint8).fill(k + 1)
+    plan = plan_transfer([0, 1], [5, 2], src_num_blocks=8, dst_num_blocks=8, block_nbytes=spec.block_nbytes,
+                         num_planes=spec.num_planes)
+    assert _Floor().copy_s(cache, plan, key=(8, "scattered")) > 0
+    n, half = spec.num_layers, spec.num_layers // 2
+    for k, a in enumerate(cache.layers):
+        v = a.view(np.uint8).reshape(-1)
+        moved = np.zeros(v.size, dtype=bool)
+        for d, nb in zip(plan.dst_offsets, plan.nbytes):
+            moved[d:d + nb] = True
+        assert (v[moved] == (k + half) % n + 1).all()  # the source blocks (0, 1) are never written
+        assert (v[~moved] == k + 1).all()
 
 
 def test_modeled_rows_follow_the_link_catalog():
