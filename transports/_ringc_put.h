@@ -927,11 +927,12 @@ static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
 static void memcpy_fn(void *d, const void *s, size_t n) { memcpy(d, s, n); }
 
 /* Kind "auto" (the default): each record of a large pull is copied with glibc's memcpy or the
- * streaming copy, whichever has gone faster here, measured on the pulls themselves. Each kind's
- * rate is its best ns/byte, allowed to rise by at most 1/16 per slower sample: a copy slowed by a
- * preemption (a loaded host) barely moves it, a lasting change is followed within a few dozen
- * samples. The slower kind is tried again every PICK_PROBE_EVERY-th large record (~1 % of the
- * bytes), so the choice follows the host. The GIL is held across take_pull: one writer. */
+ * streaming copy, whichever has gone faster here, measured on the pulls themselves: each kind's
+ * rate is its best ns/byte so far (a best, like the bench's floor: a copy slowed by a preemption
+ * or a busy neighbour never counts against a kind; a rate allowed to drift up compared the kind in
+ * use, slowed by a loaded moment, with the other's stale best, and flipped to the slower one). The
+ * other kind is tried again every PICK_PROBE_EVERY-th large record (under 1 % of the bytes), so a
+ * kind unlucky in its first samples gets its chance. The GIL is held across take_pull: one writer. */
 #define PICK_PROBE_EVERY 128
 static int pick_auto = 1;
 static double pick_ns_per_byte[2]; /* [0] memcpy, [1] streamed; 0: not measured yet */
@@ -951,8 +952,6 @@ static void pick_note(int streamed, uint64_t ns, uint64_t nbytes) {
     double r = (double)ns / (double)nbytes, *e = &pick_ns_per_byte[streamed];
     if (*e == 0.0 || r < *e)
         *e = r;
-    else
-        *e = r < *e * (1.0 + 1.0 / 16) ? r : *e * (1.0 + 1.0 / 16);
     pick_records[streamed]++;
 }
 
