@@ -934,16 +934,16 @@ static void memcpy_fn(void *d, const void *s, size_t n) { memcpy(d, s, n); }
  * other kind is tried again every PICK_PROBE_EVERY-th large record (under 1 % of the bytes), so a
  * kind unlucky in its first samples gets its chance. The GIL is held across take_pull: one writer. */
 #define PICK_PROBE_EVERY 128
+#define PICK_FIRST 4
 static int pick_auto = 1;
 static double pick_ns_per_byte[2]; /* [0] memcpy, [1] streamed; 0: not measured yet */
 static unsigned long long pick_records[2], pick_large;
 
-/* 1: stream the next large record, 0: memcpy it. */
+/* 1: stream the next large record, 0: memcpy it. The first PICK_FIRST records of each kind
+ * alternate (one unlucky first sample does not decide the next PICK_PROBE_EVERY records). */
 static int pick_copy(void) {
-    if (pick_ns_per_byte[0] == 0.0)
-        return 0;
-    if (pick_ns_per_byte[1] == 0.0)
-        return 1;
+    if (pick_records[0] < PICK_FIRST || pick_records[1] < PICK_FIRST)
+        return pick_records[1] < pick_records[0];
     int best = pick_ns_per_byte[1] < pick_ns_per_byte[0];
     return (++pick_large % PICK_PROBE_EVERY == 0) ? !best : best;
 }
