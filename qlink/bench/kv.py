@@ -547,7 +547,9 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     quick = bool(getattr(args, "quick", False))
     tokens = (512, 4096) if quick else (512, 4096, 32768)
     repeats = 2 if quick else 3
-    transports = tuple(getattr(args, "transports", None) or ("shm", "tcp", "ucx"))
+    given = getattr(args, "transports", None)  # comma-separated text from the CLI, or a sequence
+    transports = tuple(t.strip() for t in given.split(",") if t.strip()) if isinstance(given, str) else \
+        tuple(given or ("shm", "tcp", "ucx"))
     peers = not getattr(args, "no_peers", False)
     rows = run_kv_bench(transports=transports, tokens=tokens, repeats=repeats, nixl=peers, mooncake=peers,
                         progress=say)
