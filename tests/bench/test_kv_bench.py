@@ -82,6 +82,13 @@ def test_the_floor_copies_each_layer_out_of_the_layer_half_the_cache_away():
             moved[d:d + nb] = True
         assert (v[moved] == (k + half) % n + 1).all()  # the source blocks (0, 1) are never written
         assert (v[~moved] == k + 1).all()
+    # where a third cache fits, a separate (sender-like) source is copied out of too; the faster counts
+    f = _Floor(spare_nbytes=cache.nbytes)
+    f.copy_s(cache, plan, key=(8, "scattered"))
+    assert [s.size for s in f._separate] == [a.nbytes for a in cache.layers]
+    assert f.best[(8, "scattered")][1].split(" out of ")[1] in ("the layer half the cache away", "a separate cache")
+    assert _Floor(spare_nbytes=cache.nbytes - 1)._separate_cache([a.view(np.uint8).reshape(-1)
+                                                                   for a in cache.layers]) is None
 
 
 def test_modeled_rows_follow_the_link_catalog():
