@@ -883,7 +883,8 @@ def stream_kind(request):
 
 
 def test_a_large_deferred_put_with_odd_sizes_and_offsets_lands_exactly(shm_dir, stream_kind):
-    """Past 1 MiB the target copies with streaming stores: unaligned starts and ragged tails too."""
+    """Past 1 MiB the target copies with the kind set (streaming stores, memcpy): unaligned starts
+    and ragged tails too."""
     lis, a, b = _pair("pull-odd", ring_impl=stream_kind)
     with lis, a, b:
         nbytes = 4 << 20
