@@ -407,7 +407,12 @@ static int put_peer_check(FastPathObject *f, PyObject *remote, remote_entry *e, 
         return -1;
     Py_DECREF(r);
     struct one_sided *o = f->os;
-    if (o == NULL || o->released || o->peer_gone || cache_slot(o, remote) != e || e->remote != remote)
+    if (o == NULL || o->released || o->peer_gone)
+        return 1;
+    remote_entry *again = cache_slot(o, remote);
+    if (again == NULL)
+        PyErr_Clear(); /* (it was read a moment ago) the Python path says what is wrong */
+    if (again != e || e->remote != remote)
         return 1;
     const uint8_t *slot = (const uint8_t *)o->peer_tbl.buf + (size_t)(e->rid & (TABLE_SLOTS - 1)) * SLOT_WORDS * 8;
     return ld_acq(slot) == e->state ? 0 : 1;
