@@ -284,7 +284,8 @@ _BENCH = {
                   "qlink bench transport --quick\nqlink bench transport --transports shm,tcp"),
     "qec": ("the decoder service over the wire vs the 1.1 us cycle and offline decode_batch",
             "qlink bench qec --quick\nqlink bench qec --distances 5,7 --transports shm"),
-    "kv": ("KV-cache block transfers beside memcpy and modeled links", "qlink bench kv --quick"),
+    "kv": ("KV-cache block transfers beside memcpy, NIXL, Mooncake and modeled links",
+           "qlink bench kv --quick\nqlink bench kv --quick --transports shm --no-peers"),
     "soak": ("faults injected and detected, fuzzing, and a soak run", "qlink bench soak --quick"),
     "crosshost": ("the loop across two network namespaces (needs root)", "qlink bench crosshost --quick"),
     "gpu": ("GPU paths (CuPy; NumPy stand-ins on a CPU)", "qlink bench gpu --quick"),
@@ -342,6 +343,14 @@ def build_parser() -> Parser:
                                                                   choices=checks.ROUND_TRIP_TRANSPORTS),
                                 v, where=where),
                             help=f"round-trip transports, of {','.join(checks.ROUND_TRIP_TRANSPORTS)}")
+        if name == "kv":
+            bb.add_argument("--transports", action=ListAction, default=None, metavar="T",
+                            check=lambda v, where: checks.list_of(
+                                lambda x, where: checks.transport(x, where=where, choices=("shm", "tcp", "ucx")),
+                                v, where=where),
+                            help="qlink's transports, of shm,tcp,ucx (default all three)")
+            bb.add_argument("--no-peers", action="store_true",
+                            help="skip NIXL and Mooncake (the memcpy floor is always measured)")
         if name == "cudaq":
             bb.add_argument("--transports", action=ListAction, default=None, metavar="T",
                             check=lambda v, where: checks.list_of(

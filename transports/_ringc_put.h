@@ -380,6 +380,44 @@ static PyObject *forward(FastPathObject *f, PyObject *fn, PyObject *const *args,
     return res;
 }
 
+/* A put that finds peer_check_due(): the endpoint's own look at the peer (its
+ * _check_peer_for_put: the socket polled, a dead peer raises BrokenLinkError) runs here, and
+ * the put goes on in C. Forwarding the whole put to Python instead cost a few hundred
+ * microseconds (the pieces checked again in NumPy, the records built in Python) on the
+ * first put of every burst more than peer_check_ns after the last: the first layer of each
+ * KV request. Called after the C checks passed (the same order as the Python put: a bad
+ * argument is reported before a dead peer). 0: go on; 1: take the Python path (the state
+ * changed meanwhile); -1: an exception is set. */
+static int put_peer_check(FastPathObject *f, PyObject *remote, remote_entry *e, const char *what) {
+    PyObject *owner = NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(f->owner_ref, &owner) < 0)
+        return -1;
+#else
+    owner = PyWeakref_GetObject(f->owner_ref);
+    if (owner == NULL)
+        return -1;
+    owner = owner == Py_None ? NULL : (Py_INCREF(owner), owner);
+#endif
+    if (owner == NULL)
+        return 1;
+    PyObject *r = PyObject_CallMethod(owner, "_check_peer_for_put", "s", what);
+    Py_DECREF(owner);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    struct one_sided *o = f->os;
+    if (o == NULL || o->released || o->peer_gone)
+        return 1;
+    remote_entry *again = cache_slot(o, remote);
+    if (again == NULL)
+        PyErr_Clear(); /* (it was read a moment ago) the Python path says what is wrong */
+    if (again != e || e->remote != remote)
+        return 1;
+    const uint8_t *slot = (const uint8_t *)o->peer_tbl.buf + (size_t)(e->rid & (TABLE_SLOTS - 1)) * SLOT_WORDS * 8;
+    return ld_acq(slot) == e->state ? 0 : 1;
+}
+
 /* Common checks of put/put_many: 1 and *e set when the C path may go on. */
 typedef struct {
     unsigned long long notify_id;
@@ -468,9 +506,13 @@ static int find_home(struct one_sided *o, const uint8_t *p, uint64_t n, uint32_t
 
 /* Streaming (non-temporal) copy for large deferred puts: the pieces go to memory without first
  * reading each destination line into the cache (what a plain memcpy does below glibc's own,
- * much larger, threshold). Measured here on 32 KiB pieces scattered over 16-128 MiB: ~4.7 GB/s
- * with memcpy, 6.7 (SSE2) to 8 (AVX-512) GB/s streamed. Chosen at import by what the CPU has. */
-#define STREAM_COPY_NBYTES (1u << 20) /* a record moving at least this much is streamed */
+ * much larger, threshold). Which is faster depends on the host: on one (AVX-512) host, 32 KiB
+ * pieces scattered over 16-128 MiB went ~4.7 GB/s with memcpy and 6.7 (SSE2) to 8 (AVX-512)
+ * GB/s streamed; on a 2-core AMD EPYC VM (AVX2) the same copies went ~5 GB/s with memcpy and
+ * 1.1-2.5 GB/s streamed. So by default (kind "auto") the target measures both on its own large
+ * pulls and uses the faster (see pick_copy); set_stream_copy(kind) fixes one. The streaming body
+ * is chosen at import by what the CPU has. */
+#define STREAM_COPY_NBYTES (1u << 20) /* a record moving at least this much is streamed (or picked) */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 /* Each copies n bytes (a multiple of 64; d 64-aligned) four pages at a time, interleaved, the
@@ -652,8 +694,9 @@ static PyObject *fp_put(FastPathObject *f, PyObject *const *args, size_t nargsf,
     PyObject *names[4] = {*names_p[0], *names_p[1], *names_p[2], *names_p[3]};
     PyObject *kw[4];
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (f->os == NULL || peer_check_due(f))
+    if (f->os == NULL)
         goto slow;
+    int check = peer_check_due(f);
     if (parse_kw("put", nargs, 2, args, kwnames, names, kw, 4) < 0)
         return NULL;
     remote_entry *e;
@@ -682,6 +725,15 @@ static PyObject *fp_put(FastPathObject *f, PyObject *const *args, size_t nargsf,
     if (!ring_room(f->tx, DONE_NBYTES + (uint64_t)pa.tag_len)) {
         PyBuffer_Release(&b);
         goto slow;
+    }
+    if (check) {
+        int pc = put_peer_check(f, args[1], e, "put");
+        if (pc != 0) {
+            PyBuffer_Release(&b);
+            if (pc < 0)
+                return NULL;
+            goto slow;
+        }
     }
     uint32_t rid = e->rid;
     int rc = n ? copy_pieces(e, (const uint8_t *)b.buf, NULL, NULL, NULL, 0, (uint64_t)off, n, n) : 0;
@@ -718,8 +770,9 @@ static PyObject *fp_put_many(FastPathObject *f, PyObject *const *args, size_t na
     PyObject *names[4] = {*names_p[0], *names_p[1], *names_p[2], *names_p[3]};
     PyObject *kw[4];
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (f->os == NULL || peer_check_due(f))
+    if (f->os == NULL)
         goto slow;
+    int check = peer_check_due(f);
     if (parse_kw("put_many", nargs, 5, args, kwnames, names, kw, 4) < 0)
         return NULL;
     int defer = kw[3] != NULL && PyObject_IsTrue(kw[3]);
@@ -764,6 +817,18 @@ static PyObject *fp_put_many(FastPathObject *f, PyObject *const *args, size_t na
             lo = (uint64_t)d;
         if ((uint64_t)d + (uint64_t)n > hi)
             hi = (uint64_t)d + (uint64_t)n;
+    }
+    if (ok && check) {
+        int pc = put_peer_check(f, args[1], e, "put_many");
+        if (pc != 0) {
+            PyBuffer_Release(&bl);
+            PyBuffer_Release(&bd);
+            PyBuffer_Release(&bs);
+            PyBuffer_Release(&b);
+            if (pc < 0)
+                return NULL;
+            goto slow;
+        }
     }
     uint32_t rid = e->rid, home_rid = 0;
     uint64_t home_off = 0;
@@ -866,6 +931,35 @@ static PyObject *take_note(FastPathObject *f, const rec_hdr *h, uint64_t pos) {
 
 static void memcpy_fn(void *d, const void *s, size_t n) { memcpy(d, s, n); }
 
+/* Kind "auto" (the default): each record of a large pull is copied with glibc's memcpy or the
+ * streaming copy, whichever has gone faster here, measured on the pulls themselves: each kind's
+ * rate is its best ns/byte so far (a best, like the bench's floor: a copy slowed by a preemption
+ * or a busy neighbour never counts against a kind; a rate allowed to drift up compared the kind in
+ * use, slowed by a loaded moment, with the other's stale best, and flipped to the slower one). The
+ * other kind is tried again every PICK_PROBE_EVERY-th large record (under 1 % of the bytes), so a
+ * kind unlucky in its first samples gets its chance. The GIL is held across take_pull: one writer. */
+#define PICK_PROBE_EVERY 128
+#define PICK_FIRST 4
+static int pick_auto = 1;
+static double pick_ns_per_byte[2]; /* [0] memcpy, [1] streamed; 0: not measured yet */
+static unsigned long long pick_records[2], pick_large;
+
+/* 1: stream the next large record, 0: memcpy it. The first PICK_FIRST records of each kind
+ * alternate (one unlucky first sample does not decide the next PICK_PROBE_EVERY records). */
+static int pick_copy(void) {
+    if (pick_records[0] < PICK_FIRST || pick_records[1] < PICK_FIRST)
+        return pick_records[1] < pick_records[0];
+    int best = pick_ns_per_byte[1] < pick_ns_per_byte[0];
+    return (++pick_large % PICK_PROBE_EVERY == 0) ? !best : best;
+}
+
+static void pick_note(int streamed, uint64_t ns, uint64_t nbytes) {
+    double r = (double)ns / (double)nbytes, *e = &pick_ns_per_byte[streamed];
+    if (*e == 0.0 || r < *e)
+        *e = r;
+    pick_records[streamed]++;
+}
+
 /* A PUT_PULL record at the head of rx: copy its pieces out of the peer's mapped region into ours.
  * The GIL stays held for the copy: the destination is this process's own registered memory,
  * which another thread could otherwise deregister and free under it.
@@ -913,13 +1007,23 @@ static int take_pull(FastPathObject *f, const rec_hdr *h, uint64_t pos, PyObject
     if ((flags & PULL_LAST) && (span_n > lim || span_off > lim - span_n))
         return 0;
     void (*copy)(void *, const void *, size_t) = memcpy_fn;
-    if (total >= STREAM_COPY_NBYTES)
-        copy = copy_streaming;
+    int streamed = -1; /* >= 0: a large record copied by "auto", timed for pick_note */
+    if (total >= STREAM_COPY_NBYTES) {
+        if (!pick_auto)
+            copy = copy_streaming;
+        else if ((streamed = pick_copy()) != 0)
+            copy = copy_streaming;
+    }
+    uint64_t t0 = streamed >= 0 ? mono_ns() : 0;
     for (uint32_t i = 0; i < k; i++) {
         uint64_t q[3];
         memcpy(q, pieces + (size_t)i * PIECE_NBYTES, PIECE_NBYTES);
         copy(dst + q[1], src + q[0], (size_t)q[2]);
     }
+    if (streamed > 0)
+        store_fence(); /* part of the streamed copy's cost (the memcpy side pays none) */
+    if (streamed >= 0)
+        pick_note(streamed, mono_ns() - t0, total);
     o->pulled_bytes += total;
     if (flags & PULL_LAST) {
         *note = new_note(o, dst_rid, span_off, span_n, nid, p + PULL_NBYTES, tag_len);
@@ -1077,7 +1181,9 @@ static PyObject *mod_make_note(PyObject *Py_UNUSED(m), PyObject *args) {
     return note;
 }
 
-/* set_stream_copy(kind=None) -> the kind in use before: how large deferred puts are copied. */
+/* set_stream_copy(kind=None) -> the kind in use before: how large deferred puts are copied.
+ * None or "auto": the faster of memcpy and the CPU's best streaming copy, measured as pulls go
+ * (the streaming body stays the best this CPU has); a named kind: always that one. */
 static PyObject *mod_set_stream_copy(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
     const char *kind = NULL;
     if (nargs > 1) {
@@ -1089,12 +1195,31 @@ static PyObject *mod_set_stream_copy(PyObject *Py_UNUSED(m), PyObject *const *ar
         if (kind == NULL)
             return NULL;
     }
-    const char *old = stream_kind;
-    if (select_stream_copy(kind) < 0) {
-        PyErr_Format(PyExc_ValueError, "stream copy %R is not available on this CPU (kinds: avx512, avx2, sse2, "
-                     "memcpy)", args[0]);
+    const char *old = pick_auto ? "auto" : stream_kind;
+    int is_auto = kind == NULL || strcmp(kind, "auto") == 0;
+    if (select_stream_copy(is_auto ? NULL : kind) < 0) {
+        PyErr_Format(PyExc_ValueError, "stream copy %R is not available on this CPU (kinds: auto, avx512, avx2, "
+                     "sse2, memcpy)", args[0]);
         return NULL;
     }
+    pick_auto = is_auto;
     return PyUnicode_FromString(old);
+}
+
+/* pull_copy() -> (kind, memcpy GB/s, streamed GB/s, memcpy records, streamed records): how large
+ * deferred puts are copied here ("auto" or the fixed kind) and, under "auto", the best rate each
+ * copy has shown on them (None before its first large record). */
+static PyObject *mod_pull_copy(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
+    PyObject *rate[2];
+    for (int i = 0; i < 2; i++) {
+        if (pick_ns_per_byte[i] > 0.0)
+            rate[i] = PyFloat_FromDouble(1.0 / pick_ns_per_byte[i]);
+        else {
+            Py_INCREF(Py_None);
+            rate[i] = Py_None;
+        }
+    }
+    return Py_BuildValue("(sNNKK)", pick_auto ? "auto" : stream_kind, rate[0], rate[1], pick_records[0],
+                         pick_records[1]);
 }
 

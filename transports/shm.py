@@ -44,7 +44,9 @@ socket directory.
   notification (``put_many_gathers``). With ``defer=True`` and a source in alloc() memory
   registered on the initiator, only the list of pieces goes through the ring (a
   ``PUT_PULL`` record): the target copies the pieces out of the initiator's memory while it
-  progresses (streaming stores past 1 MiB), then publishes the put's sequence number in
+  progresses (one C loop over the pieces; past 1 MiB with glibc's memcpy or streaming
+  stores, whichever its own pulls have shown faster on this host:
+  ``transports._ringc.pull_copy()``), then publishes the put's sequence number in
   the ring header, which :meth:`ShmEndpoint.flush` waits for. Submitting costs the same
   however many bytes move; the bytes move on the target's CPU, which is waiting anyway.
 * Messages and notifications share the ring; whichever one a call is not looking

@@ -883,7 +883,8 @@ def stream_kind(request):
 
 
 def test_a_large_deferred_put_with_odd_sizes_and_offsets_lands_exactly(shm_dir, stream_kind):
-    """Past 1 MiB the target copies with streaming stores: unaligned starts and ragged tails too."""
+    """Past 1 MiB the target copies with the kind set (streaming stores, memcpy): unaligned starts
+    and ragged tails too."""
     lis, a, b = _pair("pull-odd", ring_impl=stream_kind)
     with lis, a, b:
         nbytes = 4 << 20
@@ -908,6 +909,44 @@ def test_a_large_deferred_put_with_odd_sizes_and_offsets_lands_exactly(shm_dir, 
                 expected[d_:d_ + n_] = source[s_:s_ + n_]
             assert np.array_equal(target, expected)
         a.flush(timeout_s=5)
+
+
+@pytest.mark.skipif(shm._ringc is None, reason="the C ring (transports._ringc) is not built")
+def test_auto_copy_tries_memcpy_and_streaming_then_keeps_landing_bytes_exactly(shm_dir):
+    """Kind "auto" (the default) copies large pulls with memcpy and with the streaming copy, times
+    both on the pulls themselves, and goes on with the faster; every byte lands either way."""
+    before = shm._ringc.set_stream_copy("auto")
+    try:
+        assert shm._ringc.set_stream_copy("auto") == "auto"
+        kind, _, _, n_memcpy0, n_streamed0 = shm._ringc.pull_copy()
+        assert kind == "auto"
+        lis, a, b = _pair("pull-auto", ring_nbytes=1 << 20)
+        with lis, a, b:
+            nbytes = 3 << 20
+            target = alloc(nbytes, dtype=np.uint8)
+            region = b.register(target)
+            source = alloc(nbytes, dtype=np.uint8)
+            a.register(source)
+            rng = np.random.default_rng(5)
+            k = 40
+            ln = np.full(k, 40000, dtype=np.int64) + rng.integers(0, 64, k)  # > 1 MiB in all, ragged sizes
+            so = rng.permutation(nbytes // 50000)[:k].astype(np.int64) * 50000 + 3
+            do = rng.permutation(nbytes // 50000)[:k].astype(np.int64) * 50000 + 17
+            for rep in range(6):  # the first is pulled in Python (the source is mapped then), the rest in C
+                source[:] = np.frombuffer(_payload(nbytes, rep), dtype=np.uint8)
+                target[:] = 0
+                a.put_many(source, region.descriptor(), so, do, ln, notify_id=rep, defer=True)
+                assert b.wait_notification(timeout_s=10).notify_id == rep
+                a.flush(timeout_s=5)
+                expected = np.zeros_like(target)
+                for s_, d_, n_ in zip(so, do, ln):
+                    expected[d_:d_ + n_] = source[s_:s_ + n_]
+                assert np.array_equal(target, expected)
+        kind, memcpy_GBps, streamed_GBps, n_memcpy, n_streamed = shm._ringc.pull_copy()
+        assert n_memcpy > n_memcpy0 and n_streamed > n_streamed0  # both were tried
+        assert memcpy_GBps > 0 and streamed_GBps > 0
+    finally:
+        shm._ringc.set_stream_copy(before)
 
 
 def _mapped_pull_regions(a, b, *, fill: int, nbytes: int):
@@ -1114,6 +1153,42 @@ def test_sigkilled_peer_is_reported_within_one_second(shm_dir, impl):
                 for _ in range(10_000):
                     ep.send(bytes(100), timeout_s=10)
             assert time.monotonic() - t0 < 1.0
+            ep.close()
+        finally:
+            _kill(p)
+
+
+_SLEEPY_TARGET = """
+url = sys.argv[1]
+ep = shm.connect(url, timeout_s=10, ring_nbytes=1 << 16)
+target = alloc(1 << 16, dtype=np.uint8)
+ep.send(ep.register(target).descriptor().to_bytes())
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_put_many_into_a_sigkilled_peer_raises_on_the_next_peer_check(shm_dir, defer):
+    """Puts into a mapped region run in C; every few milliseconds one looks at the peer's socket
+    first: a put_many issued after the peer was killed raises BrokenLinkError, however much ring
+    room is left."""
+    with shm.listen(_url(f"killput-{int(defer)}")) as lis:
+        p = _spawn(_SLEEPY_TARGET, lis.url)
+        try:
+            ep = lis.accept(timeout_s=20)
+            remote = RemoteRegion.from_bytes(ep.recv(timeout_s=10))
+            source = alloc(1 << 16, dtype=np.uint8)
+            ep.register(source)
+            so = np.array([0, 4096], dtype=np.int64)
+            for _ in range(3):  # mapped by the first; then in C
+                time.sleep(0.01)  # past the peer-check interval: each of them looks at the peer
+                assert ep.put_many(source, remote, so, so + 8, np.array([64, 64]), notify_id=1, defer=defer) == 1
+            p.send_signal(signal.SIGKILL)
+            p.wait(5)
+            time.sleep(0.01)
+            with pytest.raises(BrokenLinkError):
+                ep.put_many(source, remote, so, so + 8, np.array([64, 64]), notify_id=2, defer=defer)
             ep.close()
         finally:
             _kill(p)
