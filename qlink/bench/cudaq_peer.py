@@ -55,8 +55,9 @@ def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray,
                   max_in_flight_shots: int | None = 1, engine: str = "python"):
     """Play measurement records through a qlink decoder service started from ``config_path``
     (one frame per round; by default one shot in flight at a time, so the reaction time is a
-    shot's own, not a backlog's); ``engine`` the service's (``"python"`` or ``"native"``: its
-    per-frame path in C, shm and tcp); returns ``(ControllerResult, service report)``."""
+    shot's own, not a backlog's); ``engine`` the per-frame paths' (``"python"``, or
+    ``"native"``: the service's in C, and with one shot in flight the controller's too, its
+    lock-step loop in C); returns ``(ControllerResult, service report)``."""
     import transports
 
     from qlink.qec.controller import Controller, SyndromeStream
@@ -71,8 +72,14 @@ def serve_records(config_path, measurements: np.ndarray, true_flips: np.ndarray,
                                service_options={"engine": engine, "keep_samples": len(measurements)}) as proc:
         ep = transports.connect(proc.url, timeout_s=30)
         try:
-            ctl = Controller(ep, stream, decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=1,
-                             max_in_flight_shots=max_in_flight_shots)
+            if engine == "native" and max_in_flight_shots == 1:
+                from qlink.qec.hotpath import NativeController
+
+                ctl = NativeController(ep, stream, decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=1,
+                                       lockstep=True)
+            else:
+                ctl = Controller(ep, stream, decoder_id=decoder_id, cycle_ns=cycle_ns, rounds_per_frame=1,
+                                 max_in_flight_shots=max_in_flight_shots)
             res = ctl.run(timeout_s=timeout_s)
         finally:
             ep.close()

@@ -382,21 +382,24 @@ def _measurement_level(*, quick: bool, say) -> tuple[list[dict], list[dict]]:
     try:
         res = measurement_overhead(distance=5, num_shots=1000 if quick else 4000, batch_sizes=(1,),
                                    engines=("native",), repeats=3, service_shots=1000 if quick else 2000,
-                                   service_rounds=3, say=say)
+                                   service_rounds=5 if quick else 9, say=say)
     except ImportError as e:  # (no cudaq-qec config support here: the goal row says so)
         return [], [{"goal": "D_sparse (measurement-level) syndromes cost <= 1 us more per shot than detector-level, "
                              "d=5, native service", "figure_us": float("nan"), "target_us": 1.0, "met": False,
                      "floor": f"not measured: {e}"}]
     rows = overhead_rows(res)
-    svc = [r for r in rows if "service" in r["path"] and "added_us" in r]
+    svc = [r for r in rows if "decode per shot p50" in r["path"] and "added_us" in r]
     if not svc:
         return rows, []
     r = svc[0]
+    nm = res.get("native_map", {})
+    alone = nm.get("ns_per_shot", float("nan")) / 1e3
     return rows, [{"goal": "D_sparse (measurement-level) syndromes cost <= 1 us more per shot than detector-level, "
-                           "d=5, native service decode per shot p50", "figure_us": r["added_us"], "target_us": 1.0,
-                   "met": bool(r["added_us"] <= 1.0 and res["identical"]),
-                   "floor": f"{r['measurements_us']:.2f} vs {r['detectors_us']:.2f} us a shot; corrections "
-                            f"{'identical' if res['identical'] else 'DIFFER'}"}]
+                           "d=5, native service decode per shot p50 (median of paired rounds)",
+                   "figure_us": r["added_us"], "target_us": 1.0,
+                   "met": bool(r["added_us"] <= 1.0 and alone <= 1.0 and res["identical"]),
+                   "floor": f"{r['measurements_us']:.2f} vs {r['detectors_us']:.2f} us a shot; the map alone "
+                            f"{alone * 1e3:.0f} ns a shot; corrections {'identical' if res['identical'] else 'DIFFER'}"}]
 
 
 def _cudaq_side_by_side(*, quick: bool, out, say) -> list[dict]:

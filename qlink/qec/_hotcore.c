@@ -196,6 +196,8 @@ static PyMethodDef module_methods[] = {
      "set_stream_layout(dict): the tcp framing of transports._framing (header format, kinds, payload cap)"},
     {"link_round_trip", mod_link_round_trip, METH_VARARGS,
      "link_round_trip(link, n, nbytes, echo, out) -> 0, or -1 when the peer went away"},
+    {"map_records", mod_map_records, METH_VARARGS,
+     "map_records(table, num_detectors, records, out) -> ns: the service's measurement -> detector map over rows"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -639,22 +639,26 @@ static void note_failure(ServiceCore *s) {
     PyErr_Clear();
 }
 
+/* A measurement record (nbd bytes) mapped to its detectors in acc (words 64-bit words): the XOR
+ * of one table row per nonzero byte (row 256 j + v: what byte j holding v flips). */
+static inline void map_record(const uint64_t *rows, int64_t words, const uint8_t *bits, int64_t nbd, uint64_t *acc) {
+    memset(acc, 0, (size_t)words * 8);
+    for (int64_t j = 0; j < nbd; j++) {
+        if (bits[j] == 0)
+            continue;
+        const uint64_t *r = rows + ((size_t)(256 * j + bits[j])) * (size_t)words;
+        for (int64_t w = 0; w < words; w++)
+            acc[w] ^= r[w];
+    }
+}
+
 /* Decode `bits` (nbd bytes, pad bits clear) into `out` (nbo packed bytes). 0 ok, -1 failed (counted). */
 static int svc_decode(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint8_t *out) {
     PyObject *res;
     int64_t nbd = d->nbd;
-    if (d->map_rows != NULL) { /* measurements -> detectors: XOR the rows of the bytes that are set */
-        const int64_t words = d->map_words;
-        uint64_t *acc = d->mapped;
-        memset(acc, 0, (size_t)words * 8);
-        for (int64_t j = 0; j < nbd; j++) {
-            if (bits[j] == 0)
-                continue;
-            const uint64_t *r = d->map_rows + ((size_t)(256 * j + bits[j])) * (size_t)words;
-            for (int64_t w = 0; w < words; w++)
-                acc[w] ^= r[w];
-        }
-        bits = (const uint8_t *)acc;
+    if (d->map_rows != NULL) { /* measurements -> detectors */
+        map_record(d->map_rows, d->map_words, bits, nbd, d->mapped);
+        bits = (const uint8_t *)d->mapped;
         nbd = d->map_nbd;
     }
     if (d->call_kind == CALL_FIRED) {
