@@ -39,13 +39,9 @@ class TransferAbortedError(QlinkError):
 
 
 @dataclass(frozen=True)
-class TransferRecord:
-    """One request as the receiver saw it land.
-
-    ``submit_to_last_us``: from the sender's submit (its clock, same host) to the
-    notification that made the last layer ready. ``layer_ready_us``: per layer, from
-    submit to ready. ``num_descs``: descriptors after merging, over all layers.
-    """
+class _Request:
+    """What both sides' records say of a request (``num_descs``: descriptors after merging,
+    over all layers)."""
 
     request_id: int
     nbytes: int
@@ -53,6 +49,17 @@ class TransferRecord:
     num_layers: int
     transport: str
     mode: str
+
+
+@dataclass(frozen=True)
+class TransferRecord(_Request):
+    """One request as the receiver saw it land.
+
+    ``submit_to_last_us``: from the sender's submit (its clock, same host) to the
+    notification that made the last layer ready. ``layer_ready_us``: per layer, from
+    submit to ready.
+    """
+
     submit_to_last_us: float
     layer_ready_us: tuple
     submit_ns: int = 0  # the sender's submit time (time.monotonic_ns, one host's clock)
@@ -63,19 +70,13 @@ class TransferRecord:
 
 
 @dataclass(frozen=True)
-class SubmitRecord:
+class SubmitRecord(_Request):
     """One request (or the layers sent so far) as the sender submitted it.
 
     ``plan_us``: block ids -> merged descriptors; ``submit_us``: issuing the puts/sends;
     ``us_per_block``: both together per (layer, plane, block) moved.
     """
 
-    request_id: int
-    nbytes: int
-    num_descs: int
-    num_layers: int
-    transport: str
-    mode: str
     plan_us: float
     submit_us: float
     us_per_block: float
