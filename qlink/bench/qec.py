@@ -46,6 +46,14 @@ For each transport and code distance:
   CPU time that took per round decoded (``service_cpu_ns_per_round``: what it needs
   of its core per round, beside the ``cycle_ns`` the cycle gives it).
 
+Before these rows, the command line runs the native real-time path's goal table
+(:mod:`qlink.bench.qec_hot`) and, with the default selection (no ``--transports`` or
+``--distances``), two side studies: CUDA-Q's measurement-level syndromes (``D_sparse``)
+through the native service beside detection events (a goal row: at most 1 µs more per
+shot, with the service core's map timed on its own; ``qec_dsparse``), and, in a full run
+where cudaq-qec is installed, CUDA-Q's realtime decoding beside qlink's service on the same
+records (``qec_cudaq``, as ``qlink bench cudaq`` runs it).
+
 A service batches every shot that is complete when it has drained the transport into
 one decoder call: that is what lets it keep up when shots arrive faster than one
 decoder call per shot could go. Both processes busy-poll, each pinned to its own
@@ -329,7 +337,10 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     if given:
         hot_kw["distances"] = tuple(int(x) for x in str(given).replace(" ", ",").split(",") if x.strip())
     hot = run_hot_bench(progress=say, trace_path=getattr(args, "trace", None), **hot_kw)
-    ds_rows, ds_goal = _measurement_level(quick=quick, say=say)
+    # the side studies (D_sparse, CUDA-Q) run with the default selection: a run that names its
+    # transports or distances asks for those rows only
+    whole = not getattr(args, "transports", None) and not given
+    ds_rows, ds_goal = _measurement_level(quick=quick, say=say) if whole else ([], [])
     hot["goals"] += ds_goal
     if ds_rows:
         write_results(ds_rows, out_dir=out, name="qec_dsparse", meta={"quick": quick})
@@ -340,7 +351,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     print(wrap(f"written under {out}/: qec_native (every figure), qec_goals (.json, .csv)"))
     if getattr(args, "native_only", False):
         return hot["rows"]
-    cq = _cudaq_side_by_side(quick=quick, out=out, say=say)
+    cq = _cudaq_side_by_side(quick=quick, out=out, say=say) if whole and not quick else []
     kw = dict(distances=(5, 7), cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000,
               ff_shots=1000) if quick else {}
     for name, conv in (("distances", int), ("transports", str)):
