@@ -1013,7 +1013,7 @@ static PyMethodDef module_methods[] = {
     {"set_stream_copy", (PyCFunction)(void (*)(void))mod_set_stream_copy, METH_FASTCALL,
      "set_stream_copy(kind=None) -> previous kind: how the target copies large deferred puts ('avx512', 'avx2', "
      "'sse2', 'memcpy'; None or 'auto': the faster of memcpy and this CPU's best streaming copy, measured on the "
-     "pulls)"},
+     "pulls, the measurement started over)"},
     {"pull_copy", (PyCFunction)mod_pull_copy, METH_NOARGS,
      "pull_copy() -> (kind, memcpy GB/s, streamed GB/s, memcpy records, streamed records) of large deferred puts"},
     {"set_release_gil", mod_set_release_gil, METH_O,

@@ -1183,7 +1183,8 @@ static PyObject *mod_make_note(PyObject *Py_UNUSED(m), PyObject *args) {
 
 /* set_stream_copy(kind=None) -> the kind in use before: how large deferred puts are copied.
  * None or "auto": the faster of memcpy and the CPU's best streaming copy, measured as pulls go
- * (the streaming body stays the best this CPU has); a named kind: always that one. */
+ * (the streaming body stays the best this CPU has; setting it starts the measurement over); a
+ * named kind: always that one. */
 static PyObject *mod_set_stream_copy(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
     const char *kind = NULL;
     if (nargs > 1) {
@@ -1203,6 +1204,11 @@ static PyObject *mod_set_stream_copy(PyObject *Py_UNUSED(m), PyObject *const *ar
         return NULL;
     }
     pick_auto = is_auto;
+    if (is_auto) { /* "auto" starts its measurement over: both kinds are tried again from the next pull */
+        pick_ns_per_byte[0] = pick_ns_per_byte[1] = 0.0;
+        pick_records[0] = pick_records[1] = 0;
+        pick_large = 0;
+    }
     return PyUnicode_FromString(old);
 }
 
