@@ -215,17 +215,14 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
     if decoder == "pymatching" and dem is not None and nd == dem.num_detectors:
         import pymatching
 
-        graph = pymatching.Matching.from_detector_error_model(dem)._matching_graph
-        batch = functools.partial(graph.decode_batch, bit_packed_shots=True, bit_packed_predictions=True)
-        return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)", batch)
+        return _graph_single_shot(pymatching.Matching.from_detector_error_model(dem)._matching_graph, nd, no)
     from .decoders import MeasurementDecoder, compile_decoder
 
     if isinstance(decoder, MeasurementDecoder) and nd == decoder.num_detectors and decoder.byte_table() is not None:
         return _measurement_single_shot(decoder, nd, no)
     graph = _matching_graph_of(decoder)
     if graph is not None and nd == decoder.num_detectors:  # a compiled PyMatching decoder (from a config file, say)
-        batch = functools.partial(graph.decode_batch, bit_packed_shots=True, bit_packed_predictions=True)
-        return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)", batch)
+        return _graph_single_shot(graph, nd, no)
     compiled = compile_decoder(decoder, dem)
     name = decoder if isinstance(decoder, str) else type(decoder).__name__
     fn = compiled.decode_shots_bit_packed
@@ -234,6 +231,12 @@ def single_shot_decoder(decoder: Any, dem: Any, *, num_detectors: int | None = N
         return fn(bit_packed_detection_event_data=rows)
 
     return SingleShotDecoder(fn, "packed", nd, no, f"{name} (decode_shots_bit_packed, one shot)", batch)
+
+
+def _graph_single_shot(graph, nd: int, no: int) -> SingleShotDecoder:
+    """PyMatching's matching graph called on the fired detectors; a backlog in its batch call."""
+    batch = functools.partial(graph.decode_batch, bit_packed_shots=True, bit_packed_predictions=True)
+    return SingleShotDecoder(graph.decode, "fired", nd, no, "pymatching (matching graph on fired detectors)", batch)
 
 
 def _matching_graph_of(decoder):
