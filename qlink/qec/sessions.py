@@ -11,8 +11,13 @@ handled by one :class:`~qlink.qec.service.DecoderService`, a session's turn at a
 Limits (:class:`SessionLimits`), each counted when it bites:
 
 * a session's turn handles at most ``max_frames_per_turn`` frames, then the next session's
-  turn comes (a flooding peer waits in its own socket, or loses datagrams); a udp sender
-  most of whose frames were malformed gets one datagram a round;
+  turn comes (a flooding peer waits in its own socket, or loses datagrams). A session that
+  had more waiting than its turn took (it sends faster than it is served) and a udp sender
+  most of whose frames were malformed are served *after* the others and with a small
+  share: ``_LOW_QUANTUM`` frames a turn for a stream, ``_LOW_PER_ROUND`` datagrams a round
+  for all such udp senders together, taken in turn. So a well-behaved controller's frame
+  waits behind at most a few of theirs, whatever they send; with nobody else to serve they
+  still get the whole service, a round after another;
 * a frame half received for ``frame_timeout_s``, or a session silent for
   ``idle_timeout_s`` (``datagram_idle_timeout_s`` for udp, which has no close), is closed
   with a close frame that says why;
@@ -60,18 +65,20 @@ __all__ = ["CLOSE_REQUEST_ID", "CloseReason", "SessionLimits", "SessionServer", 
            "parse_close_frame"]
 
 _TIMER_PERIOD_S = 0.005  # how often session timers are looked at while frames flow
-_UDP_READS_PER_ROUND = 4096  # datagrams read before the stream sessions get their turns again
+_UDP_READS_PER_ROUND = 256  # datagrams read from the shared socket (new senders) in one round
 _ACCEPT_POLL_S = 0.1
 _CLOSES_PER_TICK = 16
-# a udp sender most of whose frames were malformed (past this many) gets one datagram a round
+# a udp sender most of whose frames were malformed (past this many) is served last, a little a round
 _BAD_GRACE = 64
+_LOW_QUANTUM = 2  # frames a turn for a stream session that floods (had more than its turn took)
+_LOW_PER_ROUND = 4  # datagrams a round for all udp senders that flood or send garbage, together
 
 
 class _Session:
     """One controller: its endpoint (or udp address), its decoder states, its timers and counts."""
 
     __slots__ = ("sid", "ep", "addr", "decoders", "active", "opened", "last_frame", "partial_since", "frames",
-                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad", "sock")
+                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad", "sock", "heavy")
 
     def __init__(self, sid: int, ep, addr, states, now: float) -> None:
         self.sid = sid
@@ -86,6 +93,7 @@ class _Session:
         self.sock = None  # udp: its own connected socket on the listener's address, if it has one
         self.blocked = False  # an answer found its socket full: the peer does not read
         self.queue: list = []  # udp: (offset, nbytes) of its datagrams waiting in the arena
+        self.heavy = False  # its last turn left frames waiting: it sends faster than it is served
         self.url = _peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
         self.fd = ep.fileno() if ep is not None and hasattr(ep, "fileno") else -1
         self.buffered = getattr(type(ep), "rx_buffered_nbytes", None) is not None
@@ -148,6 +156,7 @@ class SessionServer:
             self._epoll.register(self._udp.fileno(), select.EPOLLIN)
             self._udp_by_fd: dict[int, _Session] = {}  # a sender's own socket -> its session
             self._per_sender = True  # off if the listener cannot give senders sockets of their own
+            self._low_turn = 0  # which of the flooding / garbage senders is read first next round
             self._scratch = bytearray(1 << 16)
             self._scratch_mv = memoryview(self._scratch)
             self._arena = bytearray(self.limits.max_queued_nbytes)
@@ -272,7 +281,7 @@ class SessionServer:
         recv = s.ep.recv_into_nowait
         rx = self._rx
         handle = svc._handle
-        cap = self.limits.max_frames_per_turn
+        cap = _LOW_QUANTUM if s.heavy and len(self.sessions) > 1 else self.limits.max_frames_per_turn
         n_batch = 0
         drained = False
         t_busy = 0
@@ -316,6 +325,7 @@ class SessionServer:
         if s.blocked:
             self._close(s, CloseReason.PEER_NOT_READING, "answers could not be sent: the peer does not read them")
             return bool(n_batch)
+        s.heavy = not drained
         if not drained:
             self._again.add(s)
         elif drained and s.buffered and s.partial_since is None and s.ep.rx_buffered_nbytes:
@@ -323,32 +333,42 @@ class SessionServer:
         return bool(n_batch)
 
     def _udp_round(self, now: float) -> bool:
-        """Read what the socket holds, queue each datagram for its sender's turn (bounded), then
-        serve each sender with datagrams, in order of arrival."""
+        """Read what the sockets hold, queue each datagram for its sender's turn (bounded), then
+        serve each sender with datagrams: the well-behaved ones first, in order of arrival."""
         recvfrom = self._udp_read
         scratch = self._scratch
         amv = self._arena_mv
         share = self.limits.max_frames_per_turn
         order: list = []
         used = queued = reads = 0
-        # first each sender's own socket (its share, the rest waits there), then the shared one
+        # first the well-behaved senders' own sockets (each its share, the rest waits there), then
+        # a few datagrams of the senders that flood or send garbage, in turn, then the shared one
         if self._udp_by_fd:
+            low = []
             for fd, _ev in self._epoll.poll(0):
                 s = self._udp_by_fd.get(fd)
                 if s is None:
                     continue
-                sread = s.sock.recvfrom_into
-                for _ in range(share):
-                    try:
-                        n, addr = sread(scratch)
-                    except (BlockingIOError, InterruptedError):
+                if (s.heavy or (s.bad > _BAD_GRACE and 2 * s.bad > s.frames)) and len(self.sessions) > 1:
+                    low.append(s)
+                    continue
+                got, used, queued = self._read_sender(s, share, now, order, used, queued)
+                reads += got
+                s.heavy = got >= share
+            if low:
+                budget = _LOW_PER_ROUND
+                first = self._low_turn % len(low)
+                self._low_turn += 1
+                for s in low[first:] + low[:first]:
+                    if budget <= 0:
                         break
-                    except OSError:
-                        self.counts["udp_socket_errors"] += 1
-                        break
-                    reads += 1
-                    used, queued = self._intake(n, addr, now, order, used, queued)
-        while reads < _UDP_READS_PER_ROUND:
+                    want = min(_LOW_QUANTUM, budget)
+                    got, used, queued = self._read_sender(s, want, now, order, used, queued)
+                    reads += got
+                    budget -= got
+                    s.heavy = got >= want  # (it keeps up again: back among the others)
+        shared = 0
+        while shared < _UDP_READS_PER_ROUND:
             try:
                 n, addr = recvfrom(scratch)
             except (BlockingIOError, InterruptedError):
@@ -356,6 +376,7 @@ class SessionServer:
             except OSError:  # e.g. an ICMP error queued on the socket: the next read goes on
                 self.counts["udp_socket_errors"] += 1
                 continue
+            shared += 1
             reads += 1
             used, queued = self._intake(n, addr, now, order, used, queued)
         self.counts["udp_datagrams_read"] += reads
@@ -390,6 +411,24 @@ class SessionServer:
             s.queue.clear()
             s.last_frame = now
         return True
+
+    def _read_sender(self, s: _Session, most: int, now: float, order: list, used: int,
+                     queued: int) -> tuple[int, int, int]:
+        """Up to ``most`` datagrams from ``s``'s own socket into the arena: (read, used, queued)."""
+        sread = s.sock.recvfrom_into
+        scratch = self._scratch
+        got = 0
+        while got < most:
+            try:
+                n, addr = sread(scratch)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.counts["udp_socket_errors"] += 1
+                break
+            got += 1
+            used, queued = self._intake(n, addr, now, order, used, queued)
+        return got, used, queued
 
     def _intake(self, n: int, addr, now: float, order: list, used: int, queued: int) -> tuple[int, int]:
         """One datagram (in the scratch buffer) from ``addr``: queued for its sender's turn, or
@@ -493,6 +532,8 @@ class SessionServer:
                         s = by_fd.get(fd)
                         if s is not None:
                             todo.add(s)
+                    if len(todo) > 1:  # the sessions that flood take their (short) turns last
+                        todo = sorted(todo, key=_heavy_last)
                     for s in todo:
                         if s.fd in by_fd:  # (not closed by an earlier turn)
                             busy |= self._turn_stream(s, now)
@@ -582,6 +623,10 @@ class SessionServer:
             if transport_statistics is not None:
                 rep["transport_statistics"] = transport_statistics
         return rep
+
+
+def _heavy_last(s: _Session) -> bool:
+    return s.heavy
 
 
 def _peer_url(ep) -> str | None:

@@ -56,12 +56,14 @@ def test_coverage_guided_fuzzing_quick(target):
     assert r["cases"] == 20_000 and r["coverage"] > 20
 
 
+# The slow runs' time limits guard against a hang, not a slow host: with two CPU hogs beside
+# them on two cores they take about three times as long as on a quiet host.
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 @pytest.mark.skipif(not atheris_available(), reason="atheris is not installed (pip install 'qlink[test]')")
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_coverage_guided_fuzzing(target):
-    r = run_atheris(target, runs=200_000, seed=11, timeout_s=800)
+    r = run_atheris(target, runs=200_000, seed=11, timeout_s=1700)
     assert r["returncode"] == 0, r["output"]
     assert r["cases"] == 200_000
 
@@ -76,7 +78,7 @@ _frame_bytes = st.one_of(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)
 @settings(max_examples=100_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=_frame_bytes)
 def test_hypothesis_hundred_thousand_frames(data):
