@@ -146,10 +146,12 @@ def _long_stream(d: int, rounds: int, p: float, num_shots: int, seed: int):
 
 def long_experiment_rows(*, lengths=(10_000, 1_000_000), d: int = 5, p: float = 0.001, cycle_ns: int = 1100,
                          window_rounds: int = 110, commit_rounds: int = 100, max_total_rounds: int = 2_000_000,
-                         seed: int = 1, say=lambda m: None) -> dict:
+                         min_experiments: int = 10, seed: int = 1, say=lambda m: None) -> dict:
     """Final round → final correction of a long memory experiment at the cycle, one round per
     frame over shm, sliding windows with commit decoded as the rounds land, at each length;
-    ``max_total_rounds`` bounds the rounds played per length (at least 3 experiments each)."""
+    ``max_total_rounds`` bounds the rounds played per length, but each length plays at least
+    ``min_experiments`` experiments: the final window's decode differs from one experiment to
+    the next (its syndromes do), and a median of three moved by a quarter between runs."""
     import transports
 
     from qlink.qec.decoders import SlidingWindowDecoder
@@ -158,7 +160,7 @@ def long_experiment_rows(*, lengths=(10_000, 1_000_000), d: int = 5, p: float = 
 
     row: dict = {"long_d": d, "long_window_rounds": window_rounds, "long_commit_rounds": commit_rounds}
     for n_rounds in lengths:
-        shots = max(3, min(20, max_total_rounds // n_rounds))
+        shots = max(int(min_experiments), min(20, max_total_rounds // n_rounds))
         t0 = time.perf_counter()
         stream, dem, det_rounds = _long_stream(d, n_rounds, p, shots, seed + n_rounds)
         win = SlidingWindowDecoder(dem, detector_rounds=det_rounds, window_rounds=window_rounds,
@@ -191,13 +193,15 @@ def long_experiment_rows(*, lengths=(10_000, 1_000_000), d: int = 5, p: float = 
         ok = res.reaction_ns[res.reaction_ns >= 0]
         lag = res.max_lag_ns
         key = f"long_{n_rounds}"
+        q25, q75 = (float(np.percentile(ok, q)) / 1e3 if len(ok) else math.nan for q in (25, 75))
         row.update({f"{key}_experiments": shots, f"{key}_final_reaction_p50_us": float(np.median(ok)) / 1e3 if len(ok) else math.nan,
+                    f"{key}_final_reaction_p25_us": q25, f"{key}_final_reaction_p75_us": q75,
                     f"{key}_final_reaction_max_us": float(ok.max()) / 1e3 if len(ok) else math.nan,
                     f"{key}_windows": out.get("counts", {}).get("windows_decoded", 0),
                     f"{key}_backlog_max_rounds": int(res.backlog_rounds.max()) if len(res.backlog_rounds) else 0,
                     f"{key}_late_frames": res.late_frames, f"{key}_max_emit_lag_us": lag / 1e3,
                     f"{key}_logical_errors": res.logical_errors, f"{key}_setup_s": setup_s})
         say(f"  long experiment d={d}, {n_rounds} rounds x {shots}, windows {window_rounds}/{commit_rounds}: final-round "
-            f"-> final correction p50 {row[f'{key}_final_reaction_p50_us']:.1f} us (max "
+            f"-> final correction p50 {row[f'{key}_final_reaction_p50_us']:.1f} us (p25-p75 {q25:.1f}-{q75:.1f}, max "
             f"{row[f'{key}_final_reaction_max_us']:.1f}), logical errors {res.logical_errors}")
     return row

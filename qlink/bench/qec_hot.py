@@ -383,7 +383,8 @@ def goal_rows(rows: list[dict], *, distance: int = 5) -> list[dict]:
             a, b = (r.get(f"long_{n}_final_reaction_p50_us", math.nan) for n in (ls[0], ls[-1]))
             out.append({"goal": GOALS["long_flat"], "figure_us": b, "target_us": 1.2 * a,
                         "met": bool(b <= 1.2 * a and a <= 1.2 * b),
-                        "floor": f"{ls[0]} rounds: {a:.1f} us, {ls[-1]} rounds: {b:.1f} us"})
+                        "floor": f"{ls[0]} rounds: {a:.1f} us, {ls[-1]} rounds: {b:.1f} us (medians of "
+                                 f"{r.get(f'long_{ls[0]}_experiments')} and {r.get(f'long_{ls[-1]}_experiments')})"})
     for g in out:
         g.setdefault("floor", f"CPU floor {rows[0]['cpu_floor_ran_share']:.0%}")
     return out
