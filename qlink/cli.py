@@ -363,6 +363,9 @@ def build_parser() -> Parser:
                             help="run the hostile clients at this nice level, 0..19 (default 0: the same priority "
                                  "as the service; on a host of few cores a higher one stands in for attackers on "
                                  "hosts of their own, whose CPU is not the service's)")
+            bb.add_argument("--attacker-idle", action="store_true",
+                            help="run the hostile clients under SCHED_IDLE: they get a CPU only when nothing "
+                                 "else wants it, the closer stand-in for attackers on hosts of their own")
         if name == "decoders":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 3,5; --quick 3)")

@@ -241,9 +241,11 @@ _KINDS = {"half_frame": _half_frame, "idle": _idle, "huge_header": _huge_header,
           "udp_flood": _udp_flood, "tcp_flood": _tcp_flood}
 
 
-def run_hostile(kind: str, url: str, stop, *, count: int = 1, out=None, started=None, nice: int = 0) -> dict:
+def run_hostile(kind: str, url: str, stop, *, count: int = 1, out=None, started=None, nice: int = 0,
+                idle: bool = False) -> dict:
     """Run one hostile client of ``kind`` against ``url`` until ``stop`` is set; what it saw.
-    ``nice``: raise this process's nice level by that much first (in a process of its own)."""
+    ``nice``: raise this process's nice level by that much first (in a process of its own);
+    ``idle``: run it under ``SCHED_IDLE`` (it runs only on a CPU nothing else wants)."""
     if kind not in _KINDS:
         raise ValueError(f"unknown hostile client {kind!r}; one of {HOSTILE_KINDS}")
     seen: Counter = Counter()
@@ -253,6 +255,8 @@ def run_hostile(kind: str, url: str, stop, *, count: int = 1, out=None, started=
         die_with_parent()
         if nice:
             os.nice(nice)
+        if idle:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         started.set()
     _KINDS[kind](url, stop, seen, count)
     if out is not None:
@@ -263,7 +267,7 @@ def run_hostile(kind: str, url: str, stop, *, count: int = 1, out=None, started=
 class HostileProcess:
     """``kind`` hostile clients in a spawned process; ``stop()`` returns what they saw."""
 
-    def __init__(self, kind: str, url: str, *, count: int = 1, nice: int = 0) -> None:
+    def __init__(self, kind: str, url: str, *, count: int = 1, nice: int = 0, idle: bool = False) -> None:
         import multiprocessing as mp
 
         if kind not in _KINDS:
@@ -273,7 +277,8 @@ class HostileProcess:
         self._out = ctx.Queue()
         started = ctx.Event()
         self.process = ctx.Process(target=run_hostile, args=(kind, url, self._stop),
-                                   kwargs={"count": count, "out": self._out, "started": started, "nice": nice},
+                                   kwargs={"count": count, "out": self._out, "started": started, "nice": nice,
+                                           "idle": idle},
                                    daemon=True,
                                    name=f"qlink-hostile-{kind}")
         self.process.start()

@@ -96,12 +96,16 @@ def _several(url: str, n: int, num_shots: int, num_obs: int, time_limit_s: float
 
 def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hostile_counts=(0, 1, 4),
                       controllers=(1, 4), time_limit_s: float = 60.0, attacker_nice: int = 0,
-                      say: Callable[[str], None] | None = None) -> list[dict]:
+                      attacker_idle: bool = False, say: Callable[[str], None] | None = None) -> list[dict]:
     """The rows of both tables (see the module docstring); each measurement stops after
     ``num_shots`` or ``time_limit_s`` (a starved host), its row says how many shots it took.
     ``attacker_nice``: the hostile clients' nice level (0: the service's own priority; on a
     host of two cores a flooding client at that priority takes a core from the service and
-    the controller, which a real attacker, on a host of its own, does not)."""
+    the controller, which a real attacker, on a host of its own, does not). ``attacker_idle``:
+    the hostile clients run under ``SCHED_IDLE``, only on a CPU nothing else wants: the closer
+    stand-in for attackers on hosts of their own (a nice-19 process, once running, keeps its
+    CPU for its time slice — milliseconds under the EEVDF scheduler — before a woken
+    controller gets it, which is the host's delay, not the service's)."""
     from qlink.qec import start_service_process
 
     from ._hostile_clients import HostileProcess
@@ -117,15 +121,15 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
             for k in hostile_counts:
                 kinds = HOSTILE_MIX[tr][:k]
                 say(f"bench hostile: {tr}, {k} hostile client(s) {list(kinds)}")
-                attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1), nice=attacker_nice)
-                             for kind in kinds]
+                attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1), nice=attacker_nice,
+                                            idle=attacker_idle) for kind in kinds]
                 try:
                     time.sleep(0.5 if k else 0)
                     m = _measure(svc.url, dets, expected, num_obs, time_limit_s=time_limit_s)
                 finally:
                     seen = [a.stop() for a in attackers]
                 row = {"table": "hostile", "transport": tr, "hostile_clients": k, "kinds": "+".join(kinds) or "-",
-                       "controllers": 1, "attacker_nice": attacker_nice, **m}
+                       "controllers": 1, "attacker_nice": attacker_nice, "attacker_idle": attacker_idle, **m}
                 if k == 0:
                     base = m["p99_us"]
                 row["p99_vs_none"] = m["p99_us"] / base if base else float("nan")
@@ -168,17 +172,21 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     quick = bool(getattr(args, "quick", False))
     shots = 2000 if quick else 10000
     nice = int(getattr(args, "attacker_nice", 0) or 0)
-    rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, attacker_nice=nice, say=say)
+    idle = bool(getattr(args, "attacker_idle", False))
+    rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, attacker_nice=nice,
+                             attacker_idle=idle, say=say)
     out = Path(getattr(args, "out", "results/bench"))
     meta = {"num_shots": shots, "code": SPEC, "goal": f"p99 with hostile clients <= {_GOAL_RATIO:g} x p99 without",
             "reaction": "lock-step controller: syndrome frame handed to the transport -> its correction received",
             "host": os.uname().nodename, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-            "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}, "attacker_nice": nice}
+            "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}, "attacker_nice": nice,
+            "attacker_idle": idle}
     write_results(rows, out_dir=out, name="hostile", meta=meta)
     h = [r for r in rows if r["table"] == "hostile"]
     c = [r for r in rows if r["table"] == "controllers"]
     print(f"\nA well-behaved controller beside hostile clients (d=5, load {meta['load_avg_1m']:.2f} on "
-          f"{meta['cores']} cores; attackers at nice {nice}); goal p99 <= {_GOAL_RATIO:g} x p99 without")
+          f"{meta['cores']} cores; attackers at nice {nice}{', SCHED_IDLE' if idle else ''}); goal p99 <= "
+          f"{_GOAL_RATIO:g} x p99 without")
     def _shown(rows_: list[dict], names: dict) -> str:  # short headings: the console fits 100 columns
         return format_table([{v: r.get(k) for k, v in names.items()} for r in rows_], columns=list(names.values()),
                             max_width=CONSOLE_WIDTH)

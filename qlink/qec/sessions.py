@@ -17,7 +17,10 @@ Limits (:class:`SessionLimits`), each counted when it bites:
   share: ``_LOW_QUANTUM`` frames a turn for a stream, ``_LOW_PER_ROUND`` datagrams a round
   for all such udp senders together, taken in turn. So a well-behaved controller's frame
   waits behind at most a few of theirs, whatever they send; with nobody else to serve they
-  still get the whole service, a round after another;
+  still get the whole service, a round after another. A udp sender most of whose frames were
+  malformed gets at most ``_ABUSIVE_ANSWERS_PER_S`` answers a second (the rest are counted as
+  ``udp_answers_withheld``): a datagram's source address can be forged, and answering every
+  datagram would make the service a reflector of floods;
 * a frame half received for ``frame_timeout_s``, or a session silent for
   ``idle_timeout_s`` (``datagram_idle_timeout_s`` for udp, which has no close), is closed
   with a close frame that says why;
@@ -72,13 +75,15 @@ _CLOSES_PER_TICK = 16
 _BAD_GRACE = 64
 _LOW_QUANTUM = 2  # frames a turn for a stream session that floods (had more than its turn took)
 _LOW_PER_ROUND = 4  # datagrams a round for all udp senders that flood or send garbage, together
+_ABUSIVE_ANSWERS_PER_S = 100  # answers a second to a udp sender most of whose frames were malformed
 
 
 class _Session:
     """One controller: its endpoint (or udp address), its decoder states, its timers and counts."""
 
     __slots__ = ("sid", "ep", "addr", "decoders", "active", "opened", "last_frame", "partial_since", "frames",
-                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad", "sock", "heavy")
+                 "dropped", "blocked", "queue", "url", "fd", "buffered", "bad", "sock", "heavy", "answers",
+                 "answers_since")
 
     def __init__(self, sid: int, ep, addr, states, now: float) -> None:
         self.sid = sid
@@ -94,6 +99,8 @@ class _Session:
         self.blocked = False  # an answer found its socket full: the peer does not read
         self.queue: list = []  # udp: (offset, nbytes) of its datagrams waiting in the arena
         self.heavy = False  # its last turn left frames waiting: it sends faster than it is served
+        self.answers = 0  # udp, a mostly malformed sender: answers sent since ``answers_since``
+        self.answers_since = now
         self.url = _peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
         self.fd = ep.fileno() if ep is not None and hasattr(ep, "fileno") else -1
         self.buffered = getattr(type(ep), "rx_buffered_nbytes", None) is not None
@@ -270,9 +277,27 @@ class SessionServer:
         svc._decoders = s.decoders
         svc._active = s.active
         if s.ep is None:
-            svc._ep, svc._sendto, svc._peer = None, self._udp.sendto, s.addr
+            sendto = self._udp.sendto
+            if s.bad > _BAD_GRACE and 2 * s.bad > s.frames:  # abusive: its answers are rationed
+                sendto = self._rationed(s, sendto)
+            svc._ep, svc._sendto, svc._peer = None, sendto, s.addr
         else:
             svc._ep, svc._sendto, svc._peer = s, None, None
+
+    def _rationed(self, s: _Session, sendto):
+        """``sendto`` for an abusive udp sender: ``_ABUSIVE_ANSWERS_PER_S`` answers a second."""
+        counts = self.counts
+
+        def send(data, addr) -> None:
+            t = time.monotonic()
+            if t - s.answers_since >= 1.0:
+                s.answers_since, s.answers = t, 0
+            if s.answers >= _ABUSIVE_ANSWERS_PER_S:
+                counts["udp_answers_withheld"] += 1
+                return
+            s.answers += 1
+            sendto(data, addr)
+        return send
 
     def _turn_stream(self, s: _Session, now: float) -> bool:
         """Up to the frame cap of one stream session's frames; True if it handled any."""

@@ -223,3 +223,50 @@ def test_a_frame_longer_than_the_derived_maximum_is_refused_over_shm(code):
         rep = svc.report(timeout_s=30)
     assert rep["sessions"]["closed_by_reason"] == {"oversized_frame": 1}
     assert rep["faults"]["oversized_frame"] == 1
+
+
+def test_a_udp_sender_of_mostly_malformed_frames_gets_rationed_answers_and_others_are_served(code):
+    """Answers to a udp sender most of whose frames are malformed are rationed (its source
+    address may be forged: the service must not reflect a flood), counted, and a
+    well-behaved controller is served as before."""
+    import time
+
+    from qlink import wire
+    from qlink.qec.sessions import _ABUSIVE_ANSWERS_PER_S, _BAD_GRACE
+
+    dem, dets, expected = code
+    with start_service_process("udp://127.0.0.1:0", {0: {"source": SPEC}}, max_peers=2,
+                               session_limits={"datagram_idle_timeout_s": 0.5}) as svc:
+        host, port = svc.url[len("udp://"):].rsplit(":", 1)
+        raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        buf = bytearray(64)
+        n = wire.encode_get_corrections_into(buf, request_id=5, decoder_id=0, return_size=1, reset=True)
+        bad = bytearray(buf[:n])
+        bad[4:8] = b"\xee\xee\xee\xee"  # no such function: refused with a status, request id kept
+        t0 = time.monotonic()
+        sent = 600
+        for i in range(sent):
+            raw.sendto(bytes(bad), (host, int(port)))
+            time.sleep(0.001)  # (paced: about one a round of the service's, none lost in the kernel)
+        time.sleep(0.3)
+        elapsed_s = time.monotonic() - t0
+        raw.setblocking(False)
+        answers = 0
+        while True:
+            try:
+                raw.recv(256)
+                answers += 1
+            except BlockingIOError:
+                break
+        raw.close()
+        rep = svc.report(timeout_s=30)  # the garbage sender's session, ended by its idle time
+        assert 0 < answers <= _BAD_GRACE + 1 + _ABUSIVE_ANSWERS_PER_S * (int(elapsed_s) + 1), answers
+        counts = rep["sessions"]
+        assert counts.get("udp_answers_withheld", 0) > 0, counts
+        # each datagram answered, withheld or dropped, and counted: none lost silently
+        assert answers + counts["udp_answers_withheld"] + counts.get("udp_dropped", 0) == sent, (answers, counts)
+        with LockstepController(svc.url, num_observables=dem.num_observables) as ctl:
+            flips, statuses, _ = ctl.run(dets[:40])
+        np.testing.assert_array_equal(flips, expected[:40])
+        assert (statuses == 0).all()
