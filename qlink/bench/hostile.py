@@ -6,8 +6,9 @@ Two tables, both from one decoder service process (surface code d=5, PyMatching)
 * **hostile**: over tcp and udp, a lock-step controller's reaction (its syndrome frame
   handed to the transport → its correction received) p50/p99 with 0, 1 and 4 hostile
   clients attached (each in its own process, see :mod:`qlink.bench._hostile_clients`),
-  and p99(hostile)/p99(none) against the goal ≤ 2, measured in the same run. Every
-  correction is checked bit for bit against PyMatching on the same shots.
+  and p99(hostile)/p99(none) against the goal ≤ 2, measured in the same run: the cases
+  take turns three times, each with a third of the shots, and each case's figures pool its
+  turns. Every correction is checked bit for bit against PyMatching on the same shots.
 * **controllers**: 1 and 4 well-behaved controllers at once (each its own process):
   per-controller reaction p50/p99 and the total frames per second, beside one alone.
 
@@ -48,8 +49,9 @@ def _code(num_shots: int, seed: int = 5):
     return src.dem, dets, expected
 
 
-def _measure(url: str, dets: np.ndarray, expected: np.ndarray, num_obs: int, *, warmup: int = 200,
-             time_limit_s: float = 60.0) -> dict:
+def _play(url: str, dets: np.ndarray, expected: np.ndarray, num_obs: int, *, warmup: int = 200,
+          time_limit_s: float = 60.0) -> dict:
+    """One lock-step controller session: its reactions (ns) and whether every correction matched."""
     from ._lockstep import LockstepController
 
     with LockstepController(url, num_observables=num_obs, timeout_s=30) as ctl:
@@ -59,11 +61,22 @@ def _measure(url: str, dets: np.ndarray, expected: np.ndarray, num_obs: int, *, 
         wall = time.perf_counter() - t0
         retries = ctl.retries
     n = len(flips)
-    ok = bool((statuses == 0).all() and np.array_equal(flips, expected[:n]))
-    us = reaction / 1e3
-    return {"shots": n, "p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
-            "max_us": float(us.max()), "frames_per_s": 2 * len(dets) / wall, "bit_identical": ok,
-            "retransmits": retries}
+    return {"reaction_ns": reaction, "wall_s": wall, "frames": 2 * n, "retransmits": retries,
+            "bit_identical": bool((statuses == 0).all() and np.array_equal(flips, expected[:n]))}
+
+
+def _summary(plays: list[dict]) -> dict:
+    """The rows' figures over one or more sessions' reactions, pooled."""
+    us = np.concatenate([p["reaction_ns"] for p in plays]) / 1e3
+    return {"shots": len(us), "p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+            "max_us": float(us.max()), "frames_per_s": sum(p["frames"] for p in plays) / sum(p["wall_s"] for p in plays),
+            "bit_identical": all(p["bit_identical"] for p in plays), "retransmits": sum(p["retransmits"] for p in plays),
+            "sessions": len(plays)}
+
+
+def _measure(url: str, dets: np.ndarray, expected: np.ndarray, num_obs: int, *, warmup: int = 200,
+             time_limit_s: float = 60.0) -> dict:
+    return _summary([_play(url, dets, expected, num_obs, warmup=warmup, time_limit_s=time_limit_s)])
 
 
 def _controller_worker(url: str, num_shots: int, seed: int, num_obs: int, start, out, time_limit_s: float) -> None:
@@ -94,11 +107,20 @@ def _several(url: str, n: int, num_shots: int, num_obs: int, time_limit_s: float
     return res
 
 
+def _merged(counters: list[dict]) -> dict:
+    out: dict = {}
+    for c in counters:
+        for key, v in c.items():
+            out[key] = out.get(key, 0) + v if isinstance(v, (int, float)) else v
+    return out
+
+
 def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hostile_counts=(0, 1, 4),
-                      controllers=(1, 4), time_limit_s: float = 60.0, attacker_nice: int = 0,
+                      controllers=(1, 4), time_limit_s: float = 60.0, attacker_nice: int = 0, rounds: int = 3,
                       attacker_idle: bool = False, say: Callable[[str], None] | None = None) -> list[dict]:
     """The rows of both tables (see the module docstring); each measurement stops after
     ``num_shots`` or ``time_limit_s`` (a starved host), its row says how many shots it took.
+    The hostile cases take turns ``rounds`` times, each time with a slice of the shots.
     ``attacker_nice``: the hostile clients' nice level (0: the service's own priority; on a
     host of two cores a flooding client at that priority takes a core from the service and
     the controller, which a real attacker, on a host of its own, does not). ``attacker_idle``:
@@ -117,25 +139,38 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
     for tr in transports:
         with start_service_process(_URLS[tr], {0: {"source": SPEC, "decoder": "pymatching"}},
                                    session_limits={"max_sessions": 256}) as svc:
+            # the cases take turns, ``rounds`` times, each a slice of the shots: a drift of the
+            # host's state over the run falls on every case alike, not on the one measured then
+            plays: dict = {k: [] for k in hostile_counts}
+            seen: dict = {k: [] for k in hostile_counts}
+            per = -(-len(dets) // rounds)
+            for r in range(rounds):
+                chunk = slice(r * per, (r + 1) * per)
+                for k in hostile_counts:
+                    kinds = HOSTILE_MIX[tr][:k]
+                    say(f"bench hostile: {tr}, {k} hostile client(s) {list(kinds)}, round {r + 1} of {rounds}")
+                    attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1), nice=attacker_nice,
+                                                idle=attacker_idle) for kind in kinds]
+                    try:
+                        time.sleep(0.5 if k else 0)
+                        plays[k].append(_play(svc.url, dets[chunk], expected[chunk], num_obs,
+                                              warmup=200 if r == 0 else 50, time_limit_s=time_limit_s / rounds))
+                    finally:
+                        seen[k].append([a.stop() for a in attackers])
             base = None
             for k in hostile_counts:
                 kinds = HOSTILE_MIX[tr][:k]
-                say(f"bench hostile: {tr}, {k} hostile client(s) {list(kinds)}")
-                attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1), nice=attacker_nice,
-                                            idle=attacker_idle) for kind in kinds]
-                try:
-                    time.sleep(0.5 if k else 0)
-                    m = _measure(svc.url, dets, expected, num_obs, time_limit_s=time_limit_s)
-                finally:
-                    seen = [a.stop() for a in attackers]
+                m = _summary(plays[k])
                 row = {"table": "hostile", "transport": tr, "hostile_clients": k, "kinds": "+".join(kinds) or "-",
-                       "controllers": 1, "attacker_nice": attacker_nice, "attacker_idle": attacker_idle, **m}
+                       "controllers": 1, "attacker_nice": attacker_nice, "attacker_idle": attacker_idle,
+                       "rounds": rounds, **m}
                 if k == 0:
                     base = m["p99_us"]
                 row["p99_vs_none"] = m["p99_us"] / base if base else float("nan")
                 row["goal"] = f"<= {_GOAL_RATIO:g}" if k else ""
                 row["meets_goal"] = (row["p99_vs_none"] <= _GOAL_RATIO) if k else None
-                row["hostile_saw"] = "; ".join(f"{kind}: {dict(s)}" for kind, s in zip(kinds, seen)) or "-"
+                row["hostile_saw"] = "; ".join(f"{kind}: {_merged([rs[i] for rs in seen[k]])}"
+                                               for i, kind in enumerate(kinds)) or "-"
                 rows.append(row)
             alone = None
             for n in controllers:
@@ -170,7 +205,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     from .report import CONSOLE_WIDTH, format_table, write_results
 
     quick = bool(getattr(args, "quick", False))
-    shots = 2000 if quick else 10000
+    shots = 6000 if quick else 15000
     nice = int(getattr(args, "attacker_nice", 0) or 0)
     idle = bool(getattr(args, "attacker_idle", False))
     rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, attacker_nice=nice,
@@ -178,6 +213,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     out = Path(getattr(args, "out", "results/bench"))
     meta = {"num_shots": shots, "code": SPEC, "goal": f"p99 with hostile clients <= {_GOAL_RATIO:g} x p99 without",
             "reaction": "lock-step controller: syndrome frame handed to the transport -> its correction received",
+            "rounds": 3,
             "host": os.uname().nodename, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}, "attacker_nice": nice,
             "attacker_idle": idle}
