@@ -361,7 +361,6 @@ class SessionServer:
         """Read what the sockets hold, queue each datagram for its sender's turn (bounded), then
         serve each sender with datagrams: the well-behaved ones first, in order of arrival."""
         recvfrom = self._udp_read
-        scratch = self._scratch
         amv = self._arena_mv
         share = self.limits.max_frames_per_turn
         order: list = []
@@ -392,18 +391,9 @@ class SessionServer:
                     reads += got
                     budget -= got
                     s.heavy = got >= want  # (it keeps up again: back among the others)
-        shared = 0
-        while shared < _UDP_READS_PER_ROUND:
-            try:
-                n, addr = recvfrom(scratch)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:  # e.g. an ICMP error queued on the socket: the next read goes on
-                self.counts["udp_socket_errors"] += 1
-                continue
-            shared += 1
-            reads += 1
-            used, queued = self._intake(n, addr, now, order, used, queued)
+        got, used, queued = self._read_some(recvfrom, _UDP_READS_PER_ROUND, now, order, used, queued,
+                                            past_errors=True)  # (an ICMP error queued on it: read on)
+        reads += got
         self.counts["udp_datagrams_read"] += reads
         if not order:
             return reads > 0
@@ -440,16 +430,25 @@ class SessionServer:
     def _read_sender(self, s: _Session, most: int, now: float, order: list, used: int,
                      queued: int) -> tuple[int, int, int]:
         """Up to ``most`` datagrams from ``s``'s own socket into the arena: (read, used, queued)."""
-        sread = s.sock.recvfrom_into
+        return self._read_some(s.sock.recvfrom_into, most, now, order, used, queued, past_errors=False)
+
+    def _read_some(self, read, most: int, now: float, order: list, used: int, queued: int, *,
+                   past_errors: bool) -> tuple[int, int, int]:
+        """Up to ``most`` reads with ``read`` (a socket's ``recvfrom_into``), each datagram taken
+        in (:meth:`_intake`); a socket error is counted and ends the reads, or with
+        ``past_errors`` is read past. Returns (datagrams read, arena bytes used, queued)."""
         scratch = self._scratch
-        got = 0
-        while got < most:
+        got = tries = 0
+        while tries < most:
+            tries += 1
             try:
-                n, addr = sread(scratch)
+                n, addr = read(scratch)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 self.counts["udp_socket_errors"] += 1
+                if past_errors:
+                    continue
                 break
             got += 1
             used, queued = self._intake(n, addr, now, order, used, queued)
