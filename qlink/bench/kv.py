@@ -36,6 +36,12 @@ in one run:
   its memory traffic, and a 512-token contiguous floor read 1.75 x a copy out of a separate
   cache), and, where a third cache fits ``memory_budget_nbytes`` beside the two, also out of
   a separate cache of the same size, as the sender's is; the faster source counts;
+* **TCP socket floor** — where ``tcp`` or Mooncake is measured: the same bytes, layer by
+  layer, over a bare loopback TCP socket between two processes (blocking ``sendall``,
+  ``recv_into`` with ``MSG_WAITALL``; :mod:`._kv_tcp_floor`), best of its rounds; every TCP
+  row carries ``x_tcp_floor``, its best round (Mooncake's: its median) over it. It bounds what
+  the tcp goal can show: qlink at most this floor, so ``tcp >= 2 x Mooncake`` can hold only
+  where Mooncake runs below half of it;
 * **overhead** — ``zlib.crc32`` over the same per-layer buffers: what end-to-end
   checksums (``KVSender(checksum=True)``) add on each side, beside the memcpy floor;
 * **modeled** — the same bytes over NVLink 4, PCIe 5 x16 and a 400 Gb/s NIC from
@@ -339,6 +345,34 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
     return rows
 
 
+def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress) -> list[dict]:
+    """The bare-socket floor of each token count (:mod:`._kv_tcp_floor`), and each TCP row's
+    ``x_tcp_floor``: its best round over it (the floor is a best of rounds too)."""
+    from ._kv_tcp_floor import tcp_socket_floor_s
+
+    rows = []
+    for t in fits:
+        nb = spec.kv_nbytes(num_tokens=t)
+        try:
+            sec = tcp_socket_floor_s(layer_nbytes=nb // spec.num_layers, num_layers=spec.num_layers,
+                                     repeats=max(repeats, 3))
+        except Exception as e:  # reported in its row; the transfers' rows stand
+            rows.append({"case": "TCP socket floor", "basis": "error", "tokens": t, "note": f"{type(e).__name__}: {e}"})
+            continue
+        gbps = nb / sec / 1e9
+        progress(f"  TCP socket floor {t:>6} tok: {gbps:.2f} GB/s (loopback, blocking send / MSG_WAITALL receive)")
+        rows.append({"case": "TCP socket floor (loopback, same bytes)", "basis": "floor", "tokens": t, "nbytes": nb,
+                     "pattern": "per layer", "p50_ms": round(sec * 1e3, 3), "GBps": round(gbps, 3),
+                     "repeats": max(repeats, 3),
+                     "note": "two processes, one blocking sendall per layer, recv_into with MSG_WAITALL: no framing, "
+                             "no notification; the least any TCP transport pays for these bytes here"})
+        for r in measured:
+            if r.get("basis") == "measured" and r.get("tokens") == t and (
+                    r["case"].startswith("qlink tcp") or r["case"].startswith("Mooncake")):
+                r["x_tcp_floor"] = float(f"{r.get('best_GBps', r['GBps']) / gbps:.3g}")
+    return rows
+
+
 def _pull_copy() -> str | None:
     """How this process's shm endpoints copy large deferred puts (``transports._ringc.pull_copy``):
     ``"auto"`` with the rate each copy has shown, or the fixed kind; None without the C ring."""
@@ -488,6 +522,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                      "x_memcpy": 1.0, "repeats": floor.rounds[(t, pattern)],
                      "note": f"best of {floor.rounds[(t, pattern)]} rounds: {kind}"})
     _add_ratios(measured, floor_gbps)
+    if "tcp" in transports or mooncake:
+        rows.extend(_tcp_floor_rows(spec, fits, repeats, measured, progress))
     for t in fits:
         nb = base.kv_nbytes(num_tokens=t)
         memcpy_GBps = max((g for (tt, _), g in floor_gbps.items() if tt == t), default=None)
@@ -558,6 +594,11 @@ def kv_goals(rows: list[dict]) -> list[dict]:
             GOAL_UCX_X_NIXL, True)
         add(f"tcp >= {GOAL_TCP_X_MOONCAKE:g} x Mooncake TCP {where}",
             ratio(tcp["GBps"], moon["GBps"]) if tcp and moon else None, GOAL_TCP_X_MOONCAKE, True)
+        sock = next((r for r in rows if r.get("basis") == "floor" and r["case"].startswith("TCP socket floor")
+                     and r.get("tokens") == t), None)
+        if sock and moon:  # what the host allows: no TCP transport beats the bare socket
+            out[-1]["floor"] = (f"the bare TCP socket moves these bytes at {sock['GBps']:.2f} GB/s here, "
+                               f"{sock['GBps'] / moon['GBps']:.2f} x Mooncake")
         per_block = None if shm is None else round(shm["prep_us_per_block"] + shm["submit_us_per_block"], 4)
         add(f"shm prep + submit <= {GOAL_PREP_SUBMIT_US_PER_BLOCK:g} us/block {where}", per_block,
             GOAL_PREP_SUBMIT_US_PER_BLOCK, False)
@@ -587,7 +628,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     write_results(rows, out_dir=out, name="kv", meta=meta)
     write_results(goals, out_dir=out, name="kv_goals", meta=meta)
     shown = {"case": "case", "basis": "basis", "tokens": "tokens", "pattern": "pattern", "GBps": "GB/s",
-             "best_GBps": "best GB/s", "x_memcpy": "x memcpy (best)", "x_nixl": "x nixl", "x_mooncake": "x mooncake", "p50_ms": "p50 ms", "num_descs": "descs"}
+             "best_GBps": "best GB/s", "x_memcpy": "x memcpy (best)", "x_nixl": "x nixl", "x_mooncake": "x mooncake", "x_tcp_floor": "x tcp floor", "p50_ms": "p50 ms",
+             "num_descs": "descs"}
     print("\nKV-cache transfer, Llama-3-8B layout, two processes (modeled rows are link models, not measurements)")
     print(format_table([{v: r.get(k) for k, v in shown.items()} for r in rows], columns=list(shown.values()),
                        max_width=CONSOLE_WIDTH))

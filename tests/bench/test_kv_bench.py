@@ -144,3 +144,21 @@ def test_the_cli_path_writes_rows_and_goals(tmp_path, monkeypatch):
     kv.main_from_cli(SimpleNamespace(quick=True, out=str(tmp_path), transports="shm,tcp", no_peers=True),
                      say=lambda _: None)  # the CLI hands lists over as comma-separated text
     assert seen["transports"] == ("shm", "tcp") and seen["nixl"] is False and seen["mooncake"] is False
+
+
+def test_tcp_rows_are_set_against_the_bare_socket_floor():
+    if transport_unavailable("tcp"):
+        pytest.skip("tcp transport unavailable")
+    rows = run_kv_bench(transports=("tcp",), tokens=(16, 64), preset="tiny", repeats=1, nixl=False, mooncake=False,
+                        memory_budget_nbytes=1 << 20, progress=lambda _: None)
+    sock = {r["tokens"]: r for r in rows if r["basis"] == "floor" and r["case"].startswith("TCP socket floor")}
+    assert set(sock) == {16, 64} and all(r["GBps"] > 0 and r["nbytes"] == r["tokens"] * 512 for r in sock.values())
+    tcp = [r for r in rows if r["basis"] == "measured"]
+    assert len(tcp) == 4
+    for r in tcp:
+        assert r["x_tcp_floor"] == pytest.approx(r["best_GBps"] / sock[r["tokens"]]["GBps"], rel=0.02)
+    # a Mooncake row beside it: the tcp goal says what the socket allows
+    moon = {"case": "Mooncake TE TCP, slice 1024 KiB", "basis": "measured", "tokens": 16, "pattern": "contiguous",
+            "GBps": sock[16]["GBps"] / 4}
+    goal = next(g for g in kv_goals(rows + [moon]) if g["goal"].startswith("tcp >= 2 x Mooncake TCP at 16 tokens"))
+    assert "4.00 x Mooncake" in goal["floor"]
