@@ -75,6 +75,7 @@ _CLOSES_PER_TICK = 16
 _BAD_GRACE = 64
 _LOW_QUANTUM = 2  # frames a turn for a stream session that floods (had more than its turn took)
 _LOW_PER_ROUND = 4  # datagrams a round for all udp senders that flood or send garbage, together
+_ADMITS_PER_PASS = 8  # new stream sessions opened per pass of the serve loop
 _ABUSIVE_ANSWERS_PER_S = 100  # answers a second to a udp sender most of whose frames were malformed
 
 
@@ -85,11 +86,11 @@ class _Session:
                  "dropped", "blocked", "queue", "url", "fd", "buffered", "bad", "sock", "heavy", "answers",
                  "answers_since")
 
-    def __init__(self, sid: int, ep, addr, states, now: float) -> None:
+    def __init__(self, sid: int, ep, addr, now: float) -> None:
         self.sid = sid
         self.ep = ep  # None for a udp sender
         self.addr = addr
-        self.decoders, self.active = states
+        self.decoders = self.active = None  # its decoder states, made when its first frame is served
         self.opened = self.last_frame = now
         self.partial_since: float | None = None
         self.frames = 0
@@ -196,7 +197,9 @@ class SessionServer:
             self._incoming.append(ep)
 
     def _admit(self, now: float) -> None:
-        while self._incoming:
+        """Open sessions for endpoints the acceptor handed over, ``_ADMITS_PER_PASS`` a pass:
+        a crowd connecting at once is let in between other sessions' frames."""
+        for _ in range(min(len(self._incoming), _ADMITS_PER_PASS)):
             ep = self._incoming.popleft()
             if len(self.sessions) >= self.limits.max_sessions:
                 self.refused["max_sessions"] += 1
@@ -217,7 +220,7 @@ class SessionServer:
                 self._polled.append(s)
 
     def _open(self, ep, addr, now: float) -> _Session:
-        s = _Session(self._next_sid, ep, addr, self.svc._session_states(), now)
+        s = _Session(self._next_sid, ep, addr, now)
         self._next_sid += 1
         self.sessions[s.sid if addr is None else addr] = s
         self.counts["sessions_opened"] += 1
@@ -274,6 +277,8 @@ class SessionServer:
     # ------------------------------------------------------------------ turns
     def _bind(self, s: _Session) -> None:
         svc = self.svc
+        if s.decoders is None:  # (tens of µs each: not for sessions that never send, nor all at once)
+            s.decoders, s.active = svc._session_states()
         svc._decoders = s.decoders
         svc._active = s.active
         if s.ep is None:
@@ -548,8 +553,9 @@ class SessionServer:
                 busy = False
                 if self._incoming:
                     self._admit(now)
+                    busy = bool(self._incoming)  # (more to let in: no sleep before the next pass)
                 if self._udp is not None:
-                    busy = self._udp_round(now)
+                    busy |= self._udp_round(now)
                 if by_fd:
                     todo, self._again = self._again, set()
                     for fd, _ev in epoll.poll(0):
