@@ -102,10 +102,12 @@ def _tcp_close_reasons(buf: bytes) -> list[str]:
     return out
 
 
-def _drain(sock: socket.socket, seen: Counter, *, wait_s: float) -> bool:
-    """Read what the service sent until it closes (True) or ``wait_s`` passes; count its close frames."""
+def _drain(sock: socket.socket, seen: Counter, *, wait_s: float, held: dict | None = None) -> bool:
+    """Read what the service sent until it closes (True) or ``wait_s`` passes; count its close
+    frames. ``held`` keeps each socket's bytes between calls: a close frame and the end of the
+    stream may come in different calls (on a loaded host they often do)."""
     sock.settimeout(wait_s)
-    got = b""
+    got = b"" if held is None else held.pop(sock, b"")
     try:
         while True:
             chunk = sock.recv(65536)
@@ -115,6 +117,8 @@ def _drain(sock: socket.socket, seen: Counter, *, wait_s: float) -> bool:
                 return True
             got += chunk
     except (socket.timeout, OSError):
+        if held is not None and got:
+            held[sock] = got
         return False
 
 
@@ -136,8 +140,9 @@ def _half_frame(url: str, stop, seen: Counter, count: int) -> None:
             continue
         sock.sendall(_FRAME.pack(_KIND_MSG, 0, 0, 0, 80, 0, 0) + b"\x52\x51\x55\x43" + bytes(16))  # 20 of 80 bytes
         seen["half_frames_sent"] += 1
+        held: dict = {}
         while not stop.is_set():  # silence until the service gives up on it
-            if _drain(sock, seen, wait_s=0.1):
+            if _drain(sock, seen, wait_s=0.1, held=held):
                 break
         sock.close()
 
@@ -151,9 +156,10 @@ def _idle(url: str, stop, seen: Counter, count: int) -> None:
             seen["refused"] += 1
     seen["idle_sessions"] = len(socks)
     open_socks = list(socks)
+    held: dict = {}
     while not stop.is_set() and open_socks:
         for s in list(open_socks):
-            if _drain(s, seen, wait_s=0.001):
+            if _drain(s, seen, wait_s=0.001, held=held):
                 open_socks.remove(s)
         time.sleep(0.05)
     for s in socks:
@@ -167,8 +173,9 @@ def _huge_header(url: str, stop, seen: Counter, count: int) -> None:
             continue
         sock.sendall(_FRAME.pack(_KIND_MSG, 0, 0, 0, 1 << 30, 0, 0))  # announces 1 GiB, sends none of it
         seen["huge_headers_sent"] += 1
+        held: dict = {}
         while not stop.is_set():
-            if _drain(sock, seen, wait_s=0.1):
+            if _drain(sock, seen, wait_s=0.1, held=held):
                 break
         sock.close()
         time.sleep(0.05)
