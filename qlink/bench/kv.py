@@ -367,8 +367,7 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress) ->
                      "note": "two processes, one blocking sendall per layer, recv_into with MSG_WAITALL: no framing, "
                              "no notification; the least any TCP transport pays for these bytes here"})
         for r in measured:
-            if r.get("basis") == "measured" and r.get("tokens") == t and (
-                    r["case"].startswith("qlink tcp") or r["case"].startswith("Mooncake")):
+            if r.get("basis") == "measured" and r.get("tokens") == t and r["case"].startswith(("qlink tcp", "Mooncake")):
                 r["x_tcp_floor"] = float(f"{r.get('best_GBps', r['GBps']) / gbps:.3g}")
     return rows
 

@@ -283,7 +283,7 @@ class SessionServer:
         svc._active = s.active
         if s.ep is None:
             sendto = self._udp.sendto
-            if s.bad > _BAD_GRACE and 2 * s.bad > s.frames:  # abusive: its answers are rationed
+            if _mostly_malformed(s):  # abusive: its answers are rationed
                 sendto = self._rationed(s, sendto)
             svc._ep, svc._sendto, svc._peer = None, sendto, s.addr
         else:
@@ -378,7 +378,7 @@ class SessionServer:
                 s = self._udp_by_fd.get(fd)
                 if s is None:
                     continue
-                if (s.heavy or (s.bad > _BAD_GRACE and 2 * s.bad > s.frames)) and len(self.sessions) > 1:
+                if (s.heavy or _mostly_malformed(s)) and len(self.sessions) > 1:
                     low.append(s)
                     continue
                 got, used, queued = self._read_sender(s, share, now, order, used, queued)
@@ -490,7 +490,7 @@ class SessionServer:
             self.svc.faults["oversized_frame"] += 1
             s.dropped += 1
             return used, queued
-        cap = 1 if s.bad > _BAD_GRACE and 2 * s.bad > s.frames else lim.max_frames_per_turn
+        cap = 1 if _mostly_malformed(s) else lim.max_frames_per_turn
         if len(s.queue) >= cap or queued >= lim.max_queued_datagrams or used + n > len(self._arena):
             s.dropped += 1
             self.counts["udp_dropped"] += 1
@@ -653,6 +653,11 @@ class SessionServer:
             if transport_statistics is not None:
                 rep["transport_statistics"] = transport_statistics
         return rep
+
+
+def _mostly_malformed(s: _Session) -> bool:
+    """A udp sender past its grace most of whose frames were refused as malformed."""
+    return s.bad > _BAD_GRACE and 2 * s.bad > s.frames
 
 
 def _heavy_last(s: _Session) -> bool:
