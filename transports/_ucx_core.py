@@ -43,17 +43,39 @@ _STATUS = {-3: "I/O error", -9: "message truncated", -16: "canceled", -25: "conn
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 _mod = None
+#: UCX options UCXX's import put into the environment, moved into the contexts made here
+#: (see :func:`ucxx`); filled on first use
+UCXX_IMPORT_OPTIONS: dict[str, str] = {}
+_UNKNOWN_TO_UCX = {"MEMTYPE_CACHE"}  # set by UCXX, gone from UCX 1.21: as a context option it would fail
 
 
 def ucxx():
-    """(libucxx, Array) from UCXX, imported on first use; MissingDependencyError if absent."""
+    """(libucxx, Array) from UCXX, imported on first use; MissingDependencyError if absent.
+
+    UCXX's import writes UCX options into ``os.environ`` (``UCX_RNDV_THRESH=8192``,
+    ``UCX_RNDV_FRAG_MEM_TYPE``, ``UCX_MAX_RNDV_RAILS``, ``UCX_MEMTYPE_CACHE``). Every other
+    UCX in the process, and every process started from it, would then read them: NIXL's
+    UCX with ``UCX_RNDV_THRESH=8192`` reads a registered cache by software emulation
+    over TCP instead of zero-copy CMA, 5-7 x slower. So the environment is put back as it
+    was, and the options go to the contexts qlink makes (:data:`UCXX_IMPORT_OPTIONS`,
+    applied by :func:`ucx_config`) - what UCXX meant, for UCXX's contexts only. An option
+    the environment already held before the import stays in it (the user's)."""
     global _mod
     if _mod is None:
+        before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         try:
             import ucxx._lib.libucxx as lib
             from ucxx._lib.arr import Array
         except ImportError as e:
             raise missing("ucxx-cu12", extra="ucx", feature="the ucx:// transport") from e
+        finally:
+            for k in [k for k in os.environ if k.startswith("UCX_") and os.environ[k] != before.get(k)]:
+                if k[4:] not in _UNKNOWN_TO_UCX:
+                    UCXX_IMPORT_OPTIONS[k[4:]] = os.environ[k]
+                if k in before:
+                    os.environ[k] = before[k]
+                else:
+                    del os.environ[k]
         _mod = (lib, Array)
     return _mod
 
@@ -63,13 +85,14 @@ def status_text(status: int) -> str:
 
 
 def ucx_config(*, loopback: bool) -> dict[str, str]:
-    """UCX options the contexts made here add to the environment's (the environment wins).
+    """UCX options the contexts made here add to the environment's (the environment wins):
+    qlink's transports and interface, and what UCXX's import meant to set (:func:`ucxx`).
 
     >>> import os
     >>> "NET_DEVICES" in ucx_config(loopback=True) or "UCX_NET_DEVICES" in os.environ
     True
     """
-    cfg = {}
+    cfg = {k: v for k, v in UCXX_IMPORT_OPTIONS.items() if "UCX_" + k not in os.environ}
     if "UCX_TLS" not in os.environ:
         cfg["TLS"] = DEFAULT_UCX_TLS
     if loopback and "UCX_NET_DEVICES" not in os.environ:

@@ -7,7 +7,9 @@ bytes with their own tag, which the target receives straight into the region (UC
 copies, or reads them with CMA between local processes). A Notification is queued only
 once the bytes are in place, and notifications keep the order of their puts.
 
-``put_many`` is a vectored put when both hellos offered ``FLAG_PUTV``
+``put_many`` of one piece larger than ``INLINE_PUT_MAX`` is a put (received straight into
+the region, one Notification for the same span). Otherwise it is a vectored put when both
+hellos offered ``FLAG_PUTV``
 (``put_many_gathers``): every piece is checked once (NumPy), then ONE ``OP_PUTV``
 control frame and ONE data message go out, the message holding the piece table and the
 pieces gathered back to back (one NumPy call straight into the staging buffer). The
@@ -308,6 +310,16 @@ class PutSide:
             self._counters.put_bytes += int(ln.sum())
             return int(ln.size)
         pieces, total = int(ln.size), int(ln.sum())
+        if pieces == 1 and not device and total > wire.INLINE_PUT_MAX:
+            # one large piece: a put, which the target receives straight into the region (one copy,
+            # CMA between local processes) where a vectored put lands in a staging buffer first;
+            # its one Notification spans the same bytes as the put_many's would
+            with self._tx_lock:
+                self._issue_put(src[int(so[0]):int(so[0]) + total], total, rid, int(do[0]), notify_id, tag, False,
+                                deadline, timeout_s)
+            self._counters.puts += 1
+            self._counters.put_bytes += total
+            return 1
         if device:  # gathered on the device in one call, copied to host once
             cp = _cuda.require("a put_many from device memory on ucx://")
             keep = ln > 0

@@ -94,12 +94,21 @@ from ._ucx_device import CUDA_UCX_TLS
 from ._ucx_endpoint import CAPABILITIES, UcxEndpoint
 
 __all__ = ["CAPABILITIES", "DEFAULT_UCX_TLS", "CUDA_UCX_TLS", "HOT_PATHS", "listen", "connect", "UcxEndpoint",
-           "UcxListener"]
+           "UcxListener", "require_ucxx"]
 
 DEFAULT_UCX_TLS = core.DEFAULT_UCX_TLS
 HOT_PATHS = tuple(core.HOT_PATHS)
 
 atexit.register(core.close_lingering)
+
+
+def require_ucxx() -> None:
+    """Import UCXX as this transport does (MissingDependencyError where it is absent),
+    leaving the environment as it was: UCXX's import-time UCX options go to qlink's own
+    UCX contexts, not to other UCX users in this process or its children (NIXL's; see
+    ``transports._ucx_core.ucxx``). Import UCXX through this, not directly, in a process
+    that may also run NIXL."""
+    core.ucxx()
 
 
 # ----- listener and connect ----------------------------------------------------------------

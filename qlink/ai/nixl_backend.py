@@ -68,7 +68,8 @@ from ._receiver import _ReceiverBase
 from .engine import KVSender, KVSendRequest
 from .kv import KVCache, KVCacheSpec
 
-__all__ = ["NixlKVSender", "NixlKVReceiver", "XferState", "NixlError", "nixl_available", "PROGRESS_DELAY_US"]
+__all__ = ["NixlKVSender", "NixlKVReceiver", "XferState", "NixlError", "nixl_available", "ucx_environment",
+           "PROGRESS_DELAY_US"]
 
 _names = itertools.count()
 #: Pause between two progress calls of NIXL's progress thread (µs); NIXL's Python API uses 0.
@@ -144,6 +145,23 @@ def _check(state: str, what: str) -> XferState:
     return st
 
 
+def ucx_environment() -> dict[str, str]:
+    """The ``UCX_*`` options in this process's environment, which NIXL's UCX reads when an
+    agent is made (UCX leaves no other way in).
+
+    One of them costs NIXL most of its speed here: with ``UCX_RNDV_THRESH=8192`` (what
+    UCXX's import writes into the environment; qlink's ucx transport takes it back out,
+    see ``transports.ucx.require_ucxx``) ``UCX_PROTO_INFO=y`` shows NIXL's ``ucp_get`` as
+    "software emulation" over ``tcp/lo`` instead of zero-copy ``cma/memory``, and a
+    64 MiB read of 2,048 prepared 32 KiB blocks moved at 0.45-0.55 GB/s against
+    2.7-3.6 GB/s without it on the 2-core VM. An agent made with it set warns.
+
+    >>> isinstance(ucx_environment(), dict)
+    True
+    """
+    return {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+
+
 def _make_agent(name: str, *, backends: list[str], progress_thread: bool, progress_delay_us: int | None,
                 num_threads: int = 0):
     """``nixl_agent(name, ...)`` with the progress thread pausing ``progress_delay_us``
@@ -153,6 +171,14 @@ def _make_agent(name: str, *, backends: list[str], progress_thread: bool, progre
     from nixl_cu12 import _api
 
     conf = nixl_agent_config(backends=backends, enable_prog_thread=progress_thread, num_threads=int(num_threads))
+    env = ucx_environment()
+    if "UCX_RNDV_THRESH" in env and "UCX" in backends:
+        import warnings
+
+        warnings.warn(f"a NIXL agent is made with UCX_RNDV_THRESH={env['UCX_RNDV_THRESH']} in the environment "
+                      "(UCXX's import sets 8192): NIXL's reads and writes then go as software emulation over TCP "
+                      "instead of zero-copy CMA, several times slower; import UCXX through "
+                      "transports.ucx.require_ucxx(), or unset it", RuntimeWarning, stacklevel=3)
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         if progress_delay_us is None:

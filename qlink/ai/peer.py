@@ -237,9 +237,11 @@ def transport_unavailable(scheme: str) -> str | None:
     except ValueError as e:
         return str(e)
     if scheme == "ucx":
+        from transports.ucx import require_ucxx
+
         try:
-            import ucxx  # noqa: F401
-        except ImportError as e:
+            require_ucxx()
+        except (ImportError, MissingDependencyError) as e:
             return f"the ucx transport needs ucxx ({e})"
     return None
 

@@ -20,7 +20,11 @@ in one run:
   prepared once, the decode side pulling a whole request with ONE prepared ``READ``
   (``make_prepped_xfer``) and a notification, the progress thread pausing 100 µs between
   progress calls (NIXL's Python API busy-polls a core with 0) and the thread's CPU
-  affinity restored after NIXL's start-up pinned it; the moved bytes are checked;
+  affinity restored after NIXL's start-up pinned it; the moved bytes are checked. NIXL's
+  receiving side runs in a process of its own that never loaded UCXX, and no UCXX option
+  reaches it: with ``UCX_RNDV_THRESH=8192`` (UCXX's import sets it) NIXL's reads fell from
+  zero-copy CMA to software emulation over TCP, 5-7 x slower (``ucx_env`` in its rows
+  says what UCX options it read);
 * **Mooncake** — the Mooncake Transfer Engine over TCP with ``P2PHANDSHAKE`` metadata,
   one ``batch_transfer_sync_write`` of the request's merged block runs, at its default
   TCP slice size (64 KiB) and at the 1 MiB its users set (:mod:`._kv_mooncake`); skipped,
@@ -58,8 +62,11 @@ faster slice size (``x_mooncake``), all from the same run.
 
 Like for like: the floor is a best of rounds (a busy moment never lowers it), so
 ``x_memcpy`` sets each transfer's best round (``best_GBps``) against it, best against best,
-not the transfer's median (``GBps``, ``p50_ms``) against the floor's best; the floor has at
-least as many rounds as any transfer it is set against, so the ratio still leans the
+not the transfer's median (``GBps``, ``p50_ms``) against the floor's best. A transfer is
+taken in its round as many times as the floor's copies were in theirs, for no longer
+than they took (``transfers`` counts them): a best of 2 transfers set against a best of
+dozens of copies read a 64 MiB request 5-10 % low. The floor still has more samples (it
+takes a round before each transfer round of every backend), so the ratio still leans the
 floor's way. Between peers (``x_nixl``, ``x_mooncake``) medians are set against medians.
 
 **Goals** (:func:`kv_goals`, one row each: ``goal``, ``measured``, ``target``, ``met``; the
@@ -127,6 +134,7 @@ class _Floor:
     def __init__(self, *, spare_nbytes: int = 0):
         self.best: dict[tuple, tuple[float, str]] = {}  # (tokens, pattern) -> (seconds, which copy)
         self.rounds: dict[tuple, int] = {}
+        self.last_copies, self.last_spent_s = 0, 0.0  # copies made in the last round, and their seconds
         self.spare_nbytes = int(spare_nbytes)
         self._shadow = None
         self._separate: list | None = None
@@ -179,7 +187,7 @@ class _Floor:
         so = np.ascontiguousarray(plan.src_offsets, dtype=np.int64)
         do = np.ascontiguousarray(plan.dst_offsets, dtype=np.int64)
         ln = np.ascontiguousarray(plan.nbytes, dtype=np.int64)
-        times = {}
+        times, self.last_copies, self.last_spent_s = {}, 0, 0.0
         for where, srcs in sources.items():
             for kind in ("memcpy", "streamed"):
                 which, spent = f"{kind} copy out of {where}", 0.0
@@ -190,6 +198,8 @@ class _Floor:
                     t = (time.perf_counter_ns() - t0) / 1e9
                     times[which] = min(times.get(which, t), t)
                     spent += t
+                    self.last_copies += 1
+                    self.last_spent_s += t
                     if spent >= self.ROUND_S:
                         break
         kind = min(times, key=times.get)
@@ -307,17 +317,23 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                 plan = _plan(spec, src, dst)
                 times_us, subs, pulled = [], [], []
                 for rep in range(repeats + 1):  # the first is a warm-up
-                    rid += 1
                     floor.copy_s(cache, plan, key=(n_tokens, pattern))
-                    before = _pulled_bytes(rx)
-                    if nixl:
-                        sub, rec = None, rx.read_request(rid, src, dst, timeout_s=600)
-                    else:
-                        sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=600)
-                    if rep:
+                    spent_s = 0.0
+                    for _ in range(floor.last_copies if rep else 1):  # as many samples as the floor's round
+                        rid += 1
+                        before = _pulled_bytes(rx)
+                        if nixl:
+                            sub, rec = None, rx.read_request(rid, src, dst, timeout_s=600)
+                        else:
+                            sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=600)
+                        if not rep:
+                            break
                         times_us.append(rec.submit_to_last_us)
                         subs.append(sub)
                         pulled.append(_pulled_bytes(rx) - before >= rec.nbytes)
+                        spent_s += rec.submit_to_last_us / 1e6
+                        if spent_s >= floor.last_spent_s:  # and no longer than they took (a slow peer: fewer)
+                            break
                 if nixl:  # the bytes really moved: the sender fills layer k with k % 251 + 1
                     _check_landed(cache, plan)
                 nbytes = rec.nbytes
@@ -336,12 +352,53 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                     round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
                     "submit_us_per_block": None if nixl else
                     round(float(np.median([s.submit_us for s in subs])) / blocks, 4),
-                    "repeats": repeats,
+                    "repeats": repeats, "transfers": len(times_us),
                 })
                 if scheme == "shm" and not nixl:
                     rows[-1]["pull_copy"] = _pull_copy()
                 say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s (best {best_gbps:.2f})  "
                     f"{rec.num_descs} descriptors")
+    return rows
+
+
+def _nixl_leg(scheme: str, spec_bytes: bytes, fits, patterns, repeats: int, spare_nbytes: int):
+    """The NIXL rows measured in this (fresh) process, with the floor rounds taken beside them."""
+    from qlink.ai import KVCacheSpec
+
+    lines: list[str] = []
+    floor = _Floor(spare_nbytes=spare_nbytes)
+    rows = _measure_backend(scheme, "nixl", KVCacheSpec.from_bytes(spec_bytes), fits, patterns, repeats,
+                            lines.append, floor)
+    import sys
+
+    from qlink.ai.nixl_backend import ucx_environment
+
+    env = ucx_environment()
+    for r in rows:  # the conditions NIXL ran under: the UCX options it read, and UCXX not loaded beside it
+        r["ucx_env"] = " ".join(f"{k}={v}" for k, v in sorted(env.items())) or None
+        r["ucxx_in_process"] = "ucxx" in sys.modules
+    return rows, floor.best, floor.rounds, lines
+
+
+def _measure_nixl_apart(scheme: str, spec, fits, patterns, repeats: int, say, floor: _Floor) -> list[dict]:
+    """NIXL's receiving side in a spawned process of its own, as in a vLLM decode worker: a
+    process whose UCX is NIXL's alone (this one has loaded UCXX once qlink's ucx rows ran).
+    Its rows record the ``UCX_*`` options NIXL read (``ucx_env``; UCXX's import-time
+    ``UCX_RNDV_THRESH=8192`` cost NIXL 5-7 x here until qlink stopped passing it on, see
+    :func:`qlink.ai.nixl_backend.ucx_environment`). The floor rounds taken there join this
+    process's floor (best of both)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    with cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
+        rows, best, rounds, lines = ex.submit(_nixl_leg, scheme, spec.to_bytes(), list(fits), tuple(patterns),
+                                              repeats, floor.spare_nbytes).result()
+    for line in lines:
+        say(line)
+    for key, (sec, kind) in best.items():
+        floor.rounds[key] = floor.rounds.get(key, 0) + rounds.get(key, 0)
+        if key not in floor.best or sec < floor.best[key][0]:
+            floor.best[key] = (sec, kind)
     return rows
 
 
@@ -492,6 +549,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
         try:
             if backend == "mooncake":
                 measured.extend(_measure_mooncake(spec, fits, patterns, repeats, progress))
+            elif backend == "nixl":
+                measured.extend(_measure_nixl_apart(scheme, spec, fits, patterns, repeats, progress, floor))
             else:
                 measured.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, floor))
         except Exception as e:  # a failing backend is reported in the rows, the others still run

@@ -177,3 +177,46 @@ def test_missing_nixl_says_what_to_install(monkeypatch):
 
     with pytest.raises(MissingDependencyError, match=r"nixl-cu12.*qlink\[nixl\]"):
         _nixl()
+
+
+_BENCH_THEN_NIXL = """
+import json, sys
+from qlink.bench.kv import run_kv_bench
+if __name__ == "__main__":
+    rows = run_kv_bench(transports=("ucx",), tokens=(16,), preset="tiny", repeats=1, patterns=("contiguous",),
+                        nixl=True, mooncake=False, memory_budget_nbytes=1 << 22, progress=lambda _: None)
+    keep = ("case", "basis", "ucx_env", "ucxx_in_process", "note")
+    print(json.dumps({"ucxx_here": "ucxx" in sys.modules,
+                      "rows": [{k: r.get(k) for k in keep} for r in rows if r.get("basis") in ("measured", "error")]}))
+"""
+
+
+def test_importing_ucxx_through_qlink_leaves_the_environment_to_nixl_and_the_bench_measures_nixl_apart(tmp_path):
+    import importlib.util
+    import json
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("ucxx") is None:  # not importorskip: a plain import of UCXX writes UCX_* options
+        pytest.skip("ucxx is not installed")
+    code = ("import os; from transports.ucx import require_ucxx; require_ucxx(); "
+            "from transports import _ucx_core as c; w = c.Worker('lo'); "
+            "print(sorted(k for k in os.environ if k.startswith('UCX_RNDV')), c.UCXX_IMPORT_OPTIONS.get('RNDV_THRESH'), "
+            "w.context.config.get('RNDV_THRESH'))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # as a fresh shell has it
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env=env).stdout.split()
+    assert out[0] == "[]"  # nothing UCXX's import wrote is left in the environment for NIXL to read...
+    assert out[1] == "8192" and "8K" in out[2]  # ...and qlink's own UCX context still has it ("intra:8K,inter:8K")
+    if transport_unavailable("ucx"):
+        pytest.skip(f"ucx:// cannot run here: {transport_unavailable('ucx')}")
+    script = tmp_path / "bench_then_nixl.py"
+    script.write_text(_BENCH_THEN_NIXL)
+    got = json.loads(subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                                    check=True, env=env).stdout.splitlines()[-1])
+    ucx = [r for r in got["rows"] if r["case"].startswith("qlink ucx")]
+    nixl = [r for r in got["rows"] if r["case"].startswith("NIXL")]
+    assert got["ucxx_here"] and ucx and ucx[0]["basis"] == "measured"  # UCXX ran in the bench's process...
+    assert nixl and nixl[0]["basis"] == "measured", nixl
+    assert nixl[0]["ucxx_in_process"] is False  # ...not in the one NIXL was measured in
+    assert "UCX_RNDV_THRESH" not in (nixl[0]["ucx_env"] or "")  # and none of its options reached NIXL

@@ -69,6 +69,24 @@ def test_put_many_is_one_vectored_put_and_one_notification_bit_exact(ucx_pair, u
     assert b.statistics().notifications == 1 and b.statistics().extra["bad_frames"] == before
 
 
+def test_a_put_many_of_one_large_piece_is_a_put_straight_into_the_region(ucx_pair):
+    a, b = ucx_pair
+    rng = np.random.default_rng(11)
+    target = np.zeros(3 << 20, np.uint8)
+    region = b.register(target)
+    src = rng.integers(0, 256, 2 << 20, dtype=np.uint8)
+    gathered = a.statistics().extra["gathered_puts"]
+    n = (1 << 20) + 12345
+    assert a.put_many(src, region.descriptor(), [100], [7777], [n], notify_id=5, tag=b"one", timeout_s=10) == 1
+    note = b.wait_notification(timeout_s=10)
+    assert (note.region_id, note.offset, note.nbytes, note.notify_id, note.tag) == \
+        (region.region_id, 7777, n, 5, b"one")
+    assert (target[7777:7777 + n] == src[100:100 + n]).all() and not target[:7777].any() and \
+        not target[7777 + n:].any()
+    assert a.statistics().extra["gathered_puts"] == gathered  # not staged as a vectored put
+    _no_more_notes(b)
+
+
 @pytest.mark.parametrize("piece", [4096, 300 << 10], ids=["eager", "rendezvous"])
 def test_put_many_from_bytes_and_back_to_back_put_many_keep_their_order(ucx_pair, piece):
     """Several put_many of different sizes in flight before the target looks: each lands,
