@@ -13,6 +13,10 @@ HMAC-SHA256 of them under the token (the token never travels). A client without 
 with another, gets a hello with flag bit 3 (refused) whose connection id says why (1: no
 token, 2: wrong token) and raises :class:`PeerRefusedError`; the listener counts it.
 
+Flag bit 4 (``FLAG_RMA``): this side maps its registered host regions for UCX RMA (their
+descriptors carry address and remote key) and takes ``OP_PUT_DONE``; in force only when
+both sides set it, so a peer without it gets tagged puts as before.
+
 The vectored-put flag leaves the version at 1: a server that predates it masks the flags
 it answers with to bit 0, and a client that predates it neither sets bit 1 nor looks at
 it in the answer, so either kind of older peer connects as before and gets one put per
@@ -37,7 +41,7 @@ from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
 from ._address import join_host_port, split_host_port
 
-__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV", "FLAG_AUTH",
+__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV", "FLAG_RMA", "FLAG_AUTH",
            "PeerRefusedError"]
 
 _MAGIC = b"QLUX"
@@ -47,6 +51,7 @@ FLAG_PEER_ERRORS = 1
 FLAG_PUTV = 2  # takes vectored puts (OP_PUTV control frames); in force only when both sides set it
 FLAG_AUTH = 4  # (client) an HMAC of the hello under the shared token follows the address
 FLAG_REFUSED = 8  # (server) not admitted; the connection id says why
+FLAG_RMA = 16  # maps its regions for UCX RMA and takes OP_PUT_DONE; in force only when both sides set it
 _REFUSALS = {1: ("no_token", "this ucx listener admits only clients holding its shared token; connect with "
                              "token=... (the same token the service was given)"),
              2: ("bad_token", "the token this client proved is not the listener's; connect with the service's "
@@ -140,11 +145,11 @@ def handshake(sock: socket.socket, *, conn_id: int, token: bytes, flags: int, ad
                 sock.sendall(_HELLO.pack(_MAGIC, _VERSION, FLAG_REFUSED, why, bytes(8), 1) + b"\0")
                 reason, text = _REFUSALS[why]
                 raise PeerRefusedError(f"ucx: refused a client: {text}", reason=reason)
-        flags = ((peer_flags | flags) & FLAG_PEER_ERRORS) | (peer_flags & flags & FLAG_PUTV)
+        flags = ((peer_flags | flags) & FLAG_PEER_ERRORS) | (peer_flags & flags & (FLAG_PUTV | FLAG_RMA))
         sock.sendall(hello(flags))
     else:
         if peer_flags & FLAG_REFUSED:
             reason, text = _REFUSALS.get(peer_conn, ("refused", "the listener refused this client"))
             raise PeerRefusedError(f"ucx: {text}", reason=reason)
-        flags = peer_flags & (FLAG_PEER_ERRORS | (flags & FLAG_PUTV))
+        flags = peer_flags & (FLAG_PEER_ERRORS | (flags & (FLAG_PUTV | FLAG_RMA)))
     return peer_conn, flags, peer_token, peer_addr

@@ -120,6 +120,9 @@ class UcxEndpoint(PutSide, Endpoint):
         #: put_many is one vectored put and the target sees one Notification (both hellos
         #: offered FLAG_PUTV); else one put and one Notification per piece
         self.put_many_gathers = bool(flags & boot.FLAG_PUTV)
+        #: put_many writes straight into the peer's region with UCX RMA, then announces it with
+        #: OP_PUT_DONE (both hellos offered FLAG_RMA: regions are mapped, descriptors carry keys)
+        self.rma = bool(flags & boot.FLAG_RMA) and box.rma
         self._send_budget = int(opts["send_buffer_nbytes"])
         self._zero_copy_min = opts["zero_copy_send_nbytes"]
         self._linger_s = float(opts["linger_s"])
@@ -538,6 +541,8 @@ class UcxEndpoint(PutSide, Endpoint):
             self._take_put(op, rid, offset, nbytes, notify_id, seq, tag_len, length)
         elif op in (wire.OP_PUTV, wire.OP_PUTV_MORE):
             self._take_putv(op, rid, offset, nbytes, notify_id, seq, tag_len, length)
+        elif op == wire.OP_PUT_DONE:
+            self._take_put_done(rid, offset, nbytes, notify_id, tag_len, length)
         else:
             self._bad_frame()
 
@@ -583,6 +588,7 @@ class UcxEndpoint(PutSide, Endpoint):
             peer_error_handling=self._peer_error_handling,
             bad_frames=self._bad_frames,
             gathered_puts=self._gathered,
+            rma_puts=self._rma_puts,
             staged_bytes_in_flight=self._tx_bytes,
             ucx_error_reported=self._ucx_error,
             broken=self._broken,
@@ -623,6 +629,8 @@ class UcxEndpoint(PutSide, Endpoint):
                 self._tx_lock.release()
         if self._tx_pending and not force and now < self._linger_deadline and self._broken is None:
             return False
+        if self._rkeys is not None:  # unpacked on the UCX endpoint: released before it
+            self._rkeys.close()
         self._abort_ep()
         with self._rx_lock:
             ops = self._ops
@@ -641,6 +649,9 @@ class UcxEndpoint(PutSide, Endpoint):
                     ops.release(req)
             self._put_pending.clear()
             self._regions.clear()
+            for mapped in self._mapped.values():
+                mapped.unmap()
+            self._mapped.clear()
             self._notes.clear()
             self._drain()
         for req, item, _ in self._tx_pending:

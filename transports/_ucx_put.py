@@ -1,6 +1,9 @@
-"""One-sided put for ``transports.ucx``, done in software over tagged messages.
+"""One-sided put for ``transports.ucx``: by UCX RMA where both sides offer it, else in software
+over tagged messages.
 
-UCXX 0.52's Python API exposes no memory registration or remote keys, so the initiator
+With ``FLAG_RMA`` in force, ``register`` maps a host region for RMA and ``put_many`` writes its
+pieces with ``ucp_put_nbx`` and announces them with ``OP_PUT_DONE`` (:mod:`._ucx_rma`). Without
+it (UCXX 0.52's Python API exposes no memory registration or remote keys) the initiator
 sends the bytes and the target places them: puts up to ``INLINE_PUT_MAX`` ride inside a
 control frame and are copied into the region; larger ones send a put-header, then the
 bytes with their own tag, which the target receives straight into the region (UCX then
@@ -34,13 +37,14 @@ import time
 
 import numpy as np
 
-from qlink.errors import RegistrationError, WouldBlock
+from qlink.errors import BrokenLinkError, RegistrationError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import cuda as _cuda
 from . import _ucx_core as core
 from ._pieces import check_pieces, copy_pieces, message_groups, span
 from . import _ucx_device as dev
+from . import _ucx_rma as rma
 from . import _ucx_wire as wire
 from ._base import MAX_TAG_BYTES, Backoff, Notification, check_put_target, deadline_of
 
@@ -86,6 +90,21 @@ class PutSide:
         self._vstages: list[np.ndarray] = []  # free staging buffers for vectored puts
         self._vspan: list | None = None  # [lo, hi, accepted] over the vectored puts of one put_many so far
         self._gathered = 0  # put_many calls sent as vectored puts
+        self._rma_puts = 0  # put_many calls written by UCX RMA
+        self._mapped: dict[int, rma.MappedRegion] = {}  # region id -> its RMA mapping (FLAG_RMA in force)
+        self._rkeys = rma.RemoteKeys(self._ep.handle) if self.rma else None
+
+    def _take_put_done(self, rid, offset, nbytes, notify_id, tag_len, length) -> None:
+        """``OP_PUT_DONE``: the peer's RMA put_many is in this side's memory; announce it in order."""
+        region = self._regions.get(rid)
+        if (not self.rma or tag_len > MAX_TAG_BYTES or wire.CTRL.size + tag_len != length or region is None
+                or rid not in self._mapped or offset + nbytes > region.nbytes):
+            self._bad_frame()  # malformed, not RMA, unknown/deregistered region or out of bounds: counted, dropped
+            return
+        tag = bytes(self._ctrl_buf[wire.CTRL.size:wire.CTRL.size + tag_len])
+        self._put_pending.append((None, Notification(region_id=rid, offset=offset, nbytes=nbytes,
+                                                     notify_id=notify_id, tag=tag), None))
+        self._reap_puts()
 
     def _take_put(self, op, rid, offset, nbytes, notify_id, seq, tag_len, length) -> None:
         inline = nbytes if op == wire.OP_PUT_INLINE else 0
@@ -231,6 +250,9 @@ class PutSide:
         with self._rx_lock:
             rid = next(self._next_region)
             region = Region.of(array, region_id=rid, key=self._token)
+            if self.rma and region.kind == "host" and region.nbytes:
+                mapped = self._mapped[rid] = rma.MappedRegion(self._box, region.address, region.nbytes)
+                region = Region.of(array, region_id=rid, key=rma.region_key(self._token, mapped))
             self._regions[rid] = region
         return region
 
@@ -238,6 +260,9 @@ class PutSide:
         """Forget a region; the peer is told, and its later puts into it raise RegistrationError."""
         with self._rx_lock:
             known = self._regions.pop(region.region_id, None)
+            mapped = self._mapped.pop(region.region_id, None)
+            if mapped is not None:
+                mapped.unmap()
         if known is not None and not self._closed and self._broken is None and not self._peer_closed:
             with self._tx_lock:
                 self._send_ctrl(wire.OP_REVOKE, rid=region.region_id)
@@ -249,7 +274,7 @@ class PutSide:
         return remote, tag
 
     def _check_target(self, remote: RemoteRegion) -> None:
-        if remote.key != self._peer_token:
+        if remote.key[:len(self._peer_token)] != self._peer_token:
             raise RegistrationError(
                 f"region descriptor {remote.region_id} was not issued by this endpoint's peer; "
                 "register on the peer and pass its descriptor"
@@ -310,6 +335,14 @@ class PutSide:
             self._counters.put_bytes += int(ln.sum())
             return int(ln.size)
         pieces, total = int(ln.size), int(ln.sum())
+        if self.rma and not device and total:
+            _, addr, packed = rma.split_key(remote.key, len(self._peer_token))
+            if addr is not None:
+                self._rma_put_many(np.frombuffer(src, dtype=np.uint8), so, do, ln, remote, addr, packed, notify_id,
+                                   tag, deadline)
+                self._counters.puts += pieces
+                self._counters.put_bytes += total
+                return 1
         if pieces == 1 and not device and total > wire.INLINE_PUT_MAX:
             # one large piece: a put, which the target receives straight into the region (one copy,
             # CMA between local processes) where a vectored put lands in a staging buffer first;
@@ -339,6 +372,23 @@ class PutSide:
         self._counters.puts += pieces
         self._counters.put_bytes += total
         return 1
+
+    def _rma_put_many(self, src: np.ndarray, so, do, ln, remote: RemoteRegion, addr: int, packed: bytes,
+                      notify_id: int, tag: bytes, deadline) -> None:
+        """Write the pieces straight into the peer's region (UCX RMA, flushed), then announce them
+        with one ``OP_PUT_DONE`` spanning the lowest destination to the end of the highest piece."""
+        rid = remote.region_id
+        lo, hi = span(do, ln)
+        with self._tx_lock:
+            rkey = self._rkeys.get(rid, packed)
+            try:
+                rma.put_pieces(self._box.handle, self._ep.handle, src.ctypes.data, rma.pieces_of(so, do, ln), addr,
+                               rkey, deadline=deadline, what=f"the put_many into region {rid}")
+            except BrokenLinkError as e:
+                self._fail(str(e))
+                raise
+            self._send_ctrl(wire.OP_PUT_DONE, rid=rid, offset=lo, nbytes=hi - lo, notify_id=notify_id, tag=tag)
+        self._rma_puts += 1
 
     def _issue_putv(self, src: np.ndarray, so, do, ln, rid: int, notify_id: int, tag: bytes, more: bool,
                     deadline, timeout_s) -> None:

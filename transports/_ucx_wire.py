@@ -38,6 +38,7 @@ MASK_FULL = (1 << 64) - 1
 CTRL = struct.Struct("<B3xIQQQIH2x")
 OP_PUT_INLINE, OP_PUT_HEADER, OP_REVOKE, OP_CLOSE, OP_WIREUP = 1, 2, 3, 4, 5
 OP_PUTV, OP_PUTV_MORE = 6, 7  # a vectored put: the last (announced) one of its put_many, or one of those before
+OP_PUT_DONE = 8  # a put_many written by UCX RMA (FLAG_RMA) is all in place: announce it (offset, nbytes: its span)
 PIECE = struct.Struct("<QQ")  # one entry of a vectored put's piece table
 PUTV_MAX_NBYTES = 16 << 20  # largest vectored-put data message (table + bytes); also the staging kept per side
 INLINE_PUT_MAX = 4096  # puts up to this size travel inside their control frame

@@ -44,15 +44,23 @@ Device memory (:mod:`transports._ucx_device`)
     (:data:`CUDA_UCX_TLS`) in both processes; with qlink's default ``tcp,sm,self`` a device
     buffer raises :class:`~qlink.errors.CapabilityError`. Host buffers are untouched by this.
 
-One-sided put (:mod:`transports._ucx_put`)
-    UCXX 0.52's Python API has no memory registration or remote keys, so put is done in
-    software: puts up to 4 KiB travel inline in a control frame and are copied into the
-    region; larger ones send a header, then the bytes, which the target receives directly
-    into the region during its progress (``zero_copy_put=False``: the target must be calling
-    into its endpoint). The notification is queued only once the bytes are in place.
-    ``put_many`` is one vectored put (a piece table and the gathered pieces in one message,
-    scattered by the target) and ONE notification, when both hellos offer it
-    (``put_many_gathers``); towards an older peer it is one put per piece.
+One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`)
+    Where both hellos offer RMA (``rma=True``, the default; ``endpoint.rma`` says whether it
+    is in force), a registered host region is mapped with ``ucp_mem_map`` and its
+    descriptor carries its address and packed remote key: ``put_many`` writes every piece
+    straight into the peer's memory with ``ucp_put_nbx`` (zero-copy CMA between local
+    processes, as NIXL's UCX backend does), flushes, and announces the bytes with ONE
+    control frame, so the target's Notification comes after they are all in place.
+    Otherwise put is done over tagged messages: puts up to 4 KiB travel inline in a control
+    frame and are copied into the region; larger ones send a header, then the bytes, which
+    the target receives directly into the region during its progress (the target must be
+    calling into its endpoint). The notification is queued only once the bytes are in place.
+    ``put_many`` is then one vectored put (a piece table and the gathered pieces in one
+    message, scattered by the target) and ONE notification, when both hellos offer it
+    (``put_many_gathers``); towards an older peer it is one put per piece. ``put`` always
+    goes as a tagged put. A region freed by its owner while an RMA put into it is in flight
+    is written anyway, as with any RMA: deregister first (the initiator checks revocations
+    before each put).
 
 Sends are staged (:mod:`transports._ucx_endpoint`): the caller's bytes are copied into
 endpoint-owned memory before UCX sees them, so ``send`` returns while a large message waits for the receiver (like a socket
@@ -113,7 +121,7 @@ def require_ucxx() -> None:
 
 # ----- listener and connect ----------------------------------------------------------------
 _DEFAULTS = dict(peer_error_handling=False, send_buffer_nbytes=256 << 20, zero_copy_send_nbytes=None,
-                 linger_s=1.0, handshake_timeout_s=5.0, hot_path="ucp", token=None)
+                 linger_s=1.0, handshake_timeout_s=5.0, hot_path="ucp", token=None, rma=True)
 
 
 def _options(opts: dict, where: str) -> dict:
@@ -136,7 +144,7 @@ def _endpoint(url, sock, box, opts, deadline, *, server: bool) -> UcxEndpoint:
     """Handshake on a connected bootstrap socket, then build the endpoint and bring UCX up."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn_id, token = box.next_conn_id(), os.urandom(8)
-    flags = _offered_flags(opts, server=server)
+    flags = _offered_flags(opts, server=server) | (boot.FLAG_RMA if opts["rma"] and box.rma else 0)
     peer_conn, flags, peer_token, peer_addr = boot.handshake(
         sock, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline, server=server,
         shared_token=opts["token"])

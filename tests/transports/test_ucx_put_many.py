@@ -24,6 +24,20 @@ pytest.importorskip("ucxx", reason="the ucx transport needs ucxx-cu12 (pip insta
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture
+def ucx_pair():
+    """A connected pair whose client does not offer RMA: put_many goes as the vectored puts
+    tested here (with RMA in force it is written by UCX instead: tests/transports/test_ucx_rma.py)."""
+    lis = transports.listen("ucx://127.0.0.1:0")
+    a = transports.connect(lis.url, timeout_s=5, rma=False)
+    b = lis.accept(timeout_s=5)
+    assert not a.rma and not b.rma
+    yield a, b
+    a.close()
+    b.close()
+    lis.close()
+
+
 def _expected(region_nbytes, src, so, do, ln):
     want = np.zeros(region_nbytes, np.uint8)
     for s, d, n in zip(so, do, ln):
