@@ -108,13 +108,10 @@ class Worker:
         self.scope = scope
         self.pid = os.getpid()
         self.config = ucx_config(loopback=scope == "lo")
-        self.rma = os.environ.get("QLINK_UCX_RMA", "1") != "0"  # one-sided puts (transports._ucx_rma)
+        self.rma = True  # the context can map memory and put/get (endpoints opt in: transports.ucx rma=True)
         try:
-            self.context = lib.UCXContext(self.config, feature_flags=(lib.Feature.TAG, lib.Feature.RMA) if self.rma
-                                          else (lib.Feature.TAG,))
+            self.context = lib.UCXContext(self.config, feature_flags=(lib.Feature.TAG, lib.Feature.RMA))
         except Exception:  # noqa: BLE001 - a UCX without RMA here: tagged messages only
-            if not self.rma:
-                raise
             self.rma = False
             self.context = lib.UCXContext(self.config, feature_flags=(lib.Feature.TAG,))
         self.worker = lib.UCXWorker(self.context)

@@ -123,6 +123,8 @@ class UcxEndpoint(PutSide, Endpoint):
         #: put_many writes straight into the peer's region with UCX RMA, then announces it with
         #: OP_PUT_DONE (both hellos offered FLAG_RMA: regions are mapped, descriptors carry keys)
         self.rma = bool(flags & boot.FLAG_RMA) and box.rma
+        #: put_many(defer=True) from a region registered here shares the copy with the target
+        self.defers_puts = self.rma
         self._send_budget = int(opts["send_buffer_nbytes"])
         self._zero_copy_min = opts["zero_copy_send_nbytes"]
         self._linger_s = float(opts["linger_s"])
@@ -214,6 +216,8 @@ class UcxEndpoint(PutSide, Endpoint):
                 self._tx_lock.release()
         if self._put_pending:
             self._reap_puts()
+        if self._acks_due:
+            self._send_acks()
         if self._box.lingering:
             self._box.reap_lingering()
         if want_msg:
@@ -543,6 +547,10 @@ class UcxEndpoint(PutSide, Endpoint):
             self._take_putv(op, rid, offset, nbytes, notify_id, seq, tag_len, length)
         elif op == wire.OP_PUT_DONE:
             self._take_put_done(rid, offset, nbytes, notify_id, tag_len, length)
+        elif op == wire.OP_PULL:
+            self._take_pull(rid, offset, nbytes, seq, tag_len, length)
+        elif op == wire.OP_PULLED:
+            self._take_pulled(seq, notify_id)
         else:
             self._bad_frame()
 
@@ -589,6 +597,8 @@ class UcxEndpoint(PutSide, Endpoint):
             bad_frames=self._bad_frames,
             gathered_puts=self._gathered,
             rma_puts=self._rma_puts,
+            **({"deferred_puts": self._deferred, "pulled_bytes": self._pulled_bytes,
+                "pulls_refused": self._pull_refused} if self.rma else {}),
             staged_bytes_in_flight=self._tx_bytes,
             ucx_error_reported=self._ucx_error,
             broken=self._broken,

@@ -33,11 +33,12 @@ per piece.
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 
 import numpy as np
 
-from qlink.errors import BrokenLinkError, RegistrationError, WouldBlock
+from qlink.errors import BrokenLinkError, QlinkError, QlinkTimeoutError, RegistrationError, WouldBlock
 from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import cuda as _cuda
@@ -74,6 +75,32 @@ def _split_pieces(so: np.ndarray, do: np.ndarray, ln: np.ndarray, most: int):
     return so[idx] + off, do[idx] + off, np.minimum(ln[idx] - off, most)
 
 
+def _share(so: np.ndarray, do: np.ndarray, ln: np.ndarray, share: float):
+    """The pieces, one of them cut in two (at a 4 KiB step) where needed, and the count of the
+    first ones that make up ``share`` of the bytes: those the target reads, the rest this side writes.
+
+    >>> so, do, ln, cut = _share(np.array([0]), np.array([0]), np.array([1 << 20]), 0.5)
+    >>> ln.tolist(), cut, (so + ln).tolist() == [1 << 19, 1 << 20]
+    ([524288, 524288], 1, True)
+    >>> _share(np.array([0, 10]), np.array([0, 10]), np.array([10, 10]), 0.5)[3]
+    1
+    """
+    cum = np.cumsum(ln)
+    total = int(cum[-1]) if cum.size else 0
+    if total == 0:
+        return so, do, ln, 0
+    half = int(total * share)
+    i = int(np.searchsorted(cum, half))  # the piece holding the half-way byte
+    before = int(cum[i] - ln[i])
+    take = (half - before) // 4096 * 4096
+    if take <= 0 or take >= int(ln[i]):
+        return so, do, ln, i + 1 if half - before >= int(ln[i]) // 2 else i
+    so = np.concatenate([so[:i], [so[i], so[i] + take], so[i + 1:]]).astype(np.int64)
+    do = np.concatenate([do[:i], [do[i], do[i] + take], do[i + 1:]]).astype(np.int64)
+    ln = np.concatenate([ln[:i], [take, ln[i] - take], ln[i + 1:]]).astype(np.int64)
+    return so, do, ln, i + 1
+
+
 def putv_groups(ln: np.ndarray) -> list[tuple[int, int]]:
     """Split the pieces of a put_many into runs whose table and bytes fit one vectored put."""
     return message_groups(ln, entry_nbytes=wire.PIECE.size, max_nbytes=wire.PUTV_MAX_NBYTES)
@@ -81,6 +108,9 @@ def putv_groups(ln: np.ndarray) -> list[tuple[int, int]]:
 
 class PutSide:
     """The one-sided half of :class:`transports.ucx.UcxEndpoint` (a mixin over its state)."""
+
+    #: share of a deferred RMA put_many's bytes the target reads itself while this side writes the rest
+    PULL_SHARE = 0.5
 
     def _init_put_side(self) -> None:
         self._regions: dict[int, Region] = {}
@@ -93,14 +123,105 @@ class PutSide:
         self._rma_puts = 0  # put_many calls written by UCX RMA
         self._mapped: dict[int, rma.MappedRegion] = {}  # region id -> its RMA mapping (FLAG_RMA in force)
         self._rkeys = rma.RemoteKeys(self._ep.handle) if self.rma else None
+        self._pull_seq = 0  # OP_PULL frames sent (deferred put_many: the target reads part of it)
+        self._pull_acked = 0  # ...and answered with OP_PULLED
+        self._pull_refused = 0  # ...answered as refused
+        self._acks_due: list[tuple[int, int]] = []  # OP_PULLED (seq, status) to send when the send lock is free
+        self._pull_failed = False  # an OP_PULL since the last OP_PUT_DONE was refused: do not announce that one
+        self._pulled_bytes = 0  # bytes this side read out of the peer's regions
+        self._deferred = 0  # put_many calls the target read (part of) itself
+
+    def _take_pull(self, rid, src_rid, nbytes, seq, tag_len, length) -> None:
+        """``OP_PULL``: read the listed pieces of the peer's region ``src_rid`` into region ``rid``
+        here, now (control frames are taken in order, so the OP_PUT_DONE after it announces bytes
+        that are all in place); answer OP_PULLED either way."""
+        region = self._regions.get(rid)
+        ok = False
+        start = wire.CTRL.size + tag_len
+        if self.rma and region is not None and self._peer_alive() and region.kind == "host" and start + nbytes == length \
+                and nbytes >= wire.PULL_KEY.size:
+            buf = self._ctrl_buf
+            (key_n,) = wire.PULL_KEY.unpack_from(buf, start)
+            t0 = start + wire.PULL_KEY.size + key_n
+            count, rest = divmod(length - t0, wire.PULL_PIECE.size)
+            if t0 <= length and not rest and count and key_n > 8:
+                key = bytes(buf[t0 - key_n:t0])
+                table = np.frombuffer(buf, dtype="<u8", count=3 * count, offset=t0).reshape(count, 3)
+                so, do, ln = table[:, 0], table[:, 1], table[:, 2]
+                if not ((do > region.nbytes) | (ln > region.nbytes - np.minimum(do, region.nbytes))).any():
+                    try:
+                        rkey = self._rkeys.get(src_rid, key[8:])
+                        rma.rma_pieces("get", self._box.handle, self._ep.handle, region.address,
+                                       list(zip(do.tolist(), so.tolist(), ln.tolist())),
+                                       int.from_bytes(key[:8], "little"), rkey, deadline=time.monotonic() + 10.0,
+                                       what=f"the pull into region {rid}")
+                        ok = True
+                        self._pulled_bytes += int(ln.sum())
+                    except (OSError, QlinkError):
+                        ok = False
+        if not ok:
+            self._bad_frame()
+            self._pull_failed = True
+        self._acks_due.append((seq, 0 if ok else 1))
+        self._send_acks()
+
+    def _peer_alive(self) -> bool:
+        """Is the peer's process still there to be read from? (Its bootstrap socket has not seen
+        the end of the stream.) Reading a dead process's memory is an error UCX does not return
+        without peer error handling: it aborts this process. So a pull is refused once the peer
+        is known gone; one that dies during the read itself is the same hazard as UCX's own
+        rendezvous reads."""
+        if self._broken is not None:
+            return False
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+
+    def _send_acks(self) -> None:
+        if self._acks_due and self._tx_lock.acquire(blocking=False):
+            try:
+                while self._acks_due:
+                    seq, status = self._acks_due.pop(0)
+                    self._send_ctrl(wire.OP_PULLED, seq=seq, notify_id=status)
+            except QlinkError:
+                self._acks_due.clear()  # the link is gone: nobody waits for them
+            finally:
+                self._tx_lock.release()
+
+    def _take_pulled(self, seq: int, status: int) -> None:
+        self._pull_acked = max(self._pull_acked, seq)
+        self._pull_refused += bool(status)
+
+    def flush(self, *, timeout_s: float | None = None) -> None:
+        """Wait until the target has read every piece it was asked to (deferred put_many)."""
+        self._check_open()
+        if self._pull_acked >= self._pull_seq:
+            return
+        deadline = deadline_of(timeout_s)
+        backoff = Backoff(spin=2000)
+        while self._pull_acked < self._pull_seq:
+            with self._rx_lock:
+                self._poll(False)
+            if self._broken is not None or self._peer_closed:
+                raise self._broken_error(f"{self._pull_seq - self._pull_acked} deferred puts were not confirmed")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise QlinkTimeoutError(f"ucx: the target did not confirm {self._pull_seq - self._pull_acked} "
+                                        f"deferred puts within timeout_s={timeout_s}")
+            backoff.pause()
 
     def _take_put_done(self, rid, offset, nbytes, notify_id, tag_len, length) -> None:
         """``OP_PUT_DONE``: the peer's RMA put_many is in this side's memory; announce it in order."""
         region = self._regions.get(rid)
+        failed, self._pull_failed = self._pull_failed, False
         if (not self.rma or tag_len > MAX_TAG_BYTES or wire.CTRL.size + tag_len != length or region is None
                 or rid not in self._mapped or offset + nbytes > region.nbytes):
             self._bad_frame()  # malformed, not RMA, unknown/deregistered region or out of bounds: counted, dropped
             return
+        if failed:
+            return  # part of this put_many was refused (counted then): it is never announced
         tag = bytes(self._ctrl_buf[wire.CTRL.size:wire.CTRL.size + tag_len])
         self._put_pending.append((None, Notification(region_id=rid, offset=offset, nbytes=nbytes,
                                                      notify_id=notify_id, tag=tag), None))
@@ -338,8 +459,9 @@ class PutSide:
         if self.rma and not device and total:
             _, addr, packed = rma.split_key(remote.key, len(self._peer_token))
             if addr is not None:
-                self._rma_put_many(np.frombuffer(src, dtype=np.uint8), so, do, ln, remote, addr, packed, notify_id,
-                                   tag, deadline)
+                src = np.frombuffer(src, dtype=np.uint8)
+                home = self._home_of(src) if defer else None
+                self._rma_put_many(src, so, do, ln, remote, addr, packed, notify_id, tag, deadline, home)
                 self._counters.puts += pieces
                 self._counters.put_bytes += total
                 return 1
@@ -373,17 +495,51 @@ class PutSide:
         self._counters.put_bytes += total
         return 1
 
+    def _home_of(self, src: np.ndarray):
+        """``(region id, offset of src in it, its key)`` of the mapped region of this side holding
+        all of ``src``, or None."""
+        a, n = src.ctypes.data, src.size
+        for rid, mapped in self._mapped.items():
+            r = self._regions.get(rid)
+            if r is not None and r.address <= a and a + n <= r.address + r.nbytes:
+                return rid, a - r.address, r.key[len(self._token):]
+        return None
+
     def _rma_put_many(self, src: np.ndarray, so, do, ln, remote: RemoteRegion, addr: int, packed: bytes,
-                      notify_id: int, tag: bytes, deadline) -> None:
+                      notify_id: int, tag: bytes, deadline, home) -> None:
         """Write the pieces straight into the peer's region (UCX RMA, flushed), then announce them
-        with one ``OP_PUT_DONE`` spanning the lowest destination to the end of the highest piece."""
+        with one ``OP_PUT_DONE`` spanning the lowest destination to the end of the highest piece.
+
+        ``home`` (a deferred put_many whose source lies in a region mapped here): the target is
+        first asked to read the first ``PULL_SHARE`` of the bytes itself (``OP_PULL``), so the two
+        sides copy at once, each on its own core, as NIXL's worker threads do; this side writes
+        the rest meanwhile. The OP_PUT_DONE after both is taken after the pull, in order."""
         rid = remote.region_id
         lo, hi = span(do, ln)
+        cut = 0
+        if home is not None:
+            so, do, ln, cut = _share(so, do, ln, self.PULL_SHARE)
+        if not self._peer_alive():  # writing into a dead process is fatal to this one (see _peer_alive)
+            self._fail("the peer process exited or dropped the connection without closing")
+            raise self._broken_error("the put_many was not written")
         with self._tx_lock:
+            if cut:
+                home_rid, base, key = home
+                per = (wire.INLINE_PUT_MAX - wire.PULL_KEY.size - len(key)) // wire.PULL_PIECE.size
+                for a in range(0, cut, per):
+                    b = min(cut, a + per)
+                    table = np.empty((b - a, 3), dtype="<u8")
+                    table[:, 0], table[:, 1], table[:, 2] = so[a:b] + base, do[a:b], ln[a:b]
+                    payload = wire.PULL_KEY.pack(len(key)) + key + table.tobytes()
+                    self._pull_seq += 1
+                    self._send_ctrl(wire.OP_PULL, rid=rid, offset=home_rid, nbytes=len(payload), seq=self._pull_seq,
+                                    inline=payload)
+                self._deferred += 1
             rkey = self._rkeys.get(rid, packed)
             try:
-                rma.put_pieces(self._box.handle, self._ep.handle, src.ctypes.data, rma.pieces_of(so, do, ln), addr,
-                               rkey, deadline=deadline, what=f"the put_many into region {rid}")
+                rma.rma_pieces("put", self._box.handle, self._ep.handle, src.ctypes.data,
+                               rma.pieces_of(so[cut:], do[cut:], ln[cut:]), addr, rkey, deadline=deadline,
+                               what=f"the put_many into region {rid}")
             except BrokenLinkError as e:
                 self._fail(str(e))
                 raise

@@ -32,7 +32,7 @@ from qlink.errors import BrokenLinkError, QlinkTimeoutError
 
 from . import _ucx_core as core
 
-__all__ = ["available", "MappedRegion", "RemoteKeys", "put_pieces", "region_key", "split_key", "pieces_of"]
+__all__ = ["available", "MappedRegion", "RemoteKeys", "rma_pieces", "region_key", "split_key", "pieces_of"]
 
 _ADDR = struct.Struct("<Q")
 _FIELD_ADDRESS, _FIELD_LENGTH = 1, 2  # UCP_MEM_MAP_PARAM_FIELD_ADDRESS | _LENGTH
@@ -63,6 +63,7 @@ def _ucp():
             ("ucp_ep_rkey_unpack", [vp, ctypes.c_char_p, ctypes.POINTER(vp)], st),
             ("ucp_rkey_destroy", [vp], None),
             ("ucp_put_nbx", [vp, vp, sz, u64, vp, vp], vp),
+            ("ucp_get_nbx", [vp, vp, sz, u64, vp, vp], vp),
             ("ucp_ep_flush_nbx", [vp, vp], vp),
         ):
             fn = getattr(lib, name)
@@ -156,22 +157,24 @@ def _status(r) -> int:
     return r - (1 << 64) if r >= core._ERR_LAST else _INPROGRESS
 
 
-def put_pieces(worker_handle: int, ep_handle: int, src_addr: int, pieces, remote_addr: int, rkey,
+def rma_pieces(op: str, worker_handle: int, ep_handle: int, local_addr: int, pieces, remote_addr: int, rkey,
                *, deadline: float | None, what: str) -> None:
-    """Write every ``(so, do, n)`` piece of the buffer at ``src_addr`` to ``remote_addr + do``
-    and flush the endpoint: when this returns, every byte is in the target's memory.
-    BrokenLinkError when UCX fails a put, QlinkTimeoutError past ``deadline``."""
+    """``op="put"``: write every ``(local offset, remote offset, n)`` piece of the memory at
+    ``local_addr`` to ``remote_addr + remote offset``; ``"get"``: read it from there into
+    ``local_addr + local offset``. Then flush the endpoint: when this returns, every byte is
+    in place (at the target for a put, here for a get). BrokenLinkError when UCX fails one,
+    QlinkTimeoutError past ``deadline``."""
     lib = _ucp()
-    put, progress, check, free = lib.ucp_put_nbx, lib.ucp_worker_progress, lib.ucp_request_check_status, \
-        lib.ucp_request_free
+    call = lib.ucp_put_nbx if op == "put" else lib.ucp_get_nbx
+    progress, check, free = lib.ucp_worker_progress, lib.ucp_request_check_status, lib.ucp_request_free
     reqs = []
-    for so, do, n in pieces:
+    for lo, ro, n in pieces:
         if n:
-            r = put(ep_handle, src_addr + so, n, remote_addr + do, rkey, _PARAM_ADDR)
+            r = call(ep_handle, local_addr + lo, n, remote_addr + ro, rkey, _PARAM_ADDR)
             st = _status(r)
             if st < 0:
                 _finish(reqs, progress, check, free, worker_handle, None)
-                raise BrokenLinkError(f"ucx: {what}: ucp_put_nbx failed: {core.status_text(st)}")
+                raise BrokenLinkError(f"ucx: {what}: ucp_{op}_nbx failed: {core.status_text(st)}")
             if st == _INPROGRESS:
                 reqs.append(r)
     r = lib.ucp_ep_flush_nbx(ep_handle, _PARAM_ADDR)
@@ -183,7 +186,7 @@ def put_pieces(worker_handle: int, ep_handle: int, src_addr: int, pieces, remote
         reqs.append(r)
     bad = _finish(reqs, progress, check, free, worker_handle, deadline)
     if bad is None:
-        raise QlinkTimeoutError(f"ucx: {what} was not written and flushed before its deadline")
+        raise QlinkTimeoutError(f"ucx: {what} was not done and flushed before its deadline")
     if bad < 0:
         raise BrokenLinkError(f"ucx: {what} failed: {core.status_text(bad)}")
 

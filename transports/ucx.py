@@ -45,8 +45,9 @@ Device memory (:mod:`transports._ucx_device`)
     buffer raises :class:`~qlink.errors.CapabilityError`. Host buffers are untouched by this.
 
 One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`)
-    Where both hellos offer RMA (``rma=True``, the default; ``endpoint.rma`` says whether it
-    is in force), a registered host region is mapped with ``ucp_mem_map`` and its
+    Where both hellos offer RMA (``rma=True``, or ``QLINK_UCX_RMA=1`` in the environment;
+    off by default, for the reason at the end of this paragraph; ``endpoint.rma`` says
+    whether it is in force), a registered host region is mapped with ``ucp_mem_map`` and its
     descriptor carries its address and packed remote key: ``put_many`` writes every piece
     straight into the peer's memory with ``ucp_put_nbx`` (zero-copy CMA between local
     processes, as NIXL's UCX backend does), flushes, and announces the bytes with ONE
@@ -60,7 +61,17 @@ One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`)
     (``put_many_gathers``); towards an older peer it is one put per piece. ``put`` always
     goes as a tagged put. A region freed by its owner while an RMA put into it is in flight
     is written anyway, as with any RMA: deregister first (the initiator checks revocations
-    before each put).
+    before each put). ``put_many(..., defer=True)`` from a region registered on this side
+    (the KV sender registers its cache) shares the copy: the target first reads half of
+    the bytes itself (``OP_PULL``, ``ucp_get_nbx``) while this side writes the rest, so both
+    cores copy, as NIXL's worker threads do; :meth:`flush` waits until the target confirmed
+    its reads. Why it is opt-in: without UCX peer error handling (the default; with it this
+    UCX leaves shared memory and CMA for software emulation over TCP) UCX aborts a process
+    whose RMA read or write meets a dead peer. Each side checks that the peer is alive (its
+    bootstrap socket) right before, but a peer killed during the copy (a prefill worker
+    killed while its decode peer reads its cache) takes this process with it; the tagged
+    puts survive it (tests/ai/test_engine.py kills a peer mid-transfer). NIXL, on the same
+    host, survives it.
 
 Sends are staged (:mod:`transports._ucx_endpoint`): the caller's bytes are copied into
 endpoint-owned memory before UCX sees them, so ``send`` returns while a large message waits for the receiver (like a socket
@@ -121,7 +132,7 @@ def require_ucxx() -> None:
 
 # ----- listener and connect ----------------------------------------------------------------
 _DEFAULTS = dict(peer_error_handling=False, send_buffer_nbytes=256 << 20, zero_copy_send_nbytes=None,
-                 linger_s=1.0, handshake_timeout_s=5.0, hot_path="ucp", token=None, rma=True)
+                 linger_s=1.0, handshake_timeout_s=5.0, hot_path="ucp", token=None, rma=None)
 
 
 def _options(opts: dict, where: str) -> dict:
@@ -137,6 +148,8 @@ def _options(opts: dict, where: str) -> dict:
     if out["hot_path"] not in core.HOT_PATHS:
         raise ValueError(f"hot_path must be one of {sorted(core.HOT_PATHS)}, got {out['hot_path']!r}")
     out["token"] = token_bytes(out["token"])
+    if out["rma"] is None:  # opt-in (see the module docstring); QLINK_UCX_RMA=1 opts a process and its children in
+        out["rma"] = os.environ.get("QLINK_UCX_RMA", "") == "1"
     return out
 
 

@@ -67,9 +67,14 @@ def check_device(cache: KVCache, endpoint) -> None:
 
 
 def can_defer(endpoint) -> bool:
-    """The endpoint may leave a put_many's copy to the target (``shm``): it has deferred
-    puts to flush, so it overrides the base ``flush`` (which returns at once)."""
+    """The endpoint may leave a put_many's copy to the target (``shm``; ``ucx`` with RMA in
+    force): it says so (``defers_puts``), or it has deferred puts to flush, so it overrides
+    the base ``flush`` (which returns at once)."""
     from transports import Endpoint
+
+    says = getattr(endpoint, "defers_puts", None)
+    if says is not None:
+        return bool(says)
 
     return getattr(getattr(endpoint, "flush", None), "__func__", None) is not Endpoint.flush
 

@@ -297,7 +297,7 @@ def _plan(spec, src, dst):
 
 
 def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repeats: int, say,
-                     floor: _Floor) -> list[dict]:
+                     floor: _Floor, *, variant: str = "") -> list[dict]:
     """Transfer rounds of one backend, each right after a floor copy of the same pieces in
     the receiver's cache. qlink: the peer sends, the receiver here waits for the last layer;
     NIXL: the receiver here pulls the request with one prepared READ (vLLM's way)."""
@@ -341,7 +341,7 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                 gbps = nbytes / (t_us * 1e3)
                 best_gbps = nbytes / (min(times_us) * 1e3)
                 blocks = 2 * nblocks * spec.num_layers
-                label = "NIXL UCX READ" if nixl else f"qlink {scheme} {sub.mode}"
+                label = "NIXL UCX READ" if nixl else f"qlink {scheme} {sub.mode}{variant}"
                 rows.append({
                     "case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
                     "p50_ms": float(f"{t_us / 1e3:.4g}"), "GBps": float(f"{gbps:.4g}"),
@@ -359,6 +359,26 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                 say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s (best {best_gbps:.2f})  "
                     f"{rec.num_descs} descriptors")
     return rows
+
+
+#: how the rows of qlink ucx with UCX RMA are labelled (opt-in: ``rma=True`` / ``QLINK_UCX_RMA=1``)
+RMA_VARIANT = " (UCX RMA, opt-in)"
+
+
+def _with_ucx_rma(run):
+    """``run()`` with ``QLINK_UCX_RMA=1`` in the environment: the ucx:// endpoints made here and in
+    the processes started meanwhile offer RMA, so it is in force between them."""
+    import os
+
+    old = os.environ.get("QLINK_UCX_RMA")
+    os.environ["QLINK_UCX_RMA"] = "1"
+    try:
+        return run()
+    finally:
+        if old is None:
+            del os.environ["QLINK_UCX_RMA"]
+        else:
+            os.environ["QLINK_UCX_RMA"] = old
 
 
 def _nixl_leg(scheme: str, spec_bytes: bytes, fits, patterns, repeats: int, spare_nbytes: int):
@@ -520,6 +540,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
              f"in each of two processes")
 
     backends = [(s, "transport") for s in transports]
+    if "ucx" in transports:  # and with UCX RMA, which ucx:// leaves off unless asked (see transports.ucx)
+        backends.insert(backends.index(("ucx", "transport")) + 1, ("ucx", "transport-rma"))
     if nixl:
         backends.append((None, "nixl"))
     if mooncake:
@@ -540,7 +562,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
             why, name = mooncake_unavailable(), "Mooncake TE TCP"
         else:
             why = transport_unavailable(scheme)
-            name = f"qlink {scheme}"
+            name = f"qlink {scheme}" + (RMA_VARIANT if backend == "transport-rma" else "")
         if why:
             measured.append({"case": name, "basis": "skipped", "note": why})
             progress(f"  {name}: skipped ({why})")
@@ -551,6 +573,9 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 measured.extend(_measure_mooncake(spec, fits, patterns, repeats, progress))
             elif backend == "nixl":
                 measured.extend(_measure_nixl_apart(scheme, spec, fits, patterns, repeats, progress, floor))
+            elif backend == "transport-rma":
+                measured.extend(_with_ucx_rma(lambda: _measure_backend(
+                    scheme, "transport", spec, fits, patterns, repeats, progress, floor, variant=RMA_VARIANT)))
             else:
                 measured.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, floor))
         except Exception as e:  # a failing backend is reported in the rows, the others still run
@@ -650,6 +675,8 @@ def kv_goals(rows: list[dict]) -> list[dict]:
         add(f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy {where}", shm and shm.get("x_memcpy"), GOAL_SHM_X_MEMCPY, True)
         add(f"ucx >= NIXL UCX {where}", ratio(ucx["GBps"], nixl["GBps"]) if ucx and nixl else None,
             GOAL_UCX_X_NIXL, True)
+        if ucx and ucx["case"].endswith(RMA_VARIANT):
+            out[-1]["by"] = ucx["case"]  # the faster qlink ucx row is the opt-in one
         add(f"tcp >= {GOAL_TCP_X_MOONCAKE:g} x Mooncake TCP {where}",
             ratio(tcp["GBps"], moon["GBps"]) if tcp and moon else None, GOAL_TCP_X_MOONCAKE, True)
         sock = next((r for r in rows if r.get("basis") == "floor" and r["case"].startswith("TCP socket floor")

@@ -21,6 +21,30 @@ pytest.importorskip("ucxx", reason="the ucx transport needs ucxx-cu12 (pip insta
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture
+def ucx_pair():
+    """A connected pair that opted in to RMA (``rma=True`` on both ends)."""
+    lis = transports.listen("ucx://127.0.0.1:0", rma=True)
+    a = transports.connect(lis.url, timeout_s=5, rma=True)
+    b = lis.accept(timeout_s=5)
+    yield a, b
+    a.close()
+    b.close()
+    lis.close()
+
+
+def test_rma_is_opt_in():
+    lis = transports.listen("ucx://127.0.0.1:0")
+    a = transports.connect(lis.url, timeout_s=5, rma=True)  # one side alone does not put it in force
+    b = lis.accept(timeout_s=5)
+    try:
+        assert not a.rma and not b.rma and len(b.register(np.zeros(64, np.uint8)).key) == 8
+    finally:
+        a.close()
+        b.close()
+        lis.close()
+
+
 def _no_more_notes(ep) -> None:
     with pytest.raises(QlinkTimeoutError):
         ep.wait_notification(timeout_s=0.1)
@@ -122,7 +146,7 @@ def test_a_side_that_does_not_offer_rma_gets_vectored_puts():
 
 
 def _target(url: str, n: int, conn) -> None:
-    b = transports.connect(url, timeout_s=10)
+    b = transports.connect(url, timeout_s=10, rma=True)
     target = np.zeros(n, np.uint8)
     b.send(b.register(target).descriptor().to_bytes())
     note = b.wait_notification(timeout_s=30)
@@ -131,7 +155,7 @@ def _target(url: str, n: int, conn) -> None:
 
 
 def test_an_rma_put_many_into_another_process_lands_bit_exact():
-    lis = transports.listen("ucx://127.0.0.1:0")
+    lis = transports.listen("ucx://127.0.0.1:0", rma=True)
     parent, child = mp.get_context("spawn").Pipe()
     n = 4 << 20
     p = mp.get_context("spawn").Process(target=_target, args=(lis.url, n, child), daemon=True)
@@ -154,4 +178,80 @@ def test_an_rma_put_many_into_another_process_lands_bit_exact():
         a.close()
     finally:
         p.join(timeout=30)
+        lis.close()
+
+
+@pytest.mark.parametrize("unit, count", [(32768, 64), (1 << 20, 1), (4096, 700)])
+def test_a_deferred_put_many_is_shared_the_target_reads_part_of_it_bit_exact(ucx_pair, unit, count):
+    a, b = ucx_pair
+    rng = np.random.default_rng(count)
+    slots = count * 2
+    target = np.zeros(slots * unit, np.uint8)
+    d = b.register(target).descriptor()
+    src = rng.integers(0, 256, slots * unit, dtype=np.uint8)
+    a.register(src)  # the source lies in a region of a's: the target may read out of it
+    so, do, ln = _pieces(rng, count, unit, slots)
+    pulled = b.statistics().extra["pulled_bytes"]
+    assert a.put_many(src, d, so, do, ln, notify_id=8, tag=b"pull", timeout_s=10, defer=True) == 1
+    note = b.wait_notification(timeout_s=10)
+    lo, hi = int(do.min()), int((do + ln).max())
+    assert (note.offset, note.nbytes, note.notify_id, note.tag) == (lo, hi - lo, 8, b"pull")
+    want = np.zeros_like(target)
+    for s, t, n in zip(so, do, ln):
+        want[t:t + n] = src[s:s + n]
+    assert (target == want).all()
+    a.flush(timeout_s=10)  # every OP_PULL was confirmed
+    got = b.statistics().extra["pulled_bytes"] - pulled
+    assert 0 < got < int(ln.sum())  # the target read a share, the initiator wrote the rest
+    assert a.statistics().extra["deferred_puts"] >= 1 and a.statistics().extra["pulls_refused"] == 0
+    _no_more_notes(b)
+
+
+def test_a_refused_pull_is_counted_confirmed_and_its_put_many_never_announced(ucx_pair):
+    a, b = ucx_pair
+    region = b.register(np.zeros(1 << 16, np.uint8))
+    src = np.ones(1 << 16, np.uint8)
+    a.register(src)
+    bad = b.statistics().extra["bad_frames"]
+    home = a._home_of(src)
+    payload = wire.PULL_KEY.pack(len(home[2])) + home[2] + np.array([[0, (1 << 16) - 10, 100]], "<u8").tobytes()
+    with a._tx_lock:  # a pull past the end of the target's region, then the OP_PUT_DONE of its put_many
+        a._pull_seq += 1
+        a._send_ctrl(wire.OP_PULL, rid=region.region_id, offset=home[0], nbytes=len(payload), seq=a._pull_seq,
+                     inline=payload)
+        a._send_ctrl(wire.OP_PUT_DONE, rid=region.region_id, offset=0, nbytes=100, notify_id=1)
+    _no_more_notes(b)  # b takes both frames: the pull is refused, its put_many not announced
+    a.flush(timeout_s=10)  # answered, though refused
+    assert b.statistics().extra["bad_frames"] == bad + 1 and a.statistics().extra["pulls_refused"] == 1
+    a.put_many(src, region.descriptor(), [0], [0], [64], notify_id=2, defer=True)  # the link still works
+    assert b.wait_notification(timeout_s=10).notify_id == 2
+
+
+def _dies_after_hello(url: str, n: int) -> None:
+    import os
+
+    b = transports.connect(url, timeout_s=10, rma=True)
+    target = np.zeros(n, np.uint8)
+    b.send(b.register(target).descriptor().to_bytes())
+    b.recv(timeout_s=10)
+    os._exit(0)  # no close: the process is simply gone
+
+
+def test_an_rma_put_many_towards_a_dead_peer_raises_and_this_process_lives_on():
+    from qlink.errors import BrokenLinkError
+
+    lis = transports.listen("ucx://127.0.0.1:0", rma=True)
+    n = 1 << 22
+    p = mp.get_context("spawn").Process(target=_dies_after_hello, args=(lis.url, n), daemon=True)
+    p.start()
+    try:
+        a = lis.accept(timeout_s=30)
+        d = RemoteRegion.from_bytes(a.recv(timeout_s=30))
+        assert a.rma
+        a.send(b"die")
+        p.join(timeout=30)
+        with pytest.raises(BrokenLinkError, match="exited|dropped"):  # UCX would abort this process
+            a.put_many(np.ones(n, np.uint8), d, [0], [0], [n], notify_id=1, timeout_s=10)
+        a.close()
+    finally:
         lis.close()
