@@ -168,22 +168,19 @@ def rma_pieces(op: str, worker_handle: int, ep_handle: int, local_addr: int, pie
     call = lib.ucp_put_nbx if op == "put" else lib.ucp_get_nbx
     progress, check, free = lib.ucp_worker_progress, lib.ucp_request_check_status, lib.ucp_request_free
     reqs = []
+
+    def take(r, name: str) -> None:  # a request UCX handed back: done, in progress (kept), or failed
+        st = _status(r)
+        if st < 0:
+            _finish(reqs, progress, check, free, worker_handle, None)
+            raise BrokenLinkError(f"ucx: {what}: {name} failed: {core.status_text(st)}")
+        if st == _INPROGRESS:
+            reqs.append(r)
+
     for lo, ro, n in pieces:
         if n:
-            r = call(ep_handle, local_addr + lo, n, remote_addr + ro, rkey, _PARAM_ADDR)
-            st = _status(r)
-            if st < 0:
-                _finish(reqs, progress, check, free, worker_handle, None)
-                raise BrokenLinkError(f"ucx: {what}: ucp_{op}_nbx failed: {core.status_text(st)}")
-            if st == _INPROGRESS:
-                reqs.append(r)
-    r = lib.ucp_ep_flush_nbx(ep_handle, _PARAM_ADDR)
-    st = _status(r)
-    if st < 0:
-        _finish(reqs, progress, check, free, worker_handle, None)
-        raise BrokenLinkError(f"ucx: {what}: ucp_ep_flush_nbx failed: {core.status_text(st)}")
-    if st == _INPROGRESS:
-        reqs.append(r)
+            take(call(ep_handle, local_addr + lo, n, remote_addr + ro, rkey, _PARAM_ADDR), f"ucp_{op}_nbx")
+    take(lib.ucp_ep_flush_nbx(ep_handle, _PARAM_ADDR), "ucp_ep_flush_nbx")
     bad = _finish(reqs, progress, check, free, worker_handle, deadline)
     if bad is None:
         raise QlinkTimeoutError(f"ucx: {what} was not done and flushed before its deadline")

@@ -25,6 +25,7 @@ def test_a_failed_measurement_exits_1_and_is_listed(tmp_path):
     assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
     assert "qlink bench qec: 1 measurement(s) failed" in r.stderr
     assert "bench qec (ucx" in r.stderr
+    assert "peer process exited" in r.stderr  # said at once, not after a minute's wait on an empty queue
     tail = r.stderr[r.stderr.index("measurement(s) failed"):]
     assert "Traceback" not in tail and len(tail.strip().splitlines()) == 2  # the summary line + one failure
     assert (tmp_path / "qec.json").is_file()  # what was measured is still written
