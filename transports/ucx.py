@@ -62,8 +62,9 @@ One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`)
     goes as a tagged put. A region freed by its owner while an RMA put into it is in flight
     is written anyway, as with any RMA: deregister first (the initiator checks revocations
     before each put). ``put_many(..., defer=True)`` from a region registered on this side
-    (the KV sender registers its cache) shares the copy: the target first reads half of
-    the bytes itself (``OP_PULL``, ``ucp_get_nbx``) while this side writes the rest, so both
+    (the KV sender registers its cache) shares the copy: the target first reads a share
+    (``PULL_SHARE``, 0.7) of the bytes itself (``OP_PULL``, ``ucp_get_nbx``) while this side
+    writes the rest, so both
     cores copy, as NIXL's worker threads do; :meth:`flush` waits until the target confirmed
     its reads. Why it is opt-in: without UCX peer error handling (the default; with it this
     UCX leaves shared memory and CMA for software emulation over TCP) UCX aborts a process
