@@ -5,7 +5,10 @@ A sender process writes ``num_layers`` buffers of ``layer_nbytes`` with blocking
 ``recv_into(..., MSG_WAITALL)`` straight into buffers of its own (warm, faulted in
 beforehand), and times from the go to the last byte. No framing, no notification, no
 Python between the bytes: what any TCP transport (qlink's, Mooncake's) pays at the least
-for the same bytes on this host. The best of ``repeats`` rounds after one warm-up.
+for the same bytes on this host. :class:`TcpFloorPair` keeps one such pair up so that a
+benchmark can take a floor round right before each of its transfer rounds (the host's
+loopback rate drifts by tens of per cent between minutes); :func:`tcp_socket_floor_s`
+is the best of ``repeats`` rounds after one warm-up.
 
 >>> s = tcp_socket_floor_s(layer_nbytes=1 << 16, num_layers=2, repeats=1)
 >>> 0 < s < 10
@@ -21,22 +24,100 @@ import time
 
 import numpy as np
 
-__all__ = ["tcp_socket_floor_s"]
+__all__ = ["tcp_socket_floor_s", "TcpFloorPair"]
+
+_GO = struct.Struct("<Q")  # bytes per layer of the next round; 0: stop
 
 
-def _sender(port: int, layer_nbytes: int, num_layers: int, rounds: int) -> None:
+def _sender(port: int, max_layer_nbytes: int, num_layers: int) -> None:
     from qlink.procs import die_with_parent
 
     die_with_parent()
-    bufs = [np.full(layer_nbytes, k % 251 + 1, dtype=np.uint8) for k in range(num_layers)]
+    bufs = [np.full(max_layer_nbytes, k % 251 + 1, dtype=np.uint8) for k in range(num_layers)]
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(rounds):
-            if s.recv(1) != b"g":
+        while True:
+            go = s.recv(_GO.size, socket.MSG_WAITALL)
+            if len(go) != _GO.size or not _GO.unpack(go)[0]:
                 return
+            n = _GO.unpack(go)[0]
             for b in bufs:
-                s.sendall(memoryview(b))
+                s.sendall(memoryview(b)[:n])
+
+
+class TcpFloorPair:
+    """A bare loopback TCP socket pair (a spawned sender, a receiver here) for layers of up
+    to ``max_layer_nbytes``; :meth:`round_s` times one round of ``num_layers`` layers.
+
+    >>> with TcpFloorPair(max_layer_nbytes=1 << 16, num_layers=2) as pair:
+    ...     0 < pair.round_s(1 << 15) < 10
+    True
+    """
+
+    def __init__(self, *, max_layer_nbytes: int, num_layers: int, timeout_s: float = 120.0):
+        if max_layer_nbytes <= 0 or num_layers <= 0:
+            raise ValueError(f"max_layer_nbytes and num_layers must be positive, got {max_layer_nbytes}, {num_layers}")
+        self.num_layers = int(num_layers)
+        self._dst = [np.zeros(max_layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
+        lis = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            lis.bind(("127.0.0.1", 0))
+            lis.listen(1)
+            lis.settimeout(timeout_s)
+            self._proc = mp.get_context("spawn").Process(
+                target=_sender, args=(lis.getsockname()[1], max_layer_nbytes, num_layers), daemon=True)
+            self._proc.start()
+            self._conn, _ = lis.accept()
+        except BaseException:
+            lis.close()
+            self.close()
+            raise
+        lis.close()
+        self._conn.settimeout(None)  # blocking: MSG_WAITALL waits in the kernel; SO_RCVTIMEO bounds it
+        self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                              struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
+        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def round_s(self, layer_nbytes: int) -> float:
+        """Seconds from the go to the last byte of ``num_layers`` layers of ``layer_nbytes``."""
+        conn = self._conn
+        t0 = time.perf_counter_ns()
+        conn.sendall(_GO.pack(layer_nbytes))
+        for d in self._dst:
+            mv, got = memoryview(d)[:layer_nbytes], 0
+            while got < layer_nbytes:
+                k = conn.recv_into(mv[got:], layer_nbytes - got, socket.MSG_WAITALL)
+                if k == 0:
+                    raise ConnectionError("the floor's sender closed before all bytes came")
+                got += k
+        sec = (time.perf_counter_ns() - t0) / 1e9
+        if int(self._dst[-1][0]) != (self.num_layers - 1) % 251 + 1:
+            raise RuntimeError("the floor's bytes did not arrive as sent")
+        return sec
+
+    def close(self) -> None:
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            try:
+                conn.sendall(_GO.pack(0))
+            except OSError:
+                pass
+            conn.close()
+            self._conn = None
+        proc = getattr(self, "_proc", None)
+        if proc is not None:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+            self._proc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def tcp_socket_floor_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3, timeout_s: float = 120.0) -> float:
@@ -45,38 +126,6 @@ def tcp_socket_floor_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3, 
     if layer_nbytes <= 0 or num_layers <= 0 or repeats <= 0:
         raise ValueError(f"layer_nbytes, num_layers and repeats must be positive, got {layer_nbytes}, "
                          f"{num_layers}, {repeats}")
-    dst = [np.zeros(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as lis:
-        lis.bind(("127.0.0.1", 0))
-        lis.listen(1)
-        lis.settimeout(timeout_s)
-        proc = mp.get_context("spawn").Process(target=_sender, args=(lis.getsockname()[1], layer_nbytes, num_layers,
-                                                                     repeats + 1), daemon=True)
-        proc.start()
-        try:
-            conn, _ = lis.accept()
-            with conn:
-                conn.settimeout(None)  # blocking: MSG_WAITALL waits in the kernel; SO_RCVTIMEO bounds it
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                times = []
-                for _ in range(repeats + 1):
-                    t0 = time.perf_counter_ns()
-                    conn.sendall(b"g")
-                    for d in dst:
-                        mv, got = memoryview(d), 0
-                        while got < layer_nbytes:
-                            k = conn.recv_into(mv[got:], layer_nbytes - got, socket.MSG_WAITALL)
-                            if k == 0:
-                                raise ConnectionError("the floor's sender closed before all bytes came")
-                            got += k
-                    times.append((time.perf_counter_ns() - t0) / 1e9)
-        finally:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    if int(dst[-1][0]) != (num_layers - 1) % 251 + 1:
-        raise RuntimeError("the floor's bytes did not arrive as sent")
+    with TcpFloorPair(max_layer_nbytes=layer_nbytes, num_layers=num_layers, timeout_s=timeout_s) as pair:
+        times = [pair.round_s(layer_nbytes) for _ in range(repeats + 1)]
     return float(min(times[1:]))

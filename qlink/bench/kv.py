@@ -42,7 +42,10 @@ in one run:
   a separate cache of the same size, as the sender's is; the faster source counts;
 * **TCP socket floor** — where ``tcp`` or Mooncake is measured: the same bytes, layer by
   layer, over a bare loopback TCP socket between two processes (blocking ``sendall``,
-  ``recv_into`` with ``MSG_WAITALL``; :mod:`._kv_tcp_floor`), best of its rounds; every TCP
+  ``recv_into`` with ``MSG_WAITALL``; :mod:`._kv_tcp_floor`), best of its own rounds and of
+  one round right before each qlink tcp transfer round (the host's loopback rate drifts by
+  tens of per cent between minutes, so a floor taken only in its own phase set qlink's tcp
+  rows against another minute's host); every TCP
   row carries ``x_tcp_floor``, its best round (Mooncake's: its median) over it. It bounds what
   the tcp goal can show: qlink at most this floor, so ``tcp >= 2 x Mooncake`` can hold only
   where Mooncake runs below half of it;
@@ -297,14 +300,34 @@ def _plan(spec, src, dst):
 
 
 def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repeats: int, say,
-                     floor: _Floor, *, variant: str = "") -> list[dict]:
+                     floor: _Floor, *, variant: str = "", tcp_floor: dict | None = None) -> list[dict]:
     """Transfer rounds of one backend, each right after a floor copy of the same pieces in
     the receiver's cache. qlink: the peer sends, the receiver here waits for the last layer;
-    NIXL: the receiver here pulls the request with one prepared READ (vLLM's way)."""
+    NIXL: the receiver here pulls the request with one prepared READ (vLLM's way). Over tcp,
+    with ``tcp_floor`` given, also a bare-socket round (:class:`._kv_tcp_floor.TcpFloorPair`)
+    right before each transfer round, its best per token count recorded there."""
+    import contextlib
+
+    from ._kv_tcp_floor import TcpFloorPair
+
+    rng = np.random.default_rng(7)
+    sock = None
+    with contextlib.ExitStack() as stack:
+        if tcp_floor is not None and scheme == "tcp" and backend == "transport":
+            sock = stack.enter_context(TcpFloorPair(
+                max_layer_nbytes=spec.kv_nbytes(num_tokens=max(token_list)) // spec.num_layers,
+                num_layers=spec.num_layers))
+        rows = _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, floor, variant, rng,
+                               sock, tcp_floor)
+    return rows
+
+
+def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, floor, variant, rng, sock,
+                    tcp_floor) -> list[dict]:
+    """The rounds of :func:`_measure_backend`, over one link."""
     from qlink.ai.peer import open_link
 
     rows = []
-    rng = np.random.default_rng(7)
     nixl = backend == "nixl"
     with open_link(scheme, spec, seed=0, backend=backend, fill="touch") as (rx, cache, peer):
         for a in cache.layers:  # fault the receiver's pages in before any timing
@@ -318,6 +341,9 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
                 times_us, subs, pulled = [], [], []
                 for rep in range(repeats + 1):  # the first is a warm-up
                     floor.copy_s(cache, plan, key=(n_tokens, pattern))
+                    if sock is not None and rep:
+                        sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers)
+                        tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
                     spent_s = 0.0
                     for _ in range(floor.last_copies if rep else 1):  # as many samples as the floor's round
                         rid += 1
@@ -422,12 +448,15 @@ def _measure_nixl_apart(scheme: str, spec, fits, patterns, repeats: int, say, fl
     return rows
 
 
-def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress) -> list[dict]:
-    """The bare-socket floor of each token count (:mod:`._kv_tcp_floor`), and each TCP row's
-    ``x_tcp_floor``: its best round over it (the floor is a best of rounds too)."""
+def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress,
+                    interleaved: dict | None = None) -> list[dict]:
+    """The bare-socket floor of each token count (:mod:`._kv_tcp_floor`): the best of its own
+    rounds and of those taken between qlink's tcp rounds (``interleaved``: tokens -> seconds);
+    and each TCP row's ``x_tcp_floor``: its best round over it (the floor is a best of rounds too)."""
     from ._kv_tcp_floor import tcp_socket_floor_s
 
     rows = []
+    interleaved = interleaved or {}
     for t in fits:
         nb = spec.kv_nbytes(num_tokens=t)
         try:
@@ -436,13 +465,16 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress) ->
         except Exception as e:  # reported in its row; the transfers' rows stand
             rows.append({"case": "TCP socket floor", "basis": "error", "tokens": t, "note": f"{type(e).__name__}: {e}"})
             continue
+        sec = min(sec, interleaved.get(t, sec))
         gbps = nb / sec / 1e9
         progress(f"  TCP socket floor {t:>6} tok: {gbps:.2f} GB/s (loopback, blocking send / MSG_WAITALL receive)")
         rows.append({"case": "TCP socket floor (loopback, same bytes)", "basis": "floor", "tokens": t, "nbytes": nb,
                      "pattern": "per layer", "p50_ms": round(sec * 1e3, 3), "GBps": round(gbps, 3),
                      "repeats": max(repeats, 3),
                      "note": "two processes, one blocking sendall per layer, recv_into with MSG_WAITALL: no framing, "
-                             "no notification; the least any TCP transport pays for these bytes here"})
+                             "no notification; the least any TCP transport pays for these bytes here; best of its "
+                             "own rounds and of one round before each qlink tcp round"
+                             + ("" if t in interleaved else " (none taken here)")})
         for r in measured:
             if r.get("basis") == "measured" and r.get("tokens") == t and r["case"].startswith(("qlink tcp", "Mooncake")):
                 r["x_tcp_floor"] = float(f"{r.get('best_GBps', r['GBps']) / gbps:.3g}")
@@ -547,6 +579,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
     if mooncake:
         backends.append((None, "mooncake"))
     floor = _Floor(spare_nbytes=memory_budget_nbytes - 2 * spec.nbytes)  # a sender-like source where it fits
+    tcp_floor: dict[int, float] = {}  # tokens -> best bare-socket round taken between qlink's tcp rounds
     measured: list[dict] = []
     for scheme, backend in backends:
         if backend == "nixl":
@@ -577,7 +610,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 measured.extend(_with_ucx_rma(lambda: _measure_backend(
                     scheme, "transport", spec, fits, patterns, repeats, progress, floor, variant=RMA_VARIANT)))
             else:
-                measured.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, floor))
+                measured.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, floor,
+                                                 tcp_floor=tcp_floor))
         except Exception as e:  # a failing backend is reported in the rows, the others still run
             measured.append({"case": name, "basis": "error", "note": f"{type(e).__name__}: {e}"})
             progress(f"  {name}: error {type(e).__name__}: {e}")
@@ -606,7 +640,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                      "note": f"best of {floor.rounds[(t, pattern)]} rounds: {kind}"})
     _add_ratios(measured, floor_gbps)
     if "tcp" in transports or mooncake:
-        rows.extend(_tcp_floor_rows(spec, fits, repeats, measured, progress))
+        rows.extend(_tcp_floor_rows(spec, fits, repeats, measured, progress, tcp_floor))
     for t in fits:
         nb = base.kv_nbytes(num_tokens=t)
         memcpy_GBps = max((g for (tt, _), g in floor_gbps.items() if tt == t), default=None)
