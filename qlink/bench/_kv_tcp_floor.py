@@ -2,8 +2,10 @@
 
 A sender process writes ``num_layers`` buffers of ``layer_nbytes`` with blocking
 ``sendall`` as soon as it is told to go; this process reads them with blocking
-``recv_into(..., MSG_WAITALL)`` straight into buffers of its own (warm, faulted in
-beforehand), and times from the go to the last byte. No framing, no notification, no
+``recv_into(..., MSG_WAITALL)``, or with non-blocking reads in a busy loop (qlink's tcp
+ends busy-poll, and on two cores beat the blocking reads' wake-ups: 1.16 x one such
+floor), straight into buffers of its own (warm, faulted in beforehand), and times from
+the go to the last byte; the floor is the faster of the two. No framing, no notification, no
 Python between the bytes: what any TCP transport (qlink's, Mooncake's) pays at the least
 for the same bytes on this host. :class:`TcpFloorPair` keeps one such pair up so that a
 benchmark can take a floor round right before each of its transfer rounds (the host's
@@ -79,15 +81,22 @@ class TcpFloorPair:
                               struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def round_s(self, layer_nbytes: int) -> float:
-        """Seconds from the go to the last byte of ``num_layers`` layers of ``layer_nbytes``."""
+    def round_s(self, layer_nbytes: int, *, spin: bool = False) -> float:
+        """Seconds from the go to the last byte of ``num_layers`` layers of ``layer_nbytes``:
+        received with blocking ``MSG_WAITALL`` reads, or (``spin``) with non-blocking reads in a
+        loop, as a busy-polling transport does (no wake-up after each read; on two cores it
+        can be the faster of the two)."""
         conn = self._conn
+        flags = socket.MSG_DONTWAIT if spin else socket.MSG_WAITALL
         t0 = time.perf_counter_ns()
         conn.sendall(_GO.pack(layer_nbytes))
         for d in self._dst:
             mv, got = memoryview(d)[:layer_nbytes], 0
             while got < layer_nbytes:
-                k = conn.recv_into(mv[got:], layer_nbytes - got, socket.MSG_WAITALL)
+                try:
+                    k = conn.recv_into(mv[got:], layer_nbytes - got, flags)
+                except BlockingIOError:
+                    continue
                 if k == 0:
                     raise ConnectionError("the floor's sender closed before all bytes came")
                 got += k
@@ -127,5 +136,6 @@ def tcp_socket_floor_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3, 
         raise ValueError(f"layer_nbytes, num_layers and repeats must be positive, got {layer_nbytes}, "
                          f"{num_layers}, {repeats}")
     with TcpFloorPair(max_layer_nbytes=layer_nbytes, num_layers=num_layers, timeout_s=timeout_s) as pair:
-        times = [pair.round_s(layer_nbytes) for _ in range(repeats + 1)]
-    return float(min(times[1:]))
+        pair.round_s(layer_nbytes)  # warm-up
+        times = [pair.round_s(layer_nbytes, spin=spin) for _ in range(repeats) for spin in (False, True)]
+    return float(min(times))

@@ -27,9 +27,11 @@ in one run:
   says what UCX options it read);
 * **Mooncake** — the Mooncake Transfer Engine over TCP with ``P2PHANDSHAKE`` metadata,
   one ``batch_transfer_sync_write`` of the request's merged block runs, at its default
-  TCP slice size (64 KiB) and at the 1 MiB its users set (:mod:`._kv_mooncake`); skipped,
-  with the reason, where it cannot run (it needs libibverbs1, libnl-3-200 and
-  libnl-route-3-200);
+  TCP slice size (64 KiB) and at the 1 MiB its users set (:mod:`._kv_mooncake`); where
+  qlink's tcp is measured too, one Mooncake round at each slice size is taken right before
+  each qlink tcp round (so ``tcp >= 2 x Mooncake`` compares the same minutes), else in a
+  phase of its own; skipped, with the reason, where it cannot run (it needs libibverbs1,
+  libnl-3-200 and libnl-route-3-200);
 * **floor** — the same pieces (merged descriptors, same block layout) copied inside the
   receiver's warm cache, one C loop per layer with glibc's ``memcpy`` and with a streaming
   copy, the faster of the two, best of every round (one right before each transfer round
@@ -300,30 +302,38 @@ def _plan(spec, src, dst):
 
 
 def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repeats: int, say,
-                     floor: _Floor, *, variant: str = "", tcp_floor: dict | None = None) -> list[dict]:
+                     floor: _Floor, *, variant: str = "", tcp_floor: dict | None = None,
+                     mooncake: dict | None = None) -> list[dict]:
     """Transfer rounds of one backend, each right after a floor copy of the same pieces in
     the receiver's cache. qlink: the peer sends, the receiver here waits for the last layer;
     NIXL: the receiver here pulls the request with one prepared READ (vLLM's way). Over tcp,
     with ``tcp_floor`` given, also a bare-socket round (:class:`._kv_tcp_floor.TcpFloorPair`)
-    right before each transfer round, its best per token count recorded there."""
+    right before each transfer round, its best per token count recorded there; with ``mooncake``
+    given, also a Mooncake round at each slice size (:data:`._kv_mooncake.SLICE_SIZES`) right
+    before each transfer round, its seconds listed there by ``(slice, tokens, pattern)``."""
     import contextlib
 
     from ._kv_tcp_floor import TcpFloorPair
 
     rng = np.random.default_rng(7)
-    sock = None
+    sock, moon = None, []
     with contextlib.ExitStack() as stack:
-        if tcp_floor is not None and scheme == "tcp" and backend == "transport":
-            sock = stack.enter_context(TcpFloorPair(
-                max_layer_nbytes=spec.kv_nbytes(num_tokens=max(token_list)) // spec.num_layers,
-                num_layers=spec.num_layers))
+        if scheme == "tcp" and backend == "transport":
+            if tcp_floor is not None:
+                sock = stack.enter_context(TcpFloorPair(
+                    max_layer_nbytes=spec.kv_nbytes(num_tokens=max(token_list)) // spec.num_layers,
+                    num_layers=spec.num_layers))
+            if mooncake is not None:
+                from ._kv_mooncake import SLICE_SIZES, MooncakePair
+
+                moon = [stack.enter_context(MooncakePair(spec, slice_nbytes=n)) for n in SLICE_SIZES]
         rows = _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, floor, variant, rng,
-                               sock, tcp_floor)
+                               sock, tcp_floor, moon, mooncake)
     return rows
 
 
 def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, floor, variant, rng, sock,
-                    tcp_floor) -> list[dict]:
+                    tcp_floor, moon=(), moon_times=None) -> list[dict]:
     """The rounds of :func:`_measure_backend`, over one link."""
     from qlink.ai.peer import open_link
 
@@ -342,8 +352,13 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
                 for rep in range(repeats + 1):  # the first is a warm-up
                     floor.copy_s(cache, plan, key=(n_tokens, pattern))
                     if sock is not None and rep:
-                        sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers)
-                        tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
+                        for spin in (False, True):  # blocking and busy-polling reads: the faster counts
+                            sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers, spin=spin)
+                            tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
+                    for pair in moon:  # the first round of each is its warm-up, as the transfer's
+                        sec = pair.write(plan, range(spec.num_layers))
+                        if rep:
+                            moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(sec)
                     spent_s = 0.0
                     for _ in range(floor.last_copies if rep else 1):  # as many samples as the floor's round
                         rid += 1
@@ -471,8 +486,9 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress,
         rows.append({"case": "TCP socket floor (loopback, same bytes)", "basis": "floor", "tokens": t, "nbytes": nb,
                      "pattern": "per layer", "p50_ms": round(sec * 1e3, 3), "GBps": round(gbps, 3),
                      "repeats": max(repeats, 3),
-                     "note": "two processes, one blocking sendall per layer, recv_into with MSG_WAITALL: no framing, "
-                             "no notification; the least any TCP transport pays for these bytes here; best of its "
+                     "note": "two processes, one blocking sendall per layer, recv_into with MSG_WAITALL or "
+                             "non-blocking in a busy loop (the faster): no framing, no notification; the least any "
+                             "TCP transport pays for these bytes here; best of its "
                              "own rounds and of one round before each qlink tcp round"
                              + ("" if t in interleaved else " (none taken here)")})
         for r in measured:
@@ -530,6 +546,23 @@ def _measure_mooncake(spec, token_list, patterns, repeats: int, say) -> list[dic
     return rows
 
 
+def _mooncake_rows(spec, times: dict, repeats: int, say) -> list[dict]:
+    """Mooncake's rows from rounds taken right before each of qlink's tcp rounds:
+    ``times[(slice, tokens, pattern)]`` lists their seconds."""
+    rows = []
+    for (slice_nbytes, n_tokens, pattern), secs in sorted(times.items()):
+        label = f"Mooncake TE TCP, slice {slice_nbytes // 1024} KiB"
+        nbytes = spec.kv_nbytes(num_tokens=n_tokens)
+        t = float(np.median(secs))
+        rows.append({"case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
+                     "p50_ms": float(f"{t * 1e3:.4g}"), "GBps": float(f"{nbytes / t / 1e9:.4g}"),
+                     "best_GBps": float(f"{nbytes / min(secs) / 1e9:.4g}"), "transport": "mooncake-tcp",
+                     "moved_by": "Mooncake", "repeats": repeats, "transfers": len(secs), "slice_nbytes": slice_nbytes,
+                     "note": "a round right before each qlink tcp round"})
+        say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {nbytes / t / 1e9:7.2f} GB/s (beside qlink tcp)")
+    return rows
+
+
 def _pulled_bytes(rx) -> int:
     """Bytes the receiver's endpoint has copied out of the sender's memory (deferred puts)."""
     ep = getattr(rx, "endpoint", None)
@@ -572,6 +605,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
              f"in each of two processes")
 
     backends = [(s, "transport") for s in transports]
+    moon_times: dict | None = None  # Mooncake rounds taken between qlink's tcp rounds, where both run
     if "ucx" in transports:  # and with UCX RMA, which ucx:// leaves off unless asked (see transports.ucx)
         backends.insert(backends.index(("ucx", "transport")) + 1, ("ucx", "transport-rma"))
     if nixl:
@@ -593,6 +627,9 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
             from ._kv_mooncake import mooncake_unavailable
 
             why, name = mooncake_unavailable(), "Mooncake TE TCP"
+            if not why and moon_times:  # measured already, round by round beside qlink's tcp
+                measured.extend(_mooncake_rows(spec, moon_times, repeats, progress))
+                continue
         else:
             why = transport_unavailable(scheme)
             name = f"qlink {scheme}" + (RMA_VARIANT if backend == "transport-rma" else "")
@@ -610,8 +647,12 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 measured.extend(_with_ucx_rma(lambda: _measure_backend(
                     scheme, "transport", spec, fits, patterns, repeats, progress, floor, variant=RMA_VARIANT)))
             else:
+                if scheme == "tcp" and mooncake:
+                    from ._kv_mooncake import mooncake_unavailable
+
+                    moon_times = {} if mooncake_unavailable() is None else None
                 measured.extend(_measure_backend(scheme, backend, spec, fits, patterns, repeats, progress, floor,
-                                                 tcp_floor=tcp_floor))
+                                                 tcp_floor=tcp_floor, mooncake=moon_times))
         except Exception as e:  # a failing backend is reported in the rows, the others still run
             measured.append({"case": name, "basis": "error", "note": f"{type(e).__name__}: {e}"})
             progress(f"  {name}: error {type(e).__name__}: {e}")

@@ -30,3 +30,21 @@ def test_a_batch_write_lands_and_a_missing_piece_is_caught():
         pair._t.send(("check", lying.dst_offsets, (0,), 0))
         _, bad = pair._answer(pair._t)
         assert bad == int(np.asarray(lying.dst_offsets).size)
+
+
+def test_bench_kv_takes_mooncake_rounds_between_qlink_tcp_rounds():
+    from qlink.ai.peer import transport_unavailable
+    from qlink.bench.kv import kv_goals, run_kv_bench
+
+    if transport_unavailable("tcp"):
+        pytest.skip("tcp transport unavailable")
+    rows = run_kv_bench(transports=("tcp",), tokens=(16, 64), preset="tiny", repeats=2, nixl=False, mooncake=True,
+                        memory_budget_nbytes=1 << 20, progress=lambda _: None)
+    moon = [r for r in rows if r["case"].startswith("Mooncake") and r["basis"] == "measured"]
+    tcp = [r for r in rows if r["case"].startswith("qlink tcp") and r["basis"] == "measured"]
+    assert len(moon) == 2 * 2 * 2 and len(tcp) == 2 * 2  # two slice sizes x tokens x patterns
+    for r in moon:
+        assert r["note"].startswith("a round right before each qlink tcp round") and r["transfers"] >= 2
+        assert r["GBps"] > 0 and r["nbytes"] == r["tokens"] * 512
+    goals = [g for g in kv_goals(rows) if g["goal"].startswith("tcp >= 2 x Mooncake")]
+    assert len(goals) == 4 and all(g["measured"] is not None for g in goals)
