@@ -17,7 +17,7 @@ import ctypes
 import os
 import signal
 
-__all__ = ["die_with_parent", "pin_to_cpu", "pinned"]
+__all__ = ["die_with_parent", "pin_to_cpu", "pinned", "wait_ready"]
 
 
 def die_with_parent() -> None:
@@ -55,3 +55,33 @@ def pinned(slot: int):
     finally:
         if before is not None:
             os.sched_setaffinity(0, before)
+
+
+def wait_ready(q, proc, what: str, *, timeout_s: float = 120.0):
+    """The first item the child ``proc`` puts on the queue ``q``. RuntimeError at once, with
+    its exit code, if it exits first; TimeoutError after ``timeout_s``.
+
+    >>> import multiprocessing as mp
+    >>> q = mp.get_context("spawn").Queue()
+    >>> class Gone:
+    ...     exitcode = 3
+    ...     def is_alive(self):
+    ...         return False
+    >>> wait_ready(q, Gone(), "test peer", timeout_s=1)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: the test peer process exited with code 3 before it was ready; its stderr says why
+    """
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the {what} process exited with code {proc.exitcode} before it was ready; "
+                                   "its stderr says why") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {what} process was not ready within {timeout_s} s") from None

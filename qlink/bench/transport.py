@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from qlink.procs import die_with_parent, pin_to_cpu, pinned
+from qlink.procs import die_with_parent, pin_to_cpu, pinned, wait_ready
 from transports import loopback_url
 from ._stats import ratio, summarize_ns
 
@@ -52,23 +52,6 @@ def _echo_child(url: str, q, nbytes: int, num: int) -> None:
             ep.recv_into(mv, timeout_s=30)  # the parent's goodbye
 
 
-def _child_url(q, p, *, timeout_s: float = 60.0) -> str:
-    """The URL the child ``p`` puts on ``q`` once it listens; RuntimeError at once if it exits first
-    (a transport that cannot start there), TimeoutError after ``timeout_s``."""
-    import queue
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return q.get(timeout=0.2)
-        except queue.Empty:
-            if not p.is_alive():
-                raise RuntimeError(f"the benchmark's peer process exited (code {p.exitcode}) before it listened; "
-                                   "its error is on stderr above") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the benchmark's peer process did not listen within {timeout_s} s") from None
-
-
 def round_trip_ns(scheme: str, *, nbytes: int = 64, num_round_trips: int = 20000, warmup: int = 2000) -> np.ndarray:
     """Per-round-trip latency (ns) of ``nbytes`` messages over ``scheme`` between two processes."""
     import transports
@@ -78,7 +61,7 @@ def round_trip_ns(scheme: str, *, nbytes: int = 64, num_round_trips: int = 20000
     p = ctx.Process(target=_echo_child, args=(loopback_url(scheme, tag="bench-rt"), q, nbytes, num_round_trips + warmup), daemon=True)
     p.start()
     try:
-        url = _child_url(q, p)
+        url = wait_ready(q, p, "benchmark's peer", timeout_s=60)
         out = np.empty(num_round_trips, dtype=np.int64)
         msg = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         back = bytearray(max(nbytes, 1))
@@ -147,7 +130,7 @@ def put_bandwidth(scheme: str, *, sizes: Iterable[int] = DEFAULT_PUT_SIZES, budg
     rows = []
     clock = time.perf_counter_ns
     try:
-        url = _child_url(q, p)
+        url = wait_ready(q, p, "benchmark's peer", timeout_s=60)
         with transports.connect(url, timeout_s=30) as ep, pinned(0):
             remote = RemoteRegion.from_bytes(ep.recv(timeout_s=30))
             src = np.random.default_rng(1).integers(0, 256, max(sizes), dtype=np.uint8)

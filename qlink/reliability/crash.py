@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from qlink.procs import wait_ready
+
 __all__ = ["qec_service_kill_run", "qec_controller_kill_run", "kv_receiver_kill_run", "kv_sender_kill_run",
            "sender_kill_run", "KILL_RUNS", "serve_forever"]
 
@@ -127,18 +129,7 @@ def _exit_figures(t_kill: int | None, t_detect: int | None) -> dict:
 
 def _wait_ready(q, proc, what: str, timeout_s: float = 120.0):
     """The first item a child puts on ``q``; fail fast (with its exit code) if it died first."""
-    import queue
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
-            if not proc.is_alive():
-                raise RuntimeError(f"the {what} process exited with code {proc.exitcode} before it was ready; "
-                                   "its stderr says why") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {what} process was not ready within {timeout_s} s") from None
+    return wait_ready(q, proc, what, timeout_s=timeout_s)
 
 
 def _reap(proc, timeout_s: float = 10.0) -> None:
