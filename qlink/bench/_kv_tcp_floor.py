@@ -1,11 +1,12 @@
 """The kernel's floor for KV bytes over loopback TCP: a bare socket between two processes.
 
-A sender process writes ``num_layers`` buffers of ``layer_nbytes`` with blocking
-``sendall`` as soon as it is told to go; this process reads them with blocking
-``recv_into(..., MSG_WAITALL)``, or with non-blocking reads in a busy loop (qlink's tcp
-ends busy-poll, and on two cores beat the blocking reads' wake-ups: 1.16 x one such
-floor), straight into buffers of its own (warm, faulted in beforehand), and times from
-the go to the last byte; the floor is the faster of the two. No framing, no notification, no
+A sender process writes ``num_layers`` buffers of ``layer_nbytes`` as soon as it is told
+to go, and this process reads them straight into buffers of its own (warm, faulted in
+beforehand), timing from the go to the last byte: either both ends with blocking calls
+(``sendall``, ``recv_into(..., MSG_WAITALL)``) or both with non-blocking calls in busy
+loops, as qlink's tcp ends poll (on two cores these beat the blocking calls' sleeps and
+wake-ups: qlink's tcp read 1.13-1.16 x a floor of blocking calls alone). The floor is
+the faster of the two. No framing, no notification, no
 Python between the bytes: what any TCP transport (qlink's, Mooncake's) pays at the least
 for the same bytes on this host. :class:`TcpFloorPair` keeps one such pair up so that a
 benchmark can take a floor round right before each of its transfer rounds (the host's
@@ -28,7 +29,7 @@ import numpy as np
 
 __all__ = ["tcp_socket_floor_s", "TcpFloorPair"]
 
-_GO = struct.Struct("<Q")  # bytes per layer of the next round; 0: stop
+_GO = struct.Struct("<QQ")  # bytes per layer of the next round (0: stop), and 1 to send busy-polling
 
 
 def _sender(port: int, max_layer_nbytes: int, num_layers: int) -> None:
@@ -43,9 +44,17 @@ def _sender(port: int, max_layer_nbytes: int, num_layers: int) -> None:
             go = s.recv(_GO.size, socket.MSG_WAITALL)
             if len(go) != _GO.size or not _GO.unpack(go)[0]:
                 return
-            n = _GO.unpack(go)[0]
+            n, spin = _GO.unpack(go)
             for b in bufs:
-                s.sendall(memoryview(b)[:n])
+                if not spin:
+                    s.sendall(memoryview(b)[:n])
+                    continue
+                mv, sent = memoryview(b)[:n], 0
+                while sent < n:  # non-blocking sends in a busy loop: no sleep while the socket is full
+                    try:
+                        sent += s.send(mv[sent:], socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        pass
 
 
 class TcpFloorPair:
@@ -83,13 +92,14 @@ class TcpFloorPair:
 
     def round_s(self, layer_nbytes: int, *, spin: bool = False) -> float:
         """Seconds from the go to the last byte of ``num_layers`` layers of ``layer_nbytes``:
-        received with blocking ``MSG_WAITALL`` reads, or (``spin``) with non-blocking reads in a
-        loop, as a busy-polling transport does (no wake-up after each read; on two cores it
-        can be the faster of the two)."""
+        sent and received with blocking calls (``sendall``, ``MSG_WAITALL`` reads), or
+        (``spin``) with non-blocking ones in busy loops on both ends, as a busy-polling
+        transport does (no sleep and wake-up whenever a socket buffer fills or drains; on two
+        cores it can be the faster of the two)."""
         conn = self._conn
         flags = socket.MSG_DONTWAIT if spin else socket.MSG_WAITALL
         t0 = time.perf_counter_ns()
-        conn.sendall(_GO.pack(layer_nbytes))
+        conn.sendall(_GO.pack(layer_nbytes, int(spin)))
         for d in self._dst:
             mv, got = memoryview(d)[:layer_nbytes], 0
             while got < layer_nbytes:
@@ -109,7 +119,7 @@ class TcpFloorPair:
         conn = getattr(self, "_conn", None)
         if conn is not None:
             try:
-                conn.sendall(_GO.pack(0))
+                conn.sendall(_GO.pack(0, 0))
             except OSError:
                 pass
             conn.close()

@@ -351,9 +351,9 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
                 times_us, subs, pulled = [], [], []
                 for rep in range(repeats + 1):  # the first is a warm-up
                     floor.copy_s(cache, plan, key=(n_tokens, pattern))
-                    if sock is not None and rep:
-                        for spin in (False, True):  # blocking and busy-polling reads: the faster counts
-                            sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers, spin=spin)
+                    if sock is not None and rep:  # as many samples as the transfer takes (below), per end kind
+                        for k in range(2 * max(1, floor.last_copies)):  # blocking and busy-polling ends alternate
+                            sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers, spin=k % 2)
                             tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
                     for pair in moon:  # the first round of each is its warm-up, as the transfer's
                         sec = pair.write(plan, range(spec.num_layers))
@@ -486,9 +486,9 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress,
         rows.append({"case": "TCP socket floor (loopback, same bytes)", "basis": "floor", "tokens": t, "nbytes": nb,
                      "pattern": "per layer", "p50_ms": round(sec * 1e3, 3), "GBps": round(gbps, 3),
                      "repeats": max(repeats, 3),
-                     "note": "two processes, one blocking sendall per layer, recv_into with MSG_WAITALL or "
-                             "non-blocking in a busy loop (the faster): no framing, no notification; the least any "
-                             "TCP transport pays for these bytes here; best of its "
+                     "note": "two processes, each layer sent and received with blocking calls or with "
+                             "non-blocking calls in busy loops (the faster): no framing, no notification; the least "
+                             "any TCP transport pays for these bytes here; best of its "
                              "own rounds and of one round before each qlink tcp round"
                              + ("" if t in interleaved else " (none taken here)")})
         for r in measured:
