@@ -89,12 +89,12 @@ def _share(so: np.ndarray, do: np.ndarray, ln: np.ndarray, share: float):
     total = int(cum[-1]) if cum.size else 0
     if total == 0:
         return so, do, ln, 0
-    half = int(total * share)
-    i = int(np.searchsorted(cum, half))  # the piece holding the half-way byte
+    want = int(total * share)
+    i = int(np.searchsorted(cum, want))  # the piece holding the share's last byte
     before = int(cum[i] - ln[i])
-    take = (half - before) // 4096 * 4096
+    take = (want - before) // 4096 * 4096
     if take <= 0 or take >= int(ln[i]):
-        return so, do, ln, i + 1 if half - before >= int(ln[i]) // 2 else i
+        return so, do, ln, i + 1 if want - before >= int(ln[i]) // 2 else i
     so = np.concatenate([so[:i], [so[i], so[i] + take], so[i + 1:]]).astype(np.int64)
     do = np.concatenate([do[:i], [do[i], do[i] + take], do[i + 1:]]).astype(np.int64)
     ln = np.concatenate([ln[:i], [take, ln[i] - take], ln[i + 1:]]).astype(np.int64)
@@ -155,7 +155,7 @@ class PutSide:
                     try:
                         rkey = self._rkeys.get(src_rid, key[8:])
                         rma.rma_pieces("get", self._box.handle, self._ep.handle, region.address,
-                                       list(zip(do.tolist(), so.tolist(), ln.tolist())),
+                                       rma.pieces_of(do, so, ln),  # (local = here, remote = the source)
                                        int.from_bytes(key[:8], "little"), rkey, deadline=time.monotonic() + 10.0,
                                        what=f"the pull into region {rid}")
                         ok = True
