@@ -179,9 +179,13 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
 
 static inline int64_t *ctl_row(ControllerCore *c, int64_t s) { return (int64_t *)c->rows.buf + s * CTL_FIELDS; }
 
+static int ctl_poll(ControllerCore *c, int *progress);
+
 /* send a message, waiting while the ring is full; 0 sent, -1 peer gone / released, -2 still
  * full after stall_ns (nothing sent: the caller returns to Python, which looks at the peer --
- * a killed peer cannot mark its ring closed -- and calls run() again) */
+ * a killed peer cannot mark its ring closed -- and calls run() again). While it waits it
+ * takes the answers that come: a service whose answers find the way back full stops reading
+ * frames, and a controller that only waited for room would wait on it in turn. */
 static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
     int rc = io_send(&c->io, p, n, NULL, 0);
     if (rc == QLINK_RING_FULL) {
@@ -191,6 +195,11 @@ static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
         while (rc == QLINK_RING_FULL) {
             if (io_peer_closed(&c->io) || io_flush(&c->io) < 0)
                 return -1;
+            if (c->s_ans < c->s_emit) {
+                int progress = 0;
+                if (ctl_poll(c, &progress) < 0)
+                    return -1;
+            }
             if ((++k & 255) == 0 && mono_ns() - t0 > c->stall_ns)
                 return -2;
             CPU_RELAX();
@@ -531,18 +540,22 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
             code = -1;
             break;
         }
-        /* answers */
+        /* answers: every one waiting (up to 32), not one per pass -- a controller behind its
+         * clock passes here once per write of its frames, and answers read one a pass would
+         * then pile up in the link (a stream's socket buffer fills and holds the service's) */
         if (c->s_ans < c->s_emit) {
-            int prc = ctl_poll(c, &progress);
-            if (prc == -3) {
-                code = -1;
-                break;
-            }
-            if (prc < 0) {
-                code = -2;
-                break;
-            }
-            if (progress) {
+            int got = 0, stop = 0;
+            for (int k = 0; k < 32 && c->s_ans < c->s_emit; k++) {
+                progress = 0;
+                int prc = ctl_poll(c, &progress);
+                if (prc == -3 || prc < 0) {
+                    code = prc == -3 ? -1 : -2;
+                    stop = 1;
+                    break;
+                }
+                if (!progress)
+                    break;
+                got = 1;
                 int64_t t;
                 if (progress == 2) {
                     int64_t *rr = ctl_row(c, c->s_ans - 1);
@@ -557,11 +570,15 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                     int64_t *r = ctl_row(c, c->s_ans - 1);
                     if (c->deadline_ns > 0 && (r[K_APPLIED] == 0 || r[K_APPLIED] - r[K_EMIT] > c->deadline_ns))
                         c->misses++;
-                    int64_t k = (t - c->t0 + cyc - 1) / cyc + c->gap_cycles;
-                    c->shot_t0 = c->t0 + k * cyc;
+                    int64_t kk = (t - c->t0 + cyc - 1) / cyc + c->gap_cycles;
+                    c->shot_t0 = c->t0 + kk * cyc;
+                    break;
                 }
-                continue;
             }
+            if (stop)
+                break;
+            if (got)
+                continue;
         }
         if (c->s_ans >= S) {
             c->t_end = mono_ns();

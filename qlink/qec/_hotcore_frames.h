@@ -478,8 +478,16 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
                  * wait; otherwise go on ingesting, and decode the backlog in one call. */
                 int next = io_peek(&s->io, &data, &n);
                 if (next != QLINK_RING_MSG || s->pending >= s->max_batch ||
-                    (io_queued(&s->io) <= 96 && n >= 8 && rd32(data + 4) == W.fn_get))
+                    (io_queued(&s->io) <= 96 && n >= 8 && rd32(data + 4) == W.fn_get)) {
                     svc_settle(s);
+                    /* the answers of what was just decoded go out now, not when the service
+                     * next runs out of input: a service that stays behind (a stream link at
+                     * the cycle) would otherwise hold them until its output buffer fills */
+                    if (s->io.out_n && io_flush(&s->io) < 0) {
+                        code = 2;
+                        break;
+                    }
+                }
             }
             if (max_frames > 0 && ++frames >= max_frames) {
                 code = 3;

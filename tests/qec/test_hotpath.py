@@ -449,3 +449,25 @@ def test_udp_asking_again_after_not_ready_consumes_nothing():
     assert a1.status == a2.status == Status.NOT_READY
     assert a3.status == Status.OK and bytes(a3.result) == bytes(want[0])
     assert rep["counts"]["get_corrections_replayed"] == 1
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_flat_out_through_links_that_fill_both_ways_loses_no_answer(scheme):
+    """Flat out over small links: the frames' way fills (the service is behind) and the
+    answers' way fills (a controller busy sending reads none). The controller takes answers
+    while it waits for room, so neither side waits on the other: every shot is answered,
+    bit-exact, and no answer is dropped as blocked."""
+    import transports
+
+    stream, dem = _stream(_surface("Z", 3, 3), 6000, 21)
+    served = _Served(dem, frames_per_shot=1, keep=0, scheme=scheme, connect=False)
+    kw = {"ring_nbytes": 4096} if scheme == "shm" else {}
+    served.ep = transports.connect(served.lis.url, timeout_s=10, **kw)
+    try:
+        res = NativeController(served.ep, stream, rounds_per_frame=0, cycle_ns=1).run(timeout_s=60)
+    finally:
+        rep = served.close()
+    assert res.shots_ok == stream.num_shots
+    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+    assert rep["counts"]["answers"] == rep["counts"]["get_corrections"]
+    assert rep["faults"].get("answer_blocked", 0) == 0
