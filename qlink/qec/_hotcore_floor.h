@@ -3,16 +3,42 @@
 
 /* ================================================================== floor */
 
-/* link_round_trip(link, n, nbytes, echo, out): the bare round trip of whole messages over
- * the same link (rings or a stream socket) through the same I/O the cores use: the floor of
- * a frame and its answer. echo=1 on the answering side (it returns after n messages). out:
- * int64 per round trip (initiator). Each message goes out at once (no gathering). */
+/* link_round_trip(link, n, nbytes, echo, out, hold_ns=0, pause_ns=0): the bare round trip of
+ * whole messages over the same link (rings or a stream socket) through the same I/O the cores
+ * use: the floor of a frame and its answer. echo=1 on the answering side (it returns after n
+ * messages). out: int64 per round trip (initiator). Each message goes out at once (no
+ * gathering). hold_ns (answering side): a busy spin of that long before each answer, the
+ * stand-in for a decoder call of that length (holds: an int64 array of such spins, taken in
+ * turn: a decoder's own call times); pause_ns (initiator): a busy spin of that long
+ * between round trips, the stand-in for a shot's rounds, each round trip then timed from
+ * when it was due (a reaction counts from its last round's tick, however late the controller
+ * sent it) -- together the lock-step loop's shape with no qlink software in it, whose tail is
+ * the host's. */
 static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *link, *out;
-    long long n, nbytes;
+    PyObject *holds_obj = Py_None;
+    long long n, nbytes, hold_ns = 0, pause_ns = 0;
     int echo;
-    if (!PyArg_ParseTuple(args, "OLLpO", &link, &n, &nbytes, &echo, &out))
+    if (!PyArg_ParseTuple(args, "OLLpO|LLO", &link, &n, &nbytes, &echo, &out, &hold_ns, &pause_ns, &holds_obj))
         return NULL;
+    if (hold_ns < 0 || pause_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "hold_ns and pause_ns must be >= 0");
+        return NULL;
+    }
+    Py_buffer hb;
+    const int64_t *holds = NULL;
+    Py_ssize_t nholds = 0;
+    if (holds_obj != Py_None) {
+        if (PyObject_GetBuffer(holds_obj, &hb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            return NULL;
+        if (hb.itemsize != 8 || hb.len < 8) {
+            PyBuffer_Release(&hb);
+            PyErr_SetString(PyExc_ValueError, "holds: a non-empty int64 array of ns");
+            return NULL;
+        }
+        holds = hb.buf;
+        nholds = hb.len / 8;
+    }
     if (nbytes < 1 || nbytes > 4096) {
         PyErr_SetString(PyExc_ValueError, "nbytes in 1..4096");
         return NULL;
@@ -20,6 +46,8 @@ static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
     Io io;
     if (io_init(&io, link) < 0) {
         io_free(&io);
+        if (holds)
+            PyBuffer_Release(&hb);
         return NULL;
     }
     Py_buffer ob;
@@ -33,6 +61,8 @@ static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
         if (ob.len < 8 * n) {
             PyBuffer_Release(&ob);
             io_free(&io);
+            if (holds)
+                PyBuffer_Release(&hb);
             PyErr_SetString(PyExc_ValueError, "out too small");
             return NULL;
         }
@@ -41,8 +71,16 @@ static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
     memset(msg, 0x5A, sizeof(msg));
     int code = 0;
     Py_BEGIN_ALLOW_THREADS;
+    int64_t t_end = mono_ns();
     for (long long i = 0; i < n && code == 0; i++) {
-        int64_t t0 = mono_ns();
+        int64_t t0;
+        if (pause_ns && !echo) { /* timed from when it was due, as a reaction is from its tick */
+            t0 = t_end + pause_ns;
+            while (mono_ns() < t0)
+                CPU_RELAX();
+        } else {
+            t0 = mono_ns();
+        }
         if (!echo && (io_send(&io, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT || io_flush(&io) < 0)) {
             code = -1;
             break;
@@ -64,10 +102,17 @@ static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
             break;
         io_consume(&io);
         if (echo) {
+            int64_t h = holds ? holds[i % nholds] : hold_ns;
+            if (h > 0) {
+                int64_t th = mono_ns();
+                while (mono_ns() - th < h)
+                    CPU_RELAX();
+            }
             if (io_send(&io, msg, (uint64_t)nbytes, NULL, 0) != QLINK_RING_SENT || io_flush(&io) < 0)
                 code = -1;
         } else {
-            ((int64_t *)ob.buf)[i] = mono_ns() - t0;
+            t_end = mono_ns();
+            ((int64_t *)ob.buf)[i] = t_end - t0;
         }
     }
     while (io_flush(&io) == 1) /* (a stream: what is left of the last answer) */
@@ -75,6 +120,8 @@ static PyObject *mod_link_round_trip(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_END_ALLOW_THREADS;
     if (has_out)
         PyBuffer_Release(&ob);
+    if (holds)
+        PyBuffer_Release(&hb);
     io_free(&io);
     return PyLong_FromLong(code);
 }

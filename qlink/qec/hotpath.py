@@ -712,15 +712,29 @@ class NativeController:
         )
 
 
-def link_round_trip_ns(endpoint, *, num_round_trips: int, nbytes: int = 64, echo: bool = False) -> np.ndarray:
+def link_round_trip_ns(endpoint, *, num_round_trips: int, nbytes: int = 64, echo: bool = False,
+                       hold_ns: int | np.ndarray = 0, pause_ns: int = 0) -> np.ndarray:
     """The bare round trip of ``nbytes`` messages over an endpoint's native link (shm rings
     through the ring C API, or the tcp socket in its framing, written at once) — the floor
     under a frame and its answer on the path the native cores use. One side calls it with
     ``echo=True`` (it answers ``num_round_trips`` messages), the other without (it returns
-    each round trip's ns)."""
+    each round trip's ns).
+
+    ``hold_ns`` (the echoing side): a busy spin that long before each answer, standing for a
+    decoder call (an array: one spin per answer in turn, e.g. a decoder's own call times); ``pause_ns`` (the other side): a busy spin that long between round trips,
+    standing for a shot's rounds, each round trip then timed from when it was due (as a
+    reaction is from its last round's tick). With both, the round trips have the lock-step
+    loop's shape and none of its software: their tail is what the host adds."""
     _need()
     link = native_link(endpoint)
     out = np.zeros(num_round_trips, np.int64)
-    if _hotcore.link_round_trip(link, int(num_round_trips), int(nbytes), bool(echo), out) != 0:
+    holds = None
+    if np.ndim(hold_ns):
+        holds = np.ascontiguousarray(hold_ns, np.int64)
+        if holds.size == 0 or (holds < 0).any():
+            raise ValueError("hold_ns: a non-empty array of spins >= 0 ns")
+        hold_ns = 0
+    if _hotcore.link_round_trip(link, int(num_round_trips), int(nbytes), bool(echo), out, int(hold_ns),
+                                int(pause_ns), holds) != 0:
         raise BrokenLinkError(f"{endpoint.url}: the peer went away during the round trips")
     return out

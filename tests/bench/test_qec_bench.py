@@ -66,6 +66,11 @@ def test_native_real_time_rows_and_goal_table(tmp_path):
     assert (row["transport"], tcp_row["transport"]) == ("shm", "tcp")
     assert tcp_row["lockstep_shots"] == 300 and tcp_row["floor_rt_p50_us"] > 0
     assert row["lockstep_shots"] == 300 and row["floor_rt_p50_us"] > 0 and row["decode_single_p50_us"] > 0
+    # the floor under the tail: round trips held as long as the decoder's own calls, so at least that long
+    assert row["host_floor_p50_us"] >= row["host_floor_hold_p50_us"] > 0
+    assert row["host_floor_p99_us"] >= row["host_floor_p50_us"] and row["host_floor_pause_us"] == pytest.approx(3 * 1.1)
+    p99_goal = next(g for g in out["goals"] if g["goal"] == GOALS["lockstep_p99_le_15us"])
+    assert p99_goal["floor"].startswith(f"floor p99 {row['host_floor_p99_us']:.2f} us")
     # the split adds up: wire + decode + software = the stages' p50 sum (by construction of the split)
     parts = sum(row[f"stage_{k}_us"] for k in ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply"))
     assert row["stage_wire_us"] + row["stage_decode_us"] + row["stage_software_us"] == pytest.approx(parts, rel=1e-9)

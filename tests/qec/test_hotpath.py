@@ -471,3 +471,38 @@ def test_flat_out_through_links_that_fill_both_ways_loses_no_answer(scheme):
     np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
     assert rep["counts"]["answers"] == rep["counts"]["get_corrections"]
     assert rep["faults"].get("answer_blocked", 0) == 0
+
+
+def test_the_held_round_trip_floor_holds_each_answer_as_long_as_it_is_told():
+    """The floor under the lock-step tail: the echoing side spins each answer as long as the
+    next of the given holds; the other side's round trips are timed from when each was due,
+    so none is shorter than its hold."""
+    import transports
+
+    from qlink.qec.hotpath import link_round_trip_ns
+
+    lis = transports.listen(f"shm://qlink-hold-test-{os.getpid()}-{next(_ids)}")
+    holds = np.array([300_000, 20_000, 120_000], np.int64)
+    got: dict = {}
+
+    def echo():
+        ep = lis.accept(timeout_s=10)
+        try:
+            link_round_trip_ns(ep, num_round_trips=30, echo=True, hold_ns=holds)
+        finally:
+            ep.close()
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    ep = transports.connect(lis.url, timeout_s=10)
+    try:
+        got["rt"] = link_round_trip_ns(ep, num_round_trips=30, pause_ns=50_000)
+        with pytest.raises(ValueError, match="array of spins"):
+            link_round_trip_ns(ep, num_round_trips=1, echo=True, hold_ns=np.array([5, -1]))
+    finally:
+        t.join(10)
+        ep.close()
+        lis.close()
+    rt = got["rt"]
+    assert (rt >= holds[np.arange(30) % 3]).all(), rt
+    assert rt[0::3].min() > rt[1::3].max()  # the 300 µs holds are the long ones, in their turn
