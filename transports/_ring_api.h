@@ -54,7 +54,7 @@ typedef struct {
      * delays it: yield instead) */
     int (*producer_on_our_cpu)(PyObject *ring);
     /* consumer side: bytes of records waiting in the ring (headers and padding included) */
-    uint64_t (*queued_nbytes)(PyObject *ring);
+    uint64_t (*queued_nbytes)(PyObject *ring); /* exact up to 4 KiB, else a lower bound */
 } qlink_ring_api;
 
 #endif

@@ -931,10 +931,16 @@ static int api_producer_on_our_cpu(PyObject *ring) {
     return r->has_buf && producer_shares_our_cpu(r);
 }
 
+/* the bytes queued for the consumer: exact up to QUEUED_EXACT_NBYTES, else at least that much.
+ * The producer's head (a cache line it keeps writing) is read only when the head last read
+ * is that close: a consumer far behind asks at no cost. */
+#define QUEUED_EXACT_NBYTES 4096
 static uint64_t api_queued_nbytes(PyObject *ring) {
     RingObject *r = (RingObject *)ring;
     if (!r->has_buf)
         return 0;
+    if (r->head_cache - r->tail > QUEUED_EXACT_NBYTES)
+        return r->head_cache - r->tail;
     r->head_cache = ld_acq(r->hdr + OFF_HEAD);
     return r->head_cache - r->tail;
 }

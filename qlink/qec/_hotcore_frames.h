@@ -478,7 +478,7 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
                  * wait; otherwise go on ingesting, and decode the backlog in one call. */
                 int next = io_peek(&s->io, &data, &n);
                 if (next != QLINK_RING_MSG || s->pending >= s->max_batch ||
-                    (io_queued(&s->io) <= 96 && n >= 8 && rd32(data + 4) == W.fn_get)) {
+                    (n >= 8 && rd32(data + 4) == W.fn_get && io_queued(&s->io) <= 96)) {
                     svc_settle(s);
                     /* the answers of what was just decoded go out now, not when the service
                      * next runs out of input: a service that stays behind (a stream link at
