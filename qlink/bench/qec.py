@@ -332,7 +332,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
         return _stim_from_cli(args, stim, quick=quick, out=out, say=say)
     # the real-time path first: native, over shm, each figure beside its floor
     hot_kw = dict(distances=(5, 7), cycle_rounds=100_000, lockstep_shots=3000, floor_round_trips=5000,
-                  flat_rounds=100_000, udp_rounds=100_000, long_lengths=(10_000, 100_000)) if quick else {}
+                  flat_rounds=600_000, udp_rounds=100_000, long_lengths=(10_000, 100_000)) if quick else {}
     given = getattr(args, "distances", None)
     if given:
         hot_kw["distances"] = tuple(int(x) for x in str(given).replace(" ", ",").split(",") if x.strip())
