@@ -30,7 +30,7 @@ import numpy as np
 
 from qlink.errors import missing
 
-__all__ = ["ucxx", "ucx_config", "worker_for", "make_ops", "ep_lanes", "DEFAULT_UCX_TLS", "IN_PROGRESS", "status_text"]
+__all__ = ["ucxx", "ucx_config", "worker_for", "make_ops", "ep_lanes", "native_functions", "DEFAULT_UCX_TLS", "IN_PROGRESS", "status_text"]
 
 DEFAULT_UCX_TLS = "tcp,sm,self"
 IN_PROGRESS = 1
@@ -205,6 +205,16 @@ def _libucp():
             fn.argtypes, fn.restype = args, res
         _ucp = lib
     return _ucp
+
+
+def native_functions() -> tuple[int, ...]:
+    """The addresses of ``ucp_worker_progress``, ``ucp_tag_probe_nb``, ``ucp_tag_send_nbx``,
+    ``ucp_tag_msg_recv_nbx``, ``ucp_request_check_status`` and ``ucp_request_free`` in the
+    library UCXX loaded, for native code that drives a connection itself."""
+    lib = _libucp()
+    names = ("ucp_worker_progress", "ucp_tag_probe_nb", "ucp_tag_send_nbx", "ucp_tag_msg_recv_nbx",
+             "ucp_request_check_status", "ucp_request_free")
+    return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names)
 
 
 def ep_lanes(ep_handle: int) -> list[str] | None:

@@ -407,6 +407,39 @@ class UcxEndpoint(PutSide, Endpoint):
         c.messages_sent += 1
         c.bytes_sent += n
 
+    # ----- native code's link -----------------------------------------------------------------
+    def native_ucx(self, *, timeout_s: float = 5.0) -> tuple:
+        """``("ucx", worker, endpoint, tx tag, rx tag, UCP function addresses, [messages
+        already received])`` for native code that sends and receives this connection's
+        messages itself with the UCP functions (qlink's QEC hot path): tagged sends to the peer,
+        its messages probed and received whole. What this endpoint has sent is on its way
+        first; a message it had probed comes as the first of the list. Meanwhile the endpoint's
+        own send and receive must not be used; control frames (a close) stay for it, and
+        :meth:`check_peer` takes them."""
+        self._check_sendable("the link")
+        deadline = deadline_of(timeout_s)
+        with self._tx_lock:
+            while self._tx_pending:
+                self._ops.progress()
+                self._reap_tx()
+                if time.monotonic() >= deadline:
+                    raise self._timed_out("handing the link to native code (earlier sends still going)", timeout_s)
+        pre = []
+        if self._held is not None:
+            buf = np.empty(self._held[1], np.uint8)
+            pre.append(buf[: self.recv_into(buf, timeout_s=timeout_s)].tobytes())
+        return ("ucx", self._box.handle, self._ep.handle, self._tx_msg, self._rx_msg, core.native_functions(), pre)
+
+    def check_peer(self) -> None:
+        """Take the control frames that came (a close) and look at the link: BrokenLinkError
+        when the peer closed or is gone."""
+        self._check_open()
+        with self._rx_lock:
+            self._poll(False)
+        self._check_link(time.monotonic())
+        if self._broken is not None or self._peer_closed:
+            raise self._broken_error("no more messages will arrive")
+
     # ----- two-sided: receive ----------------------------------------------------------------
     def recv_into(self, buf, *, timeout_s: float | None = None) -> int:
         """Receive the next message into ``buf``; return its size in bytes."""

@@ -346,7 +346,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
         write_results(ds_rows, out_dir=out, name="qec_dsparse", meta={"quick": quick})
     write_results(hot["rows"], out_dir=out, name="qec_native", meta={"quick": quick})
     write_results(hot["goals"], out_dir=out, name="qec_goals", meta={"quick": quick})
-    print("\nReal-time path (native, shm / tcp / udp, one frame per round): goals, each figure from this run (µs)")
+    print("\nReal-time path (native, shm / tcp / ucx / udp, one frame per round): goals, each figure from this run (µs)")
     print(format_goals(hot["goals"], value="figure_us", target="target_us", note="floor"))
     print(wrap(f"written under {out}/: qec_native (every figure), qec_goals (.json, .csv)"))
     if getattr(args, "native_only", False):

@@ -1,11 +1,11 @@
-"""The real-time figures of ``qlink bench qec``: the native per-frame path over shm and tcp
-against its floors, measured in one run.
+"""The real-time figures of ``qlink bench qec``: the native per-frame path over shm, tcp and
+ucx (where UCXX is installed) against its floors, measured in one run.
 
 Rows (each with the floor it is held to, measured beside it):
 
 * **wire floor** — the bare round trip of a 64-byte message over the same link the native
   path uses (shm: the rings through the ring C API; tcp: the socket in qlink's framing,
-  written at once), two processes, one per core, warm, the best of 3 rounds of
+  written at once; ucx: the connection's tagged messages through UCP's own calls), two processes, one per core, warm, the best of 3 rounds of
   ``floor_round_trips``: p50 and p99.
 * **single-shot decode** — the decoder's fastest call on one shot, as the service makes
   it (PyMatching: its matching graph on the fired detectors' indices), timed per call in
@@ -23,7 +23,7 @@ Rows (each with the floor it is held to, measured beside it):
   p99 stands beside the lock-step p99 goal.
 * **at the cycle**, one frame per round, shots back to back: keeps up (flat backlog and
   ≥ 99 % of the cycle rate), the rate, reaction p50/p99 — for each distance over shm, and
-  at the first distance over tcp.
+  at the first distance over tcp and ucx.
 * **flat out** (shm, the first two distances): one frame per shot at a 1 ns cycle, rounds
   answered per second beside the offline peer at its best on the same shots
   (:func:`offline_rounds_per_s`), in 5 interleaved pairs: best ÷ best (goal ≥ 95 %), and
@@ -89,7 +89,7 @@ def _echo_child(url: str, n: int, hold_ns=0) -> None:
 
 def link_floor_ns(scheme: str = "shm", *, num_round_trips: int = 20000, rounds: int = 3,
                   nbytes: int = 64, hold_ns: int = 0, pause_ns: int = 0) -> np.ndarray:
-    """The bare round trip over the native link of ``scheme`` (``shm``, ``tcp``), two
+    """The bare round trip over the native link of ``scheme`` (``shm``, ``tcp``, ``ucx``), two
     processes pinned one per core, warm; the round of the lowest p50 of ``rounds``.
 
     With ``hold_ns`` and ``pause_ns`` (see :func:`qlink.qec.hotpath.link_round_trip_ns`)
@@ -102,7 +102,7 @@ def link_floor_ns(scheme: str = "shm", *, num_round_trips: int = 20000, rounds: 
     from qlink.qec.hotpath import link_round_trip_ns
 
     warm = 2000
-    url = f"shm://qlink-floor-{os.getpid()}-{time.monotonic_ns()}" if scheme == "shm" else "tcp://127.0.0.1:0"
+    url = f"shm://qlink-floor-{os.getpid()}-{time.monotonic_ns()}" if scheme == "shm" else f"{scheme}://127.0.0.1:0"
     lis = transports.listen(url)
     ctx = mp.get_context("spawn")
     child = ctx.Process(target=_echo_child, args=(lis.url, warm + rounds * num_round_trips, hold_ns), daemon=True)
@@ -186,7 +186,14 @@ def _wire_split(res, floor_p50_ns: float) -> dict:
                                                                         "respond", "wire_out", "apply")}}
 
 
-def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[str] = ("shm", "tcp"),
+def _native_transports() -> tuple[str, ...]:
+    """shm and tcp, and ucx where UCXX is installed."""
+    import importlib.util
+
+    return ("shm", "tcp") + (("ucx",) if importlib.util.find_spec("ucxx") is not None else ())
+
+
+def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[str] | None = None,
                   p: float = 0.001, cycle_ns: int = 1100, lockstep_shots: int = 20000, cycle_rounds: int = 1_000_000,
                   floor_round_trips: int = 20000, flat_rounds: int = 1_500_000, decoder: str = "pymatching",
                   seed: int = 1, trace_path=None, progress: Callable[[str], None] | None = None, udp: bool = True,
@@ -194,7 +201,8 @@ def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[
                   long_lengths: Iterable[int] = (10_000, 1_000_000), long_max_total_rounds: int = 3_000_000) -> dict:
     """Measure the rows of the module docstring; returns ``{"rows": [...], "goals": [...]}``.
 
-    One row per (transport, distance): every distance over shm, the first over tcp."""
+    One row per (transport, distance): every distance over shm, the first over the others
+    (tcp, and ucx where UCXX is installed, unless ``transports`` names them)."""
     from qlink.qec.hotpath import available
     from qlink.qec.loop import build_source, sample_stream, source_spec
 
@@ -205,7 +213,7 @@ def run_hot_bench(*, distances: Iterable[int] = (5, 7, 9), transports: Iterable[
     if why is not None:
         return {"rows": [{"row": "native path", "note": f"skipped: {why}"}], "goals": []}
     distances = tuple(int(d) for d in distances)
-    transports = tuple(transports)
+    transports = _native_transports() if transports is None else tuple(transports)
     load0 = os.getloadavg()[0]
     avail = cpu_availability(duration_s=1.0, gap_ns=40_000)
     say(f"CPU floor: two pinned busy loops ran {avail['ran_share']:.0%} of wall time (load {load0:.2f})")

@@ -19,6 +19,7 @@ static struct {
 #define IO_RING 0
 #define IO_FD 1
 #define IO_DGRAM 2
+#define IO_UCX 3
 #define IO_IN_NBYTES (4u << 20)
 #define IO_OUT_NBYTES (1u << 20)
 #define IO_CLOSED (-2)
@@ -50,9 +51,88 @@ typedef struct {
     uint8_t *pre;
     size_t *pre_off, *pre_len;
     int pre_n, pre_r;
+    struct UcxIo *ux; /* IO_UCX */
 } Io;
 
+/* ------------------------------------------------------------------ I/O: a UCX endpoint
+ * transports.ucx's two-sided messages (tag K_MSG of the connection, the UCX message length
+ * the frame's) through the UCP functions UCXX's library exports, called on the worker and
+ * endpoint handles the endpoint hands over (transports.ucx UcxEndpoint.native_ucx): tagged
+ * sends from a ring of staging slots, each reused once UCX is done with it; a message probed
+ * and received whole into `in`. A control frame of the connection (K_CTRL: a close, a
+ * wire-up) at the head is left for the endpoint's own code (QLINK_RING_OTHER). */
+typedef struct {
+    uint64_t sender_tag;
+    size_t length;
+} UcxInfo;
+#define UX_SLOTS 128
+#define UX_SLOT_NBYTES 8192
+#define UX_IN_PROGRESS 1
+#define UX_ERR_LAST ((uintptr_t)(-100)) /* UCS_PTR_IS_ERR: pointers at or above are status codes */
+#define UX_KIND_SHIFT 56
+#define UX_K_MSG 0x10
+#define UX_MASK_MSG_OR_CTRL ((0xFEull << 56) | (0xFFFFFFull << 32) | 0xFFFFFFFFull)
+typedef struct UcxIo {
+    void *worker, *ep;
+    uint64_t tx_tag, rx_tag;
+    unsigned (*progress)(void *);
+    void *(*probe)(void *, uint64_t, uint64_t, int, UcxInfo *);
+    void *(*send)(void *, const void *, size_t, uint64_t, const void *);
+    void *(*msg_recv)(void *, void *, size_t, void *, const void *);
+    int (*check)(void *);
+    void (*release)(void *);
+    uint8_t param[256]; /* ucp_request_param_t, op_attr_mask 0: UCX's defaults */
+    uint8_t *slots;
+    void *req[UX_SLOTS];
+    int next;
+    int has; /* a message received into `in`, not yet consumed */
+    uint32_t len;
+} UcxIo;
+
+static inline int ux_is_err(void *r) { return (uintptr_t)r >= UX_ERR_LAST; }
+
+/* the request of slot i finished? (released then) 1 yes, 0 still in flight */
+static int ux_reap(Io *io, int i) {
+    UcxIo *u = io->ux;
+    void *r = u->req[i];
+    if (r == NULL)
+        return 1;
+    int st = u->check(r);
+    if (st == UX_IN_PROGRESS)
+        return 0;
+    u->release(r);
+    u->req[i] = NULL;
+    if (st < 0)
+        io->eof = 1;
+    return 1;
+}
+
+/* progress until every staged send is done, for at most `limit_ns`; 1 all done */
+static int ux_drain(Io *io, int64_t limit_ns) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    int64_t t0 = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    for (;;) {
+        int left = 0;
+        for (int i = 0; i < UX_SLOTS; i++)
+            left += !ux_reap(io, i);
+        if (!left)
+            return 1;
+        io->ux->progress(io->ux->worker);
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((int64_t)t.tv_sec * 1000000000LL + t.tv_nsec - t0 > limit_ns)
+            return 0;
+    }
+}
+
 static void io_free(Io *io) {
+    if (io->ux != NULL) {
+        /* a send UCX still reads from its slot keeps the slots alive (left, not freed) */
+        if (ux_drain(io, 1000000000LL))
+            free(io->ux->slots);
+        free(io->ux);
+        io->ux = NULL;
+    }
     Py_CLEAR(io->rx);
     Py_CLEAR(io->tx);
     PyMem_Free(io->in);
@@ -89,73 +169,12 @@ static int addr_eq(const struct sockaddr_storage *a, socklen_t alen, const struc
 }
 
 /* link (fd, [datagrams already received from the peer], peer (host, port) or None) */
-static int io_init_dgram(Io *io, PyObject *link) {
-    PyObject *fdo = PyTuple_GET_ITEM(link, 0), *left = PyTuple_GET_ITEM(link, 1), *peer = PyTuple_GET_ITEM(link, 2);
-    io->kind = IO_DGRAM;
-    io->fd = (int)PyLong_AsLong(fdo);
-    if (io->fd < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "bad socket fd");
-        return -1;
-    }
-    PyObject *seq = PySequence_Fast(left, "the datagrams already received must be a sequence of bytes");
+/* the messages (or datagrams) received before the core took the link, read first, from `pre` */
+static int io_set_pre(Io *io, PyObject *left) {
+    PyObject *seq = PySequence_Fast(left, "the messages already received must be a sequence of bytes");
     if (seq == NULL)
         return -1;
     Py_ssize_t nleft = PySequence_Fast_GET_SIZE(seq);
-    int ns = DG_SLOTS;
-    io->dg_nslots = ns;
-    io->in = PyMem_Malloc((size_t)ns * DG_MAX);
-    io->out = PyMem_Malloc(IO_OUT_NBYTES);
-    io->dg_in_msg = PyMem_Calloc((size_t)ns, sizeof(struct mmsghdr));
-    io->dg_in_iov = PyMem_Calloc((size_t)ns, sizeof(struct iovec));
-    io->dg_in_addr = PyMem_Calloc((size_t)ns, sizeof(struct sockaddr_storage));
-    io->dg_out_msg = PyMem_Calloc(DG_SLOTS, sizeof(struct mmsghdr));
-    io->dg_out_iov = PyMem_Calloc(DG_SLOTS, sizeof(struct iovec));
-    if (!io->in || !io->out || !io->dg_in_msg || !io->dg_in_iov || !io->dg_in_addr || !io->dg_out_msg ||
-        !io->dg_out_iov) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
-        return -1;
-    }
-    if (peer != Py_None) {
-        const char *host;
-        int port;
-        if (!PyArg_ParseTuple(peer, "si", &host, &port)) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        memset(&io->peer, 0, sizeof(io->peer));
-        struct sockaddr_in *a4 = (void *)&io->peer;
-        struct sockaddr_in6 *a6 = (void *)&io->peer;
-        if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
-            a4->sin_family = AF_INET;
-            a4->sin_port = htons((uint16_t)port);
-            io->peer_len = sizeof(*a4);
-        } else if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
-            a6->sin6_family = AF_INET6;
-            a6->sin6_port = htons((uint16_t)port);
-            io->peer_len = sizeof(*a6);
-        } else {
-            Py_DECREF(seq);
-            PyErr_Format(PyExc_ValueError, "peer host %s is not a numeric IPv4 or IPv6 address", host);
-            return -1;
-        }
-        io->has_peer = 1;
-    }
-    for (int i = 0; i < ns; i++) {
-        io->dg_in_iov[i].iov_base = io->in + (size_t)i * DG_MAX;
-        io->dg_in_iov[i].iov_len = DG_MAX;
-        io->dg_in_msg[i].msg_hdr.msg_iov = &io->dg_in_iov[i];
-        io->dg_in_msg[i].msg_hdr.msg_iovlen = 1;
-    }
-    for (int i = 0; i < DG_SLOTS; i++) {
-        io->dg_out_msg[i].msg_hdr.msg_iov = &io->dg_out_iov[i];
-        io->dg_out_msg[i].msg_hdr.msg_iovlen = 1;
-        if (io->has_peer) {
-            io->dg_out_msg[i].msg_hdr.msg_name = &io->peer;
-            io->dg_out_msg[i].msg_hdr.msg_namelen = io->peer_len;
-        }
-    }
     size_t total = 0;
     for (Py_ssize_t i = 0; i < nleft; i++) {
         Py_ssize_t len = PyObject_Length(PySequence_Fast_GET_ITEM(seq, i));
@@ -192,6 +211,71 @@ static int io_init_dgram(Io *io, PyObject *link) {
     Py_DECREF(seq);
     io->pre_n = (int)nleft;
     io->pre_r = 0;
+    return 0;
+}
+
+static int io_init_dgram(Io *io, PyObject *link) {
+    PyObject *fdo = PyTuple_GET_ITEM(link, 0), *left = PyTuple_GET_ITEM(link, 1), *peer = PyTuple_GET_ITEM(link, 2);
+    io->kind = IO_DGRAM;
+    io->fd = (int)PyLong_AsLong(fdo);
+    if (io->fd < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "bad socket fd");
+        return -1;
+    }
+    int ns = DG_SLOTS;
+    io->dg_nslots = ns;
+    io->in = PyMem_Malloc((size_t)ns * DG_MAX);
+    io->out = PyMem_Malloc(IO_OUT_NBYTES);
+    io->dg_in_msg = PyMem_Calloc((size_t)ns, sizeof(struct mmsghdr));
+    io->dg_in_iov = PyMem_Calloc((size_t)ns, sizeof(struct iovec));
+    io->dg_in_addr = PyMem_Calloc((size_t)ns, sizeof(struct sockaddr_storage));
+    io->dg_out_msg = PyMem_Calloc(DG_SLOTS, sizeof(struct mmsghdr));
+    io->dg_out_iov = PyMem_Calloc(DG_SLOTS, sizeof(struct iovec));
+    if (!io->in || !io->out || !io->dg_in_msg || !io->dg_in_iov || !io->dg_in_addr || !io->dg_out_msg ||
+        !io->dg_out_iov) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (peer != Py_None) {
+        const char *host;
+        int port;
+        if (!PyArg_ParseTuple(peer, "si", &host, &port)) {
+                return -1;
+        }
+        memset(&io->peer, 0, sizeof(io->peer));
+        struct sockaddr_in *a4 = (void *)&io->peer;
+        struct sockaddr_in6 *a6 = (void *)&io->peer;
+        if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+            a4->sin_family = AF_INET;
+            a4->sin_port = htons((uint16_t)port);
+            io->peer_len = sizeof(*a4);
+        } else if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+            a6->sin6_family = AF_INET6;
+            a6->sin6_port = htons((uint16_t)port);
+            io->peer_len = sizeof(*a6);
+        } else {
+                PyErr_Format(PyExc_ValueError, "peer host %s is not a numeric IPv4 or IPv6 address", host);
+            return -1;
+        }
+        io->has_peer = 1;
+    }
+    for (int i = 0; i < ns; i++) {
+        io->dg_in_iov[i].iov_base = io->in + (size_t)i * DG_MAX;
+        io->dg_in_iov[i].iov_len = DG_MAX;
+        io->dg_in_msg[i].msg_hdr.msg_iov = &io->dg_in_iov[i];
+        io->dg_in_msg[i].msg_hdr.msg_iovlen = 1;
+    }
+    for (int i = 0; i < DG_SLOTS; i++) {
+        io->dg_out_msg[i].msg_hdr.msg_iov = &io->dg_out_iov[i];
+        io->dg_out_msg[i].msg_hdr.msg_iovlen = 1;
+        if (io->has_peer) {
+            io->dg_out_msg[i].msg_hdr.msg_name = &io->peer;
+            io->dg_out_msg[i].msg_hdr.msg_namelen = io->peer_len;
+        }
+    }
+    if (io_set_pre(io, left) < 0)
+        return -1;
     io->dg_n = io->dg_r = 0;
     /* room for a burst: the kernel caps it at net.core.rmem_max / wmem_max */
     int sz = DG_SOCKBUF_NBYTES;
@@ -200,11 +284,55 @@ static int io_init_dgram(Io *io, PyObject *link) {
     return 0;
 }
 
+/* link ("ucx", worker handle, endpoint handle, tx tag, rx tag, (progress, probe, send,
+ * msg_recv, check, release) function addresses, [messages already received]) */
+static int io_init_ucx(Io *io, PyObject *link) {
+    io->kind = IO_UCX;
+    UcxIo *u = calloc(1, sizeof(UcxIo));
+    io->ux = u;
+    io->in = PyMem_Malloc(IO_IN_NBYTES);
+    if (u == NULL || io->in == NULL || (u->slots = malloc((size_t)UX_SLOTS * UX_SLOT_NBYTES)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject *fns = PyTuple_GET_ITEM(link, 5);
+    u->worker = PyLong_AsVoidPtr(PyTuple_GET_ITEM(link, 1));
+    u->ep = PyLong_AsVoidPtr(PyTuple_GET_ITEM(link, 2));
+    u->tx_tag = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(link, 3));
+    u->rx_tag = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(link, 4));
+    if (PyErr_Occurred())
+        return -1;
+    if (!PyTuple_Check(fns) || PyTuple_GET_SIZE(fns) != 6 || u->worker == NULL || u->ep == NULL) {
+        PyErr_SetString(PyExc_TypeError, "ucx link: (\"ucx\", worker, ep, tx_tag, rx_tag, 6 UCP function addresses, "
+                                         "[messages])");
+        return -1;
+    }
+    void *f[6];
+    for (int i = 0; i < 6; i++) {
+        f[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fns, i));
+        if (f[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "ucx link: a UCP function address is NULL");
+            return -1;
+        }
+    }
+    u->progress = (unsigned (*)(void *))f[0];
+    u->probe = (void *(*)(void *, uint64_t, uint64_t, int, UcxInfo *))f[1];
+    u->send = (void *(*)(void *, const void *, size_t, uint64_t, const void *))f[2];
+    u->msg_recv = (void *(*)(void *, void *, size_t, void *, const void *))f[3];
+    u->check = (int (*)(void *))f[4];
+    u->release = (void (*)(void *))f[5];
+    return io_set_pre(io, PyTuple_GET_ITEM(link, 6));
+}
+
 /* link: a (tx, rx) pair of rings, (fd, leftover bytes already read from it) for a stream
- * socket, or (fd, [datagrams already received], peer or None) for a datagram socket */
+ * socket, (fd, [datagrams already received], peer or None) for a datagram socket, or a UCX
+ * endpoint's (see io_init_ucx) */
 static int io_init(Io *io, PyObject *link) {
     memset(io, 0, sizeof(*io));
     PyObject *a, *b;
+    if (PyTuple_Check(link) && PyTuple_GET_SIZE(link) == 7 && PyUnicode_Check(PyTuple_GET_ITEM(link, 0)))
+        return io_init_ucx(io, link);
     if (PyTuple_Check(link) && PyTuple_GET_SIZE(link) == 3)
         return io_init_dgram(io, link);
     if (!PyTuple_Check(link) || PyTuple_GET_SIZE(link) != 2) {
@@ -284,6 +412,10 @@ static int dg_flush(Io *io) {
 static int io_flush(Io *io) {
     if (io->kind == IO_DGRAM)
         return io->dg_out ? dg_flush(io) : 0;
+    if (io->kind == IO_UCX) { /* sends are posted at once: move them along */
+        io->ux->progress(io->ux->worker);
+        return io->eof ? -1 : 0;
+    }
     if (io->kind != IO_FD || io->out_sent == io->out_n)
         return 0;
     while (io->out_sent < io->out_n) {
@@ -304,9 +436,82 @@ static int io_flush(Io *io) {
 }
 
 /* one whole frame out: a send code of the ring API */
+/* progress until request r is done (released then) or a second has gone by (left as it is):
+ * its status, UX_IN_PROGRESS when it did not finish */
+static int ux_wait(UcxIo *u, void *r) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    int64_t t0 = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    int st;
+    unsigned k = 0;
+    while ((st = u->check(r)) == UX_IN_PROGRESS) {
+        u->progress(u->worker);
+        if ((++k & 1023) == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((int64_t)t.tv_sec * 1000000000LL + t.tv_nsec - t0 > 1000000000LL)
+                return UX_IN_PROGRESS;
+        }
+    }
+    u->release(r);
+    return st;
+}
+
+static int ux_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
+    UcxIo *u = io->ux;
+    uint64_t n = n1 + n2;
+    if (io->eof)
+        return QLINK_RING_PEER_CLOSED;
+    if (n > IO_IN_NBYTES) /* (more than a native peer takes whole) */
+        return QLINK_RING_TOO_BIG;
+    int i = u->next;
+    uint8_t *buf;
+    uint8_t *big = NULL;
+    if (n <= UX_SLOT_NBYTES) {
+        if (!ux_reap(io, i)) { /* the oldest slot still sending: let UCX move, else full */
+            u->progress(u->worker);
+            if (!ux_reap(io, i))
+                return QLINK_RING_FULL;
+        }
+        if (io->eof)
+            return QLINK_RING_PEER_CLOSED;
+        buf = u->slots + (size_t)i * UX_SLOT_NBYTES;
+    } else if ((buf = big = malloc(n)) == NULL) {
+        return QLINK_RING_FULL;
+    }
+    if (n1)
+        memcpy(buf, p1, n1);
+    if (n2)
+        memcpy(buf + n1, p2, n2);
+    void *r = u->send(u->ep, buf, n, u->tx_tag, u->param);
+    if (r != NULL && ux_is_err(r)) {
+        free(big);
+        io->eof = 1;
+        return QLINK_RING_PEER_CLOSED;
+    }
+    if (big != NULL) { /* a large frame: sent before its buffer goes */
+        if (r != NULL) {
+            int st = ux_wait(u, r);
+            if (st == UX_IN_PROGRESS) { /* not done within a second: the link is given up, the buffer kept */
+                io->eof = 1;
+                return QLINK_RING_PEER_CLOSED;
+            }
+            if (st < 0)
+                io->eof = 1;
+        }
+        free(big);
+    } else {
+        u->req[i] = r;
+        u->next = (i + 1) % UX_SLOTS;
+    }
+    io->writes++;
+    return io->eof ? QLINK_RING_PEER_CLOSED : QLINK_RING_SENT;
+}
+
 static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
     if (io->kind == IO_RING)
         return RAPI->send(io->tx, p1, n1, p2, n2);
+    if (io->kind == IO_UCX)
+        return ux_send(io, p1, n1, p2, n2);
     if (io->kind == IO_DGRAM) {
         uint64_t n = n1 + n2;
         if (n > DG_MAX - 29) /* (65,507: an IPv4 datagram's most) */
@@ -404,9 +609,66 @@ static int dg_peek(Io *io, const uint8_t **data, uint32_t *n) {
     }
 }
 
+static int ux_peek(Io *io, const uint8_t **data, uint32_t *n) {
+    UcxIo *u = io->ux;
+    if (io->pre_r < io->pre_n) {
+        *data = io->pre + io->pre_off[io->pre_r];
+        *n = (uint32_t)io->pre_len[io->pre_r];
+        return QLINK_RING_MSG;
+    }
+    if (u->has) {
+        *data = io->in;
+        *n = u->len;
+        return QLINK_RING_MSG;
+    }
+    if (io->eof)
+        return IO_CLOSED;
+    for (int k = 0; k < 2; k++) {
+        UcxInfo info;
+        if (u->probe(u->worker, u->rx_tag, UX_MASK_MSG_OR_CTRL, 0, &info) != NULL) {
+            if ((info.sender_tag >> UX_KIND_SHIFT) != UX_K_MSG)
+                return QLINK_RING_OTHER; /* a control frame first: the endpoint's own code takes it */
+            void *m = u->probe(u->worker, u->rx_tag, ~0ull, 1, &info);
+            if (m == NULL)
+                return QLINK_RING_OTHER;
+            size_t len = info.length, cap = IO_IN_NBYTES;
+            void *r = u->msg_recv(u->worker, io->in, len < cap ? len : cap, m, u->param);
+            int st = 0;
+            if (r != NULL && ux_is_err(r)) {
+                st = -1;
+            } else if (r != NULL) {
+                st = ux_wait(u, r);
+                if (st == UX_IN_PROGRESS) { /* a receive that does not finish: the link is given up */
+                    io->eof = 1;
+                    return IO_CLOSED;
+                }
+            }
+            if (len > cap) { /* never taken whole: dropped, counted */
+                io->oversized++;
+                continue;
+            }
+            if (st < 0) {
+                io->eof = 1;
+                return IO_CLOSED;
+            }
+            io->reads++;
+            u->has = 1;
+            u->len = (uint32_t)len;
+            *data = io->in;
+            *n = u->len;
+            return QLINK_RING_MSG;
+        }
+        if (k == 0)
+            u->progress(u->worker);
+    }
+    return QLINK_RING_EMPTY;
+}
+
 static int io_peek(Io *io, const uint8_t **data, uint32_t *n) {
     if (io->kind == IO_RING)
         return RAPI->peek(io->rx, data, n);
+    if (io->kind == IO_UCX)
+        return ux_peek(io, data, n);
     if (io->kind == IO_DGRAM)
         return dg_peek(io, data, n);
     for (;;) {
@@ -465,6 +727,13 @@ static void io_consume(Io *io) {
         RAPI->consume(io->rx);
         return;
     }
+    if (io->kind == IO_UCX) {
+        if (io->pre_r < io->pre_n)
+            io->pre_r++;
+        else
+            io->ux->has = 0;
+        return;
+    }
     if (io->kind == IO_DGRAM) {
         if (io->pre_r < io->pre_n)
             io->pre_r++;
@@ -495,6 +764,8 @@ static uint64_t io_queued(Io *io) {
             q += io->dg_in_msg[i].msg_len;
         return q;
     }
+    if (io->kind == IO_UCX)
+        return io->ux->has ? io->ux->len : 0;
     return io->in_w - io->in_r;
 }
 

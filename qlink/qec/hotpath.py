@@ -140,7 +140,9 @@ def native_link(endpoint) -> tuple:
         return endpoint.native_socket()
     if hasattr(endpoint, "native_datagrams"):
         return endpoint.native_datagrams()
-    raise CapabilityError(f"the native QEC path runs over shm://, tcp:// and udp://; {type(endpoint).__name__} "
+    if hasattr(endpoint, "native_ucx"):
+        return endpoint.native_ucx()
+    raise CapabilityError(f"the native QEC path runs over shm://, tcp://, udp:// and ucx://; {type(endpoint).__name__} "
                           "offers none of them (use the Python path: engine='python')")
 
 
@@ -463,7 +465,11 @@ class NativeDecoderService:
                 if code == 3:
                     break
                 if code == 1:  # not a whole message at the ring's head: the endpoint's own path
-                    self._slow_frame(endpoint, buf, mv)
+                    try:
+                        self._slow_frame(endpoint, buf, mv)
+                    except (BrokenLinkError, ClosedError):  # (a ucx link's close, taken there)
+                        self._extra["peer_closed"] += 1
+                        break
                     idle_since = now
                     continue
                 if code in (2, -3):  # the peer closed (or the ring went away)
@@ -657,6 +663,9 @@ class NativeController:
             if code == 0:
                 break
             if code == -2:
+                if hasattr(self.endpoint, "native_ucx"):  # a ucx control frame (a close): the endpoint takes it
+                    _check_peer(self.endpoint)
+                    continue
                 raise QlinkError("an answer arrived that is not a whole message on the shm ring")
             _check_peer(self.endpoint)  # BrokenLinkError when the service is gone
             if code == -1:

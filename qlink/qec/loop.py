@@ -388,8 +388,9 @@ def _native_refusal(url: str, *, shots_per_frame, max_in_flight_shots, controlle
     why = available()
     if why is not None:
         return f"engine='native' is not available here: {why}"
-    if not url.startswith(("shm://", "tcp://", "udp://")):
-        return f"engine='native' runs over shm://, tcp:// and udp:// only, got {url!r} (use engine='python' for it)"
+    if not url.startswith(("shm://", "tcp://", "udp://", "ucx://")):
+        return (f"engine='native' runs over shm://, tcp://, udp:// and ucx:// only, got {url!r} (use engine='python' "
+                "for it)")
     for name, v, ok in (("shots_per_frame", shots_per_frame, shots_per_frame == 1),
                         ("max_in_flight_shots", max_in_flight_shots, max_in_flight_shots is None),
                         ("controller_query", controller_query, controller_query is None),

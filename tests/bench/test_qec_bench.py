@@ -58,7 +58,11 @@ def test_native_real_time_rows_and_goal_table(tmp_path):
     out = run_hot_bench(distances=(3,), cycle_rounds=3000, lockstep_shots=300, floor_round_trips=500,
                         flat_rounds=20_000, trace_path=trace, udp_rounds=3000, udp_floor_datagrams=20_000,
                         long_lengths=(300, 3000), long_max_total_rounds=9000)
-    row, tcp_row, udp_row, long_row = out["rows"]  # shm d=3, tcp d=3, udp d=3, the long experiment
+    by = {r["row"]: r for r in out["rows"]}  # shm d=3, tcp d=3 (ucx d=3 where UCXX is), udp d=3, the long experiment
+    row, tcp_row, udp_row, long_row = by["shm d=3"], by["tcp d=3"], by["udp d=3"], by["long experiment"]
+    if "ucx d=3" in by:  # the native path over ucx: the same rows as over tcp
+        ucx_row = by["ucx d=3"]
+        assert ucx_row["lockstep_shots"] == 300 and ucx_row["floor_rt_p50_us"] > 0 and ucx_row["cycle_rounds"] > 0
     assert udp_row["udp_floor_datagrams_per_s"] > 0 and udp_row["udp_rpf1_cycle_ns"] > 0
     assert isinstance(udp_row["udp_rpf1_keeps_up"], bool) and 1 <= udp_row["udp_cycle_rounds_per_datagram"] <= 4
     for n in (300, 3000):  # every experiment answered, every window of it decoded

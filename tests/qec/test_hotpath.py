@@ -7,6 +7,7 @@ round each (the hardware's way) unless a test says otherwise.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import struct
@@ -26,6 +27,8 @@ from qlink.qec.sources import StimSource
 from qlink.wire import Status
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"native path not built: {available()}")
+_UCX = pytest.param("ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                                                     reason="ucxx is not installed (pip install 'qlink[ucx]')"))
 
 _ids = itertools.count()
 
@@ -110,12 +113,12 @@ def _direct(decoder, dem, detectors) -> np.ndarray:
                       np.uint8)
 
 
-@pytest.mark.parametrize("scheme", ["shm", "tcp", "udp"])
+@pytest.mark.parametrize("scheme", ["shm", "tcp", "udp", _UCX])
 @pytest.mark.parametrize("basis", ["Z", "X"])
 @pytest.mark.parametrize("d,rounds", [(3, 5), (5, 3), (7, 8), (9, 4)])
 def test_surface_code_per_round_frames_bit_exact(basis, d, rounds, scheme):
-    if scheme == "udp" and (basis, d) != ("Z", 5):
-        pytest.skip("udp: one surface code suffices (the service core is the same as over tcp)")
+    if scheme in ("udp", "ucx") and (basis, d) != ("Z", 5):
+        pytest.skip(f"{scheme}: one surface code suffices (the service core is the same as over tcp)")
     stream, dem, res, rep = _run(_surface(basis, d, rounds), num_shots=200 if d < 9 else 120, seed=d + rounds,
                                  scheme=scheme)
     assert res.frames_per_shot == rounds + 1  # one frame per round (the last: the data qubits' readout)
@@ -270,7 +273,7 @@ def test_counter_gap_drops_exactly_the_shots_the_lost_frames_touched():
     assert rep["counts"]["frames_lost"] == 3 and rep["counts"]["shots_dropped"] == 2
 
 
-@pytest.mark.parametrize("scheme", ["shm", "tcp", "udp"])
+@pytest.mark.parametrize("scheme", ["shm", "tcp", "udp", _UCX])
 def test_a_killed_service_is_reported_within_a_second(scheme):
     import signal
 
@@ -314,7 +317,7 @@ def test_run_loop_native_engine_reports_stages_that_add_up():
     total = sum(stages[k]["mean_us"] for k in ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply"))
     mean_reaction = float(np.mean(r.controller.reaction_ns[r.controller.reaction_ns >= 0])) / 1e3
     assert total == pytest.approx(mean_reaction, rel=1e-6)
-    with pytest.raises(ValueError, match="shm://, tcp:// and udp:// only"):
+    with pytest.raises(ValueError, match="shm://, tcp://, udp:// and ucx:// only"):
         run_loop(transport="inproc", source=source_spec(distance=3), num_shots=10, engine="native")
 
 
@@ -451,7 +454,7 @@ def test_udp_asking_again_after_not_ready_consumes_nothing():
     assert rep["counts"]["get_corrections_replayed"] == 1
 
 
-@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+@pytest.mark.parametrize("scheme", ["shm", "tcp", _UCX])
 def test_flat_out_through_links_that_fill_both_ways_loses_no_answer(scheme):
     """Flat out over small links: the frames' way fills (the service is behind) and the
     answers' way fills (a controller busy sending reads none). The controller takes answers
