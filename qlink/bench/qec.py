@@ -336,7 +336,14 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     given = getattr(args, "distances", None)
     if given:
         hot_kw["distances"] = tuple(int(x) for x in str(given).replace(" ", ",").split(",") if x.strip())
+    named = getattr(args, "transports", None)
+    if named:  # the native rows of the transports named (shm's also carry the long experiment)
+        names = tuple(x.strip() for x in str(named).replace(" ", ",").split(",") if x.strip())
+        hot_kw.update(transports=tuple(t for t in names if t in ("shm", "tcp", "ucx")), udp="udp" in names)
+        if "shm" not in names:
+            hot_kw["long_lengths"] = ()
     hot = run_hot_bench(progress=say, trace_path=getattr(args, "trace", None), **hot_kw)
+    failed_native = [r for r in hot["rows"] if r.get("error")]
     # the side studies (D_sparse, CUDA-Q) run with the default selection: a run that names its
     # transports or distances asks for those rows only
     whole = not getattr(args, "transports", None) and not given
@@ -351,6 +358,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     print(wrap(f"written under {out}/: qec_native (every figure), qec_goals (.json, .csv)"))
     if getattr(args, "native_only", False):
         return hot["rows"]
+    for r in failed_native:
+        print(wrap(f"  native {r['transport']} d={r.get('d')}: {r['error']}", indent="    "))
     cq = _cudaq_side_by_side(quick=quick, out=out, say=say) if whole and not quick else []
     kw = dict(distances=(5, 7), cycle_rounds=100_000, flat_rounds=300_000, floor_round_trips=1000,
               ff_shots=1000) if quick else {}
@@ -381,7 +390,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
                             "vs_cudaq_p50") if c in CQ_COLUMNS]
         print(format_table(cq, columns=cols, max_width=100))
         print(wrap(f"written: {out}/qec_cudaq.{{json,csv}}"))
-    return rows
+    return rows + failed_native
 
 
 def _measurement_level(*, quick: bool, say) -> tuple[list[dict], list[dict]]:
