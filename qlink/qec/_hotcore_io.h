@@ -109,9 +109,7 @@ static int ux_reap(Io *io, int i) {
 
 /* progress until every staged send is done, for at most `limit_ns`; 1 all done */
 static int ux_drain(Io *io, int64_t limit_ns) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    int64_t t0 = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    int64_t t0 = mono_ns();
     for (;;) {
         int left = 0;
         for (int i = 0; i < UX_SLOTS; i++)
@@ -119,8 +117,7 @@ static int ux_drain(Io *io, int64_t limit_ns) {
         if (!left)
             return 1;
         io->ux->progress(io->ux->worker);
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        if ((int64_t)t.tv_sec * 1000000000LL + t.tv_nsec - t0 > limit_ns)
+        if (mono_ns() - t0 > limit_ns)
             return 0;
     }
 }
@@ -439,18 +436,13 @@ static int io_flush(Io *io) {
 /* progress until request r is done (released then) or a second has gone by (left as it is):
  * its status, UX_IN_PROGRESS when it did not finish */
 static int ux_wait(UcxIo *u, void *r) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    int64_t t0 = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    int64_t t0 = mono_ns();
     int st;
     unsigned k = 0;
     while ((st = u->check(r)) == UX_IN_PROGRESS) {
         u->progress(u->worker);
-        if ((++k & 1023) == 0) {
-            clock_gettime(CLOCK_MONOTONIC, &t);
-            if ((int64_t)t.tv_sec * 1000000000LL + t.tv_nsec - t0 > 1000000000LL)
-                return UX_IN_PROGRESS;
-        }
+        if ((++k & 1023) == 0 && mono_ns() - t0 > 1000000000LL)
+            return UX_IN_PROGRESS;
     }
     u->release(r);
     return st;
