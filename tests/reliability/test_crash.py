@@ -11,6 +11,8 @@ transport controls (the runs report both parts: ``exit_s`` and ``detection_after
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 import transports
@@ -26,6 +28,9 @@ pytestmark = [pytest.mark.timeout(180)]
 
 KILL_BOUND_S = 1.0
 CROSS = ("shm", "tcp")
+#: the QEC loop's kills also over ucx, where UCXX is installed (the native core's kills over ucx: tests/qec/test_hotpath.py)
+QEC_CROSS = (*CROSS, pytest.param("ucx", marks=pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (pip install 'qlink[ucx]')")))
 
 
 def _detected_within_the_bound(r: dict) -> None:
@@ -35,7 +40,7 @@ def _detected_within_the_bound(r: dict) -> None:
     assert r["detection_after_exit_s"] < KILL_BOUND_S, r
 
 
-@pytest.mark.parametrize("transport", CROSS)
+@pytest.mark.parametrize("transport", QEC_CROSS)
 def test_decoder_service_killed_mid_run_the_controller_knows_and_the_run_resumes(transport):
     r = qec_service_kill_run(transport=transport, num_shots=3000, chunk_shots=200)
     assert r["killed"]
@@ -47,7 +52,7 @@ def test_decoder_service_killed_mid_run_the_controller_knows_and_the_run_resumes
     assert r["accounted_pct"] == 100.0
 
 
-@pytest.mark.parametrize("transport", CROSS)
+@pytest.mark.parametrize("transport", QEC_CROSS)
 def test_controller_killed_mid_run_the_service_knows_and_serves_the_next_one(transport):
     r = qec_controller_kill_run(transport=transport, reset_first=True, kill_after_s=0.3)
     assert r["service_saw"] == "closed" and r["service_alive"]
