@@ -306,6 +306,61 @@ def test_a_killed_service_is_reported_within_a_second(scheme):
         proc.close()
 
 
+def _controller_child(url: str, ready) -> None:
+    """A native controller in a process of its own, playing a long run until it is killed."""
+    import transports
+    from qlink.qec.loop import build_source, sample_stream, source_spec
+
+    spec = source_spec(distance=3, p=0.001)
+    stream = sample_stream(build_source(spec), num_shots=400_000, seed=2)
+    ep = transports.connect(url, timeout_s=10)
+    ready.set()
+    NativeController(ep, stream, cycle_ns=2000).run(timeout_s=60)
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp", _UCX])
+def test_a_killed_controller_leaves_the_native_service_to_the_next_within_a_second(scheme):
+    """The controller process is SIGKILLed mid-run: the native service sees its peer gone and
+    takes the next controller (connected within 2 s of the kill: the transports' 1 s, and a
+    handshake), whose shots are bit-exact."""
+    import multiprocessing as mp
+    import signal
+
+    import transports
+    from qlink.qec import start_service_process
+    from qlink.qec.loop import build_source, sample_stream, source_spec
+
+    spec = source_spec(distance=3, p=0.001)
+    url = f"shm://qlink-hot-ctlkill-{os.getpid()}" if scheme == "shm" else f"{scheme}://127.0.0.1:0"
+    proc = start_service_process(url, {0: {"source": spec, "decoder": "pymatching"}},
+                                 service_options={"engine": "native"}, max_peers=2, timeout_s=60)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_controller_child, args=(proc.url, ready), daemon=True)
+    try:
+        child.start()
+        assert ready.wait(60), "the first controller did not connect"
+        time.sleep(0.3)  # mid-run
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        killed = time.monotonic()
+        src = build_source(spec)
+        stream = sample_stream(src, num_shots=20, seed=3)
+        ep = transports.connect(proc.url, timeout_s=10)  # (taken once the service has let the dead one go)
+        connected = time.monotonic()
+        try:
+            res = NativeController(ep, stream, cycle_ns=2000).run(timeout_s=30)
+        finally:
+            ep.close()
+        assert connected - killed < 2.0  # the 1 s of the transports' contract, plus the next one's handshake
+        assert res.shots_ok == 20
+        np.testing.assert_array_equal(res.corrections, _direct("pymatching", src.dem, stream.detectors))
+    finally:
+        if child.is_alive():
+            child.kill()
+        proc.close()
+
+
 def test_run_loop_native_engine_reports_stages_that_add_up():
     from qlink.qec import run_loop, source_spec
 
