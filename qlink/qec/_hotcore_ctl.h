@@ -29,6 +29,11 @@ typedef struct {
      * to it; over datagrams it is sent again, the very same, when no answer came in time) */
     int64_t *get_rid_of, *get_ptp_of, *get_t_of;
     int64_t get_timeout_ns, resends, stale;
+    /* datagrams: when an answer last came, and the latest shot answered (an answer past the
+     * oldest one waiting says that one's get or answer was lost; none at all for a get timeout
+     * says the service went quiet: only then is a get asked again -- a service merely behind
+     * answers in order, and asking it again only adds to what it is behind on) */
+    int64_t t_answer, latest_answered;
     int64_t get_owed; /* shot + 1 whose get could not be sent yet (the ring stayed full), or 0 */
     /* datagrams: each shot's get names it (the counter of its last frame, ADDR_BITS); answers
      * are taken in any order; a shot the service lacks has its frames sent again (a repair) */
@@ -163,6 +168,8 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     }
     c->get_timeout_ns = get_timeout_ns > 0 ? get_timeout_ns : 50000000;
     c->resends = c->stale = 0;
+    c->t_answer = 0;
+    c->latest_answered = -1;
     c->get_owed = 0;
     c->ctr_of = PyMem_Calloc((size_t)S, 8);
     c->repairs_of = PyMem_Calloc((size_t)S, 8);
@@ -290,6 +297,8 @@ static int ctl_take_named(ControllerCore *c, int32_t status, uint32_t rid, int64
     }
     r[K_RESP] = t_resp;
     r[K_STATUS] = status;
+    if (s > c->latest_answered)
+        c->latest_answered = s;
     if (status == W.st_ok) {
         uint8_t *corr = (uint8_t *)c->corr.buf + s * c->nbo;
         uint32_t m = rlen < c->nbo ? rlen : (uint32_t)c->nbo;
@@ -323,8 +332,10 @@ static int ctl_take_answer(ControllerCore *c, const uint8_t *a, uint32_t n, int6
     }
     if (status >= 0 && status < 8)
         c->statuses[status]++;
-    if (c->io.kind == IO_DGRAM)
+    if (c->io.kind == IO_DGRAM) {
+        c->t_answer = t_resp;
         return ctl_take_named(c, status, rid, rd64(a + 16), a + W.hdr, rlen, t_resp);
+    }
     if (!(rid & GET_BIT)) /* an enqueue's answer (a refusal with ack='errors') */
         return 0;
     if (c->s_ans >= c->s_emit) {
@@ -344,6 +355,8 @@ static int ctl_take_answer(ControllerCore *c, const uint8_t *a, uint32_t n, int6
     }
     r[K_RESP] = t_resp;
     r[K_STATUS] = status;
+    if (s > c->latest_answered)
+        c->latest_answered = s;
     if (status == W.st_ok) {
         uint8_t *corr = (uint8_t *)c->corr.buf + s * c->nbo;
         uint32_t m = rlen < c->nbo ? rlen : (uint32_t)c->nbo;
@@ -596,7 +609,8 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 code = -1;
                 break;
             }
-            if (c->io.kind == IO_DGRAM && c->s_ans < c->s_emit && now - c->get_t_of[c->s_ans] > c->get_timeout_ns) {
+            if (c->io.kind == IO_DGRAM && c->s_ans < c->s_emit && now - c->get_t_of[c->s_ans] > c->get_timeout_ns &&
+                (c->latest_answered > c->s_ans || now - c->t_answer > c->get_timeout_ns)) {
                 /* no answer in time: the gets of the oldest shots still unanswered, asked again
                  * (their answers, or the service's word that it lacks them, come back) */
                 int64_t end = c->s_ans + 64 < c->s_emit ? c->s_ans + 64 : c->s_emit;
