@@ -366,6 +366,12 @@ def build_parser() -> Parser:
             bb.add_argument("--attacker-idle", action="store_true",
                             help="run the hostile clients under SCHED_IDLE: they get a CPU only when nothing "
                                  "else wants it, the closer stand-in for attackers on hosts of their own")
+            bb.add_argument("--engines", action=ListAction, default=None, metavar="E",
+                            check=lambda v, where: checks.list_of(
+                                lambda x, where: checks.one_of(x, ("python", "native"), what="service engine",
+                                                               where=where), v, where=where),
+                            help="the decoder service's engines, of python,native (default both: the same clients "
+                                 "against each)")
         if name == "decoders":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 3,5; --quick 3)")

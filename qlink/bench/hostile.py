@@ -1,7 +1,8 @@
 """``qlink bench hostile``: a well-behaved controller's reaction while hostile clients attack
 the decoder service, and several well-behaved controllers at once.
 
-Two tables, both from one decoder service process (surface code d=5, PyMatching):
+Two tables, for each engine of the decoder service (``python``, and ``native``: a C core per
+session), each engine's from one service process (surface code d=5, PyMatching):
 
 * **hostile**: over tcp and udp, a lock-step controller's reaction (its syndrome frame
   handed to the transport → its correction received) p50/p99 with 0, 1 and 4 hostile
@@ -117,7 +118,8 @@ def _merged(counters: list[dict]) -> dict:
 
 def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hostile_counts=(0, 1, 4),
                       controllers=(1, 4), time_limit_s: float = 60.0, attacker_nice: int = 0, rounds: int = 3,
-                      attacker_idle: bool = False, say: Callable[[str], None] | None = None) -> list[dict]:
+                      attacker_idle: bool = False, engines=("python", "native"),
+                      say: Callable[[str], None] | None = None) -> list[dict]:
     """The rows of both tables (see the module docstring); each measurement stops after
     ``num_shots`` or ``time_limit_s`` (a starved host), its row says how many shots it took.
     The hostile cases take turns ``rounds`` times, each time with a slice of the shots.
@@ -127,73 +129,91 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
     the hostile clients run under ``SCHED_IDLE``, only on a CPU nothing else wants: the closer
     stand-in for attackers on hosts of their own (a nice-19 process, once running, keeps its
     CPU for its time slice — milliseconds under the EEVDF scheduler — before a woken
-    controller gets it, which is the host's delay, not the service's)."""
-    from qlink.qec import start_service_process
+    controller gets it, which is the host's delay, not the service's). ``engines``: the
+    service's engines, each measured with the same clients (``"native"``: a C core per session,
+    see :mod:`qlink.qec._native_sessions`)."""
 
     from ._hostile_clients import HostileProcess
 
     say = say or (lambda msg: None)
     dem, dets, expected = _code(num_shots)
-    num_obs = dem.num_observables
     rows: list[dict] = []
-    for tr in transports:
-        with start_service_process(_URLS[tr], {0: {"source": SPEC, "decoder": "pymatching"}},
-                                   session_limits={"max_sessions": 256}) as svc:
-            # the cases take turns, ``rounds`` times, each a slice of the shots: a drift of the
-            # host's state over the run falls on every case alike, not on the one measured then
-            plays: dict = {k: [] for k in hostile_counts}
-            seen: dict = {k: [] for k in hostile_counts}
-            per = -(-len(dets) // rounds)
-            for r in range(rounds):
-                chunk = slice(r * per, (r + 1) * per)
-                for k in hostile_counts:
-                    kinds = HOSTILE_MIX[tr][:k]
-                    say(f"bench hostile: {tr}, {k} hostile client(s) {list(kinds)}, round {r + 1} of {rounds}")
-                    attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1), nice=attacker_nice,
-                                                idle=attacker_idle) for kind in kinds]
-                    try:
-                        time.sleep(0.5 if k else 0)
-                        plays[k].append(_play(svc.url, dets[chunk], expected[chunk], num_obs,
-                                              warmup=200 if r == 0 else 50, time_limit_s=time_limit_s / rounds))
-                    finally:
-                        seen[k].append([a.stop() for a in attackers])
-            base = None
+    for engine in engines:
+        for tr in transports:
+            rows += _transport_rows(engine, tr, dem, dets, expected, hostile_counts=hostile_counts,
+                                    controllers=controllers, time_limit_s=time_limit_s, attacker_nice=attacker_nice,
+                                    rounds=rounds, attacker_idle=attacker_idle, say=say)
+    return rows
+
+
+def _transport_rows(engine: str, tr: str, dem, dets, expected, *, hostile_counts, controllers, time_limit_s: float,
+                    attacker_nice: int, rounds: int, attacker_idle: bool, say: Callable[[str], None]) -> list[dict]:
+    """Both tables' rows of one engine over one transport, from one service process."""
+    from qlink.qec import start_service_process
+
+    from ._hostile_clients import HostileProcess
+
+    num_obs = dem.num_observables
+    num_shots = len(dets)
+    rows: list[dict] = []
+    with start_service_process(_URLS[tr], {0: {"source": SPEC, "decoder": "pymatching"}},
+                               session_limits={"max_sessions": 256}, service_options={"engine": engine}) as svc:
+        # the cases take turns, ``rounds`` times, each a slice of the shots: a drift of the
+        # host's state over the run falls on every case alike, not on the one measured then
+        plays: dict = {k: [] for k in hostile_counts}
+        seen: dict = {k: [] for k in hostile_counts}
+        per = -(-len(dets) // rounds)
+        for r in range(rounds):
+            chunk = slice(r * per, (r + 1) * per)
             for k in hostile_counts:
                 kinds = HOSTILE_MIX[tr][:k]
-                m = _summary(plays[k])
-                row = {"table": "hostile", "transport": tr, "hostile_clients": k, "kinds": "+".join(kinds) or "-",
-                       "controllers": 1, "attacker_nice": attacker_nice, "attacker_idle": attacker_idle,
-                       "rounds": rounds, **m}
-                if k == 0:
-                    base = m["p99_us"]
-                row["p99_vs_none"] = m["p99_us"] / base if base else float("nan")
-                row["goal"] = f"<= {_GOAL_RATIO:g}" if k else ""
-                row["meets_goal"] = (row["p99_vs_none"] <= _GOAL_RATIO) if k else None
-                row["hostile_saw"] = "; ".join(f"{kind}: {_merged([rs[i] for rs in seen[k]])}"
-                                               for i, kind in enumerate(kinds)) or "-"
-                rows.append(row)
-            alone = None
-            for n in controllers:
-                say(f"bench hostile: {tr}, {n} well-behaved controller(s) at once")
-                res = _several(svc.url, n, max(500, num_shots // 2), num_obs, time_limit_s)
-                errs = [r["error"] for r in res if "error" in r]
-                good = [r for r in res if "error" not in r]
-                row = {"table": "controllers", "transport": tr, "hostile_clients": 0, "controllers": n,
-                       "shots": sum(r["shots"] for r in good),
-                       "p50_us": max((r["p50_us"] for r in good), default=float("nan")),
-                       "p99_us": max((r["p99_us"] for r in good), default=float("nan")),
-                       "p50_us_best": min((r["p50_us"] for r in good), default=float("nan")),
-                       "total_frames_per_s": sum(r["frames_per_s"] for r in good),
-                       "bit_identical": bool(good) and all(r["bit_identical"] for r in good)}
-                if n == 1:
-                    alone = row
-                if alone is not None:
-                    row["frames_per_s_vs_one"] = row["total_frames_per_s"] / alone["total_frames_per_s"]
-                    row["p99_vs_one"] = row["p99_us"] / alone["p99_us"]
-                if errs:
-                    row["error"] = errs[0]
-                rows.append(row)
-            svc.close()
+                say(f"bench hostile: {engine} engine, {tr}, {k} hostile client(s) {list(kinds)}, "
+                    f"round {r + 1} of {rounds}")
+                attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1), nice=attacker_nice,
+                                            idle=attacker_idle) for kind in kinds]
+                try:
+                    time.sleep(0.5 if k else 0)
+                    plays[k].append(_play(svc.url, dets[chunk], expected[chunk], num_obs,
+                                          warmup=200 if r == 0 else 50, time_limit_s=time_limit_s / rounds))
+                finally:
+                    seen[k].append([a.stop() for a in attackers])
+        base = None
+        for k in hostile_counts:
+            kinds = HOSTILE_MIX[tr][:k]
+            m = _summary(plays[k])
+            row = {"table": "hostile", "engine": engine, "transport": tr, "hostile_clients": k,
+                   "kinds": "+".join(kinds) or "-", "controllers": 1, "attacker_nice": attacker_nice,
+                   "attacker_idle": attacker_idle, "rounds": rounds, **m}
+            if k == 0:
+                base = m["p99_us"]
+            row["p99_vs_none"] = m["p99_us"] / base if base else float("nan")
+            row["goal"] = f"<= {_GOAL_RATIO:g}" if k else ""
+            row["meets_goal"] = (row["p99_vs_none"] <= _GOAL_RATIO) if k else None
+            row["hostile_saw"] = "; ".join(f"{kind}: {_merged([rs[i] for rs in seen[k]])}"
+                                           for i, kind in enumerate(kinds)) or "-"
+            rows.append(row)
+        alone = None
+        for n in controllers:
+            say(f"bench hostile: {engine} engine, {tr}, {n} well-behaved controller(s) at once")
+            res = _several(svc.url, n, max(500, num_shots // 2), num_obs, time_limit_s)
+            errs = [r["error"] for r in res if "error" in r]
+            good = [r for r in res if "error" not in r]
+            row = {"table": "controllers", "engine": engine, "transport": tr, "hostile_clients": 0, "controllers": n,
+                   "shots": sum(r["shots"] for r in good),
+                   "p50_us": max((r["p50_us"] for r in good), default=float("nan")),
+                   "p99_us": max((r["p99_us"] for r in good), default=float("nan")),
+                   "p50_us_best": min((r["p50_us"] for r in good), default=float("nan")),
+                   "total_frames_per_s": sum(r["frames_per_s"] for r in good),
+                   "bit_identical": bool(good) and all(r["bit_identical"] for r in good)}
+            if n == 1:
+                alone = row
+            if alone is not None:
+                row["frames_per_s_vs_one"] = row["total_frames_per_s"] / alone["total_frames_per_s"]
+                row["p99_vs_one"] = row["p99_us"] / alone["p99_us"]
+            if errs:
+                row["error"] = errs[0]
+            rows.append(row)
+        svc.close()
     return rows
 
 
@@ -208,15 +228,16 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     shots = 6000 if quick else 15000
     nice = int(getattr(args, "attacker_nice", 0) or 0)
     idle = bool(getattr(args, "attacker_idle", False))
+    engines = tuple(getattr(args, "engines", None) or ("python", "native"))
     rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, attacker_nice=nice,
-                             attacker_idle=idle, say=say)
+                             attacker_idle=idle, engines=engines, say=say)
     out = Path(getattr(args, "out", "results/bench"))
     meta = {"num_shots": shots, "code": SPEC, "goal": f"p99 with hostile clients <= {_GOAL_RATIO:g} x p99 without",
             "reaction": "lock-step controller: syndrome frame handed to the transport -> its correction received",
             "rounds": 3,
             "host": os.uname().nodename, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}, "attacker_nice": nice,
-            "attacker_idle": idle}
+            "attacker_idle": idle, "engines": list(engines)}
     write_results(rows, out_dir=out, name="hostile", meta=meta)
     h = [r for r in rows if r["table"] == "hostile"]
     c = [r for r in rows if r["table"] == "controllers"]
@@ -227,12 +248,12 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
         return format_table([{v: r.get(k) for k, v in names.items()} for r in rows_], columns=list(names.values()),
                             max_width=CONSOLE_WIDTH)
 
-    print(_shown(h, {"transport": "transport", "hostile_clients": "hostile", "shots": "shots", "p50_us": "p50 us",
+    print(_shown(h, {"engine": "engine", "transport": "transport", "hostile_clients": "hostile", "shots": "shots", "p50_us": "p50 us",
                      "p99_us": "p99 us", "max_us": "max us", "p99_vs_none": "p99 x none", "meets_goal": "goal met",
                      "bit_identical": "bit-exact", "retransmits": "resent"}))
     print("  (the hostile mix of each row, and every column, are in the JSON/CSV)")
     print("\nWell-behaved controllers at once (per-controller worst p50/p99; total frames/s)")
-    print(_shown(c, {"transport": "transport", "controllers": "ctrls", "shots": "shots", "p50_us_best": "best p50",
+    print(_shown(c, {"engine": "engine", "transport": "transport", "controllers": "ctrls", "shots": "shots", "p50_us_best": "best p50",
                      "p50_us": "p50 us", "p99_us": "p99 us", "p99_vs_one": "p99 x one",
                      "total_frames_per_s": "frames/s", "frames_per_s_vs_one": "x one", "bit_identical": "bit-exact",
                      **({"error": "error"} if any("error" in r for r in c) else {})}))

@@ -26,6 +26,7 @@
  *   _hotcore_svc.h      the service core's state, shot records, answers, decoder calls
  *   _hotcore_window.h   sliding windows with commit (a long memory experiment)
  *   _hotcore_frames.h   the service's frames, its run loop and its Python type
+ *   _hotcore_sessions.h many sessions (a ServiceCore each) served at once from one thread
  *   _hotcore_ctl.h      the controller core
  *   _hotcore_floor.h    the floors measured beside the loop
  */
@@ -184,6 +185,7 @@ static int get_rows(PyObject *obj, Py_buffer *b, int64_t ncols, const char *name
 #include "_hotcore_svc.h"
 #include "_hotcore_window.h"
 #include "_hotcore_frames.h"
+#include "_hotcore_sessions.h"
 #include "_hotcore_ctl.h"
 #include "_hotcore_floor.h"
 
@@ -196,6 +198,9 @@ static PyMethodDef module_methods[] = {
      "set_stream_layout(dict): the tcp framing of transports._framing (header format, kinds, payload cap)"},
     {"link_round_trip", mod_link_round_trip, METH_VARARGS,
      "link_round_trip(link, n, nbytes, echo, out) -> 0, or -1 when the peer went away"},
+    {"serve_sessions", mod_serve_sessions, METH_VARARGS,
+     "serve_sessions(cores, wake, epoll_fd, wake_fd, period_ns, frame_timeout_ns, idle_timeout_ns, quantum, "
+     "low_quantum) -> (code, index): many sessions at once (see _hotcore_sessions.h)"},
     {"map_records", mod_map_records, METH_VARARGS,
      "map_records(table, num_detectors, records, out) -> ns: the service's measurement -> detector map over rows"},
     {NULL, NULL, 0, NULL},

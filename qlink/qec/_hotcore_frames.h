@@ -598,6 +598,12 @@ static PyObject *svc_get_first_error(ServiceCore *s, void *Py_UNUSED(c)) {
     return s->first_error;
 }
 
+/* clocks() -> (last frame, half a message since (0: none)): a session's clocks, monotonic ns
+ * (time.monotonic_ns's clock) */
+static PyObject *svc_clocks(ServiceCore *s, PyObject *Py_UNUSED(ig)) {
+    return Py_BuildValue("(LL)", (long long)s->last_active_ns, (long long)s->io.partial_since);
+}
+
 static PyMethodDef svc_methods[] = {
     {"run", (PyCFunction)(void (*)(void))svc_run, METH_FASTCALL,
      "run(idle_ns, max_frames=0) -> 0 idle, 1 the ring's head needs the Python path, 2 peer closed, 3 max_frames, "
@@ -606,6 +612,8 @@ static PyMethodDef svc_methods[] = {
     {"counts", (PyCFunction)svc_counts, METH_NOARGS, "counts and faults by name"},
     {"reset_all", (PyCFunction)svc_reset_all, METH_NOARGS, "reset every decoder (a new peer) and the shot rows"},
     {"backlog", (PyCFunction)svc_backlog, METH_O, "backlog(decoder_id) -> shots decoded and not yet answered"},
+    {"clocks", (PyCFunction)svc_clocks, METH_NOARGS,
+     "clocks() -> (last frame, half a message since or 0), monotonic ns: a session's clocks"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -52,6 +52,11 @@ typedef struct {
     size_t *pre_off, *pre_len;
     int pre_n, pre_r;
     struct UcxIo *ux; /* IO_UCX */
+    /* IO_FD: the read-ahead buffer's size (in); the longest message taken (longer: refused
+     * from its header, nothing read); since when a message has been half received (0: none) */
+    size_t in_cap;
+    uint64_t max_payload;
+    int64_t partial_since;
 } Io;
 
 /* ------------------------------------------------------------------ I/O: a UCX endpoint
@@ -327,6 +332,8 @@ static int io_init_ucx(Io *io, PyObject *link) {
  * endpoint's (see io_init_ucx) */
 static int io_init(Io *io, PyObject *link) {
     memset(io, 0, sizeof(*io));
+    io->in_cap = IO_IN_NBYTES;
+    io->max_payload = TW.max_payload;
     PyObject *a, *b;
     if (PyTuple_Check(link) && PyTuple_GET_SIZE(link) == 7 && PyUnicode_Check(PyTuple_GET_ITEM(link, 0)))
         return io_init_ucx(io, link);
@@ -673,7 +680,7 @@ static int io_peek(Io *io, const uint8_t **data, uint32_t *n) {
             memcpy(&tag, h + 2, 2);
             if (h[0] == TW.kind_bye)
                 return IO_CLOSED;
-            if (nb > TW.max_payload || 32 + tag + nb > IO_IN_NBYTES) { /* never buffered: the stream is given up */
+            if (nb > io->max_payload || 32 + tag + nb > io->in_cap) { /* never buffered: the stream is given up */
                 io->oversized++;
                 return IO_CLOSED;
             }
@@ -691,12 +698,14 @@ static int io_peek(Io *io, const uint8_t **data, uint32_t *n) {
         if (io->eof)
             return IO_CLOSED;
         /* room to read: compact, then one non-blocking read */
-        if (io->in_r && (io->in_r == io->in_w || IO_IN_NBYTES - io->in_w < (1u << 16))) {
+        if (io->in_r && (io->in_r == io->in_w || io->in_cap - io->in_w < (io->in_cap >> 2))) {
             memmove(io->in, io->in + io->in_r, io->in_w - io->in_r);
             io->in_w -= io->in_r;
             io->in_r = 0;
         }
-        ssize_t k = recv(io->fd, io->in + io->in_w, IO_IN_NBYTES - io->in_w, MSG_DONTWAIT);
+        if (io->in_w == io->in_cap)
+            return QLINK_RING_EMPTY; /* (full of a message being received: cannot happen, see the cap check) */
+        ssize_t k = recv(io->fd, io->in + io->in_w, io->in_cap - io->in_w, MSG_DONTWAIT);
         if (k > 0) {
             io->in_w += (size_t)k;
             io->reads++;

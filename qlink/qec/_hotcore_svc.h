@@ -165,6 +165,12 @@ typedef struct {
     int64_t answer_block_ns;
     int64_t pending;   /* shots waiting for the decoder, all decoders */
     int64_t max_batch; /* decode once this many wait, even with frames still queued */
+    /* one of several sessions (serve_sessions): when it last had a frame, whether its last turn
+     * took all it was given (it sends faster than it is served: more may wait), whether its
+     * link was found empty since its last frame, and the counts its last turn started from */
+    int64_t last_active_ns;
+    int heavy, again, was_empty;
+    uint64_t oversized_seen, blocked_seen;
 } ServiceCore;
 
 static void win_free(WinState *w) {
@@ -532,13 +538,18 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     PyObject *link, *decoders, *rows = Py_None;
     int ack = 1;
     double block_s = 1.0;
-    long long max_batch = 256;
-    static char *kwlist[] = {"link", "decoders", "ack", "rows", "answer_block_s", "max_batch", NULL};
+    long long max_batch = 256, read_ahead = 0, max_frame = 0;
+    static char *kwlist[] = {"link", "decoders", "ack", "rows", "answer_block_s", "max_batch", "read_ahead_nbytes",
+                             "max_frame_nbytes", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iOdL:ServiceCore", kwlist, &link, &decoders, &ack, &rows,
-                                     &block_s, &max_batch))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iOdLLL:ServiceCore", kwlist, &link, &decoders, &ack, &rows,
+                                     &block_s, &max_batch, &read_ahead, &max_frame))
         return -1;
+    if (read_ahead < 0 || max_frame < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_ahead_nbytes and max_frame_nbytes must be >= 0 (0: the default)");
+        return -1;
+    }
     if (ack < 0 || ack > 2) {
         PyErr_SetString(PyExc_ValueError, "ack must be 0 (none), 1 (errors) or 2 (all)");
         return -1;
@@ -547,6 +558,30 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     memset(s->counts, 0, sizeof(s->counts));
     if (io_init(&s->io, link) < 0)
         return -1;
+    if (max_frame > 0 && (uint64_t)max_frame < s->io.max_payload)
+        s->io.max_payload = (uint64_t)max_frame;
+    if (read_ahead > 0 && s->io.kind == IO_FD) { /* a smaller read-ahead: bounded memory per connection */
+        size_t cap = (size_t)read_ahead;
+        if (cap < 32 + s->io.max_payload && s->io.max_payload < IO_IN_NBYTES)
+            cap = 32 + s->io.max_payload; /* (a whole message of the longest taken must fit) */
+        if (cap < s->io.in_w)
+            cap = s->io.in_w;
+        if (cap < 4096)
+            cap = 4096;
+        if (cap < s->io.in_cap) {
+            uint8_t *in = PyMem_Realloc(s->io.in, cap);
+            if (in == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            s->io.in = in;
+            s->io.in_cap = cap;
+        }
+    }
+    s->last_active_ns = mono_ns();
+    s->again = 1; /* (it may have frames already: looked at on the first pass) */
+    s->was_empty = 1;
+    s->heavy = 0;
     s->ack = ack;
     s->answer_block_ns = (int64_t)(block_s * 1e9);
     s->kw_packed = Py_BuildValue("(s)", "bit_packed_detection_event_data");

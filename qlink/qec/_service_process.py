@@ -1,6 +1,7 @@
 """Running a decoder service in a spawned child process (re-exported by :mod:`qlink.qec.service`):
-the Python service serves every controller at once (:class:`~qlink.qec.sessions.SessionServer`);
-the native one serves them one after another.
+the Python service serves every controller at once (:class:`~qlink.qec.sessions.SessionServer`),
+and so does the native one (:class:`~qlink.qec._native_sessions.NativeSessionServer`) unless it
+serves a single controller (``max_peers=1``: the one-at-a-time path, with per-shot rows).
 
 Only plain data crosses into the child: the URL and a spec per decoder (source
 parameters, decoder name) from which the child rebuilds its DEM and compiles its
@@ -55,8 +56,9 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     service ends after it), and one with ``"error"`` if listening or accepting fails. The
     Python service serves all its controllers at once, each with decoder states of its own
     (see :mod:`qlink.qec.sessions`; ``session_limits``: the fields of
-    :class:`~qlink.qec.sessions.SessionLimits`); the native one serves them one at a time,
-    each starting with reset decoders. After ``max_peers`` sessions have ended the service
+    :class:`~qlink.qec.sessions.SessionLimits`), and so does the native one (the same limits, a
+    core per session, see :mod:`qlink.qec._native_sessions`) unless ``max_peers`` is 1: then its
+    one controller is served by the one-at-a-time path, which keeps per-shot rows. After ``max_peers`` sessions have ended the service
     ends; ``None``: until ``stop_event`` is set or the process is stopped.
     ``accept_timeout_s`` bounds the wait for the first controller; ``timeout_s`` each
     session. A ``url`` beyond loopback needs a shared ``token`` (tcp and ucx clients prove it in
@@ -100,7 +102,7 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
         if ready_queue is not None:
             ready_queue.put(f"error: {type(exc).__name__}: {exc}")
         raise
-    if isinstance(service, DecoderService):
+    if isinstance(service, DecoderService) or max_peers != 1:
         return _serve_sessions(service, listener, limits=limits, token=key, ready_queue=ready_queue,
                                result_queue=result_queue, max_peers=max_peers, accept_timeout_s=accept_timeout_s,
                                stop_event=stop_event)
@@ -158,8 +160,10 @@ def _listen_options(url: str, token: bytes | None, limits) -> dict:
 
 def _serve_sessions(service, listener, *, limits, token, ready_queue, result_queue, max_peers, accept_timeout_s,
                     stop_event) -> dict:
-    """Every controller at once (see :class:`~qlink.qec.sessions.SessionServer`); a report as each
-    session ends, the last one ``final`` once ``max_peers`` have ended."""
+    """Every controller at once (see :class:`~qlink.qec.sessions.SessionServer`, and
+    :class:`~qlink.qec._native_sessions.NativeSessionServer` for the native engine); a report as
+    each session ends, the last one ``final`` once ``max_peers`` have ended."""
+    from .service import DecoderService
     from .sessions import SessionServer
 
     server = None
@@ -171,8 +175,13 @@ def _serve_sessions(service, listener, *, limits, token, ready_queue, result_que
             result_queue.put(json.dumps(rep))
 
     try:
-        server = SessionServer(service, listener, limits=limits, token=token if listener.url.startswith("udp:")
-                               else None, on_session_end=ended)
+        if isinstance(service, DecoderService):
+            server = SessionServer(service, listener, limits=limits, token=token if listener.url.startswith("udp:")
+                                   else None, on_session_end=ended)
+        else:
+            from ._native_sessions import NativeSessionServer
+
+            server = NativeSessionServer(service, listener, limits=limits, on_session_end=ended)
         if ready_queue is not None:
             ready_queue.put(listener.url)
         report = server.run(stop_event=stop_event, max_sessions_served=max_peers,

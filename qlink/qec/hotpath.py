@@ -408,25 +408,59 @@ class NativeDecoderService:
         self._rows = np.zeros(max(0, int(keep_samples)), _SVC_DTYPE)
         self._core = None
         self._served = None
+        self._live: list = []  # the cores of sessions served at once, while they last
         self._counts_before: dict = {}
         self._wall_s = self._cpu_s = 0.0
         self._busy_ns = 0
         self._extra: dict = {"peer_closed": 0, "serve_calls": 0, "oversized_frame": 0}
 
-    def _make_core(self, endpoint) -> None:
-        link = native_link(endpoint)
+    def _decoder_tuples(self) -> tuple[list, list]:
+        """Every decoder as a core takes it (arrays of its own: a core's waiting shots), and
+        what must outlive the core (it borrows their memory)."""
         keep: list = []
         decs = [_core_decoder_tuple(did, dec, frames_per_shot=cfg.frames_per_shot,
                                     capacity_shots=cfg.capacity_shots, keep=keep)
                 for did, (cfg, dec) in self._decoders.items()]
+        return decs, keep
+
+    def _make_core(self, endpoint) -> None:
+        link = native_link(endpoint)
+        decs, keep = self._decoder_tuples()
         if self._core is not None:
-            self._fold_counts()
+            self._fold_counts(self._core)
         self._core = _hotcore.ServiceCore(link, decs, ack=_ACK[self.ack_enqueue],
                                           rows=self._rows if len(self._rows) else None)
         self._keep = keep
 
-    def _fold_counts(self) -> None:
-        for k, v in self._core.counts().items():
+    def session_core(self, link: tuple, *, read_ahead_nbytes: int = 0, max_frame_nbytes: int = 0) -> tuple:
+        """A core of its own for one of several sessions served at once
+        (:mod:`qlink.qec._native_sessions`): ``(core, keep)`` (``keep`` must live as long as
+        the core). Its decoders start reset; a full link is never waited on (its answer is
+        counted as blocked); ``read_ahead_nbytes`` bounds a stream's read-ahead and
+        ``max_frame_nbytes`` the longest message it takes (0: the defaults). Its counts join
+        the service's report while it lives and after :meth:`end_session`."""
+        decs, keep = self._decoder_tuples()
+        core = _hotcore.ServiceCore(link, decs, ack=_ACK[self.ack_enqueue], answer_block_s=0.0,
+                                    read_ahead_nbytes=int(read_ahead_nbytes), max_frame_nbytes=int(max_frame_nbytes))
+        self._live.append(core)
+        return core, keep
+
+    def end_session(self, core) -> None:
+        """A session's core is done: its counts stay in the service's."""
+        if core in self._live:
+            self._live.remove(core)
+            self._fold_counts(core)
+
+    def max_frame_nbytes(self) -> int:
+        """The longest request this service's decoders can use (as
+        :meth:`qlink.qec.service.DecoderService.max_frame_nbytes`): a longer one announced on
+        a stream is refused from its header."""
+        bits = max(min(wire.MAX_SYNDROME_BITS, dec.num_detectors * cfg.capacity_shots)
+                   for cfg, dec in self._decoders.values())
+        return wire.enqueue_syndromes_nbytes(bits)
+
+    def _fold_counts(self, core) -> None:
+        for k, v in core.counts().items():
             self._counts_before[k] = self._counts_before.get(k, 0) + v
 
     def decoder_shape(self, decoder_id: int) -> tuple[int, int]:
@@ -496,9 +530,12 @@ class NativeDecoderService:
             self._cpu_s += time.thread_time() - cpu0
         return self.report()
 
-    def _slow_frame(self, endpoint, buf: bytearray, mv: memoryview) -> None:
+    def _slow_frame(self, endpoint, buf: bytearray, mv: memoryview, core=None) -> None:
+        """The frame at the head of ``endpoint`` that its core left to the endpoint's own code,
+        handled by ``core`` (the one-at-a-time core when None)."""
         from transports import BufferTooSmallError
 
+        core = self._core if core is None else core
         try:
             n = endpoint.recv_into_nowait(buf)
         except WouldBlock:
@@ -506,15 +543,15 @@ class NativeDecoderService:
         except BufferTooSmallError as e:  # longer than any valid frame: answered from its header, counted
             self._extra["oversized_frame"] += 1
             data = endpoint.recv(max_nbytes=e.needed_nbytes, timeout_s=1.0)
-            self._core.handle(data)
+            core.handle(data)
             return
-        self._core.handle(mv[:n])
+        core.handle(mv[:n])
 
     def report(self) -> dict:
         """Counts (faults as ``fault.<name>``), per-stage histograms, per-shot rows, CPU figures."""
         counts = dict(self._counts_before)
-        if self._core is not None:
-            for k, v in self._core.counts().items():
+        for core in ([self._core] if self._core is not None else []) + self._live:
+            for k, v in core.counts().items():
                 counts[k] = counts.get(k, 0) + v
         counts.update({k: v for k, v in self._extra.items() if v})
         faults = {k[len("fault."):]: v for k, v in counts.items() if k.startswith("fault.") and v}

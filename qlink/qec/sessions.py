@@ -62,6 +62,7 @@ from qlink.clock import now_ns
 from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, WouldBlock
 from transports import Backoff, BufferTooSmallError
 
+from ._session_accept import Acceptor, abort_endpoint, peer_url
 from ._session_terms import CLOSE_REQUEST_ID, CloseReason, SessionLimits, encode_close_frame, parse_close_frame
 
 __all__ = ["CLOSE_REQUEST_ID", "CloseReason", "SessionLimits", "SessionServer", "encode_close_frame",
@@ -69,7 +70,6 @@ __all__ = ["CLOSE_REQUEST_ID", "CloseReason", "SessionLimits", "SessionServer", 
 
 _TIMER_PERIOD_S = 0.005  # how often session timers are looked at while frames flow
 _UDP_READS_PER_ROUND = 256  # datagrams read from the shared socket (new senders) in one round
-_ACCEPT_POLL_S = 0.1
 _CLOSES_PER_TICK = 16
 # a udp sender most of whose frames were malformed (past this many) is served last, a little a round
 _BAD_GRACE = 64
@@ -102,7 +102,7 @@ class _Session:
         self.heavy = False  # its last turn left frames waiting: it sends faster than it is served
         self.answers = 0  # udp, a mostly malformed sender: answers sent since ``answers_since``
         self.answers_since = now
-        self.url = _peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
+        self.url = peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
         self.fd = ep.fileno() if ep is not None and hasattr(ep, "fileno") else -1
         self.buffered = getattr(type(ep), "rx_buffered_nbytes", None) is not None
 
@@ -152,9 +152,8 @@ class SessionServer:
         self.udp_dropped_by_sender: dict = {}
         self.ended = 0
         self.max_live = 0
+        self._acceptor: Acceptor | None = None
         self._incoming: collections.deque = collections.deque()
-        self._stop_accepting = threading.Event()
-        self._acceptor: threading.Thread | None = None
         self._epoll = select.epoll()
         self._udp = None
         self._replay: ReplayGuard | None = None
@@ -171,31 +170,11 @@ class SessionServer:
             self._arena_mv = memoryview(self._arena)
             self._replay = None if token is None else ReplayGuard(window=self.limits.replay_window,
                                                                   max_senders=self.limits.replay_senders)
-        else:
-            self._acceptor = threading.Thread(target=self._accept_loop, name="qlink-session-acceptor", daemon=True)
-            self._acceptor.start()
+        else:  # off the hot thread: handshaken endpoints handed over, bounded
+            self._acceptor = Acceptor(listener, bound=2 * self.limits.max_sessions, refused=self.refused)
+            self._incoming = self._acceptor.incoming
 
     # ------------------------------------------------------------------ accepting
-    def _accept_loop(self) -> None:
-        """Off the hot thread: take handshaken endpoints and hand them over (bounded)."""
-        lis = self.listener
-        bound = 2 * self.limits.max_sessions
-        while not self._stop_accepting.is_set():
-            try:
-                ep = lis.accept(timeout_s=_ACCEPT_POLL_S)
-            except QlinkTimeoutError:
-                continue
-            except (ClosedError, BrokenLinkError):
-                return
-            except Exception:  # one failed handshake (shm) must not stop accepting
-                self.refused["handshake_failed"] += 1
-                continue
-            if len(self._incoming) >= bound:
-                self.refused["accept_queue_full"] += 1
-                _abort(ep)
-                continue
-            self._incoming.append(ep)
-
     def _admit(self, now: float) -> None:
         """Open sessions for endpoints the acceptor handed over, ``_ADMITS_PER_PASS`` a pass:
         a crowd connecting at once is let in between other sessions' frames."""
@@ -209,7 +188,7 @@ class SessionServer:
                                                       "service serves at once; try again later"))
                 except Exception:
                     pass
-                _abort(ep)
+                abort_endpoint(ep)
                 continue
             s = self._open(ep, None, now)
             if s.fd >= 0:
@@ -269,7 +248,7 @@ class SessionServer:
                 stats = {k: v for k, v in vars(s.ep.statistics()).items() if k != "extra"}
             except Exception:
                 stats = None
-            _abort(s.ep)
+            abort_endpoint(s.ep)
         self.ended += 1
         if self.on_session_end is not None:
             self.on_session_end(self.report(ended=s, reason=key, transport_statistics=stats))
@@ -598,15 +577,12 @@ class SessionServer:
 
     def close(self, *, reason: CloseReason = CloseReason.SERVICE_STOPPING) -> None:
         """Close every session (a close frame each, no report) and stop accepting."""
-        self._stop_accepting.set()
         cb, self.on_session_end = self.on_session_end, None
         for s in list(self.sessions.values()):
             self._close(s, reason, "the service is stopping")
         self.on_session_end = cb
-        while self._incoming:
-            _abort(self._incoming.popleft())
         if self._acceptor is not None:
-            self._acceptor.join(timeout=2 * _ACCEPT_POLL_S + 1)
+            self._acceptor.stop()
         if self._udp is not None:
             self._udp.close()
         self._epoll.close()
@@ -662,19 +638,3 @@ def _mostly_malformed(s: _Session) -> bool:
 
 def _heavy_last(s: _Session) -> bool:
     return s.heavy
-
-
-def _peer_url(ep) -> str | None:
-    addr = getattr(ep, "peer_address", None)
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        return f"{ep.capabilities.name}://{addr[0]}:{addr[1]}"
-    return getattr(ep, "url", None)
-
-
-def _abort(ep) -> None:
-    """Close an endpoint without lingering on a peer that does not read."""
-    try:
-        abort = getattr(ep, "abort", None)
-        (abort or ep.close)()
-    except Exception:
-        pass

@@ -30,7 +30,8 @@ def code():
 
 
 def _url(scheme):
-    return {"tcp": "tcp://127.0.0.1:0", "udp": "udp://127.0.0.1:0", "shm": f"shm://sessions-{uuid.uuid4().hex[:8]}"}[scheme]
+    return {"tcp": "tcp://127.0.0.1:0", "udp": "udp://127.0.0.1:0", "shm": f"shm://sessions-{uuid.uuid4().hex[:8]}",
+            "ucx": "ucx://127.0.0.1:0"}[scheme]
 
 
 def _run_controllers(url, dem, dets, n, *, decoder_ids=None, token=None, shots=150):
@@ -60,10 +61,14 @@ def _run_controllers(url, dem, dets, n, *, decoder_ids=None, token=None, shots=1
     return out
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "udp", "shm"])
-def test_two_then_four_controllers_at_once_each_bit_identical(code, scheme):
+@pytest.mark.parametrize("engine", ["python", "native"])
+@pytest.mark.parametrize("scheme", ["tcp", "udp", "shm", "ucx"])
+def test_two_then_four_controllers_at_once_each_bit_identical(code, scheme, engine):
+    if scheme == "ucx":
+        pytest.importorskip("ucxx", reason="the ucx:// transport needs the optional 'ucxx' package")
     dem, dets, expected = code
-    with start_service_process(_url(scheme), {0: {"source": SPEC, "decoder": "pymatching"}}) as svc:
+    with start_service_process(_url(scheme), {0: {"source": SPEC, "decoder": "pymatching"}},
+                               service_options={"engine": engine}) as svc:
         for n in (2, 4):
             out = _run_controllers(svc.url, dem, dets, n)
             for k in range(n):

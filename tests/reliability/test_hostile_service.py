@@ -78,13 +78,16 @@ class _Controller(threading.Thread):
         return sum(len(r[0]) for r in self.results)
 
 
-def _with_hostile(url_scheme, code, kind, *, count=1, hold_s=2.5, limits=LIMITS, until_done_s=None):
+ENGINES = pytest.mark.parametrize("engine", ["python", "native"])
+
+
+def _with_hostile(url_scheme, code, kind, *, engine="python", count=1, hold_s=2.5, limits=LIMITS, until_done_s=None):
     """A controller runs while a hostile client of ``kind`` attacks for ``hold_s``, or (with
     ``until_done_s``) until the client has done what it does, at most that long: a loaded host
     takes its time over 200 handshakes, and the client's own end is what the test waits for."""
     dem, dets, expected = code
     with start_service_process(url_scheme, {0: {"source": SPEC, "decoder": "pymatching"}},
-                               session_limits=limits) as svc:
+                               session_limits=limits, service_options={"engine": engine}) as svc:
         ctl = _Controller(svc.url, dem, dets)
         ctl.start()
         time.sleep(0.3)
@@ -101,51 +104,58 @@ def _with_hostile(url_scheme, code, kind, *, count=1, hold_s=2.5, limits=LIMITS,
     return seen, shots
 
 
-def test_half_frame_then_silence_is_timed_out_and_never_stalls_a_controller(code):
-    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "half_frame")
+@ENGINES
+def test_half_frame_then_silence_is_timed_out_and_never_stalls_a_controller(code, engine):
+    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "half_frame", engine=engine)
     assert seen.get("closed:frame_timeout", 0) >= 2, seen  # closed, said why, and again for the next one
     assert shots > 100
 
 
-def test_two_hundred_idle_sessions_do_not_hold_up_a_controller_and_are_closed(code):
+@ENGINES
+def test_two_hundred_idle_sessions_do_not_hold_up_a_controller_and_are_closed(code, engine):
     # the idle client ends once the service has closed every one of its sessions
-    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "idle", count=200, until_done_s=LIMITS["idle_timeout_s"] + 60)
+    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "idle", count=200, engine=engine, until_done_s=LIMITS["idle_timeout_s"] + 60)
     assert seen.get("idle_sessions") == 200, seen
     assert seen.get("closed:idle_timeout", 0) == 200, seen
     assert shots > 100
 
 
-def test_a_one_gib_length_header_is_refused_from_its_header(code):
-    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "huge_header")
+@ENGINES
+def test_a_one_gib_length_header_is_refused_from_its_header(code, engine):
+    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "huge_header", engine=engine)
     assert seen.get("closed:oversized_frame", 0) >= 2, seen
     assert shots > 100
 
 
-def test_garbage_from_many_udp_senders(code):
-    seen, shots = _with_hostile("udp://127.0.0.1:0", code, "udp_garbage", count=50)
+@ENGINES
+def test_garbage_from_many_udp_senders(code, engine):
+    seen, shots = _with_hostile("udp://127.0.0.1:0", code, "udp_garbage", count=50, engine=engine)
     assert seen.get("datagrams_sent", 0) > 1000, seen
     assert shots > 100
 
 
-def test_a_flooding_udp_sender(code):
-    seen, shots = _with_hostile("udp://127.0.0.1:0", code, "udp_flood")
+@ENGINES
+def test_a_flooding_udp_sender(code, engine):
+    seen, shots = _with_hostile("udp://127.0.0.1:0", code, "udp_flood", engine=engine)
     assert seen.get("datagrams_sent", 0) > 1000, seen
     assert shots > 50
 
 
-def test_a_flooding_tcp_sender_that_reads_nothing(code):
-    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "tcp_flood")
+@ENGINES
+def test_a_flooding_tcp_sender_that_reads_nothing(code, engine):
+    seen, shots = _with_hostile("tcp://127.0.0.1:0", code, "tcp_flood", engine=engine)
     assert seen.get("frames_sent", 0) > 1000, seen
     assert shots > 50
 
 
-def test_beyond_max_sessions_a_new_session_is_refused_with_a_status(code):
+@ENGINES
+def test_beyond_max_sessions_a_new_session_is_refused_with_a_status(code, engine):
     import transports
     from qlink.qec.sessions import CloseReason, parse_close_frame
 
     dem, dets, expected = code
     with start_service_process("tcp://127.0.0.1:0", {0: {"source": SPEC, "decoder": "pymatching"}},
-                               session_limits={"max_sessions": 2}) as svc:
+                               session_limits={"max_sessions": 2}, service_options={"engine": engine}) as svc:
         a, b = (transports.connect(svc.url, timeout_s=5) for _ in range(2))
         time.sleep(0.2)
         c = transports.connect(svc.url, timeout_s=5)
