@@ -372,6 +372,10 @@ def build_parser() -> Parser:
                                                                where=where), v, where=where),
                             help="the decoder service's engines, of python,native (default both: the same clients "
                                  "against each)")
+            bb.add_argument("--controller", default="native", choices=("native", "python"),
+                            help="the well-behaved controllers' engine: native (default: lock-step, a frame per "
+                                 "round, its per-frame work in C) or python (a frame per shot from plain Python, "
+                                 "whose own time is most of its reaction)")
         if name == "decoders":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 3,5; --quick 3)")

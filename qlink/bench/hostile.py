@@ -40,30 +40,82 @@ _URLS = {"tcp": "tcp://127.0.0.1:0", "udp": "udp://127.0.0.1:0"}
 
 
 def _code(num_shots: int, seed: int = 5):
+    """``(dem, shots)``: the shots' detection events, true flips, the round of each detector, and
+    PyMatching's corrections (what every answer must equal)."""
     import pymatching
 
     from qlink.qec.specs import build_source
 
     src = build_source(SPEC)
-    dets = np.asarray(src.sample(num_shots, seed=seed)[0], dtype=np.uint8)
+    dets, obs = src.sample(num_shots, seed=seed)
+    dets = np.asarray(dets, dtype=np.uint8)
     expected = pymatching.Matching.from_detector_error_model(src.dem).decode_batch(dets).astype(np.uint8)
-    return src.dem, dets, expected
+    return src.dem, _Shots(dets, np.asarray(obs, np.uint8), np.asarray(src.round_of_detector), expected)
 
 
-def _play(url: str, dets: np.ndarray, expected: np.ndarray, num_obs: int, *, warmup: int = 200,
+class _Shots:
+    """A run's shots (see :func:`_code`); ``shots[a:b]`` is a slice of them."""
+
+    def __init__(self, dets, obs, rounds, expected) -> None:
+        self.dets, self.obs, self.rounds, self.expected = dets, obs, rounds, expected
+
+    def __len__(self) -> int:
+        return len(self.dets)
+
+    def __getitem__(self, sl: slice) -> "_Shots":
+        return _Shots(self.dets[sl], self.obs[sl], self.rounds, self.expected[sl])
+
+
+def _play(url: str, shots: _Shots, num_obs: int, *, controller: str = "native", warmup: int = 200,
           time_limit_s: float = 60.0) -> dict:
-    """One lock-step controller session: its reactions (ns) and whether every correction matched."""
+    """One lock-step controller session: its reactions (ns) and whether every correction matched.
+    ``controller``: ``"native"`` (:class:`~qlink.qec.hotpath.NativeController`, lock-step, a
+    frame per round: the loop's per-frame work in C, so the figures are the service's and the
+    link's) or ``"python"`` (:class:`~qlink.bench._lockstep.LockstepController`, a frame per
+    shot from plain Python: its own time is most of the reaction)."""
+    if controller == "native":
+        return _play_native(url, shots, warmup=warmup, time_limit_s=time_limit_s)
     from ._lockstep import LockstepController
 
     with LockstepController(url, num_observables=num_obs, timeout_s=30) as ctl:
-        ctl.run(dets[:warmup], time_limit_s=time_limit_s / 4)
+        ctl.run(shots.dets[:warmup], time_limit_s=time_limit_s / 4)
         t0 = time.perf_counter()
-        flips, statuses, reaction = ctl.run(dets, time_limit_s=time_limit_s)
+        flips, statuses, reaction = ctl.run(shots.dets, time_limit_s=time_limit_s)
         wall = time.perf_counter() - t0
         retries = ctl.retries
     n = len(flips)
     return {"reaction_ns": reaction, "wall_s": wall, "frames": 2 * n, "retransmits": retries,
-            "bit_identical": bool((statuses == 0).all() and np.array_equal(flips, expected[:n]))}
+            "bit_identical": bool((statuses == 0).all() and np.array_equal(flips, shots.expected[:n]))}
+
+
+def _play_native(url: str, shots: _Shots, *, warmup: int, time_limit_s: float) -> dict:
+    import transports
+    from qlink.qec.hotpath import NativeController
+    from qlink.qec.stream import SyndromeStream
+
+    ep = transports.connect(url, timeout_s=30)
+    try:
+        before = None
+        if warmup:
+            w = shots[:warmup]
+            before = NativeController(ep, SyndromeStream(w.dets, w.obs, w.rounds), lockstep=True)
+            before.run(timeout_s=4 * time_limit_s)
+        ctl = NativeController(ep, SyndromeStream(shots.dets, shots.obs, shots.rounds), lockstep=True)
+        if before is not None:
+            ctl.continue_after(before)
+        t0 = time.perf_counter()
+        res = ctl.run(timeout_s=4 * time_limit_s)
+        wall = time.perf_counter() - t0
+    finally:
+        ep.close()
+    nbo = res.corrections.shape[1]
+    want = np.packbits(shots.expected, axis=1, bitorder="little")[:, :nbo]
+    ok = res.shots_ok == len(shots)
+    faults = res.answer_faults or {}
+    return {"reaction_ns": np.asarray(res.reaction_ns, np.int64)[res.reaction_ns >= 0], "wall_s": wall,
+            "frames": len(shots) * (res.frames_per_shot + 1),
+            "retransmits": int(faults.get("resent_gets", 0) + faults.get("resent_frames", 0)),
+            "bit_identical": bool(ok and np.array_equal(res.corrections, want))}
 
 
 def _summary(plays: list[dict]) -> dict:
@@ -75,28 +127,24 @@ def _summary(plays: list[dict]) -> dict:
             "sessions": len(plays)}
 
 
-def _measure(url: str, dets: np.ndarray, expected: np.ndarray, num_obs: int, *, warmup: int = 200,
-             time_limit_s: float = 60.0) -> dict:
-    return _summary([_play(url, dets, expected, num_obs, warmup=warmup, time_limit_s=time_limit_s)])
-
-
-def _controller_worker(url: str, num_shots: int, seed: int, num_obs: int, start, out, time_limit_s: float) -> None:
+def _controller_worker(url: str, num_shots: int, seed: int, num_obs: int, start, out, time_limit_s: float,
+                       controller: str) -> None:
     """One controller in its own process (for the several-at-once rows)."""
-    dem, dets, expected = _code(num_shots, seed=seed)
+    _dem, shots = _code(num_shots, seed=seed)
     start.wait(120)
     try:
-        out.put(_measure(url, dets, expected, num_obs, warmup=50, time_limit_s=time_limit_s))
+        out.put(_summary([_play(url, shots, num_obs, controller=controller, warmup=50, time_limit_s=time_limit_s)]))
     except Exception as e:  # reported in the row
         out.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def _several(url: str, n: int, num_shots: int, num_obs: int, time_limit_s: float) -> list[dict]:
+def _several(url: str, n: int, num_shots: int, num_obs: int, time_limit_s: float, controller: str) -> list[dict]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_controller_worker, args=(url, num_shots, 100 + k, num_obs, start, out, time_limit_s),
-                             daemon=True)
+    procs = [ctx.Process(target=_controller_worker,
+                         args=(url, num_shots, 100 + k, num_obs, start, out, time_limit_s, controller), daemon=True)
              for k in range(n)]
     for p in procs:
         p.start()
@@ -118,7 +166,7 @@ def _merged(counters: list[dict]) -> dict:
 
 def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hostile_counts=(0, 1, 4),
                       controllers=(1, 4), time_limit_s: float = 60.0, attacker_nice: int = 0, rounds: int = 3,
-                      attacker_idle: bool = False, engines=("python", "native"),
+                      attacker_idle: bool = False, engines=("python", "native"), controller: str = "native",
                       say: Callable[[str], None] | None = None) -> list[dict]:
     """The rows of both tables (see the module docstring); each measurement stops after
     ``num_shots`` or ``time_limit_s`` (a starved host), its row says how many shots it took.
@@ -131,22 +179,26 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
     CPU for its time slice — milliseconds under the EEVDF scheduler — before a woken
     controller gets it, which is the host's delay, not the service's). ``engines``: the
     service's engines, each measured with the same clients (``"native"``: a C core per session,
-    see :mod:`qlink.qec._native_sessions`)."""
+    see :mod:`qlink.qec._native_sessions`). ``controller``: the well-behaved controllers'
+    engine (see :func:`_play`)."""
+    if controller not in ("native", "python"):
+        raise ValueError(f"controller must be 'native' or 'python', got {controller!r}")
 
     from ._hostile_clients import HostileProcess
 
     say = say or (lambda msg: None)
-    dem, dets, expected = _code(num_shots)
+    dem, shots = _code(num_shots)
     rows: list[dict] = []
     for engine in engines:
         for tr in transports:
-            rows += _transport_rows(engine, tr, dem, dets, expected, hostile_counts=hostile_counts,
+            rows += _transport_rows(engine, tr, dem, shots, controller=controller, hostile_counts=hostile_counts,
                                     controllers=controllers, time_limit_s=time_limit_s, attacker_nice=attacker_nice,
                                     rounds=rounds, attacker_idle=attacker_idle, say=say)
     return rows
 
 
-def _transport_rows(engine: str, tr: str, dem, dets, expected, *, hostile_counts, controllers, time_limit_s: float,
+def _transport_rows(engine: str, tr: str, dem, shots: _Shots, *, controller: str, hostile_counts, controllers,
+                    time_limit_s: float,
                     attacker_nice: int, rounds: int, attacker_idle: bool, say: Callable[[str], None]) -> list[dict]:
     """Both tables' rows of one engine over one transport, from one service process."""
     from qlink.qec import start_service_process
@@ -154,7 +206,7 @@ def _transport_rows(engine: str, tr: str, dem, dets, expected, *, hostile_counts
     from ._hostile_clients import HostileProcess
 
     num_obs = dem.num_observables
-    num_shots = len(dets)
+    num_shots = len(shots)
     rows: list[dict] = []
     with start_service_process(_URLS[tr], {0: {"source": SPEC, "decoder": "pymatching"}},
                                session_limits={"max_sessions": 256}, service_options={"engine": engine}) as svc:
@@ -162,7 +214,7 @@ def _transport_rows(engine: str, tr: str, dem, dets, expected, *, hostile_counts
         # host's state over the run falls on every case alike, not on the one measured then
         plays: dict = {k: [] for k in hostile_counts}
         seen: dict = {k: [] for k in hostile_counts}
-        per = -(-len(dets) // rounds)
+        per = -(-num_shots // rounds)
         for r in range(rounds):
             chunk = slice(r * per, (r + 1) * per)
             for k in hostile_counts:
@@ -173,7 +225,7 @@ def _transport_rows(engine: str, tr: str, dem, dets, expected, *, hostile_counts
                                             idle=attacker_idle) for kind in kinds]
                 try:
                     time.sleep(0.5 if k else 0)
-                    plays[k].append(_play(svc.url, dets[chunk], expected[chunk], num_obs,
+                    plays[k].append(_play(svc.url, shots[chunk], num_obs, controller=controller,
                                           warmup=200 if r == 0 else 50, time_limit_s=time_limit_s / rounds))
                 finally:
                     seen[k].append([a.stop() for a in attackers])
@@ -181,7 +233,7 @@ def _transport_rows(engine: str, tr: str, dem, dets, expected, *, hostile_counts
         for k in hostile_counts:
             kinds = HOSTILE_MIX[tr][:k]
             m = _summary(plays[k])
-            row = {"table": "hostile", "engine": engine, "transport": tr, "hostile_clients": k,
+            row = {"table": "hostile", "engine": engine, "controller": controller, "transport": tr, "hostile_clients": k,
                    "kinds": "+".join(kinds) or "-", "controllers": 1, "attacker_nice": attacker_nice,
                    "attacker_idle": attacker_idle, "rounds": rounds, **m}
             if k == 0:
@@ -195,10 +247,11 @@ def _transport_rows(engine: str, tr: str, dem, dets, expected, *, hostile_counts
         alone = None
         for n in controllers:
             say(f"bench hostile: {engine} engine, {tr}, {n} well-behaved controller(s) at once")
-            res = _several(svc.url, n, max(500, num_shots // 2), num_obs, time_limit_s)
+            res = _several(svc.url, n, max(500, num_shots // 2), num_obs, time_limit_s, controller)
             errs = [r["error"] for r in res if "error" in r]
             good = [r for r in res if "error" not in r]
-            row = {"table": "controllers", "engine": engine, "transport": tr, "hostile_clients": 0, "controllers": n,
+            row = {"table": "controllers", "engine": engine, "controller": controller, "transport": tr,
+                   "hostile_clients": 0, "controllers": n,
                    "shots": sum(r["shots"] for r in good),
                    "p50_us": max((r["p50_us"] for r in good), default=float("nan")),
                    "p99_us": max((r["p99_us"] for r in good), default=float("nan")),
@@ -229,20 +282,22 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     nice = int(getattr(args, "attacker_nice", 0) or 0)
     idle = bool(getattr(args, "attacker_idle", False))
     engines = tuple(getattr(args, "engines", None) or ("python", "native"))
+    controller = getattr(args, "controller", None) or "native"
     rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, attacker_nice=nice,
-                             attacker_idle=idle, engines=engines, say=say)
+                             attacker_idle=idle, engines=engines, controller=controller, say=say)
     out = Path(getattr(args, "out", "results/bench"))
     meta = {"num_shots": shots, "code": SPEC, "goal": f"p99 with hostile clients <= {_GOAL_RATIO:g} x p99 without",
             "reaction": "lock-step controller: syndrome frame handed to the transport -> its correction received",
             "rounds": 3,
             "host": os.uname().nodename, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}, "attacker_nice": nice,
-            "attacker_idle": idle, "engines": list(engines)}
+            "attacker_idle": idle, "engines": list(engines), "controller": controller}
     write_results(rows, out_dir=out, name="hostile", meta=meta)
     h = [r for r in rows if r["table"] == "hostile"]
     c = [r for r in rows if r["table"] == "controllers"]
     print(f"\nA well-behaved controller beside hostile clients (d=5, load {meta['load_avg_1m']:.2f} on "
-          f"{meta['cores']} cores; attackers at nice {nice}{', SCHED_IDLE' if idle else ''}); goal p99 <= "
+          f"{meta['cores']} cores; {controller} controller; attackers at nice {nice}"
+          f"{', SCHED_IDLE' if idle else ''}); goal p99 <= "
           f"{_GOAL_RATIO:g} x p99 without")
     def _shown(rows_: list[dict], names: dict) -> str:  # short headings: the console fits 100 columns
         return format_table([{v: r.get(k) for k, v in names.items()} for r in rows_], columns=list(names.values()),

@@ -29,13 +29,13 @@ def test_an_idle_attacker_runs_under_sched_idle():
         sink.close()
 
 
-@pytest.mark.parametrize("engine", ["python", "native"])
-def test_the_cases_take_turns_and_pool_them(engine):
+@pytest.mark.parametrize("engine, controller", [("python", "python"), ("native", "native")])
+def test_the_cases_take_turns_and_pool_them(engine, controller):
     rows = run_hostile_bench(transports=("udp",), num_shots=300, hostile_counts=(0, 1), controllers=(),
-                             rounds=2, time_limit_s=60.0, engines=(engine,))
+                             rounds=2, time_limit_s=60.0, engines=(engine,), controller=controller)
     none, one = rows
     assert (none["hostile_clients"], one["hostile_clients"]) == (0, 1)
-    assert none["engine"] == one["engine"] == engine
+    assert none["engine"] == one["engine"] == engine and none["controller"] == controller
     for r in rows:
         assert r["sessions"] == 2 and r["rounds"] == 2  # one session a turn, pooled
         assert r["shots"] == 300 and r["bit_identical"]
