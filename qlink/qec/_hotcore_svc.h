@@ -10,7 +10,7 @@ enum {
     C_F_SHORT_FRAME, C_F_BAD_MAGIC, C_F_LENGTH, C_F_UNKNOWN_FUNCTION, C_F_DECODER_NOT_CONFIGURED,
     C_F_DECODER_ID, C_F_MAPPING_ID, C_F_SYNDROME_COUNT, C_F_COUNTER_BACKWARDS, C_F_COUNTER_GAP, C_F_RETURN_SIZE,
     C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_REPLAYED, C_WINDOWS, C_SHOTS_REPAIRED,
-    C_REPAIR_FRAMES, C_FRAMES_REPEATED, C_ADDRESSED_GETS, C_N
+    C_REPAIR_FRAMES, C_FRAMES_REPEATED, C_ADDRESSED_GETS, C_ANSWERS_WITHHELD, C_N
 };
 static const char *count_names[C_N] = {
     "requests", "enqueue", "get_corrections", "reset_decoder", "shots_completed", "shots_decoded", "decode_calls",
@@ -19,7 +19,7 @@ static const char *count_names[C_N] = {
     "fault.decoder_not_configured", "fault.decoder_id", "fault.syndrome_mapping_id", "fault.syndrome_count",
     "fault.counter_backwards", "fault.counter_gap", "fault.return_size", "fault.answer_blocked",
     "fault.layout_mismatch", "slow_path_frames", "get_corrections_replayed", "windows_decoded", "shots_repaired",
-    "repair_frames", "frames_repeated", "addressed_gets",
+    "repair_frames", "frames_repeated", "addressed_gets", "answers_withheld",
 };
 
 #define CALL_FIRED 0  /* fn(indices of the fired detectors, uint64) -> observable flips, one byte each */
@@ -171,6 +171,9 @@ typedef struct {
     int64_t last_active_ns;
     int heavy, again, was_empty;
     uint64_t oversized_seen, blocked_seen;
+    /* a datagram sender most of whose frames were malformed (its address may be forged) gets
+     * at most ration_per_s answers a second (0: no ration); the rest are counted, not sent */
+    int64_t ration_per_s, ration_since_ns, ration_n;
 } ServiceCore;
 
 static void win_free(WinState *w) {
@@ -538,16 +541,17 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     PyObject *link, *decoders, *rows = Py_None;
     int ack = 1;
     double block_s = 1.0;
-    long long max_batch = 256, read_ahead = 0, max_frame = 0;
+    long long max_batch = 256, read_ahead = 0, max_frame = 0, ration = 0;
     static char *kwlist[] = {"link", "decoders", "ack", "rows", "answer_block_s", "max_batch", "read_ahead_nbytes",
-                             "max_frame_nbytes", NULL};
+                             "max_frame_nbytes", "ration_answers_per_s", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iOdLLL:ServiceCore", kwlist, &link, &decoders, &ack, &rows,
-                                     &block_s, &max_batch, &read_ahead, &max_frame))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iOdLLLL:ServiceCore", kwlist, &link, &decoders, &ack, &rows,
+                                     &block_s, &max_batch, &read_ahead, &max_frame, &ration))
         return -1;
-    if (read_ahead < 0 || max_frame < 0) {
-        PyErr_SetString(PyExc_ValueError, "read_ahead_nbytes and max_frame_nbytes must be >= 0 (0: the default)");
+    if (read_ahead < 0 || max_frame < 0 || ration < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_ahead_nbytes, max_frame_nbytes and ration_answers_per_s must be >= 0 "
+                                          "(0: the default)");
         return -1;
     }
     if (ack < 0 || ack > 2) {
@@ -578,6 +582,9 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
             s->io.in_cap = cap;
         }
     }
+    s->ration_per_s = s->io.kind == IO_DGRAM ? ration : 0;
+    s->ration_since_ns = 0;
+    s->ration_n = 0;
     s->last_active_ns = mono_ns();
     s->again = 1; /* (it may have frames already: looked at on the first pass) */
     s->was_empty = 1;
@@ -632,7 +639,38 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
 
 /* ----- answers */
 
+#define RATION_GRACE 64 /* malformed frames a datagram sender may send before its answers are rationed */
+static uint64_t malformed(const ServiceCore *s) { /* (a counter behind or a gap is loss, not malformed) */
+    static const int bad[] = {C_F_SHORT_FRAME, C_F_BAD_MAGIC, C_F_LENGTH, C_F_UNKNOWN_FUNCTION,
+                              C_F_DECODER_NOT_CONFIGURED, C_F_DECODER_ID, C_F_MAPPING_ID, C_F_SYNDROME_COUNT,
+                              C_F_RETURN_SIZE, C_F_LAYOUT_MISMATCH};
+    uint64_t n = 0;
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        n += s->counts[bad[i]];
+    return n;
+}
+
+/* 1 when this answer must be withheld (see ration_per_s) */
+static int rationed(ServiceCore *s) {
+    uint64_t bad = malformed(s);
+    if (bad <= RATION_GRACE || 2 * bad <= s->counts[C_REQUESTS])
+        return 0;
+    int64_t now = mono_ns();
+    if (now - s->ration_since_ns >= 1000000000LL) {
+        s->ration_since_ns = now;
+        s->ration_n = 0;
+    }
+    if (s->ration_n >= s->ration_per_s) {
+        s->counts[C_ANSWERS_WITHHELD]++;
+        return 1;
+    }
+    s->ration_n++;
+    return 0;
+}
+
 static void svc_answer(ServiceCore *s, int32_t status, uint32_t rid, int64_t ptp, const uint8_t *res, uint32_t nres) {
+    if (s->ration_per_s > 0 && rationed(s))
+        return;
     uint8_t h[24];
     wr32(h, W.resp_magic);
     memcpy(h + 4, &status, 4);

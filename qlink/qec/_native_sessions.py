@@ -18,15 +18,22 @@ header, nothing read; read-ahead per connection is ``read_ahead_nbytes``; beyond
 ``max_sessions`` a new session is refused with status BUSY; a peer that does not read its
 answers is closed (``peer_not_reading``) rather than waited on. Over udp each sender gets a
 socket of its own on the listener's address (its datagrams queue apart from everyone
-else's); the first datagram of a new sender is answered like any other.
+else's); the first datagram of a new sender is answered like any other. A udp sender most of
+whose frames were malformed (past 64 of them) gets at most ``_ABUSIVE_ANSWERS_PER_S`` answers
+a second, the rest counted as ``answers_withheld``: a datagram's source address can be forged,
+and the service must not reflect a flood. A sender's datagrams wait in its own socket's
+receive buffer (the kernel's, at most ``net.core.rmem_max``; with at most ``max_sessions``
+senders, that bounds them all); what the kernel drops there is counted per sender
+(``udp_dropped_by_sender``, from ``/proc/net/udp``).
 
-Not here (the Python engine has them): decoders ``shared`` between sessions, udp tokens
-(HMAC), and rationed answers to udp senders of mostly malformed frames.
+Not here (the Python engine has them): decoders ``shared`` between sessions, and udp tokens
+(HMAC).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import select
 import threading
 import time
@@ -43,6 +50,7 @@ _PERIOD_S = 0.02  # the C loop comes back this often, busy or not
 _LOW_QUANTUM = 2  # frames a turn for a session that floods
 _UDP_READS_PER_WAKE = 256
 _CLOSES_PER_TICK = 16
+_ABUSIVE_ANSWERS_PER_S = 100  # answers a second to a udp sender most of whose frames were malformed
 # serve_sessions' return codes (qlink/qec/_hotcore_sessions.h)
 _PERIOD, _SLOW, _CLOSED, _OVERSIZED, _WAKE, _FRAME_TIMEOUT, _IDLE_TIMEOUT, _BLOCKED = range(8)
 
@@ -97,6 +105,7 @@ class NativeSessionServer:
         self.udp_dropped_by_sender: dict = {}
         self.ended = 0
         self.max_live = 0
+        self.first_admit_error: str | None = None
         self._wake = bytearray(1)
         self._epoll = select.epoll()
         self._acceptor: Acceptor | None = None
@@ -120,7 +129,8 @@ class NativeSessionServer:
     def _open(self, ep, addr, link, now: float, sock=None) -> _NativeSession:
         lim = self.limits
         core, keep = self.svc.session_core(link, read_ahead_nbytes=lim.read_ahead_nbytes,
-                                           max_frame_nbytes=self.max_frame)
+                                           max_frame_nbytes=self.max_frame,
+                                           ration_answers_per_s=_ABUSIVE_ANSWERS_PER_S if addr is not None else 0)
         s = _NativeSession(self._next_sid, ep, addr, sock, core, keep, now)
         self._next_sid += 1
         self.sessions[s.sid if addr is None else addr] = s
@@ -152,8 +162,9 @@ class NativeSessionServer:
             try:
                 link = self._native_link(ep)
                 self._open(ep, None, link, now)
-            except Exception:  # (an endpoint the native core cannot take: counted, closed)
+            except Exception as e:  # (an endpoint the native core cannot take: counted, said why, closed)
                 self.refused["native_link_failed"] += 1
+                self.first_admit_error = self.first_admit_error or f"{type(e).__name__}: {e}"
                 abort_endpoint(ep)
 
     def _udp_intake(self, now: float) -> None:
@@ -232,6 +243,9 @@ class NativeSessionServer:
                 stats = None
             abort_endpoint(s.ep)
         if s.sock is not None:
+            drops = _udp_drops_by_inode().get(os.fstat(s.sock.fileno()).st_ino, 0)
+            if drops:
+                self.udp_dropped_by_sender[s.url] = self.udp_dropped_by_sender.get(s.url, 0) + drops
             s.sock.close()
         self.ended += 1
         if self.on_session_end is not None:
@@ -352,11 +366,38 @@ class NativeSessionServer:
                            **dict(self.counts), "closed_by_reason": dict(self.closed_by_reason),
                            "max_frame_nbytes": self.max_frame}
         rep["refused_peers"] = dict(refused)
-        if self.datagram:
-            rep["udp_dropped_by_sender"] = dict(sorted(self.udp_dropped_by_sender.items(), key=lambda kv: -kv[1])[:64])
+        if self.first_admit_error is not None:
+            rep["sessions"]["first_admit_error"] = self.first_admit_error
+        if self.datagram:  # (what the kernel dropped from each sender's own socket: its buffer was full)
+            rep["sessions"]["udp_answers_withheld"] = rep["counts"].get("answers_withheld", 0)
+            drops = dict(self.udp_dropped_by_sender)
+            by_inode = _udp_drops_by_inode()
+            for s in self.sessions.values():
+                if s.sock is not None:
+                    n = by_inode.get(os.fstat(s.sock.fileno()).st_ino, 0)
+                    if n:
+                        drops[s.url] = drops.get(s.url, 0) + n
+            rep["udp_dropped_by_sender"] = dict(sorted(drops.items(), key=lambda kv: -kv[1])[:64])
         if ended is not None:
             rep["session"] = {"id": ended.sid, "peer": ended.url, "reason": reason, "frames": frames,
                               "duration_s": time.monotonic() - ended.opened, "dropped": 0}
             if transport_statistics is not None:
                 rep["transport_statistics"] = transport_statistics
         return rep
+
+
+def _udp_drops_by_inode() -> dict[int, int]:
+    """Datagrams the kernel dropped per udp socket (its receive buffer was full), by socket
+    inode, from ``/proc/net/udp`` and ``udp6`` (empty where they cannot be read)."""
+    out: dict[int, int] = {}
+    for name in ("/proc/net/udp", "/proc/net/udp6"):
+        try:
+            with open(name) as f:
+                next(f, None)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 13:
+                        out[int(parts[9])] = int(parts[-1])
+        except (OSError, ValueError):
+            continue
+    return out

@@ -432,16 +432,20 @@ class NativeDecoderService:
                                           rows=self._rows if len(self._rows) else None)
         self._keep = keep
 
-    def session_core(self, link: tuple, *, read_ahead_nbytes: int = 0, max_frame_nbytes: int = 0) -> tuple:
+    def session_core(self, link: tuple, *, read_ahead_nbytes: int = 0, max_frame_nbytes: int = 0,
+                     ration_answers_per_s: int = 0) -> tuple:
         """A core of its own for one of several sessions served at once
         (:mod:`qlink.qec._native_sessions`): ``(core, keep)`` (``keep`` must live as long as
         the core). Its decoders start reset; a full link is never waited on (its answer is
         counted as blocked); ``read_ahead_nbytes`` bounds a stream's read-ahead and
-        ``max_frame_nbytes`` the longest message it takes (0: the defaults). Its counts join
-        the service's report while it lives and after :meth:`end_session`."""
+        ``max_frame_nbytes`` the longest message it takes (0: the defaults); a datagram sender
+        most of whose frames are malformed gets at most ``ration_answers_per_s`` answers a second
+        (0: no ration), the rest counted as ``answers_withheld``. Its counts join the service's
+        report while it lives and after :meth:`end_session`."""
         decs, keep = self._decoder_tuples()
         core = _hotcore.ServiceCore(link, decs, ack=_ACK[self.ack_enqueue], answer_block_s=0.0,
-                                    read_ahead_nbytes=int(read_ahead_nbytes), max_frame_nbytes=int(max_frame_nbytes))
+                                    read_ahead_nbytes=int(read_ahead_nbytes), max_frame_nbytes=int(max_frame_nbytes),
+                                    ration_answers_per_s=int(ration_answers_per_s))
         self._live.append(core)
         return core, keep
 

@@ -230,7 +230,8 @@ def test_a_frame_longer_than_the_derived_maximum_is_refused_over_shm(code):
     assert rep["faults"]["oversized_frame"] == 1
 
 
-def test_a_udp_sender_of_mostly_malformed_frames_gets_rationed_answers_and_others_are_served(code):
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_udp_sender_of_mostly_malformed_frames_gets_rationed_answers_and_others_are_served(code, engine):
     """Answers to a udp sender most of whose frames are malformed are rationed (its source
     address may be forged: the service must not reflect a flood), counted, and a
     well-behaved controller is served as before."""
@@ -241,7 +242,8 @@ def test_a_udp_sender_of_mostly_malformed_frames_gets_rationed_answers_and_other
 
     dem, dets, expected = code
     with start_service_process("udp://127.0.0.1:0", {0: {"source": SPEC}}, max_peers=2,
-                               session_limits={"datagram_idle_timeout_s": 0.5}) as svc:
+                               session_limits={"datagram_idle_timeout_s": 0.5},
+                               service_options={"engine": engine}) as svc:
         host, port = svc.url[len("udp://"):].rsplit(":", 1)
         raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
