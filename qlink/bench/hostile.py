@@ -287,7 +287,10 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
                              attacker_idle=idle, engines=engines, controller=controller, say=say)
     out = Path(getattr(args, "out", "results/bench"))
     meta = {"num_shots": shots, "code": SPEC, "goal": f"p99 with hostile clients <= {_GOAL_RATIO:g} x p99 without",
-            "reaction": "lock-step controller: syndrome frame handed to the transport -> its correction received",
+            "reaction": ("native lock-step controller, a frame per round: the last round's frame emitted -> its "
+                         "correction applied" if controller == "native" else
+                         "Python lock-step controller, a frame per shot: the frame handed to the transport -> its "
+                         "correction received"),
             "rounds": 3,
             "host": os.uname().nodename, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}, "attacker_nice": nice,

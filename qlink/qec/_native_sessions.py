@@ -32,17 +32,17 @@ Not here (the Python engine has them): decoders ``shared`` between sessions, and
 
 from __future__ import annotations
 
-import collections
 import os
 import select
 import threading
 import time
 from typing import Callable
 
-from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError
+from qlink.errors import BrokenLinkError, ClosedError
 
 from ._session_accept import Acceptor, abort_endpoint, peer_url
-from ._session_terms import CloseReason, SessionLimits, encode_close_frame
+from ._session_common import SessionServerBase
+from ._session_terms import CloseReason, SessionLimits
 
 __all__ = ["NativeSessionServer"]
 
@@ -71,7 +71,7 @@ class _NativeSession:
         self.requests_seen = 0
 
 
-class NativeSessionServer:
+class NativeSessionServer(SessionServerBase):
     """Serves every session of ``listener`` with the native ``service`` (see the module
     docstring); the interface of :class:`~qlink.qec.sessions.SessionServer` (``run``,
     ``close``, ``report``, ``ended``)."""
@@ -83,33 +83,11 @@ class NativeSessionServer:
         hotpath._need()
         self._hotcore = hotpath._hotcore
         self._native_link = hotpath.native_link
-        self.svc = service
-        self.limits = limits or SessionLimits()
-        self.listener = listener
-        self.on_session_end = on_session_end
-        caps = getattr(listener, "capabilities", None)
-        if caps is None:
-            import transports
-
-            caps = transports.capabilities(listener.url)
-        self.datagram = not caps.reliable
-        self.scheme = caps.name
-        self.max_frame = self.limits.max_frame_nbytes or service.max_frame_nbytes()
-        self.sessions: dict = {}  # sid -> session (streams), address -> session (udp)
+        self._init_common(service, listener, limits=limits, on_session_end=on_session_end)
         self._cores: list = []  # the live sessions' cores, in the order served
         self._by_core: dict = {}
-        self._next_sid = 0
-        self.counts: collections.Counter = collections.Counter()
-        self.closed_by_reason: collections.Counter = collections.Counter()
-        self.refused: collections.Counter = collections.Counter()
-        self.udp_dropped_by_sender: dict = {}
-        self.ended = 0
-        self.max_live = 0
         self.first_admit_error: str | None = None
         self._wake = bytearray(1)
-        self._epoll = select.epoll()
-        self._acceptor: Acceptor | None = None
-        self._udp = None
         self._wake_fd = -1
         self._buf = bytearray(1 << 16)
         self._mv = memoryview(self._buf)
@@ -149,15 +127,7 @@ class NativeSessionServer:
         incoming = self._acceptor.incoming
         while incoming:
             ep = incoming.popleft()
-            if len(self.sessions) >= self.limits.max_sessions:
-                self.refused["max_sessions"] += 1
-                try:
-                    ep.send_nowait(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
-                                                      f"{len(self.sessions)} sessions are open, the most this "
-                                                      "service serves at once; try again later"))
-                except Exception:
-                    pass
-                abort_endpoint(ep)
+            if self._no_room_for(ep):
                 continue
             try:
                 link = self._native_link(ep)
@@ -194,14 +164,7 @@ class NativeSessionServer:
             if addr in fresh:
                 fresh[addr].append(bytes(mv[:n]))
                 continue
-            if len(self.sessions) + len(fresh) >= lim.max_sessions:
-                self.refused["max_sessions"] += 1
-                try:
-                    self._udp.sendto(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
-                                                        f"{len(self.sessions)} senders are being served, the most "
-                                                        "this service serves at once; try again later"), addr)
-                except Exception:
-                    pass
+            if self._no_room_for(addr=addr, waiting=len(fresh)):
                 continue
             fresh[addr] = [bytes(mv[:n])]
         for addr, first in fresh.items():
@@ -214,17 +177,8 @@ class NativeSessionServer:
 
     # ------------------------------------------------------------------ closing
     def _close(self, s: _NativeSession, reason: CloseReason | str, detail: str = "") -> None:
-        key = reason.value if isinstance(reason, CloseReason) else reason
-        self.closed_by_reason[key] += 1
-        if isinstance(reason, CloseReason) and reason is not CloseReason.PEER_NOT_READING:
-            frame = encode_close_frame(reason, detail)
-            try:
-                if s.ep is None:
-                    self._udp.sendto(frame, s.addr)
-                else:
-                    s.ep.send_nowait(frame)
-            except Exception:  # the peer may be gone or full: the close goes ahead
-                pass
+        # (a peer that does not read gets no close frame: its stream may end mid-answer)
+        key = self._say_close(s, reason if reason is not CloseReason.PEER_NOT_READING else reason.value, detail)
         self.sessions.pop(s.sid if s.addr is None else s.addr, None)
         self._cores.remove(s.core)
         self._by_core.pop(id(s.core), None)
@@ -235,13 +189,7 @@ class NativeSessionServer:
                 pass
         frames = s.core.counts()["requests"]
         self.svc.end_session(s.core)
-        stats = None
-        if s.ep is not None:
-            try:
-                stats = {k: v for k, v in vars(s.ep.statistics()).items() if k != "extra"}
-            except Exception:
-                stats = None
-            abort_endpoint(s.ep)
+        stats = self._let_go(s.ep)
         if s.sock is not None:
             drops = _udp_drops_by_inode().get(os.fstat(s.sock.fileno()).st_ino, 0)
             if drops:
@@ -316,13 +264,9 @@ class NativeSessionServer:
                     self._admit(now)
                 if self._udp is not None:
                     self._udp_intake(now)
-                if max_sessions_served is not None and self.ended >= max_sessions_served:
+                if self._done(now, stop_event=stop_event, max_sessions_served=max_sessions_served, give_up=give_up,
+                              first_session_timeout_s=first_session_timeout_s):
                     break
-                if stop_event is not None and stop_event.is_set():
-                    break
-                if give_up is not None and not self.counts["sessions_opened"] and now >= give_up:
-                    raise QlinkTimeoutError(f"no controller opened a session on {self.listener.url} within "
-                                            f"{first_session_timeout_s} s")
                 if not self._cores:  # nobody to serve: wait for someone (no spinning)
                     if self._acceptor is not None:
                         self._acceptor.wait(timeout_s=_PERIOD_S * 5)
@@ -342,30 +286,12 @@ class NativeSessionServer:
             self.svc._cpu_s += time.thread_time() - cpu0
         return self.report()
 
-    def close(self, *, reason: CloseReason = CloseReason.SERVICE_STOPPING) -> None:
-        """Close every session (a close frame each, no report) and stop accepting."""
-        cb, self.on_session_end = self.on_session_end, None
-        for s in list(self.sessions.values()):
-            self._close(s, reason, "the service is stopping")
-        self.on_session_end = cb
-        if self._acceptor is not None:
-            self._acceptor.stop()
-        if self._udp is not None:
-            self._udp.close()
-        self._epoll.close()
-
     # ------------------------------------------------------------------ results
     def report(self, *, ended: _NativeSession | None = None, frames: int = 0, reason: str | None = None,
                transport_statistics=None) -> dict:
         """The service's report plus the sessions': live, opened, ended by reason, refused peers by reason."""
         rep = self.svc.report()
-        refused = collections.Counter(self.refused)
-        refused.update(getattr(self.listener, "refused_by_reason", {}) or {})
-        rep["transport"] = self.scheme
-        rep["sessions"] = {"live": len(self.sessions), "max_live": self.max_live, "ended": self.ended,
-                           **dict(self.counts), "closed_by_reason": dict(self.closed_by_reason),
-                           "max_frame_nbytes": self.max_frame}
-        rep["refused_peers"] = dict(refused)
+        self._sessions_report(rep)
         if self.first_admit_error is not None:
             rep["sessions"]["first_admit_error"] = self.first_admit_error
         if self.datagram:  # (what the kernel dropped from each sender's own socket: its buffer was full)

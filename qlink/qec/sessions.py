@@ -59,10 +59,11 @@ from typing import Callable
 
 from qlink.access import ReplayGuard, datagram_sender_seq, verify_datagram
 from qlink.clock import now_ns
-from qlink.errors import BrokenLinkError, ClosedError, QlinkTimeoutError, WouldBlock
+from qlink.errors import BrokenLinkError, ClosedError, WouldBlock
 from transports import Backoff, BufferTooSmallError
 
-from ._session_accept import Acceptor, abort_endpoint, peer_url
+from ._session_accept import Acceptor, peer_url
+from ._session_common import SessionServerBase
 from ._session_terms import CLOSE_REQUEST_ID, CloseReason, SessionLimits, encode_close_frame, parse_close_frame
 
 __all__ = ["CLOSE_REQUEST_ID", "CloseReason", "SessionLimits", "SessionServer", "encode_close_frame",
@@ -113,7 +114,7 @@ class _Session:
             self.blocked = True
 
 
-class SessionServer:
+class SessionServer(SessionServerBase):
     """Serves every session of ``listener`` with ``service`` (see the module docstring).
 
     ``on_session_end(report)`` is called as each session ends, with the service's report
@@ -125,37 +126,15 @@ class SessionServer:
 
     def __init__(self, service, listener, *, limits: SessionLimits | None = None, token: bytes | None = None,
                  on_session_end: Callable[[dict], None] | None = None) -> None:
-        self.svc = service
-        self.limits = limits or SessionLimits()
-        self.listener = listener
+        self._init_common(service, listener, limits=limits, on_session_end=on_session_end)
         self.token = token
-        self.on_session_end = on_session_end
         self._serving: tuple | None = None  # (thread id, wall and CPU clocks) while serve() runs
-        caps = getattr(listener, "capabilities", None)
-        if caps is None:
-            import transports
-
-            caps = transports.capabilities(listener.url)
-        self.datagram = not caps.reliable
-        self.scheme = caps.name
-        self.max_frame = self.limits.max_frame_nbytes or service.max_frame_nbytes()
         self.max_frame = min(self.max_frame, len(service._rx))
         self._rx = service._rx_mv[:self.max_frame]
-        self.sessions: dict = {}  # sid -> session (streams), address -> session (udp)
         self._by_fd: dict[int, _Session] = {}
         self._polled: list[_Session] = []  # sessions without an fd: looked at every loop
         self._again: set = set()  # sessions whose last turn stopped at the frame cap: more is waiting
-        self._next_sid = 0
-        self.counts: collections.Counter = collections.Counter()
-        self.closed_by_reason: collections.Counter = collections.Counter()
-        self.refused: collections.Counter = collections.Counter()
-        self.udp_dropped_by_sender: dict = {}
-        self.ended = 0
-        self.max_live = 0
-        self._acceptor: Acceptor | None = None
         self._incoming: collections.deque = collections.deque()
-        self._epoll = select.epoll()
-        self._udp = None
         self._replay: ReplayGuard | None = None
         if self.datagram:
             self._udp = listener.serve_endpoint()
@@ -180,15 +159,7 @@ class SessionServer:
         a crowd connecting at once is let in between other sessions' frames."""
         for _ in range(min(len(self._incoming), _ADMITS_PER_PASS)):
             ep = self._incoming.popleft()
-            if len(self.sessions) >= self.limits.max_sessions:
-                self.refused["max_sessions"] += 1
-                try:
-                    ep.send_nowait(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
-                                                      f"{len(self.sessions)} sessions are open, the most this "
-                                                      "service serves at once; try again later"))
-                except Exception:
-                    pass
-                abort_endpoint(ep)
+            if self._no_room_for(ep):
                 continue
             s = self._open(ep, None, now)
             if s.fd >= 0:
@@ -208,17 +179,7 @@ class SessionServer:
 
     # ------------------------------------------------------------------ closing
     def _close(self, s: _Session, reason: CloseReason | str, detail: str = "") -> None:
-        key = reason.value if isinstance(reason, CloseReason) else reason
-        self.closed_by_reason[key] += 1
-        if isinstance(reason, CloseReason):
-            frame = encode_close_frame(reason, detail)
-            try:
-                if s.ep is None:
-                    self._udp.sendto(frame, s.addr)
-                else:
-                    s.ep.send_nowait(frame)
-            except Exception:  # the peer may be gone or full: the close goes ahead
-                pass
+        key = self._say_close(s, reason, detail)
         if s.ep is None:
             self.sessions.pop(s.addr, None)
             if s.sock is not None:
@@ -242,13 +203,7 @@ class SessionServer:
                     pass
             elif s in self._polled:
                 self._polled.remove(s)
-        stats = None
-        if s.ep is not None:
-            try:
-                stats = {k: v for k, v in vars(s.ep.statistics()).items() if k != "extra"}
-            except Exception:
-                stats = None
-            abort_endpoint(s.ep)
+        stats = self._let_go(s.ep)
         self.ended += 1
         if self.on_session_end is not None:
             self.on_session_end(self.report(ended=s, reason=key, transport_statistics=stats))
@@ -454,14 +409,7 @@ class SessionServer:
         sessions = self.sessions
         s = sessions.get(addr)
         if s is None:
-            if len(sessions) >= lim.max_sessions:
-                self.refused["max_sessions"] += 1
-                try:
-                    self._udp.sendto(encode_close_frame(CloseReason.TOO_MANY_SESSIONS,
-                                                        f"{len(sessions)} senders are being served, the most this "
-                                                        "service serves at once; try again later"), addr)
-                except Exception:
-                    pass
+            if self._no_room_for(addr=addr):
                 return used, queued
             s = self._open(None, addr, now)
             self._give_socket(s, now, order)
@@ -554,13 +502,9 @@ class SessionServer:
                     if now >= next_timers:
                         self._timers(now)
                         next_timers = now + _TIMER_PERIOD_S
-                    if max_sessions_served is not None and self.ended >= max_sessions_served:
+                    if self._done(now, stop_event=stop_event, max_sessions_served=max_sessions_served,
+                                  give_up=give_up, first_session_timeout_s=first_session_timeout_s):
                         break
-                    if stop_event is not None and stop_event.is_set():
-                        break
-                    if give_up is not None and not self.counts["sessions_opened"] and now >= give_up:
-                        raise QlinkTimeoutError(f"no controller opened a session on {self.listener.url} within "
-                                                f"{first_session_timeout_s} s")
                 if not busy:
                     if backoff.spinning or self._polled:
                         backoff.pause()
@@ -574,18 +518,6 @@ class SessionServer:
             svc._serve_cpu_s += time.thread_time() - cpu0
             self._serving = None
         return self.report()
-
-    def close(self, *, reason: CloseReason = CloseReason.SERVICE_STOPPING) -> None:
-        """Close every session (a close frame each, no report) and stop accepting."""
-        cb, self.on_session_end = self.on_session_end, None
-        for s in list(self.sessions.values()):
-            self._close(s, reason, "the service is stopping")
-        self.on_session_end = cb
-        if self._acceptor is not None:
-            self._acceptor.stop()
-        if self._udp is not None:
-            self._udp.close()
-        self._epoll.close()
 
     # ------------------------------------------------------------------ results
     def report(self, *, ended: _Session | None = None, reason: str | None = None, transport_statistics=None) -> dict:
@@ -607,13 +539,7 @@ class SessionServer:
             # a session's report while the serve loop runs: its wall and CPU time so far
             rep["serve_wall_s"] += time.perf_counter() - serving[1]
             rep["serve_cpu_s"] += time.thread_time() - serving[2]
-        refused = collections.Counter(self.refused)
-        refused.update(getattr(self.listener, "refused_by_reason", {}) or {})
-        rep["transport"] = self.scheme
-        rep["sessions"] = {"live": len(self.sessions), "max_live": self.max_live, "ended": self.ended,
-                           **dict(self.counts), "closed_by_reason": dict(self.closed_by_reason),
-                           "max_frame_nbytes": self.max_frame}
-        rep["refused_peers"] = dict(refused)
+        self._sessions_report(rep)
         if self._replay is not None:
             rep["sessions"]["replay_windows"] = len(self._replay)
             rep["sessions"]["replay_windows_evicted"] = self._replay.evicted
