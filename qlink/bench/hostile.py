@@ -281,7 +281,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     shots = 6000 if quick else 15000
     nice = int(getattr(args, "attacker_nice", 0) or 0)
     idle = bool(getattr(args, "attacker_idle", False))
-    engines = tuple(getattr(args, "engines", None) or ("python", "native"))
+    given = getattr(args, "engines", None)  # (the CLI hands lists on as "a,b")
+    engines = tuple(x.strip() for x in str(given).split(",") if x.strip()) if given else ("python", "native")
     controller = getattr(args, "controller", None) or "native"
     rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, attacker_nice=nice,
                              attacker_idle=idle, engines=engines, controller=controller, say=say)
