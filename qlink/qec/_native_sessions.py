@@ -81,6 +81,11 @@ class NativeSessionServer(SessionServerBase):
         from . import hotpath
 
         hotpath._need()
+        shared = sorted(did for did, (cfg, _dec) in service._decoders.items() if getattr(cfg, "shared", False))
+        if shared:
+            raise ValueError(f"decoder(s) {shared} are configured shared between sessions, which the native engine "
+                             "does not do (each session has decoder states of its own): serve them with "
+                             "engine='python', or drop 'shared'")
         self._hotcore = hotpath._hotcore
         self._native_link = hotpath.native_link
         self._init_common(service, listener, limits=limits, on_session_end=on_session_end)

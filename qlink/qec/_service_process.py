@@ -175,13 +175,18 @@ def _serve_sessions(service, listener, *, limits, token, ready_queue, result_que
             result_queue.put(json.dumps(rep))
 
     try:
-        if isinstance(service, DecoderService):
-            server = SessionServer(service, listener, limits=limits, token=token if listener.url.startswith("udp:")
-                                   else None, on_session_end=ended)
-        else:
-            from ._native_sessions import NativeSessionServer
+        try:
+            if isinstance(service, DecoderService):
+                server = SessionServer(service, listener, limits=limits,
+                                       token=token if listener.url.startswith("udp:") else None, on_session_end=ended)
+            else:
+                from ._native_sessions import NativeSessionServer
 
-            server = NativeSessionServer(service, listener, limits=limits, on_session_end=ended)
+                server = NativeSessionServer(service, listener, limits=limits, on_session_end=ended)
+        except Exception as exc:  # (before listening is announced: the starter is told why)
+            if ready_queue is not None:
+                ready_queue.put(f"error: {type(exc).__name__}: {exc}")
+            raise
         if ready_queue is not None:
             ready_queue.put(listener.url)
         report = server.run(stop_event=stop_event, max_sessions_served=max_peers,

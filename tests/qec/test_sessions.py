@@ -92,10 +92,19 @@ def test_decoders_shared_by_id_serve_controllers_on_their_own_ids(code):
     assert rep["sessions"]["sessions_opened"] == 2
 
 
-def test_one_session_gets_its_own_decoder_state(code):
+def test_the_native_engine_refuses_decoders_shared_between_sessions():
+    spec = {"source": SPEC, "decoder": "pymatching", "shared": True}
+    with pytest.raises(RuntimeError, match="shared between sessions"):
+        start_service_process("tcp://127.0.0.1:0", {0: spec}, service_options={"engine": "native"},
+                              start_timeout_s=60)
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_one_session_gets_its_own_decoder_state(code, engine):
     """Two controllers on the same decoder id, each with counter 0, 1, 2...: no counter clash."""
     dem, dets, expected = code
-    with start_service_process("tcp://127.0.0.1:0", {0: {"source": SPEC, "decoder": "pymatching"}}) as svc:
+    with start_service_process("tcp://127.0.0.1:0", {0: {"source": SPEC, "decoder": "pymatching"}},
+                               service_options={"engine": engine}) as svc:
         out = _run_controllers(svc.url, dem, dets, 2, decoder_ids=[0, 0])
         for k in range(2):
             assert (out[k][1] == 0).all()
