@@ -264,7 +264,7 @@ def _cmd_serve(args) -> int:
     report = run_service_process(args.url, specs, ready_queue=_Say(), result_queue=_Say(),
                                  accept_timeout_s=args.accept_timeout_s,
                                  max_peers=None if args.max_peers == 0 else args.max_peers,
-                                 token=token, insecure=args.insecure)
+                                 token=token, insecure=args.insecure, service_options={"engine": args.engine})
     return 1 if "error" in report else 0
 
 
@@ -429,6 +429,9 @@ def build_parser() -> Parser:
     sv.add_argument("--url", default="tcp://127.0.0.1:0", help="where to listen (shm://NAME for shared memory)")
     sv.add_argument("--max-peers", type=int, default=1, help="controller sessions to serve (all at once), then exit "
                     "(0: until stopped)")
+    sv.add_argument("--engine", default="python", choices=("python", "native"),
+                    help="the service's per-frame path: python (default) or native (in C; several controllers "
+                         "at once each get a C core of their own, with the same limits)")
     sv.add_argument("--capacity-shots", type=int, default=1024, help="each decoder's queue of shots")
     sv.add_argument("--accept-timeout-s", type=float, default=300.0,
                     help="how long to wait for the first controller")

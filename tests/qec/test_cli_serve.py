@@ -24,7 +24,9 @@ def _env():
 
 
 @pytest.mark.timeout(180)
-def test_serve_decoder_config_answers_measurement_records(tmp_path):
+@pytest.mark.parametrize("engine, peers", [("python", 1), ("native", 1), ("native", 2)])
+def test_serve_decoder_config_answers_measurement_records(tmp_path, engine, peers):
+    """(``--max-peers 2`` on the native engine: its sessions, two controllers one after the other.)"""
     import transports
 
     from qlink.qec.controller import Controller, SyndromeStream
@@ -34,7 +36,8 @@ def test_serve_decoder_config_answers_measurement_records(tmp_path):
     path = tmp_path / "decoders.yaml"
     dump_multi_decoder_config(doc, path)
     proc = subprocess.Popen([sys.executable, "-m", "qlink.cli", "serve", "--decoder-config", str(path),
-                             "--url", "tcp://127.0.0.1:0", "--max-peers", "1", "--accept-timeout-s", "60"],
+                             "--url", "tcp://127.0.0.1:0", "--max-peers", str(peers), "--accept-timeout-s", "60",
+                             "--engine", engine],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     try:
         url = None
@@ -48,13 +51,15 @@ def test_serve_decoder_config_answers_measurement_records(tmp_path):
         _, obs = c.compile_m2d_converter().convert(measurements=meas.astype(bool), separate_observables=True)
         stream = SyndromeStream(detectors=meas, observables=obs.astype(np.uint8),
                                 round_of_detector=np.zeros(meas.shape[1], np.int64))
-        ep = transports.connect(url, timeout_s=30)
-        try:
-            res = Controller(ep, stream, decoder_id=2, rounds_per_frame=0, max_in_flight_shots=1).run(timeout_s=60)
-        finally:
-            ep.close()
-        got = np.unpackbits(res.corrections, axis=1, count=1, bitorder="little")
-        assert np.array_equal(got, compile_cudaq_entry(doc["decoders"][0]).decode_batch(meas))
+        want = compile_cudaq_entry(doc["decoders"][0]).decode_batch(meas)
+        for _ in range(peers):
+            ep = transports.connect(url, timeout_s=30)
+            try:
+                res = Controller(ep, stream, decoder_id=2, rounds_per_frame=0, max_in_flight_shots=1).run(timeout_s=60)
+            finally:
+                ep.close()
+            got = np.unpackbits(res.corrections, axis=1, count=1, bitorder="little")
+            assert np.array_equal(got, want)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
