@@ -423,6 +423,20 @@ static void svc_handle(ServiceCore *s, const uint8_t *f, uint32_t n, int64_t t_i
         svc_refuse(s, C_F_UNKNOWN_FUNCTION, W.st_bad, rid, ptp);
 }
 
+/* After a frame: whether the shots (and gets) waiting should be decoded (and answered) now.
+ * Yes when nothing else waits, or only the get that asks for them (the service is not behind:
+ * that get is then answered at once), or enough shots wait; otherwise the service goes on
+ * ingesting, and decodes the backlog in one call. */
+static inline int svc_decode_now(ServiceCore *s) {
+    if (s->pending <= 0 && s->n_defer <= 0)
+        return 0;
+    const uint8_t *data;
+    uint32_t n;
+    if (io_peek(&s->io, &data, &n) != QLINK_RING_MSG || s->pending >= s->max_batch)
+        return 1;
+    return n >= 8 && rd32(data + 4) == W.fn_get && io_queued(&s->io) <= 96;
+}
+
 /* run(idle_ns, max_frames=0) -> 0 idle for idle_ns (look at the peer), 1 the head of the
  * ring needs the Python path, 2 the peer closed its side, 3 max_frames handled, -3 released */
 static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -472,21 +486,14 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
                     PyEval_RestoreThread(y);
                 }
             }
-            if (s->pending > 0 || s->n_defer > 0) {
-                /* Decode now when nothing else waits, or only the get that asks for it (the
-                 * service is not behind: that get is then answered at once), or enough shots
-                 * wait; otherwise go on ingesting, and decode the backlog in one call. */
-                int next = io_peek(&s->io, &data, &n);
-                if (next != QLINK_RING_MSG || s->pending >= s->max_batch ||
-                    (n >= 8 && rd32(data + 4) == W.fn_get && io_queued(&s->io) <= 96)) {
-                    svc_settle(s);
-                    /* the answers of what was just decoded go out now, not when the service
-                     * next runs out of input: a service that stays behind (a stream link at
-                     * the cycle) would otherwise hold them until its output buffer fills */
-                    if (s->io.out_n && io_flush(&s->io) < 0) {
-                        code = 2;
-                        break;
-                    }
+            if (svc_decode_now(s)) {
+                svc_settle(s);
+                /* the answers of what was just decoded go out now, not when the service next
+                 * runs out of input: a service that stays behind (a stream link at the cycle)
+                 * would otherwise hold them until its output buffer fills */
+                if (s->io.out_n && io_flush(&s->io) < 0) {
+                    code = 2;
+                    break;
                 }
             }
             if (max_frames > 0 && ++frames >= max_frames) {
@@ -598,12 +605,6 @@ static PyObject *svc_get_first_error(ServiceCore *s, void *Py_UNUSED(c)) {
     return s->first_error;
 }
 
-/* clocks() -> (last frame, half a message since (0: none)): a session's clocks, monotonic ns
- * (time.monotonic_ns's clock) */
-static PyObject *svc_clocks(ServiceCore *s, PyObject *Py_UNUSED(ig)) {
-    return Py_BuildValue("(LL)", (long long)s->last_active_ns, (long long)s->io.partial_since);
-}
-
 static PyMethodDef svc_methods[] = {
     {"run", (PyCFunction)(void (*)(void))svc_run, METH_FASTCALL,
      "run(idle_ns, max_frames=0) -> 0 idle, 1 the ring's head needs the Python path, 2 peer closed, 3 max_frames, "
@@ -612,8 +613,6 @@ static PyMethodDef svc_methods[] = {
     {"counts", (PyCFunction)svc_counts, METH_NOARGS, "counts and faults by name"},
     {"reset_all", (PyCFunction)svc_reset_all, METH_NOARGS, "reset every decoder (a new peer) and the shot rows"},
     {"backlog", (PyCFunction)svc_backlog, METH_O, "backlog(decoder_id) -> shots decoded and not yet answered"},
-    {"clocks", (PyCFunction)svc_clocks, METH_NOARGS,
-     "clocks() -> (last frame, half a message since or 0), monotonic ns: a session's clocks"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -52,12 +52,8 @@ static int ss_turn(ServiceCore *s, int q, PyThreadState **ts, int *code) {
             svc_handle(s, data, n, t_in);
             io_consume(&s->io);
             got++;
-            if (s->pending > 0 || s->n_defer > 0) { /* as in run(): decode now unless more is queued */
-                int next = io_peek(&s->io, &data, &n);
-                if (next != QLINK_RING_MSG || got >= q || s->pending >= s->max_batch ||
-                    (n >= 8 && rd32(data + 4) == W.fn_get && io_queued(&s->io) <= 96))
-                    svc_settle(s);
-            }
+            if (got < q && svc_decode_now(s)) /* (a turn's last frame: decoded just below) */
+                svc_settle(s);
             continue;
         }
         if (rc == QLINK_RING_EMPTY) {
