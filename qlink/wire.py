@@ -580,6 +580,17 @@ def enqueue_syndromes_nbytes(num_syndromes: int) -> int:
     return HEADER_NBYTES + ENQUEUE_SYNDROMES_FIXED_NBYTES + ((num_syndromes + 7) >> 3)
 
 
+def longest_enqueue_nbytes(queues) -> int:
+    """The longest ``enqueue_syndromes`` request decoders can use: a whole queue of the largest
+    decoder's shots, capped by the wire's 2^20 bits; ``queues`` gives ``(syndrome bits per
+    shot, shots queued)`` for each decoder. A service refuses a longer one from its header.
+
+    >>> longest_enqueue_nbytes([(24, 1024), (120, 16)]) == enqueue_syndromes_nbytes(24 * 1024)
+    True
+    """
+    return enqueue_syndromes_nbytes(max(min(MAX_SYNDROME_BITS, bits * shots) for bits, shots in queues))
+
+
 def corrections_nbytes(num_corrections: int) -> int:
     """Frame size of the response to ``get_corrections(return_size=num_corrections)``.
 

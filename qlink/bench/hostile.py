@@ -4,10 +4,11 @@ the decoder service, and several well-behaved controllers at once.
 Two tables, for each engine of the decoder service (``python``, and ``native``: a C core per
 session), each engine's from one service process (surface code d=5, PyMatching):
 
-* **hostile**: over tcp and udp, a lock-step controller's reaction (its syndrome frame
-  handed to the transport → its correction received) p50/p99 with 0, 1 and 4 hostile
-  clients attached (each in its own process, see :mod:`qlink.bench._hostile_clients`),
-  and p99(hostile)/p99(none) against the goal ≤ 2, measured in the same run: the cases
+* **hostile**: over tcp and udp, a lock-step controller's reaction (the native one by default:
+  its shot's last round frame emitted → its correction applied; see :func:`_play`) p50/p99
+  with 0, 1 and 4 hostile clients attached (each in its own process, see
+  :mod:`qlink.bench._hostile_clients`), and p99(hostile)/p99(none) against the goal ≤ 2,
+  measured in the same run: the cases
   take turns three times, each with a third of the shots, and each case's figures pool its
   turns. Every correction is checked bit for bit against PyMatching on the same shots.
 * **controllers**: 1 and 4 well-behaved controllers at once (each its own process):

@@ -56,7 +56,7 @@ _PERIOD, _SLOW, _CLOSED, _OVERSIZED, _WAKE, _FRAME_TIMEOUT, _IDLE_TIMEOUT, _BLOC
 
 
 class _NativeSession:
-    __slots__ = ("sid", "ep", "addr", "sock", "core", "keep", "opened", "url", "fd", "requests_seen")
+    __slots__ = ("sid", "ep", "addr", "sock", "core", "keep", "opened", "url", "fd")
 
     def __init__(self, sid: int, ep, addr, sock, core, keep, now: float) -> None:
         self.sid = sid
@@ -68,7 +68,6 @@ class _NativeSession:
         self.opened = now
         self.url = peer_url(ep) if addr is None else f"udp://{addr[0]}:{addr[1]}"
         self.fd = -1
-        self.requests_seen = 0
 
 
 class NativeSessionServer(SessionServerBase):
@@ -241,8 +240,7 @@ class NativeSessionServer(SessionServerBase):
         elif code == _FRAME_TIMEOUT:
             self._close(s, CloseReason.FRAME_TIMEOUT, f"a frame stayed half received for {lim.frame_timeout_s} s")
         elif code == _IDLE_TIMEOUT:
-            idle = lim.datagram_idle_timeout_s if self.datagram else lim.idle_timeout_s
-            self._close(s, CloseReason.IDLE_TIMEOUT, f"no frame for {idle} s")
+            self._close(s, CloseReason.IDLE_TIMEOUT, f"no frame for {self.idle_timeout_s} s")
         elif code == _BLOCKED:
             self._close(s, CloseReason.PEER_NOT_READING, "answers could not be sent: the peer does not read them")
 
@@ -253,7 +251,7 @@ class NativeSessionServer(SessionServerBase):
         QlinkTimeoutError when no session opened within ``first_session_timeout_s``."""
         lim = self.limits
         give_up = None if first_session_timeout_s is None else time.monotonic() + first_session_timeout_s
-        idle = lim.datagram_idle_timeout_s if self.datagram else lim.idle_timeout_s
+        idle = self.idle_timeout_s
         ft_ns = 0 if lim.frame_timeout_s is None else int(lim.frame_timeout_s * 1e9)
         it_ns = 0 if idle is None else int(idle * 1e9)
         period_ns = int(_PERIOD_S * 1e9)

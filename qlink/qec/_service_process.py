@@ -58,8 +58,9 @@ def run_service_process(url: str, configs_spec: Mapping[int, Mapping[str, Any]],
     (see :mod:`qlink.qec.sessions`; ``session_limits``: the fields of
     :class:`~qlink.qec.sessions.SessionLimits`), and so does the native one (the same limits, a
     core per session, see :mod:`qlink.qec._native_sessions`) unless ``max_peers`` is 1: then its
-    one controller is served by the one-at-a-time path, which keeps per-shot rows. After ``max_peers`` sessions have ended the service
-    ends; ``None``: until ``stop_event`` is set or the process is stopped.
+    one controller is served by the one-at-a-time path, which keeps per-shot rows. After
+    ``max_peers`` sessions have ended the service ends; ``None``: until ``stop_event`` is set or
+    the process is stopped.
     ``accept_timeout_s`` bounds the wait for the first controller; ``timeout_s`` each
     session. A ``url`` beyond loopback needs a shared ``token`` (tcp and ucx clients prove it in
     the handshake, udp datagrams carry its HMAC and a sequence number the service holds against
@@ -175,23 +176,20 @@ def _serve_sessions(service, listener, *, limits, token, ready_queue, result_que
             result_queue.put(json.dumps(rep))
 
     try:
-        try:
-            if isinstance(service, DecoderService):
-                server = SessionServer(service, listener, limits=limits,
-                                       token=token if listener.url.startswith("udp:") else None, on_session_end=ended)
-            else:
-                from ._native_sessions import NativeSessionServer
+        if isinstance(service, DecoderService):
+            server = SessionServer(service, listener, limits=limits, token=token if listener.url.startswith("udp:")
+                                   else None, on_session_end=ended)
+        else:
+            from ._native_sessions import NativeSessionServer
 
-                server = NativeSessionServer(service, listener, limits=limits, on_session_end=ended)
-        except Exception as exc:  # (before listening is announced: the starter is told why)
-            if ready_queue is not None:
-                ready_queue.put(f"error: {type(exc).__name__}: {exc}")
-            raise
+            server = NativeSessionServer(service, listener, limits=limits, on_session_end=ended)
         if ready_queue is not None:
             ready_queue.put(listener.url)
         report = server.run(stop_event=stop_event, max_sessions_served=max_peers,
                             first_session_timeout_s=accept_timeout_s)
     except Exception as exc:  # listening or serving failed: the service ends
+        if server is None and ready_queue is not None:  # (not listening yet: the starter is told why)
+            ready_queue.put(f"error: {type(exc).__name__}: {exc}")
         report = server.report() if server is not None else service.report()
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["peers_served"] = 0 if server is None else server.ended

@@ -1,6 +1,8 @@
 """What both engines' session servers do alike (:class:`~qlink.qec.sessions.SessionServer`,
-:class:`~qlink.qec._native_sessions.NativeSessionServer`): closing every session when the
-service stops, and the sessions' part of a report."""
+:class:`~qlink.qec._native_sessions.NativeSessionServer`): their shared state, the close frame
+and its count, refusing a session beyond ``max_sessions``, letting an endpoint go, the end of
+the serve loop, the sessions' part of a report, and closing every session when the service
+stops."""
 
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ class SessionServerBase:
         self._acceptor: Acceptor | None = None
         self._epoll = select.epoll()
         self._udp = None
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        """How long a session may stay silent: ``datagram_idle_timeout_s`` over udp (which has
+        no close), ``idle_timeout_s`` otherwise."""
+        return self.limits.datagram_idle_timeout_s if self.datagram else self.limits.idle_timeout_s
 
     def close(self, *, reason: CloseReason = CloseReason.SERVICE_STOPPING) -> None:
         """Close every session (a close frame each, no report) and stop accepting."""

@@ -459,9 +459,8 @@ class NativeDecoderService:
         """The longest request this service's decoders can use (as
         :meth:`qlink.qec.service.DecoderService.max_frame_nbytes`): a longer one announced on
         a stream is refused from its header."""
-        bits = max(min(wire.MAX_SYNDROME_BITS, dec.num_detectors * cfg.capacity_shots)
-                   for cfg, dec in self._decoders.values())
-        return wire.enqueue_syndromes_nbytes(bits)
+        return wire.longest_enqueue_nbytes((dec.num_detectors, cfg.capacity_shots)
+                                           for cfg, dec in self._decoders.values())
 
     def _fold_counts(self, core) -> None:
         for k, v in core.counts().items():

@@ -290,8 +290,7 @@ class DecoderService(ServiceFrames):
         """The longest request this service's decoders can use: an ``enqueue_syndromes`` of a
         whole queue of the largest decoder's shots (capped by the wire's 2^20 bits). A
         stream that announces more is refused from its header (see :mod:`qlink.qec.sessions`)."""
-        bits = max(min(wire.MAX_SYNDROME_BITS, d.num_det * d.capacity) for d in self._home[1])
-        return wire.enqueue_syndromes_nbytes(bits)
+        return wire.longest_enqueue_nbytes((d.num_det, d.capacity) for d in self._home[1])
 
     def _session_states(self) -> tuple[list, list]:
         """Decoder states for a new session: its own, reusing each compiled decoder, except

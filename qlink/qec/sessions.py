@@ -445,7 +445,7 @@ class SessionServer(SessionServerBase):
         """Close the sessions whose time is up (at most ``_CLOSES_PER_TICK`` per call, so that
         many sessions timing out together cost the others one short pause each tick)."""
         lim = self.limits
-        idle = lim.datagram_idle_timeout_s if self.datagram else lim.idle_timeout_s
+        idle = self.idle_timeout_s
         start = self.ended
         for s in list(self.sessions.values()):
             if self.ended - start >= _CLOSES_PER_TICK:
