@@ -602,6 +602,17 @@ class PrefillServer:
                 self.expired += 1
 
 
+def _has_close_notice(tracker) -> bool:
+    """Whether a close notice has arrived on the link ``tracker`` accounts (nothing is read)."""
+    try:
+        tracker.record(CLOSE_RID)
+    except TransferAbortedError as e:
+        return _CLOSE_PREFIX in str(e)
+    except QlinkError:
+        pass
+    return False
+
+
 def _close_notice(rx) -> str | None:
     """The reason of the close notice ``rx``'s sender sent before closing the link, if it did
     (frames still read ahead are taken first: the break may have been seen before them)."""
@@ -849,5 +860,8 @@ class DecodeClient:
                 self._finish(ld, ok=True, nbytes=rec.nbytes)
         if broken is not None:  # every request still in flight on this link is lost
             self._drop_link(url, f"the prefill engine at {url} went away mid-transfer ({broken})")
+            return True
+        if _has_close_notice(tr):  # the server said it closes the link: no need to wait for the end of stream
+            self._drop_link(url, f"the prefill engine at {url} closed the link")
             return True
         return bool(n)
