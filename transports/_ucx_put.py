@@ -155,7 +155,7 @@ class PutSide:
                     try:
                         rkey = self._rkeys.get(src_rid, key[8:])
                         rma.rma_pieces("get", self._box.handle, self._ep.handle, region.address,
-                                       rma.pieces_of(do, so, ln),  # (local = here, remote = the source)
+                                       do, so, ln,  # (local = here, remote = the source)
                                        int.from_bytes(key[:8], "little"), rkey, deadline=time.monotonic() + 10.0,
                                        what=f"the pull into region {rid}")
                         ok = True
@@ -541,7 +541,7 @@ class PutSide:
             rkey = self._rkeys.get(rid, packed)
             try:
                 rma.rma_pieces("put", self._box.handle, self._ep.handle, src.ctypes.data,
-                               rma.pieces_of(so[cut:], do[cut:], ln[cut:]), addr, rkey, deadline=deadline,
+                               so[cut:], do[cut:], ln[cut:], addr, rkey, deadline=deadline,
                                what=f"the put_many into region {rid}")
             except BrokenLinkError as e:
                 self._fail(str(e))

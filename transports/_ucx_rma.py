@@ -16,8 +16,8 @@ on their handles. This module adds the RMA calls NIXL's UCX backend makes:
 Between processes of one host the copy is ``process_vm_writev``: both must belong to one
 user (and ptrace must allow it), as for UCX's CMA anywhere.
 
->>> pieces_of(np.array([0, 4096]), np.array([8192, 0]), np.array([4096, 100]))
-[(0, 8192, 4096), (4096, 0, 100)]
+>>> split_key(b"tok" + bytes(8), 3)
+(b'tok', None, b'')
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import numpy as np
 from qlink.errors import BrokenLinkError, QlinkTimeoutError
 
 from . import _ucx_core as core
+from ._shm_records import _ringc
 
-__all__ = ["available", "MappedRegion", "RemoteKeys", "rma_pieces", "region_key", "split_key", "pieces_of"]
+__all__ = ["available", "MappedRegion", "RemoteKeys", "rma_pieces", "region_key", "split_key"]
 
 _ADDR = struct.Struct("<Q")
 _FIELD_ADDRESS, _FIELD_LENGTH = 1, 2  # UCP_MEM_MAP_PARAM_FIELD_ADDRESS | _LENGTH
@@ -146,9 +147,21 @@ class RemoteKeys:
             self.forget(rid)
 
 
-def pieces_of(so: np.ndarray, do: np.ndarray, ln: np.ndarray) -> list[tuple[int, int, int]]:
-    """``(src offset, dst offset, nbytes)`` of every piece, as Python ints."""
-    return list(zip(so.tolist(), do.tolist(), ln.tolist()))
+def _fn_address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _post_in_c(call, ep_handle: int, local_addr: int, lo, ro, ln, remote_addr: int, rkey):
+    """One ``ucp_{put,get}_nbx`` per piece in the C loop of ``transports._ringc`` (``None``
+    where that build is missing): ``(requests in progress, first error status, its piece)``."""
+    post = getattr(_ringc, "rma_post", None) if _ringc is not None else None
+    if post is None:
+        return None
+    lo, ro, ln = (np.ascontiguousarray(x, dtype=np.int64) for x in (lo, ro, ln))
+    out = np.empty(max(ln.size, 1), dtype=np.uint64)
+    nin, status, at = post(_fn_address(call), ep_handle, local_addr, lo, remote_addr, ro, ln,
+                           rkey.value or 0, _PARAM_ADDR, out)
+    return out[:nin].tolist(), status, at
 
 
 def _status(r) -> int:
@@ -157,13 +170,14 @@ def _status(r) -> int:
     return r - (1 << 64) if r >= core._ERR_LAST else _INPROGRESS
 
 
-def rma_pieces(op: str, worker_handle: int, ep_handle: int, local_addr: int, pieces, remote_addr: int, rkey,
-               *, deadline: float | None, what: str) -> None:
-    """``op="put"``: write every ``(local offset, remote offset, n)`` piece of the memory at
-    ``local_addr`` to ``remote_addr + remote offset``; ``"get"``: read it from there into
-    ``local_addr + local offset``. Then flush the endpoint: when this returns, every byte is
-    in place (at the target for a put, here for a get). BrokenLinkError when UCX fails one,
-    QlinkTimeoutError past ``deadline``."""
+def rma_pieces(op: str, worker_handle: int, ep_handle: int, local_addr: int, local_offsets, remote_offsets, nbytes,
+               remote_addr: int, rkey, *, deadline: float | None, what: str) -> None:
+    """``op="put"``: write ``nbytes[i]`` bytes of the memory at ``local_addr + local_offsets[i]``
+    to ``remote_addr + remote_offsets[i]``, for every piece i; ``"get"``: read them from there
+    into here. Then flush the endpoint: when this returns, every byte is in place (at the target
+    for a put, here for a get). BrokenLinkError when UCX fails one, QlinkTimeoutError past
+    ``deadline``. The calls are made in one C loop (``transports._ringc.rma_post``), one ctypes
+    call each only where that build is missing."""
     lib = _ucp()
     call = lib.ucp_put_nbx if op == "put" else lib.ucp_get_nbx
     progress, check, free = lib.ucp_worker_progress, lib.ucp_request_check_status, lib.ucp_request_free
@@ -177,9 +191,17 @@ def rma_pieces(op: str, worker_handle: int, ep_handle: int, local_addr: int, pie
         if st == _INPROGRESS:
             reqs.append(r)
 
-    for lo, ro, n in pieces:
-        if n:
-            take(call(ep_handle, local_addr + lo, n, remote_addr + ro, rkey, _PARAM_ADDR), f"ucp_{op}_nbx")
+    posted = _post_in_c(call, ep_handle, local_addr, local_offsets, remote_offsets, nbytes, remote_addr, rkey)
+    if posted is None:
+        for lo, ro, n in zip(np.asarray(local_offsets).tolist(), np.asarray(remote_offsets).tolist(),
+                             np.asarray(nbytes).tolist()):
+            if n:
+                take(call(ep_handle, local_addr + lo, n, remote_addr + ro, rkey, _PARAM_ADDR), f"ucp_{op}_nbx")
+    else:
+        reqs, status, at = posted
+        if status < 0:
+            _finish(reqs, progress, check, free, worker_handle, None)
+            raise BrokenLinkError(f"ucx: {what}: ucp_{op}_nbx of piece {at} failed: {core.status_text(status)}")
     take(lib.ucp_ep_flush_nbx(ep_handle, _PARAM_ADDR), "ucp_ep_flush_nbx")
     bad = _finish(reqs, progress, check, free, worker_handle, deadline)
     if bad is None:

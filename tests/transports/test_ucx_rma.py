@@ -255,3 +255,42 @@ def test_an_rma_put_many_towards_a_dead_peer_raises_and_this_process_lives_on():
         a.close()
     finally:
         lis.close()
+
+
+def test_the_c_loop_posts_every_piece_keeps_requests_in_progress_and_stops_at_an_error():
+    """transports._ringc.rma_post, driven with a stand-in for ucp_put_nbx (a ctypes callback):
+    one call per non-empty piece at the right addresses; requests handed back kept; the first
+    error status stops the loop and says which piece."""
+    import ctypes
+
+    from transports._shm_records import _ringc
+
+    if _ringc is None or not hasattr(_ringc, "rma_post"):
+        pytest.skip("transports._ringc is not built (python setup.py build_ext --inplace)")
+    calls = []
+    answers = {}  # piece's local address -> what the call returns (0 done, a request, or an error status)
+
+    @ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64,
+                      ctypes.c_void_p, ctypes.c_void_p)
+    def fake_put(ep, buf, n, raddr, rkey, param):
+        calls.append((ep, buf, n, raddr, rkey, param))
+        return answers.get(buf, 0)
+
+    fn = ctypes.cast(fake_put, ctypes.c_void_p).value
+    lo = np.array([0, 100, 200, 300, 400], dtype=np.int64)
+    ro = np.array([5000, 6000, 7000, 8000, 9000], dtype=np.int64)
+    ln = np.array([10, 0, 30, 40, 50], dtype=np.int64)
+    out = np.zeros(5, dtype=np.uint64)
+    answers[1000 + 200] = 0xABC0  # in progress
+    assert _ringc.rma_post(fn, 7, 1000, lo, 1 << 20, ro, ln, 9, 11, out) == (1, 0, -1)
+    assert [(c[1], c[2], c[3]) for c in calls] == [(1000, 10, (1 << 20) + 5000), (1200, 30, (1 << 20) + 7000),
+                                                    (1300, 40, (1 << 20) + 8000), (1400, 50, (1 << 20) + 9000)]
+    assert {(c[0], c[4], c[5]) for c in calls} == {(7, 9, 11)} and out[0] == 0xABC0
+    calls.clear()
+    answers[1000 + 300] = (1 << 64) - 3  # UCS_ERR_NO_MESSAGE as a pointer: an error
+    assert _ringc.rma_post(fn, 7, 1000, lo, 1 << 20, ro, ln, 9, 11, out) == (1, -3, 3)
+    assert len(calls) == 3  # the piece after the error was never posted
+    with pytest.raises(ValueError, match="negative"):
+        _ringc.rma_post(fn, 7, 1000, -lo, 0, ro, ln, 0, 0, out)
+    with pytest.raises(ValueError, match="one length"):
+        _ringc.rma_post(fn, 7, 1000, lo[:2], 0, ro, ln, 0, 0, out)
