@@ -583,7 +583,7 @@ class UcxEndpoint(PutSide, Endpoint):
         elif op == wire.OP_PULL:
             self._take_pull(rid, offset, nbytes, seq, tag_len, length)
         elif op == wire.OP_PULLED:
-            self._take_pulled(seq, notify_id)
+            self._take_pulled(seq, notify_id, nbytes, offset)
         else:
             self._bad_frame()
 

@@ -101,6 +101,15 @@ def _share(so: np.ndarray, do: np.ndarray, ln: np.ndarray, share: float):
     return so, do, ln, i + 1
 
 
+def _ewma(old: float, new: float, weight: float = 0.25) -> float:
+    """An exponentially weighted mean (the first sample taken as it is).
+
+    >>> _ewma(0.0, 4.0), _ewma(4.0, 8.0)
+    (4.0, 5.0)
+    """
+    return new if old <= 0 else (1 - weight) * old + weight * new
+
+
 def putv_groups(ln: np.ndarray) -> list[tuple[int, int]]:
     """Split the pieces of a put_many into runs whose table and bytes fit one vectored put."""
     return message_groups(ln, entry_nbytes=wire.PIECE.size, max_nbytes=wire.PUTV_MAX_NBYTES)
@@ -109,11 +118,15 @@ def putv_groups(ln: np.ndarray) -> list[tuple[int, int]]:
 class PutSide:
     """The one-sided half of :class:`transports.ucx.UcxEndpoint` (a mixin over its state)."""
 
-    #: share of a deferred RMA put_many's bytes the target reads itself while this side writes the rest;
-    #: more than half, because this side also builds and sends the pull frames (measured between two
-    #: processes on the 2-core VM, 64 MiB in 32 put_many calls: 32 KiB pieces 2.2-2.5 GB/s at 0.5,
-    #: 2.7-2.8 at 0.7, 1.9-2.0 at 0.8; 1 MiB pieces 3.8-4.0 at 0.5, 4.1-4.9 at 0.7)
-    PULL_SHARE = 0.7
+    #: share of a deferred RMA put_many's bytes the target reads itself while this side writes the
+    #: rest, until both sides' rates are known; then the share that has both finish together
+    #: (:meth:`_pull_share`). A fixed share was right on one host and one piece size only (between
+    #: two processes on the 2-core VM, 32 KiB pieces: best at 0.7 while this side posted each piece
+    #: from Python, at 0.5 once posted from C; 1 MiB pieces best at 0.5 in a bare CMA pair).
+    PULL_SHARE = 0.5
+    #: the share never goes outside these bounds (each side keeps some of the copying, so its rate
+    #: stays measured)
+    PULL_SHARE_RANGE = (0.15, 0.85)
 
     def _init_put_side(self) -> None:
         self._regions: dict[int, Region] = {}
@@ -133,13 +146,17 @@ class PutSide:
         self._pull_failed = False  # an OP_PULL since the last OP_PUT_DONE was refused: do not announce that one
         self._pulled_bytes = 0  # bytes this side read out of the peer's regions
         self._deferred = 0  # put_many calls the target read (part of) itself
+        self._pull_rate = 0.0  # bytes/ns the target reads at (EWMA of what its OP_PULLED frames report)
+        self._put_rate = 0.0  # bytes/ns this side writes its share at, table building included (EWMA)
 
     def _take_pull(self, rid, src_rid, nbytes, seq, tag_len, length) -> None:
         """``OP_PULL``: read the listed pieces of the peer's region ``src_rid`` into region ``rid``
         here, now (control frames are taken in order, so the OP_PUT_DONE after it announces bytes
         that are all in place); answer OP_PULLED either way."""
+        began_ns = time.perf_counter_ns()
         region = self._regions.get(rid)
         ok = False
+        pulled = 0
         start = wire.CTRL.size + tag_len
         if self.rma and region is not None and self._peer_alive() and region.kind == "host" and start + nbytes == length \
                 and nbytes >= wire.PULL_KEY.size:
@@ -159,13 +176,14 @@ class PutSide:
                                        int.from_bytes(key[:8], "little"), rkey, deadline=time.monotonic() + 10.0,
                                        what=f"the pull into region {rid}")
                         ok = True
-                        self._pulled_bytes += int(ln.sum())
+                        pulled = int(ln.sum())
+                        self._pulled_bytes += pulled
                     except (OSError, QlinkError):
                         ok = False
         if not ok:
             self._bad_frame()
             self._pull_failed = True
-        self._acks_due.append((seq, 0 if ok else 1))
+        self._acks_due.append((seq, 0 if ok else 1, pulled, time.perf_counter_ns() - began_ns if ok else 0))
         self._send_acks()
 
     def _peer_alive(self) -> bool:
@@ -187,16 +205,37 @@ class PutSide:
         if self._acks_due and self._tx_lock.acquire(blocking=False):
             try:
                 while self._acks_due:
-                    seq, status = self._acks_due.pop(0)
-                    self._send_ctrl(wire.OP_PULLED, seq=seq, notify_id=status)
+                    seq, status, pulled, took_ns = self._acks_due.pop(0)
+                    self._send_ctrl(wire.OP_PULLED, seq=seq, notify_id=status, nbytes=pulled, offset=took_ns)
             except QlinkError:
                 self._acks_due.clear()  # the link is gone: nobody waits for them
             finally:
                 self._tx_lock.release()
 
-    def _take_pulled(self, seq: int, status: int) -> None:
+    def _take_pulled(self, seq: int, status: int, nbytes: int = 0, took_ns: int = 0) -> None:
+        """``OP_PULLED``: the target read the pieces of OP_PULL ``seq`` (``status`` 0) in
+        ``took_ns`` (0 from a peer that does not say)."""
         self._pull_acked = max(self._pull_acked, seq)
         self._pull_refused += bool(status)
+        if not status and nbytes > 0 and took_ns > 0:
+            self._pull_rate = _ewma(self._pull_rate, nbytes / took_ns)
+
+    def _pull_share(self) -> float:
+        """The share of a deferred put_many's bytes the target reads: ``PULL_SHARE`` until both
+        rates are known, then ``pull rate / (pull rate + put rate)``, within ``PULL_SHARE_RANGE``.
+
+        >>> class _S(PutSide): pass
+        >>> s = _S(); s._pull_rate, s._put_rate = 0.0, 2.0
+        >>> s._pull_share()
+        0.5
+        >>> s._pull_rate = 6.0
+        >>> s._pull_share()
+        0.75
+        """
+        if self._pull_rate <= 0 or self._put_rate <= 0:
+            return self.PULL_SHARE
+        lo, hi = self.PULL_SHARE_RANGE
+        return min(hi, max(lo, self._pull_rate / (self._pull_rate + self._put_rate)))
 
     def flush(self, *, timeout_s: float | None = None) -> None:
         """Wait until the target has read every piece it was asked to (deferred put_many)."""
@@ -517,11 +556,12 @@ class PutSide:
         first asked to read the first ``PULL_SHARE`` of the bytes itself (``OP_PULL``), so the two
         sides copy at once, each on its own core, as NIXL's worker threads do; this side writes
         the rest meanwhile. The OP_PUT_DONE after both is taken after the pull, in order."""
+        t0 = time.perf_counter_ns()
         rid = remote.region_id
         lo, hi = span(do, ln)
         cut = 0
         if home is not None:
-            so, do, ln, cut = _share(so, do, ln, self.PULL_SHARE)
+            so, do, ln, cut = _share(so, do, ln, self._pull_share())
         if not self._peer_alive():  # writing into a dead process is fatal to this one (see _peer_alive)
             self._fail("the peer process exited or dropped the connection without closing")
             raise self._broken_error("the put_many was not written")
@@ -546,6 +586,10 @@ class PutSide:
             except BrokenLinkError as e:
                 self._fail(str(e))
                 raise
+            if cut:
+                mine = int(ln[cut:].sum())
+                if mine:
+                    self._put_rate = _ewma(self._put_rate, mine / max(1, time.perf_counter_ns() - t0))
             self._send_ctrl(wire.OP_PUT_DONE, rid=rid, offset=lo, nbytes=hi - lo, notify_id=notify_id, tag=tag)
         self._rma_puts += 1
 

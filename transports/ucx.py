@@ -63,9 +63,10 @@ One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`)
     is written anyway, as with any RMA: deregister first (the initiator checks revocations
     before each put). ``put_many(..., defer=True)`` from a region registered on this side
     (the KV sender registers its cache) shares the copy: the target first reads a share
-    (``PULL_SHARE``, 0.7) of the bytes itself (``OP_PULL``, ``ucp_get_nbx``) while this side
-    writes the rest, so both
-    cores copy, as NIXL's worker threads do; :meth:`flush` waits until the target confirmed
+    of the bytes itself (``OP_PULL``, ``ucp_get_nbx``) while this side writes the rest, so both
+    cores copy, as NIXL's worker threads do; the share starts at one half and then follows the
+    two sides' measured rates (the target reports each read's bytes and time) so that both
+    finish together; :meth:`flush` waits until the target confirmed
     its reads. Why it is opt-in: without UCX peer error handling (the default; with it this
     UCX leaves shared memory and CMA for software emulation over TCP) UCX aborts a process
     whose RMA read or write meets a dead peer. Each side checks that the peer is alive (its
