@@ -207,6 +207,41 @@ def test_a_deferred_put_many_is_shared_the_target_reads_part_of_it_bit_exact(ucx
     _no_more_notes(b)
 
 
+def test_the_share_the_target_reads_follows_the_rates_both_sides_measured(ucx_pair):
+    """After deferred put_many calls, the initiator knows both rates (the target's from its
+    OP_PULLED reports) and the share it asks the target to read is theirs, within bounds; a
+    target reported as 3 x faster is asked for 3/4 of the bytes, and gets them, bit-exact."""
+    a, b = ucx_pair
+    rng = np.random.default_rng(5)
+    unit, count = 32768, 64
+    target = np.zeros(2 * count * unit, np.uint8)
+    d = b.register(target).descriptor()
+    src = rng.integers(0, 256, 2 * count * unit, dtype=np.uint8)
+    a.register(src)
+    so, do, ln = _pieces(rng, count, unit, 2 * count)
+    assert a._pull_share() == a.PULL_SHARE  # nothing measured yet
+    for notify_id in (1, 2, 3):
+        a.put_many(src, d, so, do, ln, notify_id=notify_id, timeout_s=10, defer=True)
+        assert b.wait_notification(timeout_s=10).notify_id == notify_id
+        a.flush(timeout_s=10)
+    assert a._pull_rate > 0 and a._put_rate > 0
+    lo, hi = a.PULL_SHARE_RANGE
+    assert a._pull_share() == pytest.approx(min(hi, max(lo, a._pull_rate / (a._pull_rate + a._put_rate))))
+    a._pull_rate, a._put_rate = 3.0, 1.0  # as if measured: the target 3 x faster
+    a._take_pulled(0, 0, 0, 0)  # a report without a time (an older peer) changes nothing
+    assert a._pull_share() == pytest.approx(0.75)
+    target[:] = 0
+    pulled = b.statistics().extra["pulled_bytes"]
+    a.put_many(src, d, so, do, ln, notify_id=4, timeout_s=10, defer=True)
+    assert b.wait_notification(timeout_s=10).notify_id == 4
+    a.flush(timeout_s=10)
+    share = (b.statistics().extra["pulled_bytes"] - pulled) / int(ln.sum())
+    assert 0.70 <= share <= 0.80  # 3/4, cut at a 4 KiB step
+    for s_, t, n in zip(so, do, ln):
+        assert (target[t:t + n] == src[s_:s_ + n]).all()
+    _no_more_notes(b)
+
+
 def test_a_refused_pull_is_counted_confirmed_and_its_put_many_never_announced(ucx_pair):
     a, b = ucx_pair
     region = b.register(np.zeros(1 << 16, np.uint8))
