@@ -553,9 +553,10 @@ class PutSide:
         with one ``OP_PUT_DONE`` spanning the lowest destination to the end of the highest piece.
 
         ``home`` (a deferred put_many whose source lies in a region mapped here): the target is
-        first asked to read the first ``PULL_SHARE`` of the bytes itself (``OP_PULL``), so the two
-        sides copy at once, each on its own core, as NIXL's worker threads do; this side writes
-        the rest meanwhile. The OP_PUT_DONE after both is taken after the pull, in order."""
+        first asked to read the first share of the bytes itself (``OP_PULL``; :meth:`_pull_share`),
+        so the two sides copy at once, each on its own core, as NIXL's worker threads do; this side
+        writes the rest meanwhile, timed for the next share. The OP_PUT_DONE after both is taken
+        after the pull, in order."""
         t0 = time.perf_counter_ns()
         rid = remote.region_id
         lo, hi = span(do, ln)
