@@ -950,6 +950,23 @@ static qlink_ring_api ring_c_api = {
     api_producer_on_our_cpu, api_queued_nbytes,
 };
 
+/* Acquire the buffers of objs[0..n) with flags[i] each; -1 (those taken released) on failure. */
+static int get_buffers(PyObject *const *objs, Py_buffer *bufs, const int *flags, int n) {
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(objs[i], &bufs[i], flags[i]) < 0) {
+            while (i-- > 0)
+                PyBuffer_Release(&bufs[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_buffers(Py_buffer *bufs, int n) {
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(&bufs[i]);
+}
+
 /* copy_pieces(dst, src, src_offsets, dst_offsets, nbytes, streaming) -> bytes copied: the pieces of
  * `src` at `src_offsets` into `dst` at `dst_offsets` (int64 arrays of one length), in one C loop
  * without the GIL, with glibc's memcpy or (streaming=True) the non-temporal copy the target uses for
@@ -960,25 +977,11 @@ static PyObject *mod_copy_pieces(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "copy_pieces(dst, src, src_offsets, dst_offsets, nbytes, streaming)");
         return NULL;
     }
-    Py_buffer d, s, so, dof, ln;
-    if (PyObject_GetBuffer(args[0], &d, PyBUF_WRITABLE) < 0)
+    Py_buffer bufs[5];
+    static const int flags[5] = {PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_SIMPLE, PyBUF_SIMPLE, PyBUF_SIMPLE};
+    if (get_buffers(args, bufs, flags, 5) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &s, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&d);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[2], &so, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&d), PyBuffer_Release(&s);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[3], &dof, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&d), PyBuffer_Release(&s), PyBuffer_Release(&so);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[4], &ln, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&d), PyBuffer_Release(&s), PyBuffer_Release(&so), PyBuffer_Release(&dof);
-        return NULL;
-    }
+    Py_buffer d = bufs[0], s = bufs[1], so = bufs[2], dof = bufs[3], ln = bufs[4];
     int streaming = PyObject_IsTrue(args[5]);
     PyObject *res = NULL;
     Py_ssize_t k = ln.len / 8;
@@ -1011,7 +1014,7 @@ static PyObject *mod_copy_pieces(PyObject *self, PyObject *const *args, Py_ssize
     Py_END_ALLOW_THREADS
     res = PyLong_FromUnsignedLongLong(total);
 out:
-    PyBuffer_Release(&d), PyBuffer_Release(&s), PyBuffer_Release(&so), PyBuffer_Release(&dof), PyBuffer_Release(&ln);
+    release_buffers(bufs, 5);
     return res;
 }
 
@@ -1041,21 +1044,12 @@ static PyObject *mod_rma_post(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "rma_post: a null function or endpoint");
         return NULL;
     }
-    Py_buffer lo, ro, ln, out;
-    if (PyObject_GetBuffer(args[3], &lo, PyBUF_SIMPLE) < 0)
+    Py_buffer bufs[4];
+    PyObject *const objs[4] = {args[3], args[5], args[6], args[9]};
+    static const int flags[4] = {PyBUF_SIMPLE, PyBUF_SIMPLE, PyBUF_SIMPLE, PyBUF_WRITABLE};
+    if (get_buffers(objs, bufs, flags, 4) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[5], &ro, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&lo);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[6], &ln, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&lo), PyBuffer_Release(&ro);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[9], &out, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&lo), PyBuffer_Release(&ro), PyBuffer_Release(&ln);
-        return NULL;
-    }
+    Py_buffer lo = bufs[0], ro = bufs[1], ln = bufs[2], out = bufs[3];
     PyObject *res = NULL;
     Py_ssize_t k = ln.len / 8;
     if (lo.len != ln.len || ro.len != ln.len || ln.len % 8 || out.len < ln.len) {
@@ -1092,7 +1086,7 @@ static PyObject *mod_rma_post(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("(nln)", nin, status, bad_at);
 done:
-    PyBuffer_Release(&lo), PyBuffer_Release(&ro), PyBuffer_Release(&ln), PyBuffer_Release(&out);
+    release_buffers(bufs, 4);
     return res;
 }
 
