@@ -11,7 +11,8 @@ in one run:
   is one ``put_many`` and, by default, deferred: the sender posts the descriptors and the
   receiver copies the blocks out of the sender's cache while it waits for them, one C
   loop over the pieces straight into its cache, the only copy (``moved_by`` says which
-  side copied: the receiver's ``pulled_bytes`` grew by the request's bytes, or not;
+  side copied: the receiver's ``pulled_bytes`` grew by the request's bytes, by part of them
+  (``both``: ucx RMA's deferred puts, the share in ``read_by_receiver``), or not;
   ``pull_copy`` how the receiver copied: glibc's ``memcpy`` or the streaming copy,
   whichever its own large pulls have shown faster on this host, with both rates);
 * **NIXL** — the same blocks moved by NIXL's UCX backend between two processes, set up
@@ -371,7 +372,7 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
                             break
                         times_us.append(rec.submit_to_last_us)
                         subs.append(sub)
-                        pulled.append(_pulled_bytes(rx) - before >= rec.nbytes)
+                        pulled.append((_pulled_bytes(rx) - before) / max(1, rec.nbytes))
                         spent_s += rec.submit_to_last_us / 1e6
                         if spent_s >= floor.last_spent_s:  # and no longer than they took (a slow peer: fewer)
                             break
@@ -388,7 +389,9 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
                     "p50_ms": float(f"{t_us / 1e3:.4g}"), "GBps": float(f"{gbps:.4g}"),
                     "best_GBps": float(f"{best_gbps:.4g}"),
                     "num_descs": rec.num_descs, "transport": rec.transport,
-                    "moved_by": "NIXL" if nixl else "receiver" if all(pulled) else "sender",
+                    "moved_by": "NIXL" if nixl else "receiver" if min(pulled) >= 1 else
+                    "both" if max(pulled) > 0 else "sender",
+                    "read_by_receiver": None if nixl else round(float(np.median(pulled)), 3),
                     "prep_us_per_block": None if nixl else
                     round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
                     "submit_us_per_block": None if nixl else

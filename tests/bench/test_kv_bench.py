@@ -33,6 +33,7 @@ def test_kv_bench_rows_on_a_tiny_layout():
         assert r["nbytes"] == r["tokens"] * 512 and r["GBps"] > 0 and r["num_descs"] >= 4
         assert r["x_memcpy"] > 0 and r["prep_us_per_block"] >= 0 and r["submit_us_per_block"] > 0
         assert r["moved_by"] == ("receiver" if scheme == "shm" else "sender")  # shm defers the copy to the receiver
+        assert r["read_by_receiver"] == (1.0 if scheme == "shm" else 0.0)
         assert r["x_nixl"] is None and r["x_mooncake"] is None  # no peer ran: no ratio against one
     floor = {(r["tokens"], r["pattern"]): r for r in by_basis["floor"]}
     assert set(floor) == {(t, p) for t in (16, 64) for p in ("contiguous", "scattered")}
