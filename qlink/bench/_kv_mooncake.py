@@ -6,8 +6,9 @@ cache of the same layout, each a ``mooncake.engine.TransferEngine`` initialized 
 the ``tcp`` protocol with ``P2PHANDSHAKE`` metadata (no metadata server; the initiator
 names the target as ``host:rpc_port``), each layer's cache registered as one region.
 A request is ONE ``batch_transfer_sync_write`` of every layer's merged block runs
-(contiguous blocks as one piece, as vLLM's ``MooncakeConnector`` groups them), timed in
-the initiator from the call to its return. The target then checks one byte of every
+(contiguous blocks as one piece, as vLLM's ``MooncakeConnector`` groups them; several
+calls in a row beyond :data:`MAX_BATCH_ENTRIES` runs), timed in the initiator from the
+first call to the last one's return. The target then checks one byte of every
 moved piece against the initiator's fill, so a transfer that moved nothing fails.
 
 Mooncake's TCP transport cuts transfers into slices of ``MC_TCP_SLICE_SIZE`` bytes
@@ -85,6 +86,10 @@ def mooncake_unavailable() -> str | None:
 #: pooled connections (SGLang sets it; Mooncake's default from releases after 0.3.13) and
 #: per-peer queues of 65535 transfers (the later default; 0.3.13's 1024 refuses one batch of
 #: a few thousand block runs with -1).
+#: Entries of one ``batch_transfer_sync_write``: a request with more (32k scattered tokens of
+#: Llama-3-8B: 131,072 block runs) goes as several calls in a row, each at most half the
+#: per-peer queue below (one call of all 131,072 returns -1 at once).
+MAX_BATCH_ENTRIES = 32768
 TCP_ENV = {"MC_TCP_ENABLE_CONNECTION_POOL": "true", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
            "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535", "MC_LOG_LEVEL": "ERROR"}
 
@@ -144,7 +149,8 @@ def _target(conn, spec_bytes: bytes, slice_nbytes: int) -> None:
         conn.send(("err", f"{type(e).__name__}: {e}"))
 
 
-def _initiator(conn, spec_bytes: bytes, slice_nbytes: int, session: str, remote: bytes) -> None:
+def _initiator(conn, spec_bytes: bytes, slice_nbytes: int, session: str, remote: bytes,
+               max_batch_entries: int = MAX_BATCH_ENTRIES) -> None:
     import time
 
     from qlink.procs import die_with_parent
@@ -166,7 +172,12 @@ def _initiator(conn, spec_bytes: bytes, slice_nbytes: int, session: str, remote:
             dst = (remote_addrs[list(layers)][:, None] + do.astype(np.uint64)[None, :]).ravel().tolist()
             lens = np.tile(ln, len(layers)).tolist()
             t0 = time.perf_counter_ns()
-            rc = eng.batch_transfer_sync_write(session, src, dst, lens)
+            rc = 0
+            for a in range(0, len(lens), max_batch_entries):  # (one call beyond that fails: see MAX_BATCH_ENTRIES)
+                b = a + max_batch_entries
+                rc = eng.batch_transfer_sync_write(session, src[a:b], dst[a:b], lens[a:b])
+                if rc != 0:
+                    break
             t1 = time.perf_counter_ns()
             conn.send(("ok", (rc, t1 - t0)) if rc == 0 else ("err", f"batch_transfer_sync_write returned {rc}"))
     except Exception as e:  # noqa: BLE001
@@ -198,7 +209,7 @@ class MooncakePair:
     in every layer of ``layers`` with one ``batch_transfer_sync_write`` and returns
     the seconds the call took; it raises RuntimeError when a moved piece did not land."""
 
-    def __init__(self, spec, *, slice_nbytes: int):
+    def __init__(self, spec, *, slice_nbytes: int, max_batch_entries: int = MAX_BATCH_ENTRIES):
         ctx = mp.get_context("spawn")
         self.slice_nbytes = int(slice_nbytes)
         self._t, t_child = ctx.Pipe()
@@ -209,7 +220,7 @@ class MooncakePair:
             _, port, remote = self._answer(self._t)
             self._procs.append(ctx.Process(target=_initiator, daemon=True,
                                            args=(i_child, spec.to_bytes(), self.slice_nbytes, f"127.0.0.1:{port}",
-                                                 remote)))
+                                                 remote, int(max_batch_entries))))
             _start_with(self._procs[1], _child_env())
             self._answer(self._i)
         except BaseException:

@@ -356,8 +356,16 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
                         for k in range(2 * max(1, floor.last_copies)):  # blocking and busy-polling ends alternate
                             sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers, spin=k % 2)
                             tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
-                    for pair in moon:  # the first round of each is its warm-up, as the transfer's
-                        sec = pair.write(plan, range(spec.num_layers))
+                    for pair in list(moon):  # the first round of each is its warm-up, as the transfer's
+                        try:
+                            sec = pair.write(plan, range(spec.num_layers))
+                        except (RuntimeError, TimeoutError, OSError, EOFError) as e:  # the peer's failure, not qlink's
+                            moon.remove(pair)  # measured no further; qlink's rounds go on
+                            moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(
+                                f"{type(e).__name__}: {e}")
+                            say(f"  Mooncake, slice {pair.slice_nbytes // 1024} KiB, {n_tokens} tok {pattern}: "
+                                f"{type(e).__name__}: {e}; not measured further in this run")
+                            continue
                         if rep:
                             moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(sec)
                     spent_s = 0.0
@@ -537,8 +545,14 @@ def _measure_mooncake(spec, token_list, patterns, repeats: int, say) -> list[dic
                 for pattern in patterns:
                     src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
                     plan = _plan(spec, src, dst)
-                    secs = [pair.write(plan, range(spec.num_layers)) for _ in range(repeats + 1)][1:]
                     nbytes = plan.layer_nbytes * spec.num_layers
+                    try:
+                        secs = [pair.write(plan, range(spec.num_layers)) for _ in range(repeats + 1)][1:]
+                    except (RuntimeError, TimeoutError, OSError, EOFError) as e:
+                        rows.append({"case": label, "basis": "error", "tokens": n_tokens, "nbytes": nbytes,
+                                     "pattern": pattern, "note": f"{type(e).__name__}: {e}"})
+                        say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {type(e).__name__}: {e}")
+                        continue
                     t = float(np.median(secs))
                     rows.append({"case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes,
                                  "pattern": pattern, "p50_ms": float(f"{t * 1e3:.4g}"),
@@ -556,6 +570,12 @@ def _mooncake_rows(spec, times: dict, repeats: int, say) -> list[dict]:
     for (slice_nbytes, n_tokens, pattern), secs in sorted(times.items()):
         label = f"Mooncake TE TCP, slice {slice_nbytes // 1024} KiB"
         nbytes = spec.kv_nbytes(num_tokens=n_tokens)
+        failed = [x for x in secs if isinstance(x, str)]
+        secs = [x for x in secs if not isinstance(x, str)]
+        if failed or not secs:
+            rows.append({"case": label, "basis": "error", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
+                         "note": failed[0] if failed else "no round was measured"})
+            continue
         t = float(np.median(secs))
         rows.append({"case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
                      "p50_ms": float(f"{t * 1e3:.4g}"), "GBps": float(f"{nbytes / t / 1e9:.4g}"),

@@ -164,3 +164,14 @@ def test_tcp_rows_are_set_against_the_bare_socket_floor_taken_between_their_roun
             "GBps": sock[16]["GBps"] / 4}
     goal = next(g for g in kv_goals(rows + [moon]) if g["goal"].startswith("tcp >= 2 x Mooncake TCP at 16 tokens"))
     assert "4.00 x Mooncake" in goal["floor"]
+
+
+def test_a_mooncake_round_that_failed_beside_qlink_tcp_becomes_an_error_row_and_the_others_stay():
+    from qlink.ai import preset
+    from qlink.bench.kv import _mooncake_rows
+
+    spec = preset("tiny", num_blocks=32)
+    times = {(65536, 16, "contiguous"): [0.001, 0.002], (65536, 16, "scattered"): ["RuntimeError: returned -1"]}
+    rows = {r["pattern"]: r for r in _mooncake_rows(spec, times, 2, lambda _: None)}
+    assert rows["contiguous"]["basis"] == "measured" and rows["contiguous"]["transfers"] == 2
+    assert rows["scattered"]["basis"] == "error" and "returned -1" in rows["scattered"]["note"]

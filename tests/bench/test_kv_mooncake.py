@@ -32,6 +32,15 @@ def test_a_batch_write_lands_and_a_missing_piece_is_caught():
         assert bad == int(np.asarray(lying.dst_offsets).size)
 
 
+def test_a_request_of_more_runs_than_one_batch_takes_goes_as_several_calls_and_lands():
+    spec = preset("tiny", num_blocks=32)
+    plan = plan_transfer([3, 9, 12, 20, 30], [0, 5, 8, 17, 31], src_num_blocks=32, dst_num_blocks=32,
+                         block_nbytes=spec.block_nbytes, num_planes=spec.num_planes)
+    assert np.asarray(plan.nbytes).size * spec.num_layers > 3
+    with MooncakePair(spec, slice_nbytes=65536, max_batch_entries=3) as pair:  # several calls per request
+        assert pair.write(plan, range(spec.num_layers)) > 0  # and the target found every piece in place
+
+
 def test_bench_kv_takes_mooncake_rounds_between_qlink_tcp_rounds():
     from qlink.ai.peer import transport_unavailable
     from qlink.bench.kv import kv_goals, run_kv_bench
