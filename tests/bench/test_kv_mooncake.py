@@ -57,3 +57,18 @@ def test_bench_kv_takes_mooncake_rounds_between_qlink_tcp_rounds():
         assert r["GBps"] > 0 and r["nbytes"] == r["tokens"] * 512
     goals = [g for g in kv_goals(rows) if g["goal"].startswith("tcp >= 2 x Mooncake")]
     assert len(goals) == 4 and all(g["measured"] is not None for g in goals)
+
+
+def test_bench_kv_measures_mooncake_in_rounds_of_its_own_where_its_caches_beside_qlinks_exceed_the_budget():
+    from qlink.ai.peer import transport_unavailable
+    from qlink.bench.kv import run_kv_bench
+
+    if transport_unavailable("tcp"):
+        pytest.skip("tcp transport unavailable")
+    spec_nbytes = 64 * 512  # the tiny preset's cache at 64 tokens
+    rows = run_kv_bench(transports=("tcp",), tokens=(16, 64), preset="tiny", repeats=1, nixl=False, mooncake=True,
+                        memory_budget_nbytes=3 * spec_nbytes, progress=lambda _: None)  # 2 caches fit, 4 more do not
+    moon = [r for r in rows if r["case"].startswith("Mooncake") and r["basis"] == "measured"]
+    tcp = [r for r in rows if r["case"].startswith("qlink tcp") and r["basis"] == "measured"]
+    assert len(moon) == 2 * 2 * 2 and len(tcp) == 2 * 2
+    assert all(r["note"].startswith("rounds of its own") for r in moon)
