@@ -191,14 +191,8 @@ static PyObject *mod_serve_sessions(PyObject *Py_UNUSED(m), PyObject *args) {
         }
         /* every 64 passes: the clocks, the wake flag, answers still to write */
         int64_t now = mono_ns();
-        if (*wk) {
-            code = SS_WAKE;
-            break;
-        }
-        if (now - t0 >= period_ns) {
-            code = SS_PERIOD;
-            break;
-        }
+        /* the sessions' clocks first: a wake flag or a period that ended at every check would
+         * otherwise return before them, call after call, and never look at them */
         for (Py_ssize_t i = 0; i < n && code < 0; i++) {
             ServiceCore *s = cores[i];
             if (io_flush(&s->io) < 0 || io_peer_closed(&s->io))
@@ -212,6 +206,14 @@ static PyObject *mod_serve_sessions(PyObject *Py_UNUSED(m), PyObject *args) {
         }
         if (code >= 0)
             break;
+        if (*wk) {
+            code = SS_WAKE;
+            break;
+        }
+        if (now - t0 >= period_ns) {
+            code = SS_PERIOD;
+            break;
+        }
         if (busy) {
             if (now - t_yield > 1000000) { /* busy a long while: let a thread waiting for the GIL in */
                 t_yield = now;

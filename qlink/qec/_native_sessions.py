@@ -262,9 +262,15 @@ class NativeSessionServer(SessionServerBase):
         try:
             while True:
                 now = time.monotonic()
-                if self._acceptor is not None and self._acceptor.incoming:
+                if self._acceptor is not None:
+                    # the flag down before the queue is read: an endpoint queued after this read
+                    # raises it again (its on_new comes after its append), and one queued before is
+                    # admitted now. Lowered only when the queue was not empty, a flag raised just
+                    # after that queue was emptied stayed up, and every serve_sessions call
+                    # returned at once for a wake-up with nobody to let in.
                     self._wake[0] = 0
-                    self._admit(now)
+                    if self._acceptor.incoming:
+                        self._admit(now)
                 if self._udp is not None:
                     self._udp_intake(now)
                 if self._done(now, stop_event=stop_event, max_sessions_served=max_sessions_served, give_up=give_up,
