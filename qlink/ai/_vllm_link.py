@@ -602,35 +602,30 @@ class PrefillServer:
                 self.expired += 1
 
 
-def _has_close_notice(tracker) -> bool:
-    """Whether a close notice has arrived on the link ``tracker`` accounts (nothing is read)."""
+def _notice_reason(tracker) -> str | None:
+    """The reason of a close notice already accounted by ``tracker``, if one came (nothing is read)."""
     try:
         tracker.record(CLOSE_RID)
     except TransferAbortedError as e:
-        return _CLOSE_PREFIX in str(e)
+        text = str(e)
+        if _CLOSE_PREFIX in text:
+            return text.split(_CLOSE_PREFIX, 1)[1].partition(":")[0]
     except QlinkError:
         pass
-    return False
+    return None
 
 
 def _close_notice(rx) -> str | None:
     """The reason of the close notice ``rx``'s sender sent before closing the link, if it did
     (frames still read ahead are taken first: the break may have been seen before them)."""
-    for attempt in range(2):
+    reason = _notice_reason(rx._tracker)
+    if reason is None:
         try:
-            rx._tracker.record(CLOSE_RID)
-        except TransferAbortedError as e:
-            text = str(e)
-            if _CLOSE_PREFIX in text:
-                return text.split(_CLOSE_PREFIX, 1)[1].partition(":")[0]
-        except QlinkError:
+            rx._poll_frames(64)
+        except (QlinkError, OSError, ValueError):
             pass
-        if attempt == 0:
-            try:
-                rx._poll_frames(64)
-            except (QlinkError, OSError, ValueError):
-                pass
-    return None
+        reason = _notice_reason(rx._tracker)
+    return reason
 
 
 @dataclass(frozen=True)
@@ -861,7 +856,7 @@ class DecodeClient:
         if broken is not None:  # every request still in flight on this link is lost
             self._drop_link(url, f"the prefill engine at {url} went away mid-transfer ({broken})")
             return True
-        if _has_close_notice(tr):  # the server said it closes the link: no need to wait for the end of stream
+        if _notice_reason(tr) is not None:  # the server said it closes the link: no need to wait for the end of stream
             self._drop_link(url, f"the prefill engine at {url} closed the link")
             return True
         return bool(n)
