@@ -85,8 +85,12 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._cur_got = 0
         self._cur_direct = False  # _cur_dst is the caller's buffer (must be detached if we leave early)
         self._cur_flags = 0  # header flags of the frame in progress (PUTV: MORE)
-        self._stage: np.ndarray | None = None  # PUTV payloads land here, then scatter into the region
+        self._stage: np.ndarray | None = None  # a PUTV table, and the small pieces behind it, land here
         self._vspan: list | None = None  # [lo, hi, accepted] over the PUTV frames of one put_many so far
+        self._vphase = 0  # the PUTV frame in progress: table, pieces in place, staged, read past
+        self._vdo = self._vln = ()  # its pieces' destinations and sizes
+        self._vi = 0  # the piece in progress (pieces in place)
+        self._vlo = self._vhi = 0  # the span its pieces cover
         self._gathered = 0
         self._msgq: deque = deque()
         self._noteq: deque = deque()
@@ -300,7 +304,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
     def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
                  tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:
         """Write pieces of ``data`` into the peer's region: one PUTV frame for all of them
-        (one piece: a PUT frame) and ONE Notification spanning them, returning 1 (see the module docstring and
+        and ONE Notification spanning them, returning 1 (see the module docstring and
         :meth:`transports.Endpoint.put_many`). Every piece is checked before anything is
         sent. A peer that speaks protocol version 1 gets one PUT per piece instead (and
         one Notification per piece; ``put_many_gathers`` is False then). ``defer`` changes
@@ -319,16 +323,6 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
                              f"{MAX_PIECE_NBYTES} bytes per piece; split it")
         self._check_target(remote)
         deadline = deadline_of(timeout_s)
-        if ln.size == 1:  # one piece: a PUT frame, which the far side reads straight into the region
-            a = int(so[0])  # (a PUTV frame is staged there, then copied: twice the far side's work)
-            with self._slock:
-                self._send_frame(fr.KIND_PUT, src[a:a + int(ln[0])], region_id=remote.region_id, offset=int(do[0]),
-                                 notify_id=notify_id, tag=tag, deadline=deadline, timeout_s=timeout_s, nowait=False,
-                                 what="put_many")
-            self._gathered += 1
-            self._counters.puts += 1
-            self._counters.put_bytes += int(ln[0])
-            return 1
         groups = frame_groups(ln)
         with self._slock:
             for g, (a, b) in enumerate(groups):

@@ -1,8 +1,9 @@
 """The receive side of a ``tcp://`` endpoint: read the stream ahead into one buffer, cut it
 into frames (:mod:`transports.framing`, and :mod:`transports._tcp_frames` for PUTV) and land
 each one: a message into the caller's buffer (a large one straight from the socket) or aside
-in a queue, a put into its registered region with its Notification queued, a PUTV frame
-through a staging buffer scattered into the region, DEREG and BYE into the endpoint's state.
+in a queue, a put into its registered region with its Notification queued, a PUTV frame's
+table first and then its pieces (large ones straight into their places in the region, small
+ones staged and scattered in one call), DEREG and BYE into the endpoint's state.
 
 :class:`TcpReceiveSide` is a part of :class:`~transports._tcp_endpoint.TcpEndpoint`; every
 method runs with the endpoint's receive lock held.
@@ -28,6 +29,8 @@ NOTHING = -1  # _pump: no more bytes for now
 NOTE = -2  # _pump: a notification was queued
 _DIRECT_MIN = 32 << 10  # a payload remainder at least this large is read straight into its destination
 _MAX_STAGE_KEEP = 256 << 20  # a PUTV staging buffer up to this size is kept for the next frame
+_DIRECT_PIECE = 64 << 10  # PUTV pieces this large on average land straight in the region, not staged
+_V_TABLE, _V_DIRECT, _V_STAGED, _V_SKIP = range(4)  # the phases of a PUTV frame in progress
 
 _unpack_header = fr.HEADER.unpack_from
 _HSIZE = fr.HEADER.size
@@ -103,24 +106,14 @@ class TcpReceiveSide:
                 else:
                     dst = self._cur_dst = memoryview(bytearray(n))
                     self._staged += 1
-            got = self._cur_got
-            while got < n:
-                avail = self._rend - self._rpos
-                if avail:
-                    k = min(avail, n - got)
-                    if dst is not None:
-                        dst[got:got + k] = rmv[self._rpos:self._rpos + k]
-                    self._rpos += k
-                    got += k
-                elif dst is not None and n - got >= _DIRECT_MIN:
-                    k = self._recv_direct(dst, got, n)
-                    if k < 0:
-                        self._cur_got = got
-                        return NOTHING
-                    got += k
-                elif not self._fill():
-                    self._cur_got = got
-                    return NOTHING
+            if kind == KIND_PUTV:
+                r = self._pump_putv()
+                if r is not None:
+                    return r
+                continue
+            got = self._cur_got = self._take(dst, self._cur_got, n)
+            if got < n:
+                return NOTHING
             self._cur = None
             self._cur_dst = None
             self._cur_got = 0
@@ -167,10 +160,33 @@ class TcpReceiveSide:
         if kind == fr.KIND_PUT:
             self._cur_dst = self._put_target(rid, off, n)
         elif kind == KIND_PUTV:
-            self._cur_dst = self._staging(n)
+            self._vphase = _V_TABLE
+            self._cur_dst = self._table_buffer(off * PIECE_NBYTES)
         else:
             self._cur_dst = None
         return cur
+
+    def _take(self, dst: memoryview | None, got: int, n: int) -> int:
+        """Move the frame's bytes ``[got, n)`` into ``dst`` (None: read past them), from the
+        read-ahead buffer or, for a large remainder, straight from the socket; returns how
+        far it got (less than ``n``: the socket has no more for now)."""
+        rmv = self._rmv
+        while got < n:
+            avail = self._rend - self._rpos
+            if avail:
+                k = min(avail, n - got)
+                if dst is not None:
+                    dst[got:got + k] = rmv[self._rpos:self._rpos + k]
+                self._rpos += k
+                got += k
+            elif dst is not None and n - got >= _DIRECT_MIN:
+                k = self._recv_direct(dst, got, n)
+                if k < 0:
+                    return got
+                got += k
+            elif not self._fill():
+                return got
+        return got
 
     def _recv_direct(self, dst: memoryview, got: int, n: int) -> int:
         """Read the rest of a large payload straight into ``dst``; -1 when nothing came."""
@@ -189,12 +205,6 @@ class TcpReceiveSide:
     def _landed(self, kind: int, rid: int, n: int, off: int, nid: int, tag: bytes, dst):
         """A put's bytes are all in: announce it. NOTE when a Notification was queued,
         NOTHING when the link broke, None to go on reading."""
-        if kind == KIND_PUTV:
-            note = self._land_putv(rid, n, off, nid, tag, dst)
-            if note is not None:
-                self._noteq.append(note)
-                return NOTE
-            return NOTHING if self._dead is not None else None
         if dst is not None:  # an accepted put: its bytes are in place
             self._noteq.append(Notification(region_id=rid, offset=off, nbytes=n, notify_id=nid, tag=tag))
             return NOTE
@@ -217,7 +227,7 @@ class TcpReceiveSide:
         except OSError:
             pass
 
-    def _staging(self, nbytes: int) -> memoryview:
+    def _table_buffer(self, nbytes: int) -> memoryview:
         st = self._stage
         if st is None or st.size < nbytes:
             st = np.empty(nbytes, dtype=np.uint8)
@@ -225,29 +235,93 @@ class TcpReceiveSide:
                 self._stage = st
         return memoryview(st)[:nbytes]
 
-    def _land_putv(self, rid: int, n: int, count: int, nid: int, tag: bytes, staged: memoryview):
-        """A whole PUTV frame is in ``staged``: check its table, scatter its pieces into the
-        region; the Notification when this was the last frame of its put_many, else None."""
+    def _pump_putv(self) -> int | None:
+        """Progress the PUTV frame in progress: its table, then its pieces. Pieces of
+        ``_DIRECT_PIECE`` bytes or more on average go straight into their places in the
+        region (a large remainder read from the socket into it); smaller ones are read into a
+        staging buffer behind the table and scattered from there in one call. A frame whose
+        pieces fall outside the region is read past and counted; one whose table does not
+        add up breaks the link. NOTE when the put_many's Notification was queued, NOTHING to
+        stop, None when the frame is done and reading goes on."""
+        kind, rid, n, count, nid, tag = self._cur
         tab_n = count * PIECE_NBYTES
-        table = np.frombuffer(staged, dtype="<u8", count=2 * count).reshape(count, 2)
+        phase = self._vphase
+        if phase == _V_TABLE:
+            got = self._cur_got = self._take(self._cur_dst, self._cur_got, tab_n)
+            if got < tab_n:
+                return NOTHING
+            phase = self._start_pieces(n, tab_n)
+            if phase is None:
+                return NOTHING
+        if phase == _V_DIRECT:
+            do, ln, view = self._vdo, self._vln, self._cur_dst
+            i, got = self._vi, self._cur_got
+            while i < count:
+                d, k = do[i], ln[i]
+                got = self._take(view[d:d + k], got, k)
+                if got < k:
+                    self._vi, self._cur_got = i, got
+                    return NOTHING
+                i, got = i + 1, 0
+        else:  # staged behind the table, or read past (dst None)
+            dst = self._cur_dst
+            got = self._cur_got = self._take(dst, self._cur_got, n)
+            if got < n:
+                return NOTHING
+            if phase == _V_STAGED:
+                do, ln = self._vdo, self._vln
+                stage = np.frombuffer(dst, dtype=np.uint8)
+                copy_pieces(np.frombuffer(self._regions[rid][1], dtype=np.uint8), stage,
+                            np.cumsum(ln) - ln + tab_n, np.asarray(do, np.int64), np.asarray(ln, np.int64))
+        self._cur = None
+        self._cur_dst = None
+        self._cur_got = 0
+        note = self._putv_done(rid, nid, tag, phase != _V_SKIP)
+        if note is not None:
+            self._noteq.append(note)
+            return NOTE
+        return None
+
+    def _start_pieces(self, n: int, tab_n: int) -> int | None:
+        """The table is in: check it and choose how the pieces land (the phase), or None
+        when the table breaks the link."""
+        rid, count = self._cur[1], self._cur[3]
+        table = np.frombuffer(self._cur_dst, dtype="<u8", count=2 * count).reshape(count, 2)
         do, ln = table[:, 0], table[:, 1]
         if (ln > fr.MAX_FRAME_PAYLOAD).any() or int(ln.sum()) != n - tab_n:
             self._bad_frame(WireError(f"PUTV frame of {n} bytes: its {count} pieces add up to {int(ln.sum())} "
                                       f"bytes, not the {n - tab_n} after the table"))
-            self._vspan = None
+            self._cur = self._cur_dst = self._vspan = None
             return None
         entry = self._regions.get(rid)
         limit = 0 if entry is None else entry[0].nbytes
-        ok = entry is not None and not ((do > limit) | (ln > limit - np.minimum(do, limit))).any()
-        if ok:
-            do, ln = do.astype(np.int64), ln.astype(np.int64)
-            so = np.cumsum(ln) - ln + tab_n
-            copy_pieces(np.frombuffer(entry[1], dtype=np.uint8), np.frombuffer(staged, dtype=np.uint8), so, do, ln)
-            lo, hi = span(do, ln)
-        else:
+        self._cur_got = tab_n
+        if entry is None or ((do > limit) | (ln > limit - np.minimum(do, limit))).any():
             self._puts_rejected += 1  # deregistered while the put was in flight, or a bad peer
             self._counters.errors += 1
-            lo, hi = 0, 0
+            self._cur_dst = None
+            self._vphase = _V_SKIP
+            return _V_SKIP
+        lo, hi = span(do.astype(np.int64), ln.astype(np.int64))
+        self._vlo, self._vhi = lo, hi
+        if n - tab_n >= _DIRECT_PIECE * count:
+            self._vdo, self._vln = do.tolist(), ln.tolist()
+            self._vi, self._cur_got = 0, 0
+            self._cur_dst = entry[1]
+            self._vphase = _V_DIRECT
+            return _V_DIRECT
+        self._vdo, self._vln = do.astype(np.int64), ln.astype(np.int64)
+        stage = self._table_buffer(n)
+        if stage.obj is not self._cur_dst.obj:  # a larger buffer: the table moves with it
+            stage[:tab_n] = self._cur_dst
+        self._cur_dst = stage
+        self._vphase = _V_STAGED
+        return _V_STAGED
+
+    def _putv_done(self, rid: int, nid: int, tag: bytes, ok: bool) -> Notification | None:
+        """One PUTV frame landed (``ok``) or was refused: the put_many's Notification when
+        this was its last frame and every frame of it landed, else None."""
+        lo, hi = (self._vlo, self._vhi) if ok else (0, 0)
         sp = self._vspan
         if sp is None:
             sp = self._vspan = [lo, hi, ok]

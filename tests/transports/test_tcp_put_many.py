@@ -71,6 +71,46 @@ def test_put_many_is_one_frame_and_one_notification_bit_exact(pair, unit, count)
     assert client.statistics().puts == count and server.statistics().notifications == 1
 
 
+@pytest.mark.parametrize("direct_piece", [1, 1 << 40])  # every frame's pieces in place / every frame staged
+def test_pieces_land_in_place_or_staged_bit_exact_across_frames_and_a_withdrawn_region(pair, monkeypatch,
+                                                                                      direct_piece):
+    """Large and odd pieces (one of 1 byte, one past the read-ahead buffer), over several
+    frames of one put_many, then one piece alone: bit-exact and one Notification each, read
+    straight into the region or through the staging buffer; a frame for a withdrawn region
+    is read past and the link goes on."""
+    from transports import _tcp_pump
+    client, server = pair
+    monkeypatch.setattr(_tcp_pump, "_DIRECT_PIECE", direct_piece)
+    monkeypatch.setattr(fr, "MAX_FRAME_PAYLOAD", 1 << 20)  # a few pieces a frame: several frames
+    rng = np.random.default_rng(direct_piece % 97)
+    ln = np.array([1, 300_001, 65_536, 7, 700_000, 131_072, 99_999, 3])
+    do = np.cumsum(ln[::-1])[::-1] - ln + 11  # back to front in the region
+    so = np.cumsum(ln) - ln
+    src = rng.integers(0, 256, int(ln.sum()), dtype=np.uint8)
+    target = np.zeros(int((do + ln).max()) + 5, np.uint8)
+    region = server.register(target)
+    assert len(_tcp_frames.frame_groups(ln)) > 1
+    got = []
+    t = threading.Thread(target=lambda: got.append(server.wait_notification(timeout_s=30)))
+    t.start()
+    client.put_many(src, region.descriptor(), so, do, ln, notify_id=3, tag=b"k", timeout_s=30)
+    t.join(30)
+    assert got and (got[0].offset, got[0].nbytes, got[0].tag) == (11, int(ln.sum()), b"k")
+    assert (target == _expected(target.size, src, so, do, ln)).all()
+    client.put_many(src, region.descriptor(), [5], [0], [400_000], notify_id=4, timeout_s=30)  # one piece
+    note = server.wait_notification(timeout_s=30)
+    assert (note.offset, note.nbytes, note.notify_id) == (0, 400_000, 4)
+    assert (target[:400_000] == src[5:400_005]).all()
+    gone = server.register(np.zeros(1 << 20, np.uint8))
+    desc = gone.descriptor()
+    server.deregister(gone)
+    client.put_many(src, desc, [0, 300_000], [0, 500_000], [300_000, 400_000], timeout_s=30)
+    client.put_many(src, region.descriptor(), [1], [1], [2], notify_id=6, timeout_s=30)  # the link still works
+    note = server.wait_notification(timeout_s=30)
+    assert (note.notify_id, note.offset, note.nbytes) == (6, 1, 2)
+    assert server.statistics().extra["puts_rejected"] == 1
+
+
 def test_a_large_put_many_while_the_target_is_not_reading_and_in_the_other_direction(pair):
     """Bigger than the socket buffers: the sender writes in pieces and waits for room
     while the target receives in another thread; then the same from the listener's side."""
