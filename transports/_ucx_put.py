@@ -52,6 +52,7 @@ from ._base import MAX_TAG_BYTES, Backoff, Notification, check_put_target, deadl
 __all__ = ["PutSide"]
 
 _KEEP_STAGES = 2  # vectored-put staging buffers a target keeps for the next ones
+_FEW_PIECES = 16  # a put_many of up to this many pieces is shared out with plain integers
 
 
 class _Vput:
@@ -85,16 +86,25 @@ def _share(so: np.ndarray, do: np.ndarray, ln: np.ndarray, share: float):
     >>> _share(np.array([0, 10]), np.array([0, 10]), np.array([10, 10]), 0.5)[3]
     1
     """
-    cum = np.cumsum(ln)
-    total = int(cum[-1]) if cum.size else 0
+    if ln.size <= _FEW_PIECES:  # plain integers: tens of microseconds less than the NumPy calls
+        sizes = ln.tolist()
+        total, i, before = sum(sizes), 0, 0
+        want = int(total * share)
+        while i < len(sizes) - 1 and before + sizes[i] < want:
+            before += sizes[i]
+            i += 1
+        n_i = sizes[i] if sizes else 0
+    else:
+        cum = np.cumsum(ln)
+        total = int(cum[-1]) if cum.size else 0
+        want = int(total * share)
+        i = int(np.searchsorted(cum, want)) if total else 0
+        before, n_i = (int(cum[i] - ln[i]), int(ln[i])) if total else (0, 0)
     if total == 0:
         return so, do, ln, 0
-    want = int(total * share)
-    i = int(np.searchsorted(cum, want))  # the piece holding the share's last byte
-    before = int(cum[i] - ln[i])
-    take = (want - before) // 4096 * 4096
-    if take <= 0 or take >= int(ln[i]):
-        return so, do, ln, i + 1 if want - before >= int(ln[i]) // 2 else i
+    take = (want - before) // 4096 * 4096  # i: the piece holding the share's last byte
+    if take <= 0 or take >= n_i:
+        return so, do, ln, i + 1 if want - before >= n_i // 2 else i
     so = np.concatenate([so[:i], [so[i], so[i] + take], so[i + 1:]]).astype(np.int64)
     do = np.concatenate([do[:i], [do[i], do[i] + take], do[i + 1:]]).astype(np.int64)
     ln = np.concatenate([ln[:i], [take, ln[i] - take], ln[i + 1:]]).astype(np.int64)

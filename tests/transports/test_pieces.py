@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qlink.errors import RegistrationError
+from transports import _pieces
 from transports._pieces import check_few, check_pieces
 
 SRC, REGION = 64, 96
@@ -27,11 +28,26 @@ def _outcome(fn, so, do, ln):
 _int = st.integers(min_value=-8, max_value=120)
 
 
+def _numpy_path(*args, **kw):
+    """check_pieces with its few-piece path turned off: the NumPy checks alone."""
+    few, _pieces._FEW = _pieces._FEW, 0
+    try:
+        return check_pieces(*args, **kw)
+    finally:
+        _pieces._FEW = few
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(_int, _int, _int), min_size=1, max_size=20))
-def test_short_lists_get_the_numpy_paths_answer(pieces):
+@given(st.lists(st.tuples(_int, _int, _int), min_size=1, max_size=20), st.booleans())
+def test_short_lists_get_the_numpy_paths_answer(pieces, as_arrays):
+    """check_few, and check_pieces's own few-piece path, answer as the NumPy checks do:
+    the same pieces, or the same error and message."""
     so, do, ln = (list(x) for x in zip(*pieces))
-    assert _outcome(check_few, so, do, ln) == _outcome(check_pieces, so, do, ln)
+    if as_arrays:
+        so, do, ln = (np.array(x, np.int32) for x in (so, do, ln))
+    want = _outcome(_numpy_path, so, do, ln)
+    assert _outcome(check_few, so, do, ln) == want
+    assert _outcome(check_pieces, so, do, ln) == want
 
 
 @pytest.mark.parametrize("so, do, ln, err", [

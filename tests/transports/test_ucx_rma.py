@@ -329,3 +329,23 @@ def test_the_c_loop_posts_every_piece_keeps_requests_in_progress_and_stops_at_an
         _ringc.rma_post(fn, 7, 1000, -lo, 0, ro, ln, 0, 0, out)
     with pytest.raises(ValueError, match="one length"):
         _ringc.rma_post(fn, 7, 1000, lo[:2], 0, ro, ln, 0, 0, out)
+
+
+def test_a_short_put_many_is_shared_as_a_long_one_is():
+    """The share's cut, taken with plain integers for a few pieces, is the NumPy path's."""
+    from transports import _ucx_put
+
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        k = int(rng.integers(1, 12))
+        ln = rng.integers(0, 3, k) * int(rng.choice([1, 4096, 10_000, 1 << 20]))
+        so = np.cumsum(ln) - ln
+        share = float(rng.random())
+        few = _ucx_put._share(so, so + 7, ln, share)
+        saved, _ucx_put._FEW_PIECES = _ucx_put._FEW_PIECES, 0
+        try:
+            many = _ucx_put._share(so, so + 7, ln, share)
+        finally:
+            _ucx_put._FEW_PIECES = saved
+        assert few[3] == many[3]
+        assert all(np.array_equal(a, b) for a, b in zip(few[:3], many[:3]))
