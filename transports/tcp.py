@@ -35,9 +35,12 @@ Messages and notifications that arrive interleaved each go to their own queue.
   the header's ``offset`` field holds the number of pieces) whose payload is a table of
   ``u64 dst_offset, u64 nbytes`` per piece followed by the pieces themselves, handed to
   ``socket.sendmsg`` as a list of views of the caller's buffer (scatter-gather, no
-  copy). The target reads the payload into one staging buffer and scatters it into
-  the region with NumPy (one call where the pieces share a row size, e.g. KV blocks;
-  see :mod:`transports._pieces`), then queues ONE Notification spanning every piece
+  copy). The target reads the table first. Pieces of 64 KiB or more on average (a
+  contiguous KV layer: its K and V planes) are then read straight into their places in
+  the region, a large remainder from the socket into it with no copy in between;
+  smaller ones are read into one staging buffer behind the table and scattered into
+  the region with one call (NumPy, one call where the pieces share a row size, e.g. KV
+  blocks; see :mod:`transports._pieces`). It then queues ONE Notification spanning every piece
   (``put_many_gathers``). A put_many beyond the 1 GiB frame limit goes as several PUTV
   frames in a row, all but the last flagged MORE (header ``flags`` bit 0); the
   notification comes after the last.
