@@ -10,7 +10,9 @@ its work does not share an interpreter (and its lock) with the controller being 
 * ``huge_header``: a tcp frame header announcing a 1 GiB message, and nothing after it;
 * ``udp_garbage``: ``count`` udp sockets sending random bytes;
 * ``udp_flood`` / ``tcp_flood``: one sender of well-formed frames as fast as it can,
-  never reading an answer.
+  never reading an answer;
+* ``busy_loop``: no client at all, a process that only spins on a CPU: the control beside
+  the others (what taking a CPU from the service's host costs, with no traffic).
 
 The qlink tcp framing is written out here by hand (magic ``QLTC``, a 16-byte hello, a
 20-byte reply, 32-byte frame headers), as a client that never imported qlink would.
@@ -40,7 +42,7 @@ _KIND_MSG = 1
 _ENQUEUE, _GET = 0x7ED8BE82, 0x882D5BA1
 _CLOSE_RID = 0xFFFFFFFF
 
-HOSTILE_KINDS = ("half_frame", "idle", "huge_header", "udp_garbage", "udp_flood", "tcp_flood")
+HOSTILE_KINDS = ("half_frame", "idle", "huge_header", "udp_garbage", "udp_flood", "tcp_flood", "busy_loop")
 
 
 def tcp_hello(*, key: int) -> bytes:
@@ -244,8 +246,18 @@ def _tcp_flood(url: str, stop, seen: Counter, count: int) -> None:
         sock.close()
 
 
+def _busy_loop(url: str, stop, seen: Counter, count: int) -> None:
+    """Spin on a CPU, sending nothing, until stopped (``url`` unused): the control case."""
+    spins = 0
+    while not stop.is_set():
+        for _ in range(10_000):
+            pass
+        spins += 1
+    seen["busy_spins"] = spins
+
+
 _KINDS = {"half_frame": _half_frame, "idle": _idle, "huge_header": _huge_header, "udp_garbage": _udp_garbage,
-          "udp_flood": _udp_flood, "tcp_flood": _tcp_flood}
+          "udp_flood": _udp_flood, "tcp_flood": _tcp_flood, "busy_loop": _busy_loop}
 
 
 def run_hostile(kind: str, url: str, stop, *, count: int = 1, out=None, started=None, nice: int = 0,

@@ -11,6 +11,9 @@ session), each engine's from one service process (surface code d=5, PyMatching):
   measured in the same run: the cases
   take turns three times, each with a third of the shots, and each case's figures pool its
   turns. Every correction is checked bit for bit against PyMatching on the same shots.
+  Beside n hostile clients, a control case of n processes that only spin on a CPU at the
+  attackers' priority and send nothing: on a host of few cores, what a hostile row owes to
+  the CPU its clients take from the host rather than to their traffic.
 * **controllers**: 1 and 4 well-behaved controllers at once (each its own process):
   per-controller reaction p50/p99 and the total frames per second, beside one alone.
 
@@ -168,7 +171,7 @@ def _merged(counters: list[dict]) -> dict:
 def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hostile_counts=(0, 1, 4),
                       controllers=(1, 4), time_limit_s: float = 60.0, attacker_nice: int = 0, rounds: int = 3,
                       attacker_idle: bool = False, engines=("python", "native"), controller: str = "native",
-                      say: Callable[[str], None] | None = None) -> list[dict]:
+                      busy_controls: bool = True, say: Callable[[str], None] | None = None) -> list[dict]:
     """The rows of both tables (see the module docstring); each measurement stops after
     ``num_shots`` or ``time_limit_s`` (a starved host), its row says how many shots it took.
     The hostile cases take turns ``rounds`` times, each time with a slice of the shots.
@@ -181,7 +184,10 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
     controller gets it, which is the host's delay, not the service's). ``engines``: the
     service's engines, each measured with the same clients (``"native"``: a C core per session,
     see :mod:`qlink.qec._native_sessions`). ``controller``: the well-behaved controllers'
-    engine (see :func:`_play`)."""
+    engine (see :func:`_play`). ``busy_controls``: beside n hostile clients, a control case of
+    n processes that only spin on a CPU (same priority, no traffic): what the hostile rows owe
+    to the CPU they take from the host rather than to what they send
+    (``p99_vs_busy_control``)."""
     if controller not in ("native", "python"):
         raise ValueError(f"controller must be 'native' or 'python', got {controller!r}")
 
@@ -194,13 +200,32 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
         for tr in transports:
             rows += _transport_rows(engine, tr, dem, shots, controller=controller, hostile_counts=hostile_counts,
                                     controllers=controllers, time_limit_s=time_limit_s, attacker_nice=attacker_nice,
-                                    rounds=rounds, attacker_idle=attacker_idle, say=say)
+                                    rounds=rounds, attacker_idle=attacker_idle, say=say,
+                                    busy_controls=busy_controls)
     return rows
 
 
+def _cases(tr: str, hostile_counts, busy_controls: bool) -> list[tuple]:
+    """The cases that take turns: ``(n, kinds)`` for n hostile clients of the transport's
+    mix, and, with ``busy_controls``, ``("busyN", kinds)`` for N processes that only spin
+    (the control beside N hostile clients; placed first so a hostile row finds its control).
+
+    >>> _cases("tcp", (0, 1), True)
+    [('busy1', ('busy_loop',)), (0, ()), (1, ('tcp_flood',))]
+    """
+    controls = [(f"busy{k}", ("busy_loop",) * k) for k in hostile_counts if k] if busy_controls else []
+    return controls + [(k, tuple(HOSTILE_MIX[tr][:k])) for k in hostile_counts]
+
+
+def _case_text(case, kinds) -> str:
+    if isinstance(case, str):
+        return f"control: {len(kinds)} busy loop(s), no traffic"
+    return f"{case} hostile client(s) {list(kinds)}"
+
+
 def _transport_rows(engine: str, tr: str, dem, shots: _Shots, *, controller: str, hostile_counts, controllers,
-                    time_limit_s: float,
-                    attacker_nice: int, rounds: int, attacker_idle: bool, say: Callable[[str], None]) -> list[dict]:
+                    time_limit_s: float, attacker_nice: int, rounds: int, attacker_idle: bool,
+                    say: Callable[[str], None], busy_controls: bool = True) -> list[dict]:
     """Both tables' rows of one engine over one transport, from one service process."""
     from qlink.qec import start_service_process
 
@@ -213,36 +238,42 @@ def _transport_rows(engine: str, tr: str, dem, shots: _Shots, *, controller: str
                                session_limits={"max_sessions": 256}, service_options={"engine": engine}) as svc:
         # the cases take turns, ``rounds`` times, each a slice of the shots: a drift of the
         # host's state over the run falls on every case alike, not on the one measured then
-        plays: dict = {k: [] for k in hostile_counts}
-        seen: dict = {k: [] for k in hostile_counts}
+        cases = _cases(tr, hostile_counts, busy_controls)
+        plays: dict = {c: [] for c, _ in cases}
+        seen: dict = {c: [] for c, _ in cases}
         per = -(-num_shots // rounds)
         for r in range(rounds):
             chunk = slice(r * per, (r + 1) * per)
-            for k in hostile_counts:
-                kinds = HOSTILE_MIX[tr][:k]
-                say(f"bench hostile: {engine} engine, {tr}, {k} hostile client(s) {list(kinds)}, "
-                    f"round {r + 1} of {rounds}")
+            for case, kinds in cases:
+                say(f"bench hostile: {engine} engine, {tr}, {_case_text(case, kinds)}, round {r + 1} of {rounds}")
                 attackers = [HostileProcess(kind, svc.url, count=_COUNTS.get(kind, 1), nice=attacker_nice,
                                             idle=attacker_idle) for kind in kinds]
                 try:
-                    time.sleep(0.5 if k else 0)
-                    plays[k].append(_play(svc.url, shots[chunk], num_obs, controller=controller,
-                                          warmup=200 if r == 0 else 50, time_limit_s=time_limit_s / rounds))
+                    time.sleep(0.5 if kinds else 0)
+                    plays[case].append(_play(svc.url, shots[chunk], num_obs, controller=controller,
+                                             warmup=200 if r == 0 else 50, time_limit_s=time_limit_s / rounds))
                 finally:
-                    seen[k].append([a.stop() for a in attackers])
+                    seen[case].append([a.stop() for a in attackers])
         base = None
-        for k in hostile_counts:
-            kinds = HOSTILE_MIX[tr][:k]
-            m = _summary(plays[k])
-            row = {"table": "hostile", "engine": engine, "controller": controller, "transport": tr, "hostile_clients": k,
-                   "kinds": "+".join(kinds) or "-", "controllers": 1, "attacker_nice": attacker_nice,
-                   "attacker_idle": attacker_idle, "rounds": rounds, **m}
-            if k == 0:
+        p99_of: dict = {}
+        for case, kinds in cases:
+            m = _summary(plays[case])
+            busy = isinstance(case, str)
+            k = len(kinds)
+            p99_of[case] = m["p99_us"]
+            row = {"table": "hostile", "engine": engine, "controller": controller, "transport": tr,
+                   "hostile_clients": 0 if busy else k, "busy_loops": k if busy else 0,
+                   "case": _case_text(case, kinds), "kinds": "+".join(kinds) or "-", "controllers": 1,
+                   "attacker_nice": attacker_nice, "attacker_idle": attacker_idle, "rounds": rounds, **m}
+            if case == 0:
                 base = m["p99_us"]
             row["p99_vs_none"] = m["p99_us"] / base if base else float("nan")
-            row["goal"] = f"<= {_GOAL_RATIO:g}" if k else ""
-            row["meets_goal"] = (row["p99_vs_none"] <= _GOAL_RATIO) if k else None
-            row["hostile_saw"] = "; ".join(f"{kind}: {_merged([rs[i] for rs in seen[k]])}"
+            hostile = bool(k) and not busy
+            row["goal"] = f"<= {_GOAL_RATIO:g}" if hostile else ""
+            row["meets_goal"] = (row["p99_vs_none"] <= _GOAL_RATIO) if hostile else None
+            ctl = p99_of.get(f"busy{k}") if hostile else None
+            row["p99_vs_busy_control"] = m["p99_us"] / ctl if ctl else None
+            row["hostile_saw"] = "; ".join(f"{kind}: {_merged([rs[i] for rs in seen[case]])}"
                                            for i, kind in enumerate(kinds)) or "-"
             rows.append(row)
         alone = None
@@ -308,10 +339,15 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
         return format_table([{v: r.get(k) for k, v in names.items()} for r in rows_], columns=list(names.values()),
                             max_width=CONSOLE_WIDTH)
 
-    print(_shown(h, {"engine": "engine", "transport": "transport", "hostile_clients": "hostile", "shots": "shots", "p50_us": "p50 us",
-                     "p99_us": "p99 us", "max_us": "max us", "p99_vs_none": "p99 x none", "meets_goal": "goal met",
-                     "bit_identical": "bit-exact", "retransmits": "resent"}))
-    print("  (the hostile mix of each row, and every column, are in the JSON/CSV)")
+    for r in h:
+        r["clients"] = f"{r['busy_loops']} busy" if r.get("busy_loops") else r["hostile_clients"]
+    print(_shown(h, {"engine": "engine", "transport": "transport", "clients": "hostile", "shots": "shots",
+                     "p50_us": "p50 us", "p99_us": "p99 us", "p99_vs_none": "p99 x none",
+                     "p99_vs_busy_control": "x busy", "meets_goal": "goal met", "bit_identical": "bit-exact",
+                     "retransmits": "resent"}))
+    print("  (\"n busy\": the control, n processes that only spin on a CPU at the attackers' priority, no\n"
+          "   traffic; \"x busy\": a hostile row's p99 over its control's. The hostile mix of each row, and\n"
+          "   every column, are in the JSON/CSV)")
     print("\nWell-behaved controllers at once (per-controller worst p50/p99; total frames/s)")
     print(_shown(c, {"engine": "engine", "transport": "transport", "controllers": "ctrls", "shots": "shots", "p50_us_best": "best p50",
                      "p50_us": "p50 us", "p99_us": "p99 us", "p99_vs_one": "p99 x one",
