@@ -254,10 +254,11 @@ def _transport_rows(engine: str, tr: str, dem, shots: _Shots, *, controller: str
                                              warmup=200 if r == 0 else 50, time_limit_s=time_limit_s / rounds))
                 finally:
                     seen[case].append([a.stop() for a in attackers])
-        base = None
+        summaries = {case: _summary(plays[case]) for case, _ in cases}
+        base = summaries[0]["p99_us"] if 0 in summaries else None
         p99_of: dict = {}
         for case, kinds in cases:
-            m = _summary(plays[case])
+            m = summaries[case]
             busy = isinstance(case, str)
             k = len(kinds)
             p99_of[case] = m["p99_us"]
@@ -265,8 +266,6 @@ def _transport_rows(engine: str, tr: str, dem, shots: _Shots, *, controller: str
                    "hostile_clients": 0 if busy else k, "busy_loops": k if busy else 0,
                    "case": _case_text(case, kinds), "kinds": "+".join(kinds) or "-", "controllers": 1,
                    "attacker_nice": attacker_nice, "attacker_idle": attacker_idle, "rounds": rounds, **m}
-            if case == 0:
-                base = m["p99_us"]
             row["p99_vs_none"] = m["p99_us"] / base if base else float("nan")
             hostile = bool(k) and not busy
             row["goal"] = f"<= {_GOAL_RATIO:g}" if hostile else ""

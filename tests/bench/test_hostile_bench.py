@@ -52,3 +52,4 @@ def test_the_cases_take_turns_and_pool_them(engine, controller, controls):
     assert ctl["hostile_clients"] == 0 and ctl["busy_loops"] == 1 and ctl["meets_goal"] is None
     assert "busy_spins" in ctl["hostile_saw"] and "datagrams" not in ctl["hostile_saw"]
     assert one["p99_vs_busy_control"] == pytest.approx(one["p99_us"] / ctl["p99_us"])
+    assert ctl["p99_vs_none"] == pytest.approx(ctl["p99_us"] / none["p99_us"])
