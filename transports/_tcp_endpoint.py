@@ -91,6 +91,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._vdo = self._vln = ()  # its pieces' destinations and sizes
         self._vi = 0  # the piece in progress (pieces in place)
         self._vlo = self._vhi = 0  # the span its pieces cover
+        self._vregion: memoryview | None = None  # the region its staged pieces are scattered into
         self._gathered = 0
         self._msgq: deque = deque()
         self._noteq: deque = deque()

@@ -271,8 +271,9 @@ class TcpReceiveSide:
             if phase == _V_STAGED:
                 do, ln = self._vdo, self._vln
                 stage = np.frombuffer(dst, dtype=np.uint8)
-                copy_pieces(np.frombuffer(self._regions[rid][1], dtype=np.uint8), stage,
+                copy_pieces(np.frombuffer(self._vregion, dtype=np.uint8), stage,
                             np.cumsum(ln) - ln + tab_n, np.asarray(do, np.int64), np.asarray(ln, np.int64))
+                self._vregion = None
         self._cur = None
         self._cur_dst = None
         self._cur_got = 0
@@ -311,6 +312,7 @@ class TcpReceiveSide:
             self._vphase = _V_DIRECT
             return _V_DIRECT
         self._vdo, self._vln = do.astype(np.int64), ln.astype(np.int64)
+        self._vregion = entry[1]  # (as a PUT's target: the region as it was when the frame began)
         stage = self._table_buffer(n)
         if stage.obj is not self._cur_dst.obj:  # a larger buffer: the table moves with it
             stage[:tab_n] = self._cur_dst

@@ -165,6 +165,35 @@ def test_a_region_withdrawn_in_flight_is_never_announced(pair):
     assert server.wait_notification(timeout_s=5).nbytes == 62
 
 
+@pytest.mark.parametrize("piece", [64, 1 << 17])  # staged behind the table / read into place
+def test_a_region_deregistered_here_while_its_putv_frame_is_half_in(pair, piece):
+    """The target deregisters while a PUTV frame for that region is half received: the rest
+    lands where the frame began landing (as a PUT's bytes do), nothing raises, and the link
+    goes on."""
+    client, server = pair
+    target = np.zeros(8 * piece, np.uint8)
+    region = server.register(target)
+    ln = np.full(4, piece, "<u8")
+    do = np.arange(4, dtype="<u8")[::-1] * piece * 2
+    payload = np.random.default_rng(piece).integers(0, 256, int(ln.sum()), dtype=np.uint8).tobytes()
+    table = np.stack([do, ln], axis=1).astype("<u8").tobytes()
+    head = bytearray(fr.HEADER.size)
+    fr.HEADER.pack_into(head, 0, _tcp_frames.KIND_PUTV, 0, 0, region.region_id, len(table) + len(payload), 4, 7)
+    half = len(payload) // 2
+    client._sock.sendall(bytes(head) + table + payload[:half])
+    with pytest.raises(QlinkTimeoutError):
+        server.wait_notification(timeout_s=0.2)  # the table and half the pieces read
+    server.deregister(region)
+    client._sock.sendall(payload[half:])
+    note = server.wait_notification(timeout_s=5)
+    assert (note.region_id, note.notify_id) == (region.region_id, 7)
+    for i in range(4):
+        assert target[int(do[i]):int(do[i]) + piece].tobytes() == payload[i * piece:(i + 1) * piece]
+    other = server.register(np.zeros(16, np.uint8))
+    client.put_many(b"abcd", other.descriptor(), [0], [4], [4], timeout_s=5)
+    assert server.wait_notification(timeout_s=5).nbytes == 4
+
+
 def test_a_malformed_putv_frame_breaks_the_link(pair):
     """Pieces that do not add up to the payload put the stream out of step: BrokenLinkError."""
     client, server = pair
