@@ -376,6 +376,9 @@ def build_parser() -> Parser:
                             help="the well-behaved controllers' engine: native (default: lock-step, a frame per "
                                  "round, its per-frame work in C) or python (a frame per shot from plain Python, "
                                  "whose own time is most of its reaction)")
+            bb.add_argument("--no-controls", action="store_true",
+                            help="skip the control cases (beside n hostile clients, n processes that only spin on "
+                                 "a CPU and send nothing; about a third of the run)")
         if name == "decoders":
             bb.add_argument("--distances", action=ListAction, check=checks.distances, default=None, metavar="D",
                             help="code distances, odd >= 3 (default 3,5; --quick 3)")

@@ -315,8 +315,10 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     given = getattr(args, "engines", None)  # (the CLI hands lists on as "a,b")
     engines = tuple(x.strip() for x in str(given).split(",") if x.strip()) if given else ("python", "native")
     controller = getattr(args, "controller", None) or "native"
+    controls = not bool(getattr(args, "no_controls", False))
     rows = run_hostile_bench(num_shots=shots, time_limit_s=20.0 if quick else 60.0, attacker_nice=nice,
-                             attacker_idle=idle, engines=engines, controller=controller, say=say)
+                             attacker_idle=idle, engines=engines, controller=controller, busy_controls=controls,
+                             say=say)
     out = Path(getattr(args, "out", "results/bench"))
     meta = {"num_shots": shots, "code": SPEC, "goal": f"p99 with hostile clients <= {_GOAL_RATIO:g} x p99 without",
             "reaction": ("native lock-step controller, a frame per round: the last round's frame emitted -> its "
@@ -326,7 +328,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
             "rounds": 3,
             "host": os.uname().nodename, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "hostile_mix": {k: list(v) for k, v in HOSTILE_MIX.items()}, "attacker_nice": nice,
-            "attacker_idle": idle, "engines": list(engines), "controller": controller}
+            "attacker_idle": idle, "engines": list(engines), "controller": controller, "busy_controls": controls}
     write_results(rows, out_dir=out, name="hostile", meta=meta)
     h = [r for r in rows if r["table"] == "hostile"]
     c = [r for r in rows if r["table"] == "controllers"]
