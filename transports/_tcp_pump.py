@@ -203,8 +203,8 @@ class TcpReceiveSide:
         return k
 
     def _landed(self, kind: int, rid: int, n: int, off: int, nid: int, tag: bytes, dst):
-        """A put's bytes are all in: announce it. NOTE when a Notification was queued,
-        NOTHING when the link broke, None to go on reading."""
+        """A put's bytes are all in: announce it. NOTE when a Notification was queued, None
+        to go on reading (a rejected put)."""
         if dst is not None:  # an accepted put: its bytes are in place
             self._noteq.append(Notification(region_id=rid, offset=off, nbytes=n, notify_id=nid, tag=tag))
             return NOTE
@@ -272,7 +272,7 @@ class TcpReceiveSide:
                 do, ln = self._vdo, self._vln
                 stage = np.frombuffer(dst, dtype=np.uint8)
                 copy_pieces(np.frombuffer(self._vregion, dtype=np.uint8), stage,
-                            np.cumsum(ln) - ln + tab_n, np.asarray(do, np.int64), np.asarray(ln, np.int64))
+                            np.cumsum(ln) - ln + tab_n, do, ln)
                 self._vregion = None
         self._cur = None
         self._cur_dst = None
@@ -303,15 +303,15 @@ class TcpReceiveSide:
             self._cur_dst = None
             self._vphase = _V_SKIP
             return _V_SKIP
-        lo, hi = span(do.astype(np.int64), ln.astype(np.int64))
-        self._vlo, self._vhi = lo, hi
+        do, ln = do.astype(np.int64), ln.astype(np.int64)  # (checked above, while still unsigned)
+        self._vlo, self._vhi = span(do, ln)
         if n - tab_n >= _DIRECT_PIECE * count:
             self._vdo, self._vln = do.tolist(), ln.tolist()
             self._vi, self._cur_got = 0, 0
             self._cur_dst = entry[1]
             self._vphase = _V_DIRECT
             return _V_DIRECT
-        self._vdo, self._vln = do.astype(np.int64), ln.astype(np.int64)
+        self._vdo, self._vln = do, ln
         self._vregion = entry[1]  # (as a PUT's target: the region as it was when the frame began)
         stage = self._table_buffer(n)
         if stage.obj is not self._cur_dst.obj:  # a larger buffer: the table moves with it

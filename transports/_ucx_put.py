@@ -43,7 +43,7 @@ from qlink.memory import Region, RemoteRegion, as_byte_view
 
 from . import cuda as _cuda
 from . import _ucx_core as core
-from ._pieces import check_pieces, copy_pieces, message_groups, span
+from ._pieces import _FEW, check_pieces, copy_pieces, message_groups, span
 from . import _ucx_device as dev
 from . import _ucx_rma as rma
 from . import _ucx_wire as wire
@@ -52,7 +52,6 @@ from ._base import MAX_TAG_BYTES, Backoff, Notification, check_put_target, deadl
 __all__ = ["PutSide"]
 
 _KEEP_STAGES = 2  # vectored-put staging buffers a target keeps for the next ones
-_FEW_PIECES = 16  # a put_many of up to this many pieces is shared out with plain integers
 
 
 class _Vput:
@@ -86,7 +85,7 @@ def _share(so: np.ndarray, do: np.ndarray, ln: np.ndarray, share: float):
     >>> _share(np.array([0, 10]), np.array([0, 10]), np.array([10, 10]), 0.5)[3]
     1
     """
-    if ln.size <= _FEW_PIECES:  # plain integers: tens of microseconds less than the NumPy calls
+    if ln.size <= _FEW:  # plain integers: tens of microseconds less than the NumPy calls
         sizes = ln.tolist()
         total, i, before = sum(sizes), 0, 0
         want = int(total * share)

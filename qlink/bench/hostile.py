@@ -208,7 +208,7 @@ def run_hostile_bench(*, transports=("tcp", "udp"), num_shots: int = 5000, hosti
 def _cases(tr: str, hostile_counts, busy_controls: bool) -> list[tuple]:
     """The cases that take turns: ``(n, kinds)`` for n hostile clients of the transport's
     mix, and, with ``busy_controls``, ``("busyN", kinds)`` for N processes that only spin
-    (the control beside N hostile clients; placed first so a hostile row finds its control).
+    (the control beside N hostile clients; each round's turns and the rows start with them).
 
     >>> _cases("tcp", (0, 1), True)
     [('busy1', ('busy_loop',)), (0, ()), (1, ('tcp_flood',))]
@@ -256,12 +256,10 @@ def _transport_rows(engine: str, tr: str, dem, shots: _Shots, *, controller: str
                     seen[case].append([a.stop() for a in attackers])
         summaries = {case: _summary(plays[case]) for case, _ in cases}
         base = summaries[0]["p99_us"] if 0 in summaries else None
-        p99_of: dict = {}
         for case, kinds in cases:
             m = summaries[case]
             busy = isinstance(case, str)
             k = len(kinds)
-            p99_of[case] = m["p99_us"]
             row = {"table": "hostile", "engine": engine, "controller": controller, "transport": tr,
                    "hostile_clients": 0 if busy else k, "busy_loops": k if busy else 0,
                    "case": _case_text(case, kinds), "kinds": "+".join(kinds) or "-", "controllers": 1,
@@ -270,7 +268,7 @@ def _transport_rows(engine: str, tr: str, dem, shots: _Shots, *, controller: str
             hostile = bool(k) and not busy
             row["goal"] = f"<= {_GOAL_RATIO:g}" if hostile else ""
             row["meets_goal"] = (row["p99_vs_none"] <= _GOAL_RATIO) if hostile else None
-            ctl = p99_of.get(f"busy{k}") if hostile else None
+            ctl = summaries[f"busy{k}"]["p99_us"] if hostile and f"busy{k}" in summaries else None
             row["p99_vs_busy_control"] = m["p99_us"] / ctl if ctl else None
             row["hostile_saw"] = "; ".join(f"{kind}: {_merged([rs[i] for rs in seen[case]])}"
                                            for i, kind in enumerate(kinds)) or "-"

@@ -342,10 +342,10 @@ def test_a_short_put_many_is_shared_as_a_long_one_is():
         so = np.cumsum(ln) - ln
         share = float(rng.random())
         few = _ucx_put._share(so, so + 7, ln, share)
-        saved, _ucx_put._FEW_PIECES = _ucx_put._FEW_PIECES, 0
+        saved, _ucx_put._FEW = _ucx_put._FEW, 0
         try:
             many = _ucx_put._share(so, so + 7, ln, share)
         finally:
-            _ucx_put._FEW_PIECES = saved
+            _ucx_put._FEW = saved
         assert few[3] == many[3]
         assert all(np.array_equal(a, b) for a, b in zip(few[:3], many[:3]))
