@@ -15,7 +15,7 @@ import weakref
 
 import numpy as np
 
-from qlink.errors import BrokenLinkError, QlinkTimeoutError, WouldBlock
+from qlink.errors import BrokenLinkError, ClosedError, QlinkError, QlinkTimeoutError, WouldBlock
 from qlink.memory import as_byte_view
 
 from . import cuda as _cuda
@@ -198,7 +198,12 @@ class UcxEndpoint(PutSide, Endpoint):
             self._broken = why
             self._counters.errors += 1
 
-    def _broken_error(self, what: str) -> BrokenLinkError:
+    def _broken_error(self, what: str) -> QlinkError:
+        """The error of a call the link can no longer serve: ClosedError when this side closed
+        (a thread blocked in a receive while another closes sees that, whatever the peer did in
+        answer meanwhile), else BrokenLinkError with why."""
+        if self._closed:
+            return ClosedError(f"ucx endpoint was closed by this side; {what}")
         if self._broken is not None:
             return BrokenLinkError(f"ucx link {self.url} is broken: {self._broken}; {what}")
         return BrokenLinkError(f"ucx peer of {self.url} closed the connection; {what}")
@@ -651,7 +656,7 @@ class UcxEndpoint(PutSide, Endpoint):
             if self._broken is None and not self._ep_closed:
                 try:
                     self._send_ctrl(wire.OP_CLOSE)
-                except BrokenLinkError:
+                except (BrokenLinkError, ClosedError):
                     pass
             t_end = time.monotonic() + self._linger_s
             while self._tx_pending and self._broken is None and time.monotonic() < t_end:

@@ -433,6 +433,33 @@ def test_close_delivers_what_was_sent_even_a_staged_large_message(ucx_pair):
 
 
 @pytest.mark.timeout(30)
+def test_a_receive_overlapping_this_sides_close_is_closed_even_if_the_peer_answered(ucx_pair):
+    """The race behind a blocked receive: another thread closes this side while the receiver is
+    inside a progress round, and the peer's answer (its CLOSE) lands in that same round. The
+    receiver must report this side's close (ClosedError), not a broken link."""
+    a, _ = ucx_pair
+    real_poll, closer, rounds = a._poll, [], []
+
+    def poll_during_close(want_msg):
+        rounds.append(want_msg)
+        if want_msg and len(rounds) == 2 and not closer:  # the blocked wait's first round
+            closer.append(threading.Thread(target=a.close))
+            closer[0].start()
+            t_end = time.monotonic() + 5
+            while not a._closed and time.monotonic() < t_end:
+                time.sleep(0.001)
+            a._peer_closed = True  # the peer's CLOSE, taken in this round
+            return None
+        return real_poll(want_msg)
+
+    a._poll = poll_during_close
+    with pytest.raises(ClosedError):
+        a.recv_into(bytearray(16), timeout_s=5)
+    closer[0].join(5)
+    assert not closer[0].is_alive()
+
+
+@pytest.mark.timeout(30)
 def test_close_drains_what_the_peer_sent_to_this_connection(ucx_pair):
     a, b = ucx_pair
     for i in range(50):
