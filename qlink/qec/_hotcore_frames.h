@@ -367,7 +367,7 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
      * while frames are still queued, so the waiting shots go to the decoder in one call. The
      * run loop decodes and answers as soon as nothing else waits (at once in lock-step). */
     if (s->n_defer > 0 || (d->decoded == d->head && d->head != d->tail)) {
-        if (s->n_defer == DEFER_MAX)
+        if (s->n_defer >= s->defer_cap)
             svc_settle(s);
         else {
             DeferredGet *g = &s->defer[s->n_defer++];

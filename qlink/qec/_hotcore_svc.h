@@ -102,7 +102,8 @@ typedef struct {
     uint64_t *mapped;         /* map_words: one shot's detectors */
 } SvcDecoder;
 
-#define DEFER_MAX 256
+#define DEFER_MIN 256 /* gets held back at least; as many as max_batch above that */
+#define DEFER_MAX_CAP 65536
 typedef struct {
     int did;
     int consume;
@@ -151,8 +152,8 @@ typedef struct {
     KeptAnswer *kept; /* KEEP_N, datagram links only */
     uint64_t n_kept;
     int ack; /* 0 none, 1 errors, 2 all */
-    DeferredGet defer[DEFER_MAX];
-    int n_defer;
+    DeferredGet *defer; /* defer_cap: the gets held back while their shots wait for the decoder */
+    int n_defer, defer_cap;
     int ndec;
     SvcDecoder dec[64];
     uint64_t counts[C_N];
@@ -378,6 +379,9 @@ static int svc_clear(ServiceCore *s) {
     Py_CLEAR(s->first_error);
     PyMem_Free(s->kept);
     s->kept = NULL;
+    PyMem_Free(s->defer);
+    s->defer = NULL;
+    s->n_defer = s->defer_cap = 0;
     return 0;
 }
 
@@ -634,6 +638,14 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
         }
     }
     s->max_batch = max_batch < 1 ? 1 : max_batch;
+    /* a backlog of max_batch shots is decoded in one call: their gets wait beside them */
+    s->defer_cap = (int)(s->max_batch < DEFER_MIN ? DEFER_MIN : s->max_batch > DEFER_MAX_CAP ? DEFER_MAX_CAP : s->max_batch);
+    s->defer = PyMem_Calloc((size_t)s->defer_cap, sizeof(DeferredGet));
+    if (s->defer == NULL) {
+        s->defer_cap = 0;
+        PyErr_NoMemory();
+        return -1;
+    }
     return 0;
 }
 

@@ -388,14 +388,20 @@ class NativeDecoderService:
     :class:`qlink.qec.service.DecoderService`: ``serve``, ``report``).
 
     ``configs``: ``{decoder_id: DecoderConfig}``; ``keep_samples``: per-shot rows kept
-    (the service's side of :func:`qlink.qec.timeline.join_shots`).
+    (the service's side of :func:`qlink.qec.timeline.join_shots`); ``max_batch_requests``: a
+    service that is behind decodes its waiting shots in one call once this many wait, even with
+    frames still queued (as the Python service's option of that name; a throughput run sets it
+    to the offline batch size, a real-time one keeps the default: a shorter wait for the oldest).
     """
 
     def __init__(self, configs: Mapping[int, Any], *, ack_enqueue: str = "errors", keep_samples: int = 0,
-                 **_python_path_options) -> None:
+                 max_batch_requests: int = 256, **_python_path_options) -> None:
         _need()
         if ack_enqueue not in _ACK:
             raise ValueError(f"ack_enqueue must be one of {tuple(_ACK)}, got {ack_enqueue!r}")
+        if not 1 <= int(max_batch_requests) <= 65536:
+            raise ValueError(f"max_batch_requests must be in [1, 65536], got {max_batch_requests!r}")
+        self.max_batch_requests = int(max_batch_requests)
         if not configs:
             raise ValueError("NativeDecoderService needs at least one decoder config")
         self.ack_enqueue = ack_enqueue
@@ -429,7 +435,8 @@ class NativeDecoderService:
         if self._core is not None:
             self._fold_counts(self._core)
         self._core = _hotcore.ServiceCore(link, decs, ack=_ACK[self.ack_enqueue],
-                                          rows=self._rows if len(self._rows) else None)
+                                          rows=self._rows if len(self._rows) else None,
+                                          max_batch=self.max_batch_requests)
         self._keep = keep
 
     def session_core(self, link: tuple, *, read_ahead_nbytes: int = 0, max_frame_nbytes: int = 0,

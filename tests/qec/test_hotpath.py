@@ -51,12 +51,13 @@ class _Served:
     """A native service serving one shm connection from a thread of this process."""
 
     def __init__(self, dem, *, decoder="pymatching", frames_per_shot=None, capacity_shots=1024, keep=0,
-                 ack="errors", scheme="shm", connect=True, rcvbuf_nbytes=None, accept_delay_s=0.0):
+                 ack="errors", scheme="shm", connect=True, rcvbuf_nbytes=None, accept_delay_s=0.0,
+                 serve_delay_s=0.0, max_batch_requests=256):
         import transports
 
         self.svc = NativeDecoderService({0: DecoderConfig(decoder=decoder, dem=dem, frames_per_shot=frames_per_shot,
                                                           capacity_shots=capacity_shots)},
-                                        ack_enqueue=ack, keep_samples=keep)
+                                        ack_enqueue=ack, keep_samples=keep, max_batch_requests=max_batch_requests)
         self.scheme = scheme
         url = f"shm://qlink-hot-test-{os.getpid()}-{next(_ids)}" if scheme == "shm" else f"{scheme}://127.0.0.1:0"
         self.lis = transports.listen(url, rcvbuf_nbytes=rcvbuf_nbytes) if rcvbuf_nbytes else transports.listen(url)
@@ -64,6 +65,7 @@ class _Served:
         self.report: dict = {}
         self.error: BaseException | None = None
         self.accept_delay_s = accept_delay_s
+        self.serve_delay_s = serve_delay_s
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
         self.ep = transports.connect(self.lis.url, timeout_s=10) if connect else None
@@ -72,6 +74,7 @@ class _Served:
         try:
             time.sleep(self.accept_delay_s)  # (a service that starts reading late)
             peer = self.lis.accept(timeout_s=10)
+            time.sleep(self.serve_delay_s)  # (frames pile up in the link before it reads any)
             try:
                 self.report = self.svc.serve(peer, stop_event=self.stop)
             finally:
@@ -389,6 +392,35 @@ def test_a_backlog_is_decoded_in_batches_bit_exact(decoder, scheme):
     batch = np.asarray(rep["shots"]["batch_shots"])
     assert batch.max() > 1, "the service never fell behind: no batch to check"
     assert rep["counts"]["decode_calls"] < rep["counts"]["shots_decoded"]
+
+
+@pytest.mark.parametrize("max_batch", [64, 2000])
+def test_a_backlog_goes_to_the_decoder_in_calls_of_up_to_max_batch_requests(max_batch):
+    """All of a run's frames wait in the link before the service reads any: it decodes them in
+    calls of at most ``max_batch_requests`` shots (their gets held back beside them, however
+    many), every correction equal to the direct call's."""
+    n = 3000
+    stream, dem = _stream(_surface("Z", 3, 3), n, 5)
+    served = _Served(dem, frames_per_shot=1, keep=n, capacity_shots=4096, serve_delay_s=0.3,
+                     max_batch_requests=max_batch)
+    try:
+        res = NativeController(served.ep, stream, rounds_per_frame=0, cycle_ns=1).run(timeout_s=60)
+    finally:
+        rep = served.close()
+    assert res.shots_ok == n
+    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+    batch = np.asarray(rep["shots"]["batch_shots"])
+    assert batch.max() <= max_batch
+    assert batch.max() > min(max_batch, 256) // 2, "the backlog was not decoded in large calls"
+    if max_batch > 256:  # beyond what was once the fixed bound of gets held back
+        assert batch.max() > 256
+    assert rep["counts"]["decode_calls"] >= n // max_batch
+
+
+def test_native_service_refuses_a_batch_bound_out_of_range():
+    with pytest.raises(ValueError, match="max_batch_requests"):
+        NativeDecoderService({0: DecoderConfig(decoder="pymatching", dem=_stream(_surface("Z", 3, 3), 1, 1)[1])},
+                             max_batch_requests=0)
 
 
 def test_udp_a_lost_get_is_asked_again_and_its_kept_answer_replayed():
