@@ -5,9 +5,10 @@ path over udp against it, and the long memory experiment with sliding windows.
   with ``sendmmsg`` (batches up to 32; flat out and paced) and a ``recvmmsg`` receiver;
   the most datagrams per second the receiver took in any of the runs.
 * **udp keeps up** — the native path over udp, one round per datagram, at a cycle of
-  1.2 × the floor's period per datagram sent (each shot also sends one get); and at the
-  1.1 µs cycle with the fewest rounds per datagram the floor allows (frames plus gets no
-  faster than the floor), the wire unchanged (each datagram one ``enqueue_syndromes``).
+  1.2 × the floor's period; and at the 1.1 µs cycle with the fewest rounds per datagram the
+  floor allows (datagrams no faster than the floor). Each shot's ``get_corrections`` rides in
+  the datagram of its last ``enqueue_syndromes`` (two whole frames back to back, sent on the
+  same tick), so a shot costs as many datagrams as it has frames; the frames' bytes unchanged.
 * **long experiment** — one memory experiment of ``rounds`` rounds at d=5, one round per
   frame on the cycle over shm, decoded by sliding windows with commit as the rounds land
   (:func:`qlink.qec.hotpath.window_plan`); the service runs in a thread of this process
@@ -86,8 +87,9 @@ def udp_rows(*, floor: dict, d: int = 5, p: float = 0.001, decoder: str = "pymat
     spec = source_spec(distance=d, p=p)
     ticks = spec["rounds"] + 1  # (the final readout: a round of its own on the wire)
     per_dgram_ns = floor["floor_period_ns"]
-    # one round per datagram: ticks frames + 1 get per shot, at the floor's pace x 1.2
-    cyc1 = int(math.ceil(1.2 * per_dgram_ns * (ticks + 1) / ticks))
+    # one round per datagram, each shot's get riding in its last frame's datagram (two whole
+    # frames): ticks datagrams a shot, one per tick at 1.2 x the floor's period
+    cyc1 = int(math.ceil(1.2 * per_dgram_ns))
     row: dict = {"udp_floor_datagrams_per_s": floor["floor_datagrams_per_s"],
                  "udp_floor_period_ns": per_dgram_ns, "udp_rpf1_cycle_ns": cyc1}
     r1 = run_loop(transport="udp", source=spec, decoder=decoder, engine="native", num_shots=max(100, rounds // ticks // 3),
@@ -98,14 +100,14 @@ def udp_rows(*, floor: dict, d: int = 5, p: float = 0.001, decoder: str = "pymat
                 "udp_rpf1_backlog_max_rounds": r1.backlog_max_rounds, "udp_rpf1_dropped": r1.shots_dropped})
     say(f"  udp d={d}, one round per datagram at {cyc1} ns (1.2 x the floor's period): keeps up {r1.keeps_up} "
         f"({row['udp_rpf1_rate_share']:.1%} of its cycle rate), reaction p50 {row['udp_rpf1_p50_us']:.1f} us")
-    # at the cycle: the fewest rounds per datagram whose frames + gets fit under the floor
+    # at the cycle: the fewest rounds per datagram whose datagrams fit under the floor (the gets
+    # ride in the last frames' datagrams)
     rpf = ticks
     for k in range(1, ticks + 1):
-        dgrams = -(-ticks // k) + 1
-        if dgrams / (ticks * cycle_ns * 1e-9) <= floor["floor_datagrams_per_s"]:
+        if -(-ticks // k) / (ticks * cycle_ns * 1e-9) <= floor["floor_datagrams_per_s"]:
             rpf = k
             break
-    need = (-(-ticks // rpf) + 1) / (ticks * cycle_ns * 1e-9)
+    need = -(-ticks // rpf) / (ticks * cycle_ns * 1e-9)
     r2 = run_loop(transport="udp", source=spec, decoder=decoder, engine="native", num_shots=max(100, rounds // ticks),
                   cycle_ns=cycle_ns, rounds_per_frame=rpf, warmup_shots=200, pin_cpus=True, seed=seed + 1,
                   keep_samples=20_000, timeout_s=600)

@@ -27,11 +27,12 @@ Rows (each with the floor it is held to, measured beside it):
 * **flat out** (shm, the first two distances): one frame per shot at a 1 ns cycle, rounds
   answered per second beside the offline peer at its best on the same shots
   (:func:`offline_rounds_per_s`), in 5 interleaved pairs: best ÷ best (goal ≥ 95 %), and
-  the median of the pairs' ratios.
+  the median of the pairs' ratios; the service decodes its backlog in calls of up to 4096
+  shots, the offline peer's batch size.
 * **udp** (:mod:`qlink.bench._qec_long`) — the kernel floor (a raw ``sendmmsg`` →
   ``recvmmsg`` pair in C on loopback, datagrams per second), then the native path over udp:
   one round per datagram at 1.2 × the floor's period, and at the cycle with the fewest
-  rounds per datagram the floor allows.
+  rounds per datagram the floor allows (each shot's get in its last frame's datagram).
 * **long experiment** — 10^4 and 10^6 rounds at the first distance, one round per frame at
   the cycle, sliding windows with commit: final round → final correction p50 at each length.
 * the CPU floor of the run (two pinned busy loops: the share of wall time they ran) and

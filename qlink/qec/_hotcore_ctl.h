@@ -40,6 +40,7 @@ typedef struct {
     int64_t *ctr_of, *repairs_of;
     int64_t repairs, resent_frames, max_repairs;
     int ready;     /* the service answered the first look (datagrams: nothing is played before) */
+    int pack_get;  /* datagrams: a shot's get rides in the datagram of its last frame (two whole frames) */
     int64_t ping_t, pings;
 } ControllerCore;
 
@@ -95,19 +96,19 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
         *backlog = Py_None;
     long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
     long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0, get_timeout_ns = 50000000;
-    long long max_repairs = 16;
+    long long max_repairs = 16, get_in_last_datagram = 0;
     static char *kwlist[] = {"link", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
                              "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
                              "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
                              "request_id_start", "get_request_id_start", "late_ns", "lag", "backlog",
-                             "backlog_every", "get_timeout_ns", "max_repairs", NULL};
+                             "backlog_every", "get_timeout_ns", "max_repairs", "get_in_last_datagram", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLLL:ControllerCore", kwlist, &link,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLLLL:ControllerCore", kwlist, &link,
                                      &frames, &offs, &lens, &last_round, &get_frame, &rows, &corr, &S, &F, &R, &nbo,
                                      &cycle_ns, &gap_cycles, &lockstep, &stall_ns, &deadline_ns, &counter, &rid,
                                      &get_rid, &late_ns, &lag, &backlog, &backlog_every, &get_timeout_ns,
-                                     &max_repairs))
+                                     &max_repairs, &get_in_last_datagram))
         return -1;
     if (S < 1 || F < 1 || R < 1 || nbo < 1 || nbo > 4096 || cycle_ns < 1 || gap_cycles < 0) {
         PyErr_SetString(PyExc_ValueError, "num_shots, frames_per_shot, rounds_per_shot, cycle_ns must be >= 1, "
@@ -180,6 +181,18 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     c->repairs = c->resent_frames = 0;
     c->max_repairs = max_repairs >= 0 ? max_repairs : 0;
     c->ready = c->io.kind != IO_DGRAM;
+    c->pack_get = c->io.kind == IO_DGRAM && get_in_last_datagram != 0;
+    /* touched now, not on the clock: a page first written mid-run costs a fault (~1 us) */
+    prefault(c->corr.buf, (size_t)c->corr.len);
+    prefault(c->get_rid_of, (size_t)S * 8);
+    prefault(c->get_ptp_of, (size_t)S * 8);
+    prefault(c->get_t_of, (size_t)S * 8);
+    prefault(c->ctr_of, (size_t)S * 8);
+    prefault(c->repairs_of, (size_t)S * 8);
+    if (c->has[7])
+        prefault(c->lag.buf, (size_t)c->lag.len);
+    if (c->has_backlog)
+        prefault(c->backlog.buf, (size_t)c->backlog.len);
     c->ping_t = c->pings = 0;
     return 0;
 }
@@ -193,8 +206,8 @@ static int ctl_poll(ControllerCore *c, int *progress);
  * a killed peer cannot mark its ring closed -- and calls run() again). While it waits it
  * takes the answers that come: a service whose answers find the way back full stops reading
  * frames, and a controller that only waited for room would wait on it in turn. */
-static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
-    int rc = io_send(&c->io, p, n, NULL, 0);
+static int ctl_send2(ControllerCore *c, const uint8_t *p, uint32_t n, const uint8_t *p2, uint32_t n2) {
+    int rc = io_send(&c->io, p, n, p2, n2);
     if (rc == QLINK_RING_FULL) {
         c->full_waits++;
         int64_t t0 = mono_ns();
@@ -210,18 +223,21 @@ static int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) {
             if ((++k & 255) == 0 && mono_ns() - t0 > c->stall_ns)
                 return -2;
             CPU_RELAX();
-            rc = io_send(&c->io, p, n, NULL, 0);
+            rc = io_send(&c->io, p, n, p2, n2);
         }
     }
     return rc == QLINK_RING_SENT ? 0 : -1;
 }
 
-static int ctl_send_get(ControllerCore *c, int64_t s) {
+static inline int ctl_send(ControllerCore *c, const uint8_t *p, uint32_t n) { return ctl_send2(c, p, n, NULL, 0); }
+
+/* shot s's get made ready to go (stamped t): its request id, the row's and the shot's records;
+ * returns its length. ctl_unprep_get takes it back when it could not be sent. */
+static uint32_t ctl_prep_get(ControllerCore *c, int64_t s, int64_t t) {
     uint8_t *g = c->get_frame.buf;
     uint32_t rid = (uint32_t)(GET_BIT | (uint32_t)(c->get_rid++ & 0x7FFFFFFF));
     if (c->io.kind == IO_DGRAM) /* the get names its shot */
         rid = ADDR_BITS | (uint32_t)(c->ctr_of[s] & ADDR_MASK);
-    int64_t t = mono_ns();
     wr32(g + 12, rid);
     wr64(g + 16, t + c->real_off);
     int64_t *r = ctl_row(c, s);
@@ -231,10 +247,21 @@ static int ctl_send_get(ControllerCore *c, int64_t s) {
     c->get_rid_of[s] = rid;
     c->get_ptp_of[s] = t + c->real_off;
     c->get_t_of[s] = t;
-    int rc = ctl_send(c, g, W.hdr + W.get_payload);
+    return (uint32_t)(W.hdr + W.get_payload);
+}
+
+static void ctl_unprep_get(ControllerCore *c, int64_t s) {
+    int64_t *r = ctl_row(c, s);
+    c->get_rid--;
+    if (--r[K_POLLS] == 0)
+        r[K_GET] = 0;
+}
+
+static int ctl_send_get(ControllerCore *c, int64_t s) {
+    uint32_t n = ctl_prep_get(c, s, mono_ns());
+    int rc = ctl_send(c, c->get_frame.buf, n);
     if (rc == -2) { /* not sent: owed, sent first when run() is called again */
-        c->get_rid--;
-        r[K_POLLS]--;
+        ctl_unprep_get(c, s);
         c->get_owed = s + 1;
     }
     return rc;
@@ -497,7 +524,18 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 wr32(fr + 12, rid);
                 wr64(fr + 16, now + c->real_off);
                 wr64(fr + W.hdr + 8, c->counter++);
-                int src = ctl_send(c, fr, (uint32_t)lens[i]);
+                /* datagrams: the shot's get goes in the datagram of its last frame, stamped alike */
+                int packed = c->pack_get && f == F - 1;
+                int src;
+                if (packed) {
+                    c->ctr_of[s] = c->counter - 1;
+                    uint32_t gn = ctl_prep_get(c, s, now);
+                    src = ctl_send2(c, fr, (uint32_t)lens[i], c->get_frame.buf, gn);
+                    if (src == -2)
+                        ctl_unprep_get(c, s);
+                } else {
+                    src = ctl_send(c, fr, (uint32_t)lens[i]);
+                }
                 if (src == -2) { /* not sent: emitted again when run() is called again */
                     c->rid--;
                     c->counter--;
@@ -527,9 +565,11 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                     r[K_DUE] = tick;
                     r[K_SENT] = t_sent;
                     r[K_STATUS] = -1;
+                    if (packed) /* its get left with it */
+                        r[K_GET] = c->get_t_of[s] = t_sent;
                     c->s_emit++;
                     c->f_emit = 0;
-                    int grc = ctl_send_get(c, s);
+                    int grc = packed ? 0 : ctl_send_get(c, s);
                     if (grc == -2) { /* (owed: sent first on the next call) */
                         code = 1;
                         break;

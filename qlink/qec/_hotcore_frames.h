@@ -400,7 +400,7 @@ static void svc_reset(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32
 }
 
 /* One frame. Python exceptions never escape (decoder failures are counted). */
-static void svc_handle(ServiceCore *s, const uint8_t *f, uint32_t n, int64_t t_in) {
+static void svc_handle_one(ServiceCore *s, const uint8_t *f, uint32_t n, int64_t t_in) {
     s->counts[C_REQUESTS]++;
     if (n < W.hdr) { /* not even a header: no request id to answer */
         s->counts[C_F_SHORT_FRAME]++;
@@ -421,6 +421,22 @@ static void svc_handle(ServiceCore *s, const uint8_t *f, uint32_t n, int64_t t_i
         svc_reset(s, p, arg_len, rid, ptp);
     else
         svc_refuse(s, C_F_UNKNOWN_FUNCTION, W.st_bad, rid, ptp);
+}
+
+/* One message: a frame, or several whole frames back to back (a datagram that carries a shot's
+ * last round and its get), each handled as if it came alone. Only a request header right behind
+ * a frame splits the message; a frame with anything else behind it is refused (its length). */
+static void svc_handle(ServiceCore *s, const uint8_t *f, uint32_t n, int64_t t_in) {
+    while (n >= 2 * W.hdr && rd32(f) == W.req_magic) {
+        uint64_t k = (uint64_t)W.hdr + rd32(f + 8);
+        if (k + W.hdr > n || rd32(f + k) != W.req_magic)
+            break;
+        svc_handle_one(s, f, (uint32_t)k, t_in);
+        f += k;
+        n -= (uint32_t)k;
+        s->counts[C_FRAMES_PACKED]++; /* (the frame behind it) */
+    }
+    svc_handle_one(s, f, n, t_in);
 }
 
 /* After a frame: whether the shots (and gets) waiting should be decoded (and answered) now.

@@ -10,7 +10,7 @@ enum {
     C_F_SHORT_FRAME, C_F_BAD_MAGIC, C_F_LENGTH, C_F_UNKNOWN_FUNCTION, C_F_DECODER_NOT_CONFIGURED,
     C_F_DECODER_ID, C_F_MAPPING_ID, C_F_SYNDROME_COUNT, C_F_COUNTER_BACKWARDS, C_F_COUNTER_GAP, C_F_RETURN_SIZE,
     C_F_ANSWER_BLOCKED, C_F_LAYOUT_MISMATCH, C_SLOW_PATH, C_REPLAYED, C_WINDOWS, C_SHOTS_REPAIRED,
-    C_REPAIR_FRAMES, C_FRAMES_REPEATED, C_ADDRESSED_GETS, C_ANSWERS_WITHHELD, C_N
+    C_REPAIR_FRAMES, C_FRAMES_REPEATED, C_ADDRESSED_GETS, C_ANSWERS_WITHHELD, C_FRAMES_PACKED, C_N
 };
 static const char *count_names[C_N] = {
     "requests", "enqueue", "get_corrections", "reset_decoder", "shots_completed", "shots_decoded", "decode_calls",
@@ -19,7 +19,7 @@ static const char *count_names[C_N] = {
     "fault.decoder_not_configured", "fault.decoder_id", "fault.syndrome_mapping_id", "fault.syndrome_count",
     "fault.counter_backwards", "fault.counter_gap", "fault.return_size", "fault.answer_blocked",
     "fault.layout_mismatch", "slow_path_frames", "get_corrections_replayed", "windows_decoded", "shots_repaired",
-    "repair_frames", "frames_repeated", "addressed_gets", "answers_withheld",
+    "repair_frames", "frames_repeated", "addressed_gets", "answers_withheld", "frames_packed",
 };
 
 #define CALL_FIRED 0  /* fn(indices of the fired detectors, uint64) -> observable flips, one byte each */

@@ -640,13 +640,17 @@ class NativeController:
     between ticks. :meth:`run` returns a :class:`~qlink.qec.controller.ControllerResult`.
     Over udp each get names its shot and a shot the service lacks has its frames sent
     again (see the module's notes): ``answer_faults`` counts ``repairs`` (shots whose
-    frames were sent again), ``resent_frames``, ``resent_gets`` and ``stale_answers``.
+    frames were sent again), ``resent_frames``, ``resent_gets`` and ``stale_answers``;
+    with ``get_in_last_datagram`` (the default) a shot's get rides in the datagram of its last
+    frame, two whole frames back to back, so a shot costs as many datagrams as it has frames
+    (qlink's services take such a datagram frame by frame; a service that takes one frame per
+    datagram needs it off).
     """
 
     def __init__(self, endpoint, stream, *, decoder_id: int = 0, cycle_ns: int = 1100, rounds_per_frame: int = 1,
                  lockstep: bool = False, feed_forward_deadline_ns: int | None = None, gap_cycles: int = 0,
                  counter_start: int = 0, request_id_start: int = 0, get_request_id_start: int = 0,
-                 keep_lag_frames: int = 0, backlog_samples: int = 4096) -> None:
+                 keep_lag_frames: int = 0, backlog_samples: int = 4096, get_in_last_datagram: bool = True) -> None:
         _need()
         from ._checks import knob
 
@@ -681,7 +685,7 @@ class NativeController:
             lockstep=int(self.lockstep), deadline_ns=self.deadline_ns, counter_start=int(counter_start),
             request_id_start=int(request_id_start), get_request_id_start=int(get_request_id_start),
             lag=self._lag if len(self._lag) else None, backlog=self._backlog, backlog_every=every,
-            late_ns=self.cycle_ns * max(1, int(rounds_per_frame)))
+            late_ns=self.cycle_ns * max(1, int(rounds_per_frame)), get_in_last_datagram=int(bool(get_in_last_datagram)))
 
     def continue_after(self, other: "NativeController") -> None:
         """Start this run's counter and request ids where ``other`` (a run over the same

@@ -423,6 +423,51 @@ def test_native_service_refuses_a_batch_bound_out_of_range():
                              max_batch_requests=0)
 
 
+@pytest.mark.parametrize("scheme", ["shm", "udp"])
+def test_a_message_of_several_whole_frames_is_taken_frame_by_frame(scheme):
+    """A shot's last frame and its get in one message (as a udp controller sends them): each
+    frame handled as if it came alone, bit-exact; a frame with bytes behind it that are not a
+    frame is refused by its length, as before."""
+    n = 20
+    stream, dem = _stream(_surface("Z", 3, 3), n, 4)
+    want = _direct("pymatching", dem, stream.detectors)
+    served = _Served(dem, frames_per_shot=1, scheme=scheme)
+    ep = served.ep
+    try:
+        for k in range(n):
+            ep.send(_frame_enqueue(100 + k, k, stream.detectors[k]) + _frame_get(0x80000000 + k))
+            (ans,) = _answers(ep, 1)
+            assert ans.status == Status.OK and ans.request_id == 0x80000000 + k
+            assert bytes(ans.result) == bytes(want[k])
+        ep.send(_frame_get(0x80000100) + bytes(wire.HEADER_NBYTES + 6))  # zeros behind it: no header
+        (ans,) = _answers(ep, 1)
+        assert ans.status == Status.BAD_REQUEST and ans.request_id == 0x80000100
+    finally:
+        rep = served.close()
+    assert rep["counts"]["frames_packed"] == n
+    assert rep["counts"]["shots_decoded"] == n
+    assert rep["faults"]["length"] == 1
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_udp_a_shots_get_rides_in_its_last_frames_datagram(packed):
+    """Over udp the controller sends a shot's get in the datagram of its last frame (one
+    datagram fewer a shot), or on its own when told; bit-exact either way."""
+    import transports
+
+    stream, dem = _stream(_surface("Z", 3, 3), 300, 6)
+    served = _Served(dem, frames_per_shot=len(stream.frames(rounds_per_frame=1)), scheme="udp", connect=False)
+    served.ep = transports.connect(served.lis.url, timeout_s=10)
+    try:
+        res = NativeController(served.ep, stream, rounds_per_frame=1, cycle_ns=1100,
+                               get_in_last_datagram=packed).run(timeout_s=60)
+    finally:
+        rep = served.close()
+    assert res.shots_ok == stream.num_shots
+    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+    assert rep["counts"]["frames_packed"] == (stream.num_shots if packed else 0)
+
+
 def test_udp_a_lost_get_is_asked_again_and_its_kept_answer_replayed():
     """Over udp the service keeps each consuming get's answer: the very same request again
     (request_id and ptp_timestamp) gets it once more and consumes nothing; the next shot's

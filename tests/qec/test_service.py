@@ -260,6 +260,25 @@ def test_too_many_bits_and_corrupt_frames_are_refused_and_counted(pair, code):
     assert rep["counts"]["frames_unanswerable"] == 3  # bad magic, short, oversized garbage
 
 
+def test_a_message_of_several_whole_frames_is_taken_frame_by_frame(pair, code):
+    """A shot's frame and its get in one message (as a udp controller sends them): both
+    handled, each answer bit-exact."""
+    dem, dets, expected = code
+    buf = bytearray(1 << 12)
+    for k in range(4):
+        n = wire.encode_enqueue_syndromes_into(buf, request_id=100 + k, decoder_id=0, counter=k,
+                                               syndrome_mapping_id=0, syndromes=dets[k])
+        frame = bytes(buf[:n])
+        n = wire.encode_get_corrections_into(buf, request_id=200 + k, decoder_id=0, return_size=1, reset=True)
+        pair.raw(frame + bytes(buf[:n]))
+    answers = _answers_by_rid(pair.run())
+    for k in range(4):
+        assert answers[200 + k] == (Status.OK, bytes([expected[k][0]])), k
+    rep = pair.service.report()
+    assert rep["counts"]["frames_packed"] == 4
+    assert rep["counts"]["requests"] == 8
+
+
 def test_a_counter_gap_drops_exactly_the_shots_it_touched(code):
     dem, dets, expected = code
     rounds = np.array([int(c[-1]) for c in dem.get_detector_coordinates().values()])
