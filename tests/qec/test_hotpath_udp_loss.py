@@ -102,7 +102,7 @@ class _LossyRelay:
         self.down.close()
 
 
-def _lossy_run(stream, dem, F, drop, *, lockstep=False):
+def _lossy_run(stream, dem, F, drop, *, lockstep=False, packed=False):
     import transports
 
     served = _Served(dem, frames_per_shot=F, keep=stream.num_shots, scheme="udp", connect=False)
@@ -110,7 +110,8 @@ def _lossy_run(stream, dem, F, drop, *, lockstep=False):
     try:
         ep = transports.connect(relay.url, timeout_s=10)
         served.ep = ep
-        res = NativeController(ep, stream, cycle_ns=1100, lockstep=lockstep).run(timeout_s=120)
+        res = NativeController(ep, stream, cycle_ns=1100, lockstep=lockstep,
+                               get_in_last_datagram=packed).run(timeout_s=120)
     finally:
         rep = served.close()
         relay.close()
@@ -121,7 +122,8 @@ def _lossy_run(stream, dem, F, drop, *, lockstep=False):
 def test_udp_lost_frames_gets_and_answers_are_recovered_bit_exact(lockstep):
     """Frames (mid-shot, a shot's last, two of one shot, a whole shot with its get, the run's
     very last), gets and answers are dropped: the controller sends the lost frames again, the
-    service repairs those shots, and every shot gets its own decoder correction."""
+    service repairs those shots, and every shot gets its own decoder correction. (Each get in a
+    datagram of its own, so a get alone can be lost.)"""
     stream, dem = _stream(_surface("Z", 3, 3), 120, 21)
     F = len(stream.frames(rounds_per_frame=1))
     S = stream.num_shots
@@ -235,3 +237,31 @@ def test_udp_controller_waits_for_the_service_before_playing():
     assert res.shots_ok == 300
     np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
     assert rep["faults"] == {} and "repairs" not in res.answer_faults
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_udp_lost_datagrams_of_a_last_frame_with_its_get_are_recovered_bit_exact(lockstep):
+    """The default over udp: a shot's get rides in the datagram of its last frame, so losing
+    that datagram loses both. Such datagrams, other frames and answers are dropped: every shot
+    still gets its own decoder correction."""
+    stream, dem = _stream(_surface("Z", 3, 3), 120, 22)
+    F = len(stream.frames(rounds_per_frame=1))
+    S = stream.num_shots
+    lost_frames = {5 * F + 1,  # mid-shot
+                   9 * F + F - 1, 44 * F + F - 1,  # a shot's last frame, its get with it
+                   *range(30 * F, 31 * F),  # a whole shot
+                   S * F - 1}  # the run's very last frame and its get
+    lost_answers = {50 * F + F - 1}
+
+    def drop(direction, f):
+        kind, v = f
+        if kind == "enqueue":  # (a datagram is named by its first frame)
+            return v in lost_frames
+        return kind == "answer" and (v & _NAMED) == _NAMED and (v & ~_NAMED) in lost_answers
+
+    res, rep, relay = _lossy_run(stream, dem, F, drop, lockstep=lockstep, packed=True)
+    assert len(relay.dropped) == len(lost_frames) + len(lost_answers), relay.dropped
+    assert res.shots_ok == S, (res.statuses, res.answer_faults)
+    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+    assert rep["counts"]["frames_packed"] >= S - 4  # (the gets of the lost datagrams came again on their own)
+    assert res.answer_faults["repairs"] >= len({i // F for i in lost_frames})
