@@ -524,8 +524,10 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 wr32(fr + 12, rid);
                 wr64(fr + 16, now + c->real_off);
                 wr64(fr + W.hdr + 8, c->counter++);
-                /* datagrams: the shot's get goes in the datagram of its last frame, stamped alike */
-                int packed = c->pack_get && f == F - 1;
+                /* datagrams: the shot's get goes in the datagram of its last frame, stamped alike
+                 * (where both fit in one datagram) */
+                int packed = c->pack_get && f == F - 1 &&
+                             (uint64_t)lens[i] + W.hdr + W.get_payload <= (uint64_t)(DG_MAX - 29);
                 int src;
                 if (packed) {
                     c->ctr_of[s] = c->counter - 1;
