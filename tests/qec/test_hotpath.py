@@ -401,7 +401,7 @@ def test_a_backlog_goes_to_the_decoder_in_calls_of_up_to_max_batch_requests(max_
     many), every correction equal to the direct call's."""
     n = 3000
     stream, dem = _stream(_surface("Z", 3, 3), n, 5)
-    served = _Served(dem, frames_per_shot=1, keep=n, capacity_shots=4096, serve_delay_s=0.3,
+    served = _Served(dem, frames_per_shot=1, keep=n, capacity_shots=4096, serve_delay_s=1.0,
                      max_batch_requests=max_batch)
     try:
         res = NativeController(served.ep, stream, rounds_per_frame=0, cycle_ns=1).run(timeout_s=60)
