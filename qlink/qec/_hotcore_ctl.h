@@ -527,10 +527,11 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 /* datagrams: the shot's get goes in the datagram of its last frame, stamped alike
                  * (where both fit in one datagram) */
                 int packed = c->pack_get && f == F - 1 &&
-                             (uint64_t)lens[i] + W.hdr + W.get_payload <= (uint64_t)(DG_MAX - 29);
+                             (uint64_t)lens[i] + W.hdr + W.get_payload <= (uint64_t)DG_PAYLOAD_MAX;
+                if (f == F - 1) /* (a datagram get names its shot by this counter) */
+                    c->ctr_of[s] = c->counter - 1;
                 int src;
                 if (packed) {
-                    c->ctr_of[s] = c->counter - 1;
                     uint32_t gn = ctl_prep_get(c, s, now);
                     src = ctl_send2(c, fr, (uint32_t)lens[i], c->get_frame.buf, gn);
                     if (src == -2)
@@ -559,7 +560,6 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 c->frames_sent++;
                 progress = 1;
                 if (f == F - 1) {
-                    c->ctr_of[s] = c->counter - 1;
                     int64_t *r = ctl_row(c, s);
                     r[K_SHOT] = s;
                     r[K_RID] = rid;

@@ -27,6 +27,7 @@ static struct {
  * batches of up to DG_SLOTS through recvmmsg / sendmmsg */
 #define DG_SLOTS 32
 #define DG_MAX 65536 /* holds any datagram */
+#define DG_PAYLOAD_MAX (DG_MAX - 29) /* (65,507: an IPv4 datagram's most) */
 #define DG_SOCKBUF_NBYTES (4 << 20)
 
 typedef struct {
@@ -513,7 +514,7 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
         return ux_send(io, p1, n1, p2, n2);
     if (io->kind == IO_DGRAM) {
         uint64_t n = n1 + n2;
-        if (n > DG_MAX - 29) /* (65,507: an IPv4 datagram's most) */
+        if (n > DG_PAYLOAD_MAX)
             return QLINK_RING_TOO_BIG;
         if (io->eof)
             return QLINK_RING_PEER_CLOSED;
