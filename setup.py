@@ -3,6 +3,9 @@
 * ``transports._ringc``: the shared-memory ring's hot path. When it cannot be built,
   qlink falls back to its pure-Python ring (same wire layout, slower), and says so in
   benchmark reports.
+* ``transports._splicec``: a tcp put's pieces into the socket by ``vmsplice`` and
+  ``splice`` (Linux), so the sender copies nothing; without it a deferred tcp put is
+  copied into the socket like any other.
 * ``qlink.qec._hotcore``: the QEC loop's per-frame path over that ring (it uses the
   ring's C API, ``transports/_ring_api.h``). Without it, the loop runs its Python path
   and ``qlink.qec.hotpath.available()`` says why.
@@ -16,6 +19,12 @@ setup(
             "transports._ringc",
             sources=["transports/_ringc.c"],
             depends=["transports/_ringc_put.h", "transports/_ring_api.h"],  # included by _ringc.c
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
+        Extension(
+            "transports._splicec",
+            sources=["transports/_splicec.c"],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         ),

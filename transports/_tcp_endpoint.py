@@ -23,8 +23,10 @@ from ._base import (MAX_TAG_BYTES, Capabilities, Endpoint, Notification, Statist
                     deadline_of)
 from ._pieces import check_pieces
 from ._tcp_frames import MAX_PIECE_NBYTES, PUTV_MORE, frame_groups
+from ._tcp_handshake import PUTV_VERSION, SYNC_VERSION
 from ._tcp_pump import TcpReceiveSide
 from ._tcp_send import SMALL_SEND, TcpSendSide
+from ._tcp_splice import ZERO_COPY_MIN_NBYTES, available as _can_splice
 from ._tcp_wait import TcpRecvWait, TcpSendWait
 
 __all__ = ["CAPABILITIES", "DEFAULT_BUSY_POLL_S", "RBUF_NBYTES", "TcpEndpoint"]
@@ -58,12 +60,20 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
     capabilities = CAPABILITIES
 
     def __init__(self, sock: socket.socket, *, url: str, local_key: int, peer_key: int,
-                 busy_poll_s: float = DEFAULT_BUSY_POLL_S, peer_takes_putv: bool = False,
+                 busy_poll_s: float = DEFAULT_BUSY_POLL_S, version: int = 1,
                  read_ahead_nbytes: int = RBUF_NBYTES) -> None:
         super().__init__()
+        #: the protocol version in force (1: PUT frames; 2: + PUTV; 3: + SYNC, the flush of
+        #: deferred puts)
+        self.version = int(version)
         #: put_many sends one PUTV frame and the target sees one Notification (the peer takes
         #: PUTV frames, protocol version 2); else one PUT frame and one Notification per piece
-        self.put_many_gathers = bool(peer_takes_putv)
+        self.put_many_gathers = self.version >= PUTV_VERSION
+        #: ``put_many(..., defer=True)`` of any source (registered or not) hands its pieces'
+        #: pages to the socket by splice, without copying them, and :meth:`flush` waits for
+        #: the peer to have read them (version 3, Linux, the C module built)
+        self.defers_puts_in_place = self.version >= SYNC_VERSION and _can_splice()
+        self.defers_puts = self.defers_puts_in_place
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -107,6 +117,12 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._sbuf = bytearray(fr.HEADER.size + MAX_TAG_BYTES + SMALL_SEND)
         self._smv = memoryview(self._sbuf)
         self._pending: memoryview | None = None  # committed frame bytes still to write
+        self._splice_pipe = None  # made at the first spliced put_many
+        self._spliced = 0  # put_many calls whose pieces went by splice
+        self._ack_asked = 0  # spliced put_many calls sent, each asking the peer for a PUTV_ACK
+        self._ack_heard = 0  # the highest count the peer's PUTV_ACKs gave (guarded by _rlock)
+        self._ack_read = 0  # the peer's PUTV frames flagged ACK this side has read
+        self._ack_told = 0  # the count this side last told the peer (guarded by _slock)
         # a poll object must not be used by two threads at once: the receive side
         # (under _rlock) and the send side (under _slock) each have their own
         self._poll_in = _poller(sock, _POLLIN)
@@ -308,8 +324,11 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         and ONE Notification spanning them, returning 1 (see the module docstring and
         :meth:`transports.Endpoint.put_many`). Every piece is checked before anything is
         sent. A peer that speaks protocol version 1 gets one PUT per piece instead (and
-        one Notification per piece; ``put_many_gathers`` is False then). ``defer`` changes
-        nothing: the call returns once the bytes are handed to the socket (or kept).
+        one Notification per piece; ``put_many_gathers`` is False then). The call returns
+        once the bytes are handed to the socket (or kept). With ``defer=True`` and
+        :attr:`defers_puts_in_place`, a put_many of ``ZERO_COPY_MIN_NBYTES`` or more hands
+        the socket its pieces' pages (splice) instead of copies: ``data`` must then stay
+        unchanged until :meth:`flush` returns.
         """
         if not self.put_many_gathers:
             return super().put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
@@ -325,17 +344,29 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._check_target(remote)
         deadline = deadline_of(timeout_s)
         groups = frame_groups(ln)
+        splice = defer and self.defers_puts_in_place and int(ln.sum()) >= ZERO_COPY_MIN_NBYTES
         with self._slock:
             for g, (a, b) in enumerate(groups):
                 last = g == len(groups) - 1
                 self._send_putv(src, remote.region_id, so[a:b], do[a:b], ln[a:b], notify_id=notify_id,
                                 tag=tag if last else b"", flags=0 if last else PUTV_MORE, deadline=deadline,
-                                timeout_s=timeout_s)
+                                timeout_s=timeout_s, splice=splice)
+            if splice:
+                self._spliced += 1
         self._gathered += 1
         self._counters.puts += int(ln.size)
         self._counters.put_bytes += int(ln.sum())
         return 1
 
+
+    def flush(self, *, timeout_s: float | None = None) -> None:
+        """Wait until the peer has read every spliced (deferred) put_many so far: the last
+        frame of each asks the peer to say so (a PUTV_ACK) as soon as it has read it. Returns
+        at once when every such put_many was confirmed already."""
+        self._check_open()
+        if self._ack_heard >= self._ack_asked:
+            return
+        self._receive(self._acked_once, "flush", timeout_s)
 
     def wait_notification(self, *, timeout_s: float | None = None) -> Notification:
         self._check_open()
@@ -362,6 +393,8 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
             "staged_messages": self._staged,
             "puts_rejected": self._puts_rejected,
             "gathered_puts": self._gathered,
+            "spliced_puts": self._spliced,
+            "spliced_puts_confirmed": self._ack_heard,
         })
 
     def abort(self) -> None:
@@ -411,6 +444,12 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
             if got_r:
                 self._rlock.release()
         self._regions.clear()
+        if self._splice_pipe is not None and self._slock.acquire(timeout=_CLOSE_LINGER_S):
+            try:
+                self._splice_pipe.close()
+                self._splice_pipe = None
+            finally:
+                self._slock.release()
 
 
 def _byte_view(obj) -> memoryview:

@@ -5,6 +5,9 @@ to it (accept, with the version in force, or refuse with a readable reason).
 * Protocol version 2 is version 1 plus the PUTV frame. A client sends the version-1 hello
   with flag bit 0 ("I take PUTV"), so a version-1 listener still accepts it; a version-2
   listener answers version 2 to a client that set that flag.
+* Protocol version 3 is version 2 plus the SYNC and SYNC_ACK frames (a deferred put's flush).
+  A client that takes them sets flag bit 2 too; a version-3 listener answers version 3 to a
+  client that set bits 0 and 2.
 * With a token the client sets flag bit 1 and sends, right after the hello, a 32-byte
   HMAC-SHA256 of the hello under the token (the token itself never travels).
 
@@ -27,14 +30,18 @@ from qlink.errors import BrokenLinkError, WireError
 from . import framing as fr
 from ._tcp_frames import SEND_FLAGS
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "HELLO_PUTV", "HELLO_AUTH", "AUTH_NBYTES", "PUTV_VERSION", "random_key",
+__all__ = ["HANDSHAKE_TIMEOUT_S", "HELLO_PUTV", "HELLO_AUTH", "HELLO_SYNC", "AUTH_NBYTES", "PUTV_VERSION",
+           "SYNC_VERSION", "random_key",
            "client_hello", "hello_nbytes", "judge_hello", "accept_reply", "refuse", "client_handshake"]
 
 HANDSHAKE_TIMEOUT_S = 5.0  # a listener hangs up on a client whose hello has not come by then
 HELLO_PUTV = 1  # hello flags: this client takes PUTV frames
 HELLO_AUTH = 2  # hello flags: a 32-byte HMAC-SHA256 of the hello under the shared token follows
+HELLO_SYNC = 4  # hello flags: this client takes SYNC and SYNC_ACK frames
 AUTH_NBYTES = 32
 PUTV_VERSION = 2
+SYNC_VERSION = 3
+_TAKES = HELLO_PUTV | HELLO_SYNC  # what this client says it takes
 _AUTH_LABEL = b"qlink-tcp-hello-v1"
 _STATUS_UNAUTHORIZED = 3  # handshake reply status: this listener wants a token the client did not prove
 
@@ -52,8 +59,8 @@ def _hello_proof(token: bytes, hello: bytes) -> bytes:
 def client_hello(local_key: int, *, token: bytes | None) -> bytes:
     """The client's opening bytes: the version-1 hello saying it takes PUTV (and its proof)."""
     if token is None:
-        return fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, HELLO_PUTV, local_key)
-    hello = fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, HELLO_PUTV | HELLO_AUTH, local_key)
+        return fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _TAKES, local_key)
+    hello = fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _TAKES | HELLO_AUTH, local_key)
     return hello + _hello_proof(token, hello)
 
 
@@ -77,20 +84,32 @@ def _check_proof(token: bytes, buf: bytearray, got: int) -> tuple[int, str, str]
     return fr.STATUS_OK, "", ""
 
 
-def judge_hello(buf: bytearray, got: int, token: bytes | None) -> tuple[int, str, str, int, bool]:
+def judge_hello(buf: bytearray, got: int, token: bytes | None) -> tuple[int, str, str, int, int]:
     """The listener's verdict on a whole hello (``got`` bytes of ``buf``): ``(status, reason
-    key, reason text, peer's region key, client takes PUTV)``; status ``fr.STATUS_OK`` admits."""
+    key, reason text, peer's region key, the protocol version both sides speak)``; status
+    ``fr.STATUS_OK`` admits."""
     status, peer_key, reason = fr.check_hello(buf)
     why = "bad_hello"
     if status == fr.STATUS_OK and token is not None:
         status, why, reason = _check_proof(token, buf, got)
-    return status, why, reason, peer_key, bool(fr.HELLO.unpack_from(buf, 0)[2] & HELLO_PUTV)
+    return status, why, reason, peer_key, _version_of(fr.HELLO.unpack_from(buf, 0)[2])
 
 
-def accept_reply(region_key: int, *, putv: bool) -> bytes:
-    """The listener's acceptance: version 2 when the client said it takes PUTV frames
-    (version 1 clients do not look at the reply's version)."""
-    return fr.REPLY.pack(fr.MAGIC, PUTV_VERSION if putv else fr.PROTOCOL_VERSION, fr.STATUS_OK, region_key, 0)
+def _version_of(flags: int) -> int:
+    """The protocol version a client's hello flags let both sides speak.
+
+    >>> _version_of(0), _version_of(HELLO_PUTV), _version_of(HELLO_PUTV | HELLO_SYNC)
+    (1, 2, 3)
+    """
+    if not flags & HELLO_PUTV:
+        return fr.PROTOCOL_VERSION
+    return SYNC_VERSION if flags & HELLO_SYNC else PUTV_VERSION
+
+
+def accept_reply(region_key: int, *, version: int) -> bytes:
+    """The listener's acceptance, with the version both sides speak (from :func:`judge_hello`;
+    version 1 clients do not look at the reply's version)."""
+    return fr.REPLY.pack(fr.MAGIC, version, fr.STATUS_OK, region_key, 0)
 
 
 def refuse(conn: socket.socket, status: int, reason: str) -> None:
@@ -109,10 +128,11 @@ def refuse(conn: socket.socket, status: int, reason: str) -> None:
         conn.close()
 
 
-def client_handshake(sock: socket.socket, *, token: bytes | None, left, where: str) -> tuple[int, int, bool]:
+def client_handshake(sock: socket.socket, *, token: bytes | None, left, where: str) -> tuple[int, int, int]:
     """The client's side on a connected blocking socket: send the hello, read the answer.
     ``left()`` gives the seconds left (raising when none are). Returns ``(local region key,
-    peer's region key, peer takes PUTV)``; WireError with the listener's reason if refused."""
+    peer's region key, the protocol version in force)``; WireError with the listener's reason
+    if refused."""
     local_key = random_key()
     sock.settimeout(left())
     sock.sendall(client_hello(local_key, token=token))
@@ -121,7 +141,7 @@ def client_handshake(sock: socket.socket, *, token: bytes | None, left, where: s
     reason = _recv_exact(sock, reason_n, left, where).decode("utf-8", "replace") if reason_n else ""
     if status != fr.STATUS_OK:
         raise WireError(reason or f"the tcp listener at {where} refused the handshake (status {status})")
-    return local_key, peer_key, version >= PUTV_VERSION
+    return local_key, peer_key, min(max(version, fr.PROTOCOL_VERSION), SYNC_VERSION)
 
 
 def _recv_exact(sock: socket.socket, nbytes: int, left, where: str) -> bytes:

@@ -122,7 +122,7 @@ class TcpListener(Listener):
             return
         del pending[fd]
         poller.unregister(fd)
-        status, why, reason, peer_key, takes_putv = hs.judge_hello(buf, got, self._token)
+        status, why, reason, peer_key, version = hs.judge_hello(buf, got, self._token)
         if status != fr.STATUS_OK:
             self.refused_handshakes += 1
             self.refused_by_reason[why] += 1
@@ -130,9 +130,9 @@ class TcpListener(Listener):
             return
         local_key = hs.random_key()
         try:
-            conn.send(hs.accept_reply(local_key, putv=takes_putv), SEND_FLAGS)
+            conn.send(hs.accept_reply(local_key, version=version), SEND_FLAGS)
             ep = TcpEndpoint(conn, url=self.url, local_key=local_key, peer_key=peer_key, busy_poll_s=self._busy_poll_s,
-                             peer_takes_putv=takes_putv, read_ahead_nbytes=self._read_ahead_nbytes)
+                             version=version, read_ahead_nbytes=self._read_ahead_nbytes)
         except OSError:
             self.refused_handshakes += 1
             conn.close()

@@ -21,7 +21,8 @@ from qlink.errors import WireError
 from . import framing as fr
 from ._base import BufferTooSmallError, Notification
 from ._pieces import copy_pieces, span
-from ._tcp_frames import KIND_PUTV, PIECE_NBYTES, PUTV_MORE, check_putv_header
+from ._tcp_frames import (KIND_PUTV, KIND_PUTV_ACK, PIECE_NBYTES, PUTV_ACK, PUTV_MORE, check_ack_header,
+                          check_putv_header)
 
 __all__ = ["TcpReceiveSide", "NOTHING", "NOTE"]
 
@@ -136,7 +137,12 @@ class TcpReceiveSide:
         Returns the frame now in progress, None to go on reading, NOTHING to stop."""
         try:
             if kind == KIND_PUTV:
-                check_putv_header(flags, tag_n, n, off)
+                check_putv_header(flags, tag_n, n, off, version=self.version)
+            elif kind == KIND_PUTV_ACK and self.version >= 3:
+                check_ack_header(flags, tag_n, n)
+                self._rpos += _HSIZE
+                self._ack_heard = max(self._ack_heard, off)
+                return None
             else:
                 kind, tag_n, rid, n, off, nid = fr.parse_header(self._rmv, self._rpos)
         except WireError as e:
@@ -277,6 +283,9 @@ class TcpReceiveSide:
         self._cur = None
         self._cur_dst = None
         self._cur_got = 0
+        if self._cur_flags & PUTV_ACK:  # its pages were lent to the socket: say they are read
+            self._ack_read += 1
+            self._answer_ack()
         note = self._putv_done(rid, nid, tag, phase != _V_SKIP)
         if note is not None:
             self._noteq.append(note)
@@ -358,6 +367,14 @@ class TcpReceiveSide:
             return None
         self._counters.notifications += 1
         return self._noteq.popleft()
+
+    def _acked_once(self):
+        """For ``flush``: True once the peer has said it read every PUTV frame flagged ACK,
+        None while not yet (frames read meanwhile are kept: messages and notifications queue)."""
+        while self._ack_heard < self._ack_asked:
+            if self._pump(None) == NOTHING:  # (it may have read the answer before it ran dry)
+                return True if self._ack_heard >= self._ack_asked else None
+        return True
 
     def _drain_background(self) -> None:
         """Progress incoming frames for a thread that is not receiving (stage messages, apply puts)."""

@@ -1,7 +1,8 @@
 """The send side of a ``tcp://`` endpoint: pack a frame's header into a preallocated buffer,
 copy a small payload behind it (one ``send``) or hand a large one to ``sendmsg`` as it is (no
-copy), a PUTV frame as its table and views of the caller's pieces; keep a frame that left in
-part and finish it before anything else.
+copy), a PUTV frame as its table and views of the caller's pieces (or, deferred, the pieces'
+pages by splice: :mod:`transports._tcp_splice`); keep a frame that left in part and finish it
+before anything else; tell the peer which of its spliced frames were read (PUTV_ACK).
 
 :class:`TcpSendSide` is a part of :class:`~transports._tcp_endpoint.TcpEndpoint`; every method
 runs with the endpoint's send lock held (``_flush_background`` takes it if it is free).
@@ -17,7 +18,8 @@ import numpy as np
 from qlink.errors import QlinkTimeoutError, WouldBlock
 
 from . import framing as fr
-from ._tcp_frames import KIND_PUTV, PIECE_NBYTES, SEND_FLAGS
+from ._tcp_frames import KIND_PUTV, KIND_PUTV_ACK, PIECE_NBYTES, PUTV_ACK, SEND_FLAGS
+from ._tcp_splice import SplicePipe, rest_of, splice_pieces
 
 __all__ = ["TcpSendSide", "SMALL_SEND"]
 
@@ -70,11 +72,36 @@ class TcpSendSide:
             self._wait_writable(deadline, what, timeout_s)
 
     def _flush_background(self) -> None:
-        if self._pending is not None and self._slock.acquire(blocking=False):
+        if (self._pending is not None or self._ack_read > self._ack_told) and self._slock.acquire(blocking=False):
             try:
-                k = self._write([self._pending])
-                if k > 0:
-                    self._pending = self._pending[k:] if k < len(self._pending) else None
+                if self._pending is not None:
+                    k = self._write([self._pending])
+                    if k > 0:
+                        self._pending = self._pending[k:] if k < len(self._pending) else None
+                self._answer_ack_locked()
+            finally:
+                self._slock.release()
+
+    def _answer_ack_locked(self) -> None:
+        """Tell the peer how many of its PUTV frames flagged ACK this side has read, once no
+        frame is half written (the caller holds _slock). What the socket does not take now
+        goes as the pending bytes."""
+        count = self._ack_read
+        if count <= self._ack_told or self._pending is not None or self._dead is not None:
+            return
+        self._ack_told = count
+        ack = bytearray(fr.HEADER.size)
+        _pack_header(ack, 0, KIND_PUTV_ACK, 0, 0, 0, 0, count, 0)
+        k = self._write([ack])
+        if 0 <= k < len(ack):
+            self._pending = memoryview(ack)[k:]
+
+    def _answer_ack(self) -> None:
+        """Answer a PUTV frame flagged ACK just read (the receive side calls this): now if no
+        other thread is sending, else that thread answers once its frame is out."""
+        if self._slock.acquire(blocking=False):
+            try:
+                self._answer_ack_locked()
             finally:
                 self._slock.release()
 
@@ -109,6 +136,10 @@ class TcpSendSide:
         any later call on this endpoint flushes it."""
         if self._pending is not None:
             self._flush_pending(deadline, timeout_s, nowait, what)
+        if self._ack_read > self._ack_told:
+            self._answer_ack_locked()
+            if self._pending is not None:
+                self._flush_pending(deadline, timeout_s, nowait, what)
         self._check_peer(what)
         i, sent = 0, 0
         while True:
@@ -145,16 +176,53 @@ class TcpSendSide:
         self._pending = memoryview(b"".join(bytes(p) for p in parts[i:]))
 
     def _send_putv(self, src: memoryview, region_id: int, so, do, ln, *, notify_id: int, tag: bytes, flags: int,
-                   deadline: float | None, timeout_s) -> None:
-        """One PUTV frame: header and tag, the piece table, then the pieces as views of ``src``."""
+                   deadline: float | None, timeout_s, splice: bool = False) -> None:
+        """One PUTV frame: header and tag, the piece table, then the pieces as views of ``src``
+        (``splice``: the pieces' pages, handed to the socket by splice)."""
         count = int(ln.size)
         table = np.empty((count, 2), dtype="<u8")
         table[:, 0], table[:, 1] = do, ln
         payload = count * PIECE_NBYTES + int(ln.sum())
         hsize = fr.HEADER.size + len(tag)
-        _pack_header(self._sbuf, 0, KIND_PUTV, flags, len(tag), region_id, payload, count, notify_id)
+        _pack_header(self._sbuf, 0, KIND_PUTV, flags | (PUTV_ACK if splice and not flags else 0), len(tag), region_id,
+                     payload, count, notify_id)
         if tag:
             self._sbuf[fr.HEADER.size:hsize] = tag
         parts = [self._smv[:hsize], memoryview(table.reshape(-1).view(np.uint8))]
+        if splice:
+            self._send_parts(parts, hsize + count * PIECE_NBYTES, deadline=deadline, timeout_s=timeout_s,
+                             what="put_many")
+            if not flags:  # the put_many's last frame: the peer answers once it has read it
+                self._ack_asked += 1
+            self._splice_rest(src, so, ln, deadline=deadline, timeout_s=timeout_s)
+            return
         parts += [src[s:s + k] for s, k in zip(so.tolist(), ln.tolist()) if k]
         self._send_parts(parts, hsize + payload, deadline=deadline, timeout_s=timeout_s, what="put_many")
+
+    def _splice_rest(self, src: memoryview, so, ln, *, deadline: float | None, timeout_s) -> None:
+        """The pieces of a PUTV frame whose header and table went: their pages by splice,
+        waiting for room as a send does. Out of time after the frame began, the rest is
+        kept as pending bytes (copied), as :meth:`_send_parts` keeps it."""
+        so = np.ascontiguousarray(so, dtype=np.int64)
+        ln = np.ascontiguousarray(ln, dtype=np.int64)
+        if self._pending is not None:  # the header itself did not all go: the pieces follow it, copied
+            self._pending = memoryview(bytes(self._pending) + rest_of(None, src, so, ln, np.zeros(3, np.int64)))
+            return
+        pipe = self._splice_pipe
+        if pipe is None:
+            pipe = self._splice_pipe = SplicePipe.open()
+        state = np.zeros(3, dtype=np.int64)
+        fd = self._sock.fileno()
+        while True:
+            try:
+                splice_pieces(fd, pipe, src, so, ln, state)
+            except OSError as e:
+                self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while sending", e)
+                self._raise_broken("put_many")
+            if state[0] >= ln.size and state[2] == 0:
+                return
+            try:
+                self._wait_writable(deadline, "put_many", timeout_s)
+            except QlinkTimeoutError:
+                self._pending = memoryview(rest_of(pipe, src, so, ln, state))
+                return

@@ -152,9 +152,9 @@ def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = DE
     except OSError as e:
         raise BrokenLinkError(f"cannot connect to {where}: {e}") from e
     try:
-        local_key, peer_key, takes_putv = hs.client_handshake(sock, token=token, left=left, where=where)
+        local_key, peer_key, version = hs.client_handshake(sock, token=token, left=left, where=where)
         return TcpEndpoint(sock, url=where, local_key=local_key, peer_key=peer_key, busy_poll_s=busy_poll_s,
-                           peer_takes_putv=takes_putv)
+                           version=version)
     except BaseException as e:
         sock.close()
         if isinstance(e, TimeoutError):

@@ -2,16 +2,18 @@
 
 A sender process writes ``num_layers`` buffers of ``layer_nbytes`` as soon as it is told
 to go, and this process reads them straight into buffers of its own (warm, faulted in
-beforehand), timing from the go to the last byte: either both ends with blocking calls
-(``sendall``, ``recv_into(..., MSG_WAITALL)``) or both with non-blocking calls in busy
-loops, as qlink's tcp ends poll (on two cores these beat the blocking calls' sleeps and
-wake-ups: qlink's tcp read 1.13-1.16 x a floor of blocking calls alone). The floor is
-the faster of the two. No framing, no notification, no
+beforehand), timing from the go to the last byte, with the ends of one of three kinds
+(:data:`MODES`): blocking calls at both ends (``sendall``, ``recv_into(...,
+MSG_WAITALL)``); non-blocking calls in busy loops at both ends, as qlink's tcp ends poll
+(on two cores these beat the blocking calls' sleeps and wake-ups); or a sender that hands
+the socket its pages without copying them (``vmsplice`` into a pipe, ``splice`` into the
+socket, as qlink's deferred tcp puts do) and a busy-polling receiver, whose read is then
+the only copy. The floor is the fastest of them. No framing, no notification, no
 Python between the bytes: what any TCP transport (qlink's, Mooncake's) pays at the least
 for the same bytes on this host. :class:`TcpFloorPair` keeps one such pair up so that a
 benchmark can take a floor round right before each of its transfer rounds (the host's
 loopback rate drifts by tens of per cent between minutes); :func:`tcp_socket_floor_s`
-is the best of ``repeats`` rounds after one warm-up.
+is the best of ``repeats`` rounds of each kind after one warm-up.
 
 >>> s = tcp_socket_floor_s(layer_nbytes=1 << 16, num_layers=2, repeats=1)
 >>> 0 < s < 10
@@ -21,22 +23,50 @@ True
 from __future__ import annotations
 
 import multiprocessing as mp
+import select
 import socket
 import struct
 import time
 
 import numpy as np
 
-__all__ = ["tcp_socket_floor_s", "TcpFloorPair"]
+__all__ = ["MODES", "tcp_socket_floor_s", "TcpFloorPair"]
 
-_GO = struct.Struct("<QQ")  # bytes per layer of the next round (0: stop), and 1 to send busy-polling
+_GO = struct.Struct("<QQ")  # bytes per layer of the next round (0: stop), and the index of its mode
+#: the kinds of ends a round can take (the sender's way / the receiver's); "splice" only where
+#: ``transports._splicec`` is built
+MODES = ("blocking", "busy", "splice")
+
+
+def modes() -> tuple[str, ...]:
+    """The modes this host can run (``splice`` needs the C module)."""
+    from transports import _tcp_splice
+
+    return MODES if _tcp_splice.available() else MODES[:2]
+
+
+def _splice_all(s: socket.socket, pipe, buf: np.ndarray, n: int) -> None:
+    """Hand ``buf[:n]`` to the socket by vmsplice + splice, sleeping in poll while it is full."""
+    from transports import _tcp_splice
+
+    so, ln, state = np.zeros(1, np.int64), np.array([n], np.int64), np.zeros(3, np.int64)
+    p = select.poll()
+    p.register(s, select.POLLOUT)
+    while True:
+        _tcp_splice.splice_pieces(s.fileno(), pipe, buf, so, ln, state)
+        if state[0] >= 1 and state[2] == 0:
+            return
+        p.poll(1000)
 
 
 def _sender(port: int, max_layer_nbytes: int, num_layers: int) -> None:
     from qlink.procs import die_with_parent
 
     die_with_parent()
+    from transports import _tcp_splice
+
     bufs = [np.full(max_layer_nbytes, k % 251 + 1, dtype=np.uint8) for k in range(num_layers)]
+    pipe = _tcp_splice.SplicePipe.open()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -44,10 +74,13 @@ def _sender(port: int, max_layer_nbytes: int, num_layers: int) -> None:
             go = s.recv(_GO.size, socket.MSG_WAITALL)
             if len(go) != _GO.size or not _GO.unpack(go)[0]:
                 return
-            n, spin = _GO.unpack(go)
+            n, mode = _GO.unpack(go)
             for b in bufs:
-                if not spin:
+                if MODES[mode] == "blocking":
                     s.sendall(memoryview(b)[:n])
+                    continue
+                if MODES[mode] == "splice":
+                    _splice_all(s, pipe, b, n)
                     continue
                 mv, sent = memoryview(b)[:n], 0
                 while sent < n:  # non-blocking sends in a busy loop: no sleep while the socket is full
@@ -90,16 +123,19 @@ class TcpFloorPair:
                               struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def round_s(self, layer_nbytes: int, *, spin: bool = False) -> float:
-        """Seconds from the go to the last byte of ``num_layers`` layers of ``layer_nbytes``:
-        sent and received with blocking calls (``sendall``, ``MSG_WAITALL`` reads), or
-        (``spin``) with non-blocking ones in busy loops on both ends, as a busy-polling
-        transport does (no sleep and wake-up whenever a socket buffer fills or drains; on two
-        cores it can be the faster of the two)."""
+    def round_s(self, layer_nbytes: int, *, mode: str = "blocking") -> float:
+        """Seconds from the go to the last byte of ``num_layers`` layers of ``layer_nbytes``,
+        with ends of the kind ``mode`` (one of :data:`MODES`): blocking calls (``sendall``,
+        ``MSG_WAITALL`` reads); non-blocking ones in busy loops on both ends, as a
+        busy-polling transport does (no sleep and wake-up whenever a socket buffer fills or
+        drains; on two cores it can be the faster); or the sender's pages spliced into the
+        socket and a busy-polling receiver."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         conn = self._conn
-        flags = socket.MSG_DONTWAIT if spin else socket.MSG_WAITALL
+        flags = socket.MSG_WAITALL if mode == "blocking" else socket.MSG_DONTWAIT
         t0 = time.perf_counter_ns()
-        conn.sendall(_GO.pack(layer_nbytes, int(spin)))
+        conn.sendall(_GO.pack(layer_nbytes, MODES.index(mode)))
         for d in self._dst:
             mv, got = memoryview(d)[:layer_nbytes], 0
             while got < layer_nbytes:
@@ -140,12 +176,13 @@ class TcpFloorPair:
 
 
 def tcp_socket_floor_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3, timeout_s: float = 120.0) -> float:
-    """Best seconds over ``repeats`` rounds (after one warm-up) to move ``num_layers`` x
-    ``layer_nbytes`` bytes over a bare loopback TCP socket between two processes."""
+    """Best seconds over ``repeats`` rounds of each mode this host runs (after one warm-up) to
+    move ``num_layers`` x ``layer_nbytes`` bytes over a bare loopback TCP socket between two
+    processes."""
     if layer_nbytes <= 0 or num_layers <= 0 or repeats <= 0:
         raise ValueError(f"layer_nbytes, num_layers and repeats must be positive, got {layer_nbytes}, "
                          f"{num_layers}, {repeats}")
     with TcpFloorPair(max_layer_nbytes=layer_nbytes, num_layers=num_layers, timeout_s=timeout_s) as pair:
         pair.round_s(layer_nbytes)  # warm-up
-        times = [pair.round_s(layer_nbytes, spin=spin) for _ in range(repeats) for spin in (False, True)]
+        times = [pair.round_s(layer_nbytes, mode=m) for _ in range(repeats) for m in modes()]
     return float(min(times))

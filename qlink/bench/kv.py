@@ -338,8 +338,11 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
     """The rounds of :func:`_measure_backend`, over one link."""
     from qlink.ai.peer import open_link
 
+    from ._kv_tcp_floor import modes as floor_modes
+
     rows = []
     nixl = backend == "nixl"
+    sock_modes = floor_modes()
     with open_link(scheme, spec, seed=0, backend=backend, fill="touch") as (rx, cache, peer):
         for a in cache.layers:  # fault the receiver's pages in before any timing
             a.view(np.uint8).fill(0)
@@ -353,8 +356,9 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
                 for rep in range(repeats + 1):  # the first is a warm-up
                     floor.copy_s(cache, plan, key=(n_tokens, pattern))
                     if sock is not None and rep:  # as many samples as the transfer takes (below), per end kind
-                        for k in range(2 * max(1, floor.last_copies)):  # blocking and busy-polling ends alternate
-                            sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers, spin=k % 2)
+                        for k in range(len(sock_modes) * max(1, floor.last_copies)):  # each kind of ends in turn
+                            sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers,
+                                               mode=sock_modes[k % len(sock_modes)])
                             tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
                     for pair in list(moon):  # the first round of each is its warm-up, as the transfer's
                         try:
@@ -479,7 +483,7 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress,
     """The bare-socket floor of each token count (:mod:`._kv_tcp_floor`): the best of its own
     rounds and of those taken between qlink's tcp rounds (``interleaved``: tokens -> seconds);
     and each TCP row's ``x_tcp_floor``: its best round over it (the floor is a best of rounds too)."""
-    from ._kv_tcp_floor import tcp_socket_floor_s
+    from ._kv_tcp_floor import modes, tcp_socket_floor_s
 
     rows = []
     interleaved = interleaved or {}
@@ -493,13 +497,14 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress,
             continue
         sec = min(sec, interleaved.get(t, sec))
         gbps = nb / sec / 1e9
-        progress(f"  TCP socket floor {t:>6} tok: {gbps:.2f} GB/s (loopback, blocking send / MSG_WAITALL receive)")
+        progress(f"  TCP socket floor {t:>6} tok: {gbps:.2f} GB/s (loopback, the fastest of {', '.join(modes())} ends)")
         rows.append({"case": "TCP socket floor (loopback, same bytes)", "basis": "floor", "tokens": t, "nbytes": nb,
                      "pattern": "per layer", "p50_ms": round(sec * 1e3, 3), "GBps": round(gbps, 3),
                      "repeats": max(repeats, 3),
-                     "note": "two processes, each layer sent and received with blocking calls or with "
-                             "non-blocking calls in busy loops (the faster): no framing, no notification; the least "
-                             "any TCP transport pays for these bytes here; best of its "
+                     "note": "two processes, each layer sent and received with blocking calls, with "
+                             "non-blocking calls in busy loops, or sent by splice (no copy) to a busy-polling "
+                             "receiver (the fastest of those this host runs: " + ", ".join(modes()) + "): no framing, "
+                             "no notification; the least any TCP transport pays for these bytes here; best of its "
                              "own rounds and of one round before each qlink tcp round"
                              + ("" if t in interleaved else " (none taken here)")})
         for r in measured:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -334,6 +335,37 @@ def test_layer_k_is_readable_while_later_layers_move(pair, mode):
 
 # 32 KiB blocks, 4 MiB per layer: a layer takes a while to move between processes
 _BIG = KVCacheSpec(num_layers=4, num_kv_heads=8, head_size=128, block_size=16, num_blocks=64)
+
+
+def test_over_tcp_the_layers_go_by_splice_unregistered_and_flush_waits_for_the_reader():
+    """A cache's layers over tcp (version 3) are deferred in place: nothing is registered on
+    the sender, each layer's pages go to the socket by splice, the blocks land bit-exact, and
+    the sender's flush returns once the receiver has read them all."""
+    from transports import _tcp_splice
+
+    if not _tcp_splice.available():
+        pytest.skip("transports._splicec is not built here")
+    with transports.listen("tcp://127.0.0.1:0") as lis:
+        a = transports.connect(lis.url, timeout_s=5)
+        b = lis.accept(timeout_s=5)
+        with a, b:
+            rx_cache, tx_cache = KVCache.allocate(_BIG), KVCache.allocate(_BIG)
+            tx_cache.fill_random(seed=SEED)
+            rx, tx = KVReceiver(b, rx_cache), KVSender(a, tx_cache)
+            assert tx._defer and not tx._src_regions
+            src, dst = np.random.default_rng(3).permutation(64)[:40], np.arange(40)
+            tx.handshake(timeout_s=5)
+            got = {}
+            t = threading.Thread(target=lambda: got.setdefault("rec", rx.wait_request(5, timeout_s=30)))
+            t.start()
+            tx.send_request(5, src, dst, timeout_s=30)
+            tx.flush(timeout_s=30)
+            t.join(30)
+            assert got["rec"].num_layers == _BIG.num_layers
+            stats = a.statistics().extra
+            assert stats["spliced_puts"] == stats["spliced_puts_confirmed"] == _BIG.num_layers
+            assert (rx_cache.block_checksums(dst) == tx_cache.block_checksums(src)).all()
+            tx.close(), rx.close()
 
 
 @pytest.mark.parametrize("scheme", ["shm", "tcp", "ucx"])

@@ -1,0 +1,212 @@
+"""tcp's deferred put_many by splice (protocol version 3): the pieces' pages go to the
+socket without a copy and land bit-exact; ``flush`` returns only once the peer has read
+them (its PUTV_ACK); a put_many that is not deferred is still copied; a peer of version 2
+gets copies; malformed acknowledgements break the link."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from qlink.errors import BrokenLinkError, QlinkTimeoutError
+from transports import _tcp_frames, _tcp_handshake, _tcp_splice, tcp
+from transports import framing as fr
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not _tcp_splice.available(), reason="transports._splicec is not built here")]
+
+
+@pytest.fixture
+def pair():
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        client = tcp.connect(lis.url, timeout_s=5)
+        server = lis.accept(timeout_s=5)
+        with client, server:
+            yield client, server
+
+
+def _roomy(client, server) -> None:
+    """Socket buffers that hold a few hundred KiB unread (so a put can finish while the peer waits)."""
+    client._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 << 20)
+    server._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2 << 20)
+
+
+def _pieces(rng, count: int, src_nbytes: int, region_nbytes: int):
+    """``count`` pieces of odd sizes at odd offsets, none overlapping at either end."""
+    ln = rng.integers(1, 300 << 10, count)
+    so = np.cumsum(ln + rng.integers(0, 5000, count)) - ln
+    do = np.cumsum(ln[::-1] + 3)[::-1] - ln  # the last piece first in the region
+    assert so[-1] + ln[-1] <= src_nbytes and do.max() + ln.max() <= region_nbytes
+    return so, do, ln
+
+
+def _expected(region_nbytes, src, so, do, ln):
+    want = np.zeros(region_nbytes, np.uint8)
+    for s, d, n in zip(so, do, ln):
+        want[d:d + n] = src[s:s + n]
+    return want
+
+
+def test_both_ends_speak_version_3_and_defer_in_place(pair):
+    client, server = pair
+    assert (client.version, server.version) == (3, 3)
+    assert client.defers_puts_in_place and server.defers_puts_in_place
+
+
+def test_a_deferred_put_many_goes_by_splice_and_lands_bit_exact(pair):
+    client, server = pair
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 16 << 20, dtype=np.uint8)
+    target = np.zeros(12 << 20, np.uint8)
+    region = server.register(target)
+    so, do, ln = _pieces(rng, 37, src.size, target.size)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("note", server.wait_notification(timeout_s=20)))
+    t.start()
+    assert client.put_many(src, region.descriptor(), so, do, ln, notify_id=9, tag=b"zc", timeout_s=20,
+                           defer=True) == 1
+    client.flush(timeout_s=20)
+    t.join(20)
+    note = got["note"]
+    assert (note.notify_id, note.tag, note.offset, note.nbytes) == (9, b"zc", int(do.min()),
+                                                                     int((do + ln).max() - do.min()))
+    assert np.array_equal(target, _expected(target.size, src, so, do, ln))
+    stats = client.statistics().extra
+    assert (stats["spliced_puts"], stats["spliced_puts_confirmed"]) == (1, 1)
+
+
+def test_flush_waits_until_the_peer_has_read_the_pages_it_was_lent(pair):
+    """The pages are lent, not copied: a change to the source before the peer reads is what
+    lands (which is why a deferred source must stay unchanged until flush returns), and flush
+    does not return before the peer has read."""
+    client, server = pair
+    _roomy(client, server)
+    src = np.full(_tcp_splice.ZERO_COPY_MIN_NBYTES, 7, np.uint8)
+    target = np.zeros(src.size, np.uint8)
+    region = server.register(target)
+    client.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=1, timeout_s=10, defer=True)
+    assert client.statistics().extra["spliced_puts"] == 1
+    with pytest.raises(QlinkTimeoutError, match="flush"):
+        client.flush(timeout_s=0.3)  # the peer has not read anything yet
+    src[:] = 8  # after the put returned: the socket holds this memory, not a copy of it
+    server.wait_notification(timeout_s=10)
+    assert (target == 8).all()
+    client.flush(timeout_s=10)
+    assert client.statistics().extra["spliced_puts_confirmed"] == 1
+
+
+def test_a_put_many_not_deferred_is_copied_and_a_small_one_too(pair):
+    client, server = pair
+    _roomy(client, server)
+    src = np.full(1 << 20, 5, np.uint8)
+    target = np.zeros(src.size, np.uint8)
+    region = server.register(target)
+    client.put_many(src, region.descriptor(), [0], [0], [src.size // 4], timeout_s=10)  # not deferred
+    client.put_many(src, region.descriptor(), [0], [src.size // 2], [4096], timeout_s=10, defer=True)  # small
+    src[:] = 6  # copies went: the change does not reach the target
+    server.wait_notification(timeout_s=10)
+    server.wait_notification(timeout_s=10)
+    assert (target[:src.size // 4] == 5).all() and (target[src.size // 2:src.size // 2 + 4096] == 5).all()
+    assert client.statistics().extra["spliced_puts"] == 0
+    client.flush(timeout_s=0.01)  # nothing to wait for
+
+
+def test_a_spliced_put_out_of_time_keeps_the_rest_and_it_still_lands(pair):
+    """The socket fills while the peer does not read: put_many returns at its timeout with the
+    frame begun, keeps the rest (the pipe's bytes and the pieces not yet sent), and the next
+    call writes it; every byte lands in order."""
+    client, server = pair
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 48 << 20, dtype=np.uint8)
+    target = np.zeros(src.size, np.uint8)
+    region = server.register(target)
+    client.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=2, timeout_s=0.3, defer=True)
+    assert client._pending is not None  # the rest is kept
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("note", server.wait_notification(timeout_s=20)))
+    t.start()
+    client.send(b"after", timeout_s=20)  # writes the rest first
+    t.join(20)
+    assert got["note"].notify_id == 2
+    assert np.array_equal(target, src)
+    buf = bytearray(16)
+    assert bytes(buf[:server.recv_into(buf, timeout_s=5)]) == b"after"
+    client.flush(timeout_s=10)
+
+
+def test_a_version_2_peer_gets_copies_and_flush_returns_at_once():
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        host, port = lis.url.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _tcp_handshake.HELLO_PUTV, 5))
+            version = fr.parse_reply(sock.recv(fr.REPLY.size, socket.MSG_WAITALL))[0]
+            assert version == 2
+            with lis.accept(timeout_s=5) as server:
+                assert server.put_many_gathers and not server.defers_puts_in_place
+                src = np.full(1 << 20, 1, np.uint8)
+                from qlink.memory import RemoteRegion
+
+                remote = RemoteRegion(region_id=1, nbytes=src.size, key=(5).to_bytes(8, "little"))
+                sock.setblocking(False)
+                t = threading.Thread(target=_drain, args=(sock, src.size), daemon=True)
+                t.start()
+                server.put_many(src, remote, [0], [0], [src.size], timeout_s=10, defer=True)
+                server.flush(timeout_s=0.01)
+                t.join(10)
+                assert server.statistics().extra["spliced_puts"] == 0
+                head = fr.HEADER.unpack_from(_drain.first, 0)
+                assert head[0] == _tcp_frames.KIND_PUTV and head[1] == 0  # no ACK flag towards version 2
+
+
+def _drain(sock: socket.socket, nbytes: int) -> None:
+    sock.setblocking(True)
+    first, total = b"", 0
+    while total < nbytes:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        first = first or chunk
+        total += len(chunk)
+    _drain.first = first
+
+
+def _raw_v3_client(lis):
+    host, port = lis.url.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _tcp_handshake.HELLO_PUTV | _tcp_handshake.HELLO_SYNC, 5))
+    assert fr.parse_reply(sock.recv(fr.REPLY.size, socket.MSG_WAITALL))[0] == 3
+    return sock
+
+
+def test_a_putv_ack_with_a_payload_breaks_the_link_and_is_counted():
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        with _raw_v3_client(lis) as sock, lis.accept(timeout_s=5) as server:
+            hdr = bytearray(fr.HEADER.size)
+            fr.HEADER.pack_into(hdr, 0, _tcp_frames.KIND_PUTV_ACK, 0, 0, 0, 4, 1, 0)
+            sock.sendall(bytes(hdr) + b"junk")
+            with pytest.raises(BrokenLinkError, match="PUTV_ACK frame announces 4 payload bytes"):
+                server.wait_notification(timeout_s=5)
+            assert server.statistics().errors >= 1
+
+
+def test_the_peer_answers_a_putv_flagged_ack_with_its_count():
+    """A raw version-3 client sends two PUTV frames flagged ACK; the endpoint answers each with
+    a PUTV_ACK counting them, as it reads them, before anything asks it for the notification."""
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        with _raw_v3_client(lis) as sock, lis.accept(timeout_s=5) as server:
+            target = np.zeros(64, np.uint8)
+            region = server.register(target)
+            for k in (1, 2):
+                table = np.array([[8 * k, 8]], dtype="<u8").tobytes()
+                hdr = bytearray(fr.HEADER.size)
+                fr.HEADER.pack_into(hdr, 0, _tcp_frames.KIND_PUTV, _tcp_frames.PUTV_ACK, 0, region.region_id,
+                                    len(table) + 8, 1, k)
+                sock.sendall(bytes(hdr) + table + bytes([k]) * 8)
+                note = server.wait_notification(timeout_s=5)
+                assert note.notify_id == k
+                ack = fr.HEADER.unpack(sock.recv(fr.HEADER.size, socket.MSG_WAITALL))
+                assert (ack[0], ack[5]) == (_tcp_frames.KIND_PUTV_ACK, k)
+            assert bytes(target[8:24]) == b"\x01" * 8 + b"\x02" * 8
