@@ -3,7 +3,7 @@
 * ``transports._ringc``: the shared-memory ring's hot path. When it cannot be built,
   qlink falls back to its pure-Python ring (same wire layout, slower), and says so in
   benchmark reports.
-* ``transports._splicec``: a tcp put's pieces into the socket by ``vmsplice`` and
+* ``transports._tcpc``: a tcp put's pieces into the socket by ``vmsplice`` and
   ``splice`` (Linux), so the sender copies nothing; without it a deferred tcp put is
   copied into the socket like any other.
 * ``qlink.qec._hotcore``: the QEC loop's per-frame path over that ring (it uses the
@@ -23,8 +23,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "transports._splicec",
-            sources=["transports/_splicec.c"],
+            "transports._tcpc",
+            sources=["transports/_tcpc.c"],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         ),

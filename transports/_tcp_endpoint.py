@@ -99,6 +99,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._vspan: list | None = None  # [lo, hi, accepted] over the PUTV frames of one put_many so far
         self._vphase = 0  # the PUTV frame in progress: table, pieces in place, staged, read past
         self._vdo = self._vln = ()  # its pieces' destinations and sizes
+        self._vstate = None  # the C reader's place in them (piece, bytes of it read)
         self._vi = 0  # the piece in progress (pieces in place)
         self._vlo = self._vhi = 0  # the span its pieces cover
         self._vregion: memoryview | None = None  # the region its staged pieces are scattered into

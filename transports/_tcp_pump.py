@@ -23,6 +23,7 @@ from ._base import BufferTooSmallError, Notification
 from ._pieces import copy_pieces, span
 from ._tcp_frames import (KIND_PUTV, KIND_PUTV_ACK, PIECE_NBYTES, PUTV_ACK, PUTV_MORE, check_ack_header,
                           check_putv_header)
+from ._tcp_splice import recv_pieces
 
 __all__ = ["TcpReceiveSide", "NOTHING", "NOTE"]
 
@@ -31,7 +32,8 @@ NOTE = -2  # _pump: a notification was queued
 _DIRECT_MIN = 32 << 10  # a payload remainder at least this large is read straight into its destination
 _MAX_STAGE_KEEP = 256 << 20  # a PUTV staging buffer up to this size is kept for the next frame
 _DIRECT_PIECE = 64 << 10  # PUTV pieces this large on average land straight in the region, not staged
-_V_TABLE, _V_DIRECT, _V_STAGED, _V_SKIP = range(4)  # the phases of a PUTV frame in progress
+_NATIVE_PIECE = 4 << 10  # with the C module, pieces this large on average are read straight into place by it
+_V_TABLE, _V_DIRECT, _V_STAGED, _V_SKIP, _V_NATIVE = range(5)  # the phases of a PUTV frame in progress
 
 _unpack_header = fr.HEADER.unpack_from
 _HSIZE = fr.HEADER.size
@@ -269,6 +271,9 @@ class TcpReceiveSide:
                     self._vi, self._cur_got = i, got
                     return NOTHING
                 i, got = i + 1, 0
+        elif phase == _V_NATIVE:
+            if not self._pieces_in_place():
+                return NOTHING
         else:  # staged behind the table, or read past (dst None)
             dst = self._cur_dst
             got = self._cur_got = self._take(dst, self._cur_got, n)
@@ -314,6 +319,12 @@ class TcpReceiveSide:
             return _V_SKIP
         do, ln = do.astype(np.int64), ln.astype(np.int64)  # (checked above, while still unsigned)
         self._vlo, self._vhi = span(do, ln)
+        if recv_pieces is not None and n - tab_n >= _NATIVE_PIECE * count:
+            self._vdo, self._vln = do, ln
+            self._vstate = np.zeros(2, dtype=np.int64)
+            self._cur_dst = entry[1]
+            self._vphase = _V_NATIVE
+            return _V_NATIVE
         if n - tab_n >= _DIRECT_PIECE * count:
             self._vdo, self._vln = do.tolist(), ln.tolist()
             self._vi, self._cur_got = 0, 0
@@ -328,6 +339,30 @@ class TcpReceiveSide:
         self._cur_dst = stage
         self._vphase = _V_STAGED
         return _V_STAGED
+
+    def _pieces_in_place(self) -> bool:
+        """The pieces of the PUTV frame in progress, straight into the region: what was read
+        ahead first, then the socket by the C loop (many pieces a recvmsg). True once all in."""
+        do, ln, view, st = self._vdo, self._vln, self._cur_dst, self._vstate
+        count = len(ln)
+        rmv = self._rmv
+        while self._rpos < self._rend and st[0] < count:
+            i, got = int(st[0]), int(st[1])
+            d, k = int(do[i]), int(ln[i])
+            take = min(self._rend - self._rpos, k - got)
+            view[d + got:d + got + take] = rmv[self._rpos:self._rpos + take]
+            self._rpos += take
+            st[0], st[1] = (i + 1, 0) if got + take == k else (i, got + take)
+        if st[0] < count:
+            try:
+                k = recv_pieces(self._sock.fileno(), view, do, ln, st)
+            except OSError as e:
+                self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while receiving", e)
+                return False
+            if k < 0:
+                self._mark_eof()
+                return False
+        return st[0] >= count
 
     def _putv_done(self, rid: int, nid: int, tag: bytes, ok: bool) -> Notification | None:
         """One PUTV frame landed (``ok``) or was refused: the put_many's Notification when

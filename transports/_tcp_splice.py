@@ -1,6 +1,7 @@
-"""A deferred tcp put_many's pieces into the socket without a copy: ``vmsplice`` maps the
+"""A deferred tcp put_many's pieces into the socket without a copy (and, on the receiving side,
+any put_many's pieces out of it straight into place): ``vmsplice`` maps the
 caller's pages into a pipe and ``splice`` hands them from the pipe to TCP (Linux, the C
-module ``transports._splicec``). Over loopback the receiver's read is then the only copy
+module ``transports._tcpc``). Over loopback the receiver's read is then the only copy
 of the bytes, where ``sendmsg`` makes two.
 
 The pages stay the caller's until the receiver has read them, which is what a deferred
@@ -23,11 +24,12 @@ import os
 import numpy as np
 
 try:
-    from . import _splicec
+    from . import _tcpc
 except ImportError:  # not built (not Linux, or no compiler at install): deferred puts are copied
-    _splicec = None
+    _tcpc = None
 
-__all__ = ["PIPE_NBYTES", "ZERO_COPY_MIN_NBYTES", "SplicePipe", "available", "rest_of", "splice_pieces"]
+__all__ = ["PIPE_NBYTES", "ZERO_COPY_MIN_NBYTES", "SplicePipe", "available", "recv_pieces", "rest_of",
+           "splice_pieces"]
 
 PIPE_NBYTES = 1 << 20  # the pipe's size (pipe-max-size, 1 MiB by default, is what a user may ask for)
 ZERO_COPY_MIN_NBYTES = 256 << 10  # a put_many smaller than this is copied: the copy costs less than the calls
@@ -36,7 +38,7 @@ _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 def available() -> bool:
     """Whether this build can send pieces by splice (the C module is there)."""
-    return _splicec is not None
+    return _tcpc is not None
 
 
 class SplicePipe:
@@ -50,7 +52,7 @@ class SplicePipe:
 
     @classmethod
     def open(cls) -> SplicePipe | None:
-        if _splicec is None:
+        if _tcpc is None:
             return None
         r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -83,7 +85,12 @@ def splice_pieces(sock_fd: int, pipe: SplicePipe, src, so: np.ndarray, ln: np.nd
     """Write as much of the pieces ``src[so[i]:so[i] + ln[i]]`` to ``sock_fd`` as it takes now,
     going on from ``state`` (int64[3]: piece, bytes of it in the pipe, bytes waiting in the pipe;
     updated); returns the bytes written. Done when ``state[0] == len(ln)`` and ``state[2] == 0``."""
-    return _splicec.splice_pieces(sock_fd, pipe.r, pipe.w, pipe.nbytes, src, so, ln, state)
+    return _tcpc.splice_pieces(sock_fd, pipe.r, pipe.w, pipe.nbytes, src, so, ln, state)
+
+
+#: ``recv_pieces(sock_fd, region, dst_offsets, nbytes, state) -> bytes read (-1: end of stream)``:
+#: a PUTV frame's pieces read straight into their places, many a ``recvmsg`` (None without the C module)
+recv_pieces = None if _tcpc is None else _tcpc.recv_pieces
 
 
 def rest_of(pipe: SplicePipe, src, so: np.ndarray, ln: np.ndarray, state: np.ndarray) -> bytes:

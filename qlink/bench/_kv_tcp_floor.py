@@ -34,7 +34,7 @@ __all__ = ["MODES", "tcp_socket_floor_s", "TcpFloorPair"]
 
 _GO = struct.Struct("<QQ")  # bytes per layer of the next round (0: stop), and the index of its mode
 #: the kinds of ends a round can take (the sender's way / the receiver's); "splice" only where
-#: ``transports._splicec`` is built
+#: ``transports._tcpc`` is built
 MODES = ("blocking", "busy", "splice")
 
 

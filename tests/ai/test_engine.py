@@ -344,7 +344,7 @@ def test_over_tcp_the_layers_go_by_splice_unregistered_and_flush_waits_for_the_r
     from transports import _tcp_splice
 
     if not _tcp_splice.available():
-        pytest.skip("transports._splicec is not built here")
+        pytest.skip("transports._tcpc is not built here")
     with transports.listen("tcp://127.0.0.1:0") as lis:
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)

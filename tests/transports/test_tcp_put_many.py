@@ -71,15 +71,18 @@ def test_put_many_is_one_frame_and_one_notification_bit_exact(pair, unit, count)
     assert client.statistics().puts == count and server.statistics().notifications == 1
 
 
-@pytest.mark.parametrize("direct_piece", [1, 1 << 40])  # every frame's pieces in place / every frame staged
-def test_pieces_land_in_place_or_staged_bit_exact_across_frames_and_a_withdrawn_region(pair, monkeypatch,
-                                                                                      direct_piece):
+@pytest.mark.parametrize("way", ["native", "in place", "staged"])  # how every frame's pieces are read
+def test_pieces_land_in_place_or_staged_bit_exact_across_frames_and_a_withdrawn_region(pair, monkeypatch, way):
     """Large and odd pieces (one of 1 byte, one past the read-ahead buffer), over several
     frames of one put_many, then one piece alone: bit-exact and one Notification each, read
-    straight into the region or through the staging buffer; a frame for a withdrawn region
-    is read past and the link goes on."""
+    straight into the region (by the C loop, or piece by piece) or through the staging
+    buffer; a frame for a withdrawn region is read past and the link goes on."""
     from transports import _tcp_pump
+    if way == "native" and _tcp_pump.recv_pieces is None:
+        pytest.skip("transports._tcpc is not built here")
     client, server = pair
+    direct_piece = 1 if way == "in place" else 1 << 40
+    monkeypatch.setattr(_tcp_pump, "_NATIVE_PIECE", 1 if way == "native" else 1 << 40)
     monkeypatch.setattr(_tcp_pump, "_DIRECT_PIECE", direct_piece)
     monkeypatch.setattr(fr, "MAX_FRAME_PAYLOAD", 1 << 20)  # a few pieces a frame: several frames
     rng = np.random.default_rng(direct_piece % 97)
@@ -280,3 +283,21 @@ def test_a_version_2_listener_answers_version_2_to_a_client_that_takes_putv():
             assert (version, status) == (2, fr.STATUS_OK)
             with lis.accept(timeout_s=5) as server:
                 assert server.put_many_gathers
+
+
+@pytest.mark.parametrize("piece", [64, 1 << 17])  # staged behind the table / read into place
+def test_a_peer_gone_halfway_through_a_putv_frame_is_a_broken_link_and_never_announced(pair, piece):
+    client, server = pair
+    target = np.zeros(8 * piece, np.uint8)
+    region = server.register(target)
+    ln = np.full(4, piece, "<u8")
+    do = np.arange(4, dtype="<u8") * piece * 2
+    table = np.stack([do, ln], axis=1).astype("<u8").tobytes()
+    head = bytearray(fr.HEADER.size)
+    fr.HEADER.pack_into(head, 0, _tcp_frames.KIND_PUTV, 0, 0, region.region_id, len(table) + 4 * piece, 4, 7)
+    client._sock.sendall(bytes(head) + table + b"\x05" * (2 * piece + 1))
+    client._sock.shutdown(socket.SHUT_WR)  # the end of the stream, mid-piece
+    with pytest.raises(BrokenLinkError, match="without a goodbye"):
+        server.wait_notification(timeout_s=5)
+    # pieces read into place landed as they came; staged ones are scattered only once all are in
+    assert (target[:piece] == (5 if piece > 64 else 0)).all()

@@ -1,4 +1,4 @@
-/* transports._splicec: a put's pieces into a TCP socket without copying them (Linux).
+/* transports._tcpc: a put's pieces into and out of a TCP socket in one C loop (Linux).
  *
  * splice_pieces(sock_fd, pipe_r, pipe_w, pipe_nbytes, src, src_offsets, nbytes, state) -> bytes written
  *
@@ -13,6 +13,13 @@
  * the bytes of that piece already in the pipe, and the bytes waiting in the pipe. The pieces are
  * all written when state[0] == len(nbytes) and state[2] == 0. Errors other than a full socket
  * raise OSError with the errno of the failing call; the state then says what went before.
+ *
+ * recv_pieces(sock_fd, region, dst_offsets, nbytes, state) -> bytes read (-1: end of stream)
+ *
+ * The receiving side of the same frame: reads the socket straight into the pieces
+ * region[dst_offsets[i] : dst_offsets[i] + nbytes[i]], many pieces per recvmsg (an iovec each),
+ * without blocking, until the socket has no more or every piece is full. `state` (int64[2]: the
+ * piece in progress, the bytes of it read) says where it stands.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -21,6 +28,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 
 #define IOV_BATCH 256
@@ -164,14 +172,129 @@ done:
     return res;
 }
 
+static PyObject *recv_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "recv_pieces(sock_fd, region, dst_offsets, nbytes, state)");
+        return NULL;
+    }
+    int sock = PyLong_AsLong(args[0]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer dst, dof, ln, st;
+    if (PyObject_GetBuffer(args[1], &dst, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[2], &dof, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[3], &ln, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&dof);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[4], &st, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&dof);
+        PyBuffer_Release(&ln);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t count = ln.len / 8;
+    const int64_t *off = dof.buf, *len = ln.buf;
+    int64_t *state = st.buf;
+    if (dof.len != ln.len || ln.len % 8 || st.len < 16) {
+        PyErr_SetString(PyExc_ValueError, "recv_pieces: dst_offsets and nbytes must be int64 arrays of one length, "
+                                          "state an int64 array of 2");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (off[i] < 0 || len[i] < 0 || off[i] + len[i] > (int64_t)dst.len) {
+            PyErr_Format(PyExc_ValueError, "recv_pieces: piece %zd (%lld bytes at %lld) lies outside the %zd-byte "
+                         "region", i, (long long)len[i], (long long)off[i], dst.len);
+            goto done;
+        }
+    }
+    int64_t i = state[0], at = state[1];
+    if (i < 0 || i > count || at < 0 || (i < count && at > len[i])) {
+        PyErr_SetString(PyExc_ValueError, "recv_pieces: the state does not fit these pieces");
+        goto done;
+    }
+    long long got = 0;
+    int err = 0, eof = 0;
+    char *base = dst.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        while (i < count && at >= len[i]) {
+            i++;
+            at = 0;
+        }
+        if (i >= count)
+            break;
+        struct iovec iov[IOV_BATCH];
+        int n = 0;
+        for (int64_t j = i, a = at; j < count && n < IOV_BATCH; j++, a = 0) {
+            if (len[j] - a <= 0)
+                continue;
+            iov[n].iov_base = base + off[j] + a;
+            iov[n].iov_len = (size_t)(len[j] - a);
+            n++;
+        }
+        struct msghdr mh = {0};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)n;
+        ssize_t k = recvmsg(sock, &mh, MSG_DONTWAIT);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
+                err = errno;
+            break;
+        }
+        if (k == 0) {
+            eof = 1;
+            break;
+        }
+        got += k;
+        while (k > 0) {
+            long long left = len[i] - at;
+            if (k >= left) {
+                k -= left;
+                i++;
+                at = 0;
+            } else {
+                at += k;
+                k = 0;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    state[0] = i;
+    state[1] = at;
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, "recvmsg");
+        goto done;
+    }
+    res = PyLong_FromLongLong(eof && !got ? -1 : got);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&dof);
+    PyBuffer_Release(&ln);
+    PyBuffer_Release(&st);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"splice_pieces", (PyCFunction)(void (*)(void))splice_pieces, METH_FASTCALL,
      "splice_pieces(sock_fd, pipe_r, pipe_w, pipe_nbytes, src, src_offsets, nbytes, state) -> bytes written"},
+    {"recv_pieces", (PyCFunction)(void (*)(void))recv_pieces, METH_FASTCALL,
+     "recv_pieces(sock_fd, region, dst_offsets, nbytes, state) -> bytes read (-1: end of stream)"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_splicec",
-                                    "A put's pieces into a TCP socket by vmsplice and splice (no copy).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tcpc",
+                                    "A put's pieces into a TCP socket by splice, and out of it by recvmsg.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__splicec(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__tcpc(void) { return PyModule_Create(&module); }
