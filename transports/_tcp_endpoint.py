@@ -90,6 +90,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._rmv = memoryview(self._rbuf)
         self._rpos = 0
         self._rend = 0
+        self._ra_next = 0  # the next read-ahead's limit (0: the whole buffer)
         self._cur: tuple | None = None  # (kind, region_id, nbytes, offset, notify_id, tag) of the frame in progress
         self._cur_dst: memoryview | None = None
         self._cur_got = 0

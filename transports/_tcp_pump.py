@@ -32,6 +32,7 @@ NOTE = -2  # _pump: a notification was queued
 _DIRECT_MIN = 32 << 10  # a payload remainder at least this large is read straight into its destination
 _MAX_STAGE_KEEP = 256 << 20  # a PUTV staging buffer up to this size is kept for the next frame
 _DIRECT_PIECE = 64 << 10  # PUTV pieces this large on average land straight in the region, not staged
+_HEAD_AHEAD = 16 << 10  # after a frame read by the C loop, the next read-ahead takes at most this much
 _NATIVE_PIECE = 4 << 10  # with the C module, pieces this large on average are read straight into place by it
 _V_TABLE, _V_DIRECT, _V_STAGED, _V_SKIP, _V_NATIVE = range(5)  # the phases of a PUTV frame in progress
 
@@ -44,6 +45,8 @@ class TcpReceiveSide:
 
     def _fill(self) -> bool:
         """Read what the socket has into the read-ahead buffer; False when nothing came.
+        Right after a frame the C loop read into place, only ``_HEAD_AHEAD`` bytes: the
+        next frame's header and table, so its pieces too go straight into place.
 
         Reading goes on after a send found the link dead: what the peer sent before it
         went away is still delivered."""
@@ -53,8 +56,9 @@ class TcpReceiveSide:
             left = self._rend - self._rpos
             self._rbuf[:left] = self._rmv[self._rpos:self._rend]
             self._rpos, self._rend = 0, left
+        want, self._ra_next = self._ra_next, 0
         try:
-            n = self._sock.recv_into(self._rmv[self._rend:])
+            n = self._sock.recv_into(self._rmv[self._rend:self._rend + want] if want else self._rmv[self._rend:])
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:
@@ -356,6 +360,8 @@ class TcpReceiveSide:
         if st[0] < count:
             try:
                 k = recv_pieces(self._sock.fileno(), view, do, ln, st)
+                if st[0] >= count:  # the next frame is likely one like it: read its head, not its pieces, ahead
+                    self._ra_next = _HEAD_AHEAD
             except OSError as e:
                 self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while receiving", e)
                 return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import numpy as np
 
@@ -200,9 +201,12 @@ class TcpSendSide:
         self._send_parts(parts, hsize + payload, deadline=deadline, timeout_s=timeout_s, what="put_many")
 
     def _splice_rest(self, src: memoryview, so, ln, *, deadline: float | None, timeout_s) -> None:
-        """The pieces of a PUTV frame whose header and table went: their pages by splice,
-        waiting for room as a send does. Out of time after the frame began, the rest is
-        kept as pending bytes (copied), as :meth:`_send_parts` keeps it."""
+        """The pieces of a PUTV frame whose header and table went: their pages by splice.
+        While the socket keeps taking bytes the loop retries at once (for up to the
+        endpoint's ``busy_poll_s`` after the last bytes went: a sleeping sender costs the
+        receiver a wake-up each time it makes room), then waits for room as a send does.
+        Out of time after the frame began, the rest is kept as pending bytes (copied), as
+        :meth:`_send_parts` keeps it."""
         so = np.ascontiguousarray(so, dtype=np.int64)
         ln = np.ascontiguousarray(ln, dtype=np.int64)
         if self._pending is not None:  # the header itself did not all go: the pieces follow it, copied
@@ -213,14 +217,20 @@ class TcpSendSide:
             pipe = self._splice_pipe = SplicePipe.open()
         state = np.zeros(3, dtype=np.int64)
         fd = self._sock.fileno()
+        spin_ns, spin_until = int(self._busy_poll_s * 1e9), 0
         while True:
             try:
-                splice_pieces(fd, pipe, src, so, ln, state)
+                k = splice_pieces(fd, pipe, src, so, ln, state)
             except OSError as e:
                 self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while sending", e)
                 self._raise_broken("put_many")
             if state[0] >= ln.size and state[2] == 0:
                 return
+            now = time.perf_counter_ns()
+            if k:
+                spin_until = now + spin_ns
+            if now < spin_until:
+                continue
             try:
                 self._wait_writable(deadline, "put_many", timeout_s)
             except QlinkTimeoutError:
