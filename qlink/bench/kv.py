@@ -44,8 +44,9 @@ in one run:
   cache), and, where a third cache fits ``memory_budget_nbytes`` beside the two, also out of
   a separate cache of the same size, as the sender's is; the faster source counts;
 * **TCP socket floor** — where ``tcp`` or Mooncake is measured: the same bytes, layer by
-  layer, over a bare loopback TCP socket between two processes (blocking ``sendall``,
-  ``recv_into`` with ``MSG_WAITALL``; :mod:`._kv_tcp_floor`), best of its own rounds and of
+  layer, over a bare loopback TCP socket between two processes, with blocking calls, with
+  busy-polling ones, and with the sender's pages spliced into the socket as qlink's deferred
+  tcp puts do (:mod:`._kv_tcp_floor`), the fastest, best of its own rounds and of
   one round right before each qlink tcp transfer round (the host's loopback rate drifts by
   tens of per cent between minutes, so a floor taken only in its own phase set qlink's tcp
   rows against another minute's host); every TCP
