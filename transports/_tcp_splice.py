@@ -28,7 +28,7 @@ try:
 except ImportError:  # not built (not Linux, or no compiler at install): deferred puts are copied
     _tcpc = None
 
-__all__ = ["PIPE_NBYTES", "ZERO_COPY_MIN_NBYTES", "SplicePipe", "available", "recv_pieces", "rest_of",
+__all__ = ["PIPE_NBYTES", "ZERO_COPY_MIN_NBYTES", "SplicePipe", "available", "built", "recv_pieces", "rest_of",
            "splice_pieces"]
 
 PIPE_NBYTES = 1 << 20  # the pipe's size (pipe-max-size, 1 MiB by default, is what a user may ask for)
@@ -36,9 +36,16 @@ ZERO_COPY_MIN_NBYTES = 256 << 10  # a put_many smaller than this is copied: the 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
-def available() -> bool:
-    """Whether this build can send pieces by splice (the C module is there)."""
+def built() -> bool:
+    """Whether the C module is there (splice and the pieces' reader can run at all)."""
     return _tcpc is not None
+
+
+def available() -> bool:
+    """Whether tcp endpoints made from now on send deferred pieces by splice: the C module is
+    there and ``QLINK_TCP_SPLICE`` is not ``0`` (set it to have deferred puts copied, as a
+    put that is not deferred is; the peer's side does not change)."""
+    return _tcpc is not None and os.environ.get("QLINK_TCP_SPLICE", "1") != "0"
 
 
 class SplicePipe:

@@ -42,7 +42,7 @@ def modes() -> tuple[str, ...]:
     """The modes this host can run (``splice`` needs the C module)."""
     from transports import _tcp_splice
 
-    return MODES if _tcp_splice.available() else MODES[:2]
+    return MODES if _tcp_splice.built() else MODES[:2]
 
 
 def _splice_all(s: socket.socket, pipe, buf: np.ndarray, n: int) -> None:

@@ -210,3 +210,18 @@ def test_the_peer_answers_a_putv_flagged_ack_with_its_count():
                 ack = fr.HEADER.unpack(sock.recv(fr.HEADER.size, socket.MSG_WAITALL))
                 assert (ack[0], ack[5]) == (_tcp_frames.KIND_PUTV_ACK, k)
             assert bytes(target[8:24]) == b"\x01" * 8 + b"\x02" * 8
+
+
+def test_qlink_tcp_splice_0_has_deferred_puts_copied(monkeypatch):
+    monkeypatch.setenv("QLINK_TCP_SPLICE", "0")
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        with tcp.connect(lis.url, timeout_s=5) as client, lis.accept(timeout_s=5) as server:
+            assert client.version == 3 and not client.defers_puts_in_place
+            _roomy(client, server)
+            src = np.full(_tcp_splice.ZERO_COPY_MIN_NBYTES, 3, np.uint8)
+            target = np.zeros(src.size, np.uint8)
+            region = server.register(target)
+            client.put_many(src, region.descriptor(), [0], [0], [src.size], timeout_s=10, defer=True)
+            src[:] = 4  # copied: the change does not reach the target
+            server.wait_notification(timeout_s=10)
+            assert (target == 3).all() and client.statistics().extra["spliced_puts"] == 0
