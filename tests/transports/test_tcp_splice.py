@@ -78,13 +78,16 @@ def test_a_deferred_put_many_goes_by_splice_and_lands_bit_exact(pair):
     assert (stats["spliced_puts"], stats["spliced_puts_confirmed"]) == (1, 1)
 
 
-def test_flush_waits_until_the_peer_has_read_the_pages_it_was_lent(pair):
+def test_flush_waits_until_the_peer_has_read_the_pages_it_was_lent(pair, monkeypatch):
     """The pages are lent, not copied: a change to the source before the peer reads is what
     lands (which is why a deferred source must stay unchanged until flush returns), and flush
     does not return before the peer has read."""
+    from transports import _tcp_endpoint
+
+    monkeypatch.setattr(_tcp_endpoint, "ZERO_COPY_MIN_NBYTES", 64 << 10)  # small: it fits any socket's buffers
     client, server = pair
     _roomy(client, server)
-    src = np.full(_tcp_splice.ZERO_COPY_MIN_NBYTES, 7, np.uint8)
+    src = np.full(64 << 10, 7, np.uint8)
     target = np.zeros(src.size, np.uint8)
     region = server.register(target)
     client.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=1, timeout_s=10, defer=True)
