@@ -33,6 +33,103 @@
 
 #define IOV_BATCH 256
 
+/* A call's pieces: the memory they lie in, their offsets and sizes (int64 arrays of one length),
+ * and the caller's record of where the call stands (int64[state_n], written back). */
+typedef struct {
+    Py_buffer mem, off, len, st;
+    Py_ssize_t count;
+} pieces_t;
+
+static int pieces_get(pieces_t *p, PyObject *const *args, int mem_flags, Py_ssize_t state_n, const char *name,
+                      const char *what) {
+    PyObject *const objs[4] = {args[0], args[1], args[2], args[3]};
+    Py_buffer *bufs[4] = {&p->mem, &p->off, &p->len, &p->st};
+    const int flags[4] = {mem_flags, PyBUF_SIMPLE, PyBUF_SIMPLE, PyBUF_WRITABLE};
+    for (int k = 0; k < 4; k++) {
+        if (PyObject_GetBuffer(objs[k], bufs[k], flags[k]) < 0) {
+            while (k--)
+                PyBuffer_Release(bufs[k]);
+            return -1;
+        }
+    }
+    p->count = p->len.len / 8;
+    const int64_t *off = p->off.buf, *len = p->len.buf, *state = p->st.buf;
+    if (p->off.len != p->len.len || p->len.len % 8 || p->st.len < 8 * state_n) {
+        PyErr_Format(PyExc_ValueError, "%s: offsets and nbytes must be int64 arrays of one length, state an int64 "
+                     "array of %zd", name, state_n);
+        goto bad;
+    }
+    for (Py_ssize_t i = 0; i < p->count; i++) {
+        if (off[i] < 0 || len[i] < 0 || off[i] + len[i] > (int64_t)p->mem.len) {
+            PyErr_Format(PyExc_ValueError, "%s: piece %zd (%lld bytes at %lld) lies outside the %zd-byte %s", name, i,
+                         (long long)len[i], (long long)off[i], p->mem.len, what);
+            goto bad;
+        }
+    }
+    if (state[0] < 0 || state[0] > p->count || state[1] < 0 || (state[0] < p->count && state[1] > len[state[0]])) {
+        PyErr_Format(PyExc_ValueError, "%s: the state does not fit these pieces", name);
+        goto bad;
+    }
+    return 0;
+bad:
+    for (int k = 0; k < 4; k++)
+        PyBuffer_Release(bufs[k]);
+    return -1;
+}
+
+static void pieces_release(pieces_t *p) {
+    PyBuffer_Release(&p->mem);
+    PyBuffer_Release(&p->off);
+    PyBuffer_Release(&p->len);
+    PyBuffer_Release(&p->st);
+}
+
+/* Up to IOV_BATCH iovecs over the pieces from piece i, byte at, at most `room` bytes (< 0: no bound). */
+static int pieces_iov(const pieces_t *p, int64_t i, int64_t at, long long room, struct iovec *iov) {
+    const int64_t *off = p->off.buf, *len = p->len.buf;
+    char *base = p->mem.buf;
+    int n = 0;
+    for (int64_t j = i, a = at; j < p->count && n < IOV_BATCH && room != 0; j++, a = 0) {
+        long long k = len[j] - a;
+        if (k <= 0)
+            continue;
+        if (room > 0 && k > room)
+            k = room;
+        iov[n].iov_base = base + off[j] + a;
+        iov[n].iov_len = (size_t)k;
+        n++;
+        if (room > 0)
+            room -= k;
+    }
+    return n;
+}
+
+/* Step (i, at) over k bytes of the pieces. */
+static void pieces_step(const pieces_t *p, int64_t *i, int64_t *at, long long k) {
+    const int64_t *len = p->len.buf;
+    while (k > 0) {
+        long long left = len[*i] - *at;
+        if (k >= left) {
+            k -= left;
+            (*i)++;
+            *at = 0;
+        } else {
+            *at += k;
+            k = 0;
+        }
+    }
+}
+
+/* Step (i, at) past whole and empty pieces; true while a piece is left. */
+static int pieces_left(const pieces_t *p, int64_t *i, int64_t *at) {
+    const int64_t *len = p->len.buf;
+    while (*i < p->count && *at >= len[*i]) {
+        (*i)++;
+        *at = 0;
+    }
+    return *i < p->count;
+}
+
 static PyObject *splice_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 8) {
@@ -48,53 +145,23 @@ static PyObject *splice_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "splice_pieces: pipe_nbytes must be positive");
         return NULL;
     }
-    Py_buffer src, so, ln, st;
-    if (PyObject_GetBuffer(args[4], &src, PyBUF_SIMPLE) < 0)
+    pieces_t p;
+    if (pieces_get(&p, args + 4, PyBUF_SIMPLE, 3, "splice_pieces", "source") < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[5], &so, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[6], &ln, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&so);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[7], &st, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&so);
-        PyBuffer_Release(&ln);
-        return NULL;
-    }
-    PyObject *res = NULL;
-    Py_ssize_t count = ln.len / 8;
-    const int64_t *off = so.buf, *len = ln.buf;
-    int64_t *state = st.buf;
-    if (so.len != ln.len || ln.len % 8 || st.len < 24) {
-        PyErr_SetString(PyExc_ValueError, "splice_pieces: src_offsets and nbytes must be int64 arrays of one length, "
-                                          "state an int64 array of 3");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (off[i] < 0 || len[i] < 0 || off[i] + len[i] > (int64_t)src.len) {
-            PyErr_Format(PyExc_ValueError, "splice_pieces: piece %zd (%lld bytes at %lld) lies outside the %zd-byte "
-                         "source", i, (long long)len[i], (long long)off[i], src.len);
-            goto done;
-        }
-    }
+    int64_t *state = p.st.buf;
     int64_t i = state[0], at = state[1], inpipe = state[2];
-    if (i < 0 || i > count || at < 0 || inpipe < 0 || (i < count && at > len[i])) {
+    if (inpipe < 0) {
+        pieces_release(&p);
         PyErr_SetString(PyExc_ValueError, "splice_pieces: the state does not fit these pieces");
-        goto done;
+        return NULL;
     }
     long long written = 0;
     int err = 0;
     const char *failed = NULL;
-    char *base = src.buf;
     Py_BEGIN_ALLOW_THREADS
     for (;;) {
         if (inpipe > 0) {
-            unsigned int fl = SPLICE_F_NONBLOCK | SPLICE_F_MOVE | (i < count ? SPLICE_F_MORE : 0);
+            unsigned int fl = SPLICE_F_NONBLOCK | SPLICE_F_MOVE | (i < p.count ? SPLICE_F_MORE : 0);
             ssize_t k = splice(pr, NULL, sock, NULL, (size_t)inpipe, fl);
             if (k < 0) {
                 if (errno == EINTR)
@@ -111,26 +178,10 @@ static PyObject *splice_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
             written += k;
             continue;
         }
-        while (i < count && at >= len[i]) {
-            i++;
-            at = 0;
-        }
-        if (i >= count)
+        if (!pieces_left(&p, &i, &at))
             break;
         struct iovec iov[IOV_BATCH];
-        int n = 0;
-        long long room = pipe_nbytes;
-        for (int64_t j = i, a = at; j < count && n < IOV_BATCH && room > 0; j++, a = 0) {
-            long long k = len[j] - a;
-            if (k <= 0)
-                continue;
-            if (k > room)
-                k = room;
-            iov[n].iov_base = base + off[j] + a;
-            iov[n].iov_len = (size_t)k;
-            n++;
-            room -= k;
-        }
+        int n = pieces_iov(&p, i, at, pipe_nbytes, iov);
         ssize_t k = vmsplice(pw, iov, (unsigned long)n, SPLICE_F_NONBLOCK);
         if (k < 0) {
             if (errno == EINTR)
@@ -142,34 +193,18 @@ static PyObject *splice_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
         if (k == 0)
             break;
         inpipe += k;
-        while (k > 0) { /* step over what went into the pipe */
-            long long left = len[i] - at;
-            if (k >= left) {
-                k -= left;
-                i++;
-                at = 0;
-            } else {
-                at += k;
-                k = 0;
-            }
-        }
+        pieces_step(&p, &i, &at, k);
     }
     Py_END_ALLOW_THREADS
     state[0] = i;
     state[1] = at;
     state[2] = inpipe;
+    pieces_release(&p);
     if (failed) {
         errno = err;
-        PyErr_SetFromErrnoWithFilename(PyExc_OSError, failed);
-        goto done;
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, failed);
     }
-    res = PyLong_FromLongLong(written);
-done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&so);
-    PyBuffer_Release(&ln);
-    PyBuffer_Release(&st);
-    return res;
+    return PyLong_FromLongLong(written);
 }
 
 static PyObject *recv_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -181,68 +216,19 @@ static PyObject *recv_pieces(PyObject *self, PyObject *const *args, Py_ssize_t n
     int sock = PyLong_AsLong(args[0]);
     if (PyErr_Occurred())
         return NULL;
-    Py_buffer dst, dof, ln, st;
-    if (PyObject_GetBuffer(args[1], &dst, PyBUF_WRITABLE) < 0)
+    pieces_t p;
+    if (pieces_get(&p, args + 1, PyBUF_WRITABLE, 2, "recv_pieces", "region") < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[2], &dof, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[3], &ln, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&dof);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[4], &st, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&dof);
-        PyBuffer_Release(&ln);
-        return NULL;
-    }
-    PyObject *res = NULL;
-    Py_ssize_t count = ln.len / 8;
-    const int64_t *off = dof.buf, *len = ln.buf;
-    int64_t *state = st.buf;
-    if (dof.len != ln.len || ln.len % 8 || st.len < 16) {
-        PyErr_SetString(PyExc_ValueError, "recv_pieces: dst_offsets and nbytes must be int64 arrays of one length, "
-                                          "state an int64 array of 2");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (off[i] < 0 || len[i] < 0 || off[i] + len[i] > (int64_t)dst.len) {
-            PyErr_Format(PyExc_ValueError, "recv_pieces: piece %zd (%lld bytes at %lld) lies outside the %zd-byte "
-                         "region", i, (long long)len[i], (long long)off[i], dst.len);
-            goto done;
-        }
-    }
+    int64_t *state = p.st.buf;
     int64_t i = state[0], at = state[1];
-    if (i < 0 || i > count || at < 0 || (i < count && at > len[i])) {
-        PyErr_SetString(PyExc_ValueError, "recv_pieces: the state does not fit these pieces");
-        goto done;
-    }
     long long got = 0;
     int err = 0, eof = 0;
-    char *base = dst.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (;;) {
-        while (i < count && at >= len[i]) {
-            i++;
-            at = 0;
-        }
-        if (i >= count)
-            break;
+    while (pieces_left(&p, &i, &at)) {
         struct iovec iov[IOV_BATCH];
-        int n = 0;
-        for (int64_t j = i, a = at; j < count && n < IOV_BATCH; j++, a = 0) {
-            if (len[j] - a <= 0)
-                continue;
-            iov[n].iov_base = base + off[j] + a;
-            iov[n].iov_len = (size_t)(len[j] - a);
-            n++;
-        }
         struct msghdr mh = {0};
         mh.msg_iov = iov;
-        mh.msg_iovlen = (size_t)n;
+        mh.msg_iovlen = (size_t)pieces_iov(&p, i, at, -1, iov);
         ssize_t k = recvmsg(sock, &mh, MSG_DONTWAIT);
         if (k < 0) {
             if (errno == EINTR)
@@ -256,33 +242,17 @@ static PyObject *recv_pieces(PyObject *self, PyObject *const *args, Py_ssize_t n
             break;
         }
         got += k;
-        while (k > 0) {
-            long long left = len[i] - at;
-            if (k >= left) {
-                k -= left;
-                i++;
-                at = 0;
-            } else {
-                at += k;
-                k = 0;
-            }
-        }
+        pieces_step(&p, &i, &at, k);
     }
     Py_END_ALLOW_THREADS
     state[0] = i;
     state[1] = at;
+    pieces_release(&p);
     if (err) {
         errno = err;
-        PyErr_SetFromErrnoWithFilename(PyExc_OSError, "recvmsg");
-        goto done;
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, "recvmsg");
     }
-    res = PyLong_FromLongLong(eof && !got ? -1 : got);
-done:
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&dof);
-    PyBuffer_Release(&ln);
-    PyBuffer_Release(&st);
-    return res;
+    return PyLong_FromLongLong(eof && !got ? -1 : got);
 }
 
 static PyMethodDef methods[] = {

@@ -16,3 +16,15 @@ def ucx_pair():
     a.close()
     b.close()
     lis.close()
+
+
+@pytest.fixture
+def tcp_pair():
+    """A connected tcp:// client and server endpoint on loopback (closed afterwards)."""
+    from transports import tcp
+
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        client = tcp.connect(lis.url, timeout_s=5)
+        server = lis.accept(timeout_s=5)
+        with client, server:
+            yield client, server

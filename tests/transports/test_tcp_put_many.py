@@ -31,12 +31,8 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
 
 
 @pytest.fixture
-def pair():
-    with tcp.listen("tcp://127.0.0.1:0") as lis:
-        client = tcp.connect(lis.url, timeout_s=5)
-        server = lis.accept(timeout_s=5)
-        with client, server:
-            yield client, server
+def pair(tcp_pair):
+    return tcp_pair
 
 
 def _expected(region_nbytes, src, so, do, ln):

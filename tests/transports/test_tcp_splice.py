@@ -20,12 +20,8 @@ pytestmark = [pytest.mark.timeout(60),
 
 
 @pytest.fixture
-def pair():
-    with tcp.listen("tcp://127.0.0.1:0") as lis:
-        client = tcp.connect(lis.url, timeout_s=5)
-        server = lis.accept(timeout_s=5)
-        with client, server:
-            yield client, server
+def pair(tcp_pair):
+    return tcp_pair
 
 
 def _roomy(client, server) -> None:
@@ -228,3 +224,16 @@ def test_qlink_tcp_splice_0_has_deferred_puts_copied(monkeypatch):
             src[:] = 4  # copied: the change does not reach the target
             server.wait_notification(timeout_s=10)
             assert (target == 3).all() and client.statistics().extra["spliced_puts"] == 0
+
+
+def test_the_c_loops_refuse_pieces_outside_their_memory_and_a_state_that_does_not_fit():
+    from transports import _tcpc
+
+    src = np.zeros(100, np.uint8)
+    so, ln = np.array([0, 90], np.int64), np.array([10, 20], np.int64)
+    with pytest.raises(ValueError, match="piece 1 .20 bytes at 90. lies outside the 100-byte source"):
+        _tcpc.splice_pieces(-1, -1, -1, 4096, src, so, ln, np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match="the state does not fit"):
+        _tcpc.recv_pieces(-1, src, np.array([0], np.int64), np.array([10], np.int64), np.array([0, 11], np.int64))
+    with pytest.raises(ValueError, match="int64 arrays of one length"):
+        _tcpc.recv_pieces(-1, src, np.array([0], np.int64), np.array([10, 1], np.int64), np.zeros(2, np.int64))
