@@ -150,6 +150,8 @@ class TcpSendSide:
                 self._raise_broken(what)
             sent += k
             if sent >= total:
+                if self._ack_read > self._ack_told:  # a PUTV_ACK came due while this frame went
+                    self._answer_ack_locked()
                 return
             j = i
             while k:  # step over what was written: whole parts, then into a part
@@ -225,6 +227,8 @@ class TcpSendSide:
                 self._mark_dead(f"{os.strerror(e.errno) if e.errno else e} while sending", e)
                 self._raise_broken("put_many")
             if state[0] >= ln.size and state[2] == 0:
+                if self._ack_read > self._ack_told:  # a PUTV_ACK came due while this frame went
+                    self._answer_ack_locked()
                 return
             now = time.perf_counter_ns()
             if k:

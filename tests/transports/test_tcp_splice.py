@@ -237,3 +237,33 @@ def test_the_c_loops_refuse_pieces_outside_their_memory_and_a_state_that_does_no
         _tcpc.recv_pieces(-1, src, np.array([0], np.int64), np.array([10], np.int64), np.array([0, 11], np.int64))
     with pytest.raises(ValueError, match="int64 arrays of one length"):
         _tcpc.recv_pieces(-1, src, np.array([0], np.int64), np.array([10, 1], np.int64), np.zeros(2, np.int64))
+
+
+def test_an_ack_due_while_this_side_is_sending_goes_when_that_send_ends(pair, monkeypatch):
+    """The server is in the middle of a large send (its send lock held, the client not reading)
+    when it reads the client's spliced put: the PUTV_ACK cannot go then, and goes as soon as that
+    send ends, with nothing else sent after it, so the client's flush returns."""
+    from transports import _tcp_endpoint
+
+    monkeypatch.setattr(_tcp_endpoint, "ZERO_COPY_MIN_NBYTES", 64 << 10)
+    client, server = pair
+    _roomy(client, server)
+    big = np.zeros(32 << 20, np.uint8)
+    sending = threading.Thread(target=lambda: server.send(big, timeout_s=30))
+    sending.start()
+    for _ in range(100):  # until the server's send fills the socket and waits for room
+        if server._slock.locked() and server._pending is None:
+            break
+        threading.Event().wait(0.01)
+    assert sending.is_alive()
+    target = np.zeros(64 << 10, np.uint8)
+    region = server.register(target)
+    src = np.full(target.size, 9, np.uint8)
+    client.put_many(src, region.descriptor(), [0], [0], [src.size], timeout_s=10, defer=True)
+    server.wait_notification(timeout_s=10)  # read while the send lock is held: the ack is owed
+    assert server._ack_read == 1 and server._ack_told == 0
+    out = np.empty_like(big)
+    assert client.recv_into(out, timeout_s=30) == big.size  # the server's send can end now
+    sending.join(30)
+    client.flush(timeout_s=5)
+    assert (target == 9).all()
