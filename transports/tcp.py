@@ -11,8 +11,10 @@ the handshake both sides speak, :mod:`transports._tcp_listener` the listener and
 handshake thread; :mod:`transports._tcp_endpoint` the endpoint, whose receive side
 (:mod:`transports._tcp_pump`: the frame parser and where each frame lands) and send side
 (:mod:`transports._tcp_send`) speak the frames of :mod:`transports.framing` and
-:mod:`transports._tcp_frames` (PUTV); :mod:`transports._tcp_wait` is its waiting policy
-(one of :mod:`transports._waiting`'s family).
+:mod:`transports._tcp_frames` (PUTV, PUTV_ACK); :mod:`transports._tcp_wait` is its waiting
+policy (one of :mod:`transports._waiting`'s family); :mod:`transports._tcp_splice` hands a
+deferred put's pages to the socket (``SplicePipe``, ``splice_pieces`` and ``splice_built``
+are public here, for a benchmark's bare-socket floor).
 
 One-sided ``put`` is emulated in software, the way UCX emulates RMA over active
 messages: the initiator sends a PUT frame, and the target writes its payload into
@@ -85,9 +87,12 @@ from . import _tcp_handshake as hs
 from ._address import join_host_port, split_host_port
 from ._base import deadline_of
 from ._tcp_endpoint import CAPABILITIES, DEFAULT_BUSY_POLL_S, RBUF_NBYTES, TcpEndpoint
+from ._tcp_splice import SplicePipe, splice_pieces
+from ._tcp_splice import built as splice_built
 from ._tcp_listener import TcpListener
 
-__all__ = ["CAPABILITIES", "listen", "connect", "TcpEndpoint", "TcpListener"]
+__all__ = ["CAPABILITIES", "listen", "connect", "TcpEndpoint", "TcpListener", "SplicePipe", "splice_built",
+           "splice_pieces"]
 
 
 def listen(url: str, *, busy_poll_s: float = DEFAULT_BUSY_POLL_S, backlog: int = 128,

@@ -40,20 +40,20 @@ MODES = ("blocking", "busy", "splice")
 
 def modes() -> tuple[str, ...]:
     """The modes this host can run (``splice`` needs the C module)."""
-    from transports import _tcp_splice
+    from transports.tcp import splice_built
 
-    return MODES if _tcp_splice.built() else MODES[:2]
+    return MODES if splice_built() else MODES[:2]
 
 
 def _splice_all(s: socket.socket, pipe, buf: np.ndarray, n: int) -> None:
     """Hand ``buf[:n]`` to the socket by vmsplice + splice, sleeping in poll while it is full."""
-    from transports import _tcp_splice
+    from transports.tcp import splice_pieces
 
     so, ln, state = np.zeros(1, np.int64), np.array([n], np.int64), np.zeros(3, np.int64)
     p = select.poll()
     p.register(s, select.POLLOUT)
     while True:
-        _tcp_splice.splice_pieces(s.fileno(), pipe, buf, so, ln, state)
+        splice_pieces(s.fileno(), pipe, buf, so, ln, state)
         if state[0] >= 1 and state[2] == 0:
             return
         p.poll(1000)
@@ -63,10 +63,10 @@ def _sender(port: int, max_layer_nbytes: int, num_layers: int) -> None:
     from qlink.procs import die_with_parent
 
     die_with_parent()
-    from transports import _tcp_splice
+    from transports.tcp import SplicePipe
 
     bufs = [np.full(max_layer_nbytes, k % 251 + 1, dtype=np.uint8) for k in range(num_layers)]
-    pipe = _tcp_splice.SplicePipe.open()
+    pipe = SplicePipe.open()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
