@@ -23,7 +23,7 @@ from ._base import (MAX_TAG_BYTES, Capabilities, Endpoint, Notification, Statist
                     deadline_of)
 from ._pieces import check_pieces
 from ._tcp_frames import MAX_PIECE_NBYTES, PUTV_MORE, frame_groups
-from ._tcp_handshake import PUTV_VERSION, SYNC_VERSION
+from ._tcp_handshake import PUTV_VERSION, ACK_VERSION
 from ._tcp_pump import TcpReceiveSide
 from ._tcp_send import SMALL_SEND, TcpSendSide
 from ._tcp_splice import ZERO_COPY_MIN_NBYTES, available as _can_splice
@@ -63,7 +63,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
                  busy_poll_s: float = DEFAULT_BUSY_POLL_S, version: int = 1,
                  read_ahead_nbytes: int = RBUF_NBYTES) -> None:
         super().__init__()
-        #: the protocol version in force (1: PUT frames; 2: + PUTV; 3: + SYNC, the flush of
+        #: the protocol version in force (1: PUT frames; 2: + PUTV; 3: + PUTV_ACK, the flush of
         #: deferred puts)
         self.version = int(version)
         #: put_many sends one PUTV frame and the target sees one Notification (the peer takes
@@ -72,7 +72,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         #: ``put_many(..., defer=True)`` of any source (registered or not) hands its pieces'
         #: pages to the socket by splice, without copying them, and :meth:`flush` waits for
         #: the peer to have read them (version 3, Linux, the C module built)
-        self.defers_puts_in_place = self.version >= SYNC_VERSION and _can_splice()
+        self.defers_puts_in_place = self.version >= ACK_VERSION and _can_splice()
         self.defers_puts = self.defers_puts_in_place
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):

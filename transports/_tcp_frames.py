@@ -30,8 +30,8 @@ from . import framing as fr
 from ._base import MAX_TAG_BYTES
 from ._pieces import message_groups
 
-__all__ = ["KIND_PUTV", "KIND_PUTV_ACK", "PUTV_ACK", "PUTV_MORE", "check_ack_header", "PIECE_NBYTES", "MAX_PIECE_NBYTES", "SEND_FLAGS", "check_putv_header",
-           "frame_groups"]
+__all__ = ["KIND_PUTV", "KIND_PUTV_ACK", "PUTV_ACK", "PUTV_MORE", "PIECE_NBYTES", "MAX_PIECE_NBYTES", "SEND_FLAGS",
+           "check_ack_header", "check_putv_header", "frame_groups"]
 
 SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # every write to a tcp stream: a gone peer is an error, not SIGPIPE
 

@@ -5,9 +5,9 @@ to it (accept, with the version in force, or refuse with a readable reason).
 * Protocol version 2 is version 1 plus the PUTV frame. A client sends the version-1 hello
   with flag bit 0 ("I take PUTV"), so a version-1 listener still accepts it; a version-2
   listener answers version 2 to a client that set that flag.
-* Protocol version 3 is version 2 plus the SYNC and SYNC_ACK frames (a deferred put's flush).
-  A client that takes them sets flag bit 2 too; a version-3 listener answers version 3 to a
-  client that set bits 0 and 2.
+* Protocol version 3 is version 2 plus the PUTV flag ACK and the PUTV_ACK frame (a deferred
+  put's flush). A client that takes them sets flag bit 2 too; a version-3 listener answers
+  version 3 to a client that set bits 0 and 2.
 * With a token the client sets flag bit 1 and sends, right after the hello, a 32-byte
   HMAC-SHA256 of the hello under the token (the token itself never travels).
 
@@ -30,18 +30,18 @@ from qlink.errors import BrokenLinkError, WireError
 from . import framing as fr
 from ._tcp_frames import SEND_FLAGS
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "HELLO_PUTV", "HELLO_AUTH", "HELLO_SYNC", "AUTH_NBYTES", "PUTV_VERSION",
-           "SYNC_VERSION", "random_key",
+__all__ = ["HANDSHAKE_TIMEOUT_S", "HELLO_PUTV", "HELLO_AUTH", "HELLO_PUTV_ACK", "AUTH_NBYTES", "PUTV_VERSION",
+           "ACK_VERSION", "random_key",
            "client_hello", "hello_nbytes", "judge_hello", "accept_reply", "refuse", "client_handshake"]
 
 HANDSHAKE_TIMEOUT_S = 5.0  # a listener hangs up on a client whose hello has not come by then
 HELLO_PUTV = 1  # hello flags: this client takes PUTV frames
 HELLO_AUTH = 2  # hello flags: a 32-byte HMAC-SHA256 of the hello under the shared token follows
-HELLO_SYNC = 4  # hello flags: this client takes SYNC and SYNC_ACK frames
+HELLO_PUTV_ACK = 4  # hello flags: this client takes the PUTV flag ACK and PUTV_ACK frames
 AUTH_NBYTES = 32
 PUTV_VERSION = 2
-SYNC_VERSION = 3
-_TAKES = HELLO_PUTV | HELLO_SYNC  # what this client says it takes
+ACK_VERSION = 3
+_TAKES = HELLO_PUTV | HELLO_PUTV_ACK  # what this client says it takes
 _AUTH_LABEL = b"qlink-tcp-hello-v1"
 _STATUS_UNAUTHORIZED = 3  # handshake reply status: this listener wants a token the client did not prove
 
@@ -98,12 +98,12 @@ def judge_hello(buf: bytearray, got: int, token: bytes | None) -> tuple[int, str
 def _version_of(flags: int) -> int:
     """The protocol version a client's hello flags let both sides speak.
 
-    >>> _version_of(0), _version_of(HELLO_PUTV), _version_of(HELLO_PUTV | HELLO_SYNC)
+    >>> _version_of(0), _version_of(HELLO_PUTV), _version_of(HELLO_PUTV | HELLO_PUTV_ACK)
     (1, 2, 3)
     """
     if not flags & HELLO_PUTV:
         return fr.PROTOCOL_VERSION
-    return SYNC_VERSION if flags & HELLO_SYNC else PUTV_VERSION
+    return ACK_VERSION if flags & HELLO_PUTV_ACK else PUTV_VERSION
 
 
 def accept_reply(region_key: int, *, version: int) -> bytes:
@@ -141,7 +141,7 @@ def client_handshake(sock: socket.socket, *, token: bytes | None, left, where: s
     reason = _recv_exact(sock, reason_n, left, where).decode("utf-8", "replace") if reason_n else ""
     if status != fr.STATUS_OK:
         raise WireError(reason or f"the tcp listener at {where} refused the handshake (status {status})")
-    return local_key, peer_key, min(max(version, fr.PROTOCOL_VERSION), SYNC_VERSION)
+    return local_key, peer_key, min(max(version, fr.PROTOCOL_VERSION), ACK_VERSION)
 
 
 def _recv_exact(sock: socket.socket, nbytes: int, left, where: str) -> bytes:

@@ -6,8 +6,9 @@ of the bytes, where ``sendmsg`` makes two.
 
 The pages stay the caller's until the receiver has read them, which is what a deferred
 put promises (``put_many(..., defer=True)``: the source stays unchanged until ``flush``
-returns); the tcp endpoint's ``flush`` asks the peer to confirm it has read everything sent
-before it (a SYNC frame and its SYNC_ACK, protocol version 3).
+returns); the last PUTV frame of such a put asks the peer to say when it has read it (the
+flag ACK, answered by a PUTV_ACK frame, protocol version 3), and the tcp endpoint's ``flush``
+waits for those answers.
 
 >>> p = SplicePipe.open()
 >>> p is None or p.nbytes >= 4096

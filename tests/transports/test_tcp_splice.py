@@ -175,7 +175,7 @@ def _drain(sock: socket.socket, nbytes: int) -> None:
 def _raw_v3_client(lis):
     host, port = lis.url.removeprefix("tcp://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5)
-    sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _tcp_handshake.HELLO_PUTV | _tcp_handshake.HELLO_SYNC, 5))
+    sock.sendall(fr.HELLO.pack(fr.MAGIC, fr.PROTOCOL_VERSION, _tcp_handshake.HELLO_PUTV | _tcp_handshake.HELLO_PUTV_ACK, 5))
     assert fr.parse_reply(sock.recv(fr.REPLY.size, socket.MSG_WAITALL))[0] == 3
     return sock
 
