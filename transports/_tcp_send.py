@@ -129,12 +129,13 @@ class TcpSendSide:
         self._send_parts(parts, hsize + n, deadline=deadline, timeout_s=timeout_s, nowait=nowait, what=what)
 
     def _send_parts(self, parts: list, total: int, *, deadline: float | None, timeout_s, what: str,
-                    nowait: bool = False) -> None:
+                    nowait: bool = False, ends_frame: bool = True) -> None:
         """Write one frame given as a list of buffers (sendmsg, at most IOV_MAX at a time);
         the caller holds _slock. Nothing sent yet: a timeout (or, ``nowait``, a full socket)
         raises. Once the first byte left the frame is committed: the rest is kept (copied,
         the caller may reuse its buffers) in _pending and written before anything else;
-        any later call on this endpoint flushes it."""
+        any later call on this endpoint flushes it. An owed PUTV_ACK goes before the frame,
+        and after it unless ``ends_frame`` is False (a spliced frame's pieces follow)."""
         if self._pending is not None:
             self._flush_pending(deadline, timeout_s, nowait, what)
         if self._ack_read > self._ack_told:
@@ -150,7 +151,7 @@ class TcpSendSide:
                 self._raise_broken(what)
             sent += k
             if sent >= total:
-                if self._ack_read > self._ack_told:  # a PUTV_ACK came due while this frame went
+                if ends_frame and self._ack_read > self._ack_told:  # a PUTV_ACK came due while this frame went
                     self._answer_ack_locked()
                 return
             j = i
@@ -194,7 +195,7 @@ class TcpSendSide:
         parts = [self._smv[:hsize], memoryview(table.reshape(-1).view(np.uint8))]
         if splice:
             self._send_parts(parts, hsize + count * PIECE_NBYTES, deadline=deadline, timeout_s=timeout_s,
-                             what="put_many")
+                             what="put_many", ends_frame=False)  # (the pieces follow: no ack between)
             if not flags:  # the put_many's last frame: the peer answers once it has read it
                 self._ack_asked += 1
             self._splice_rest(src, so, ln, deadline=deadline, timeout_s=timeout_s)

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from qlink.errors import BrokenLinkError, QlinkTimeoutError
+from qlink.errors import BrokenLinkError, QlinkTimeoutError, WouldBlock
 from transports import _tcp_frames, _tcp_handshake, _tcp_splice, tcp
 from transports import framing as fr
 
@@ -267,3 +267,37 @@ def test_an_ack_due_while_this_side_is_sending_goes_when_that_send_ends(pair, mo
     sending.join(30)
     client.flush(timeout_s=5)
     assert (target == 9).all()
+
+
+def test_an_ack_that_comes_due_while_a_spliced_frame_begins_goes_after_the_frame(pair, monkeypatch):
+    """This side's receive thread reads a flagged frame of the peer (an ack comes due) just as
+    this side begins a spliced frame: the ack must not go between that frame's table and its
+    pieces, but after them; the peer gets the pieces bit-exact and the ack after them."""
+    client, server = pair
+    _roomy(client, server)
+    target = np.zeros(_tcp_splice.ZERO_COPY_MIN_NBYTES, np.uint8)
+    region = client.register(target)
+    src = np.arange(target.size, dtype=np.uint8)
+    real_check = server._check_peer
+    due = []
+
+    def check_then_an_ack_comes_due(what):  # as if the receive thread read a flagged frame now
+        real_check(what)
+        if not due:
+            due.append(1)
+            server._ack_read += 1
+
+    monkeypatch.setattr(server, "_check_peer", check_then_an_ack_comes_due)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("note", client.wait_notification(timeout_s=10)))
+    t.start()
+    server.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=4, timeout_s=10, defer=True)
+    t.join(10)
+    assert got["note"].notify_id == 4 and np.array_equal(target, src)
+    for _ in range(100):  # read on: the ack came after the frame, whole
+        with pytest.raises(WouldBlock):
+            client.poll_notification_nowait()
+        if client._ack_heard:
+            break
+        threading.Event().wait(0.01)
+    assert client._ack_heard == 1 and client.statistics().errors == 0
