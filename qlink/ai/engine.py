@@ -222,18 +222,17 @@ class KVSender:
         # a CRC-32 per part needs one notification per descriptor: no gathered put_many then
         self._gathers = bool(getattr(endpoint, "put_many_gathers", False)) and not self.checksum
         self._src_regions = []
-        if (defer and self._gathers and can_defer(endpoint) and cache.device == "cpu" and mode != "send"
-                and not getattr(endpoint, "defers_puts_in_place", False)):
+        deferrable = bool(defer and self._gathers and cache.device == "cpu" and mode != "send")
+        # an endpoint that defers any source in place (tcp: the pages go to the socket by splice)
+        # needs no registration; the receiver's reading is the copy, flush waits for it
+        in_place = deferrable and bool(getattr(endpoint, "defers_puts_in_place", False))
+        if deferrable and not in_place and can_defer(endpoint):
             try:
                 for a in cache.layers:  # so the receiver can copy out of them (deferred put_many)
                     self._src_regions.append(endpoint.register(a))
             except QlinkError:
                 self._release_sources()
-        # an endpoint that defers any source in place (tcp: the pages go to the socket by splice)
-        # needs no registration; the receiver's reading is the copy, flush waits for it
-        self._defer = bool(self._src_regions) or bool(
-            defer and self._gathers and cache.device == "cpu" and mode != "send"
-            and getattr(endpoint, "defers_puts_in_place", False))
+        self._defer = bool(self._src_regions) or in_place
         # device caches over an endpoint that queues device copies (cuda_ipc): each layer's copy
         # is queued and its notification published once CUDA has done it; a request's last
         # layer waits for all of them
