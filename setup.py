@@ -6,6 +6,9 @@
 * ``transports._tcpc``: a tcp put's pieces into the socket by ``vmsplice`` and
   ``splice`` (Linux), so the sender copies nothing; without it a deferred tcp put is
   copied into the socket like any other.
+* ``transports._cmac``: the pieces of a ``ucx://`` RMA put between two processes of one
+  host, by ``process_vm_writev``/``readv``, many pieces per call; without it those pieces
+  go by UCX, one call per piece.
 * ``qlink.qec._hotcore``: the QEC loop's per-frame path over that ring (it uses the
   ring's C API, ``transports/_ring_api.h``). Without it, the loop runs its Python path
   and ``qlink.qec.hotpath.available()`` says why.
@@ -25,6 +28,12 @@ setup(
         Extension(
             "transports._tcpc",
             sources=["transports/_tcpc.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
+        Extension(
+            "transports._cmac",
+            sources=["transports/_cmac.c"],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         ),

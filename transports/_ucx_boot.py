@@ -17,6 +17,10 @@ Flag bit 4 (``FLAG_RMA``): this side maps its registered host regions for UCX RM
 descriptors carry address and remote key) and takes ``OP_PUT_DONE``; in force only when
 both sides set it, so a peer without it gets tagged puts as before.
 
+Flag bit 5 (``FLAG_CMA``, offered only beside ``FLAG_RMA``): this side sends ``OP_CMA`` (its
+pid and a nonce's address) and moves RMA pieces to a peer on the same host itself, many per
+``process_vm_writev``/``readv`` (:mod:`transports._ucx_cma`); in force only when both set it.
+
 The vectored-put flag leaves the version at 1: a server that predates it masks the flags
 it answers with to bit 0, and a client that predates it neither sets bit 1 nor looks at
 it in the answer, so either kind of older peer connects as before and gets one put per
@@ -41,8 +45,8 @@ from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
 from ._address import join_host_port, split_host_port
 
-__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV", "FLAG_RMA", "FLAG_AUTH",
-           "PeerRefusedError"]
+__all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV", "FLAG_RMA", "FLAG_CMA",
+           "FLAG_AUTH", "PeerRefusedError"]
 
 _MAGIC = b"QLUX"
 _VERSION = 1
@@ -52,6 +56,8 @@ FLAG_PUTV = 2  # takes vectored puts (OP_PUTV control frames); in force only whe
 FLAG_AUTH = 4  # (client) an HMAC of the hello under the shared token follows the address
 FLAG_REFUSED = 8  # (server) not admitted; the connection id says why
 FLAG_RMA = 16  # maps its regions for UCX RMA and takes OP_PUT_DONE; in force only when both sides set it
+FLAG_CMA = 32  # (with FLAG_RMA) sends OP_CMA and moves same-host RMA pieces itself; in force only when both set it
+_BOTH = FLAG_PUTV | FLAG_RMA | FLAG_CMA  # flags in force only when both sides set them
 _REFUSALS = {1: ("no_token", "this ucx listener admits only clients holding its shared token; connect with "
                              "token=... (the same token the service was given)"),
              2: ("bad_token", "the token this client proved is not the listener's; connect with the service's "
@@ -145,11 +151,11 @@ def handshake(sock: socket.socket, *, conn_id: int, token: bytes, flags: int, ad
                 sock.sendall(_HELLO.pack(_MAGIC, _VERSION, FLAG_REFUSED, why, bytes(8), 1) + b"\0")
                 reason, text = _REFUSALS[why]
                 raise PeerRefusedError(f"ucx: refused a client: {text}", reason=reason)
-        flags = ((peer_flags | flags) & FLAG_PEER_ERRORS) | (peer_flags & flags & (FLAG_PUTV | FLAG_RMA))
+        flags = ((peer_flags | flags) & FLAG_PEER_ERRORS) | (peer_flags & flags & _BOTH)
         sock.sendall(hello(flags))
     else:
         if peer_flags & FLAG_REFUSED:
             reason, text = _REFUSALS.get(peer_conn, ("refused", "the listener refused this client"))
             raise PeerRefusedError(f"ucx: {text}", reason=reason)
-        flags = peer_flags & (FLAG_PEER_ERRORS | (flags & (FLAG_PUTV | FLAG_RMA)))
+        flags = peer_flags & (FLAG_PEER_ERRORS | (flags & _BOTH))
     return peer_conn, flags, peer_token, peer_addr

@@ -20,6 +20,7 @@ from qlink.memory import as_byte_view
 
 from . import cuda as _cuda
 from . import _ucx_boot as boot
+from . import _ucx_cma as cma
 from . import _ucx_core as core
 from . import _ucx_device as dev
 from . import _ucx_wire as wire
@@ -125,6 +126,11 @@ class UcxEndpoint(PutSide, Endpoint):
         self.rma = bool(flags & boot.FLAG_RMA) and box.rma
         #: put_many(defer=True) from a region registered here shares the copy with the target
         self.defers_puts = self.rma
+        #: both hellos offered FLAG_CMA: each side sends OP_CMA; once the peer's checks out
+        #: (``self._cma``), RMA pieces move by process_vm_writev/readv here (transports._ucx_cma)
+        self._cma_offered = self.rma and bool(flags & boot.FLAG_CMA)
+        self._cma: cma.CmaPeer | None = None
+        self._cma_refused = ""  # why the peer's OP_CMA did not check out
         self._send_budget = int(opts["send_buffer_nbytes"])
         self._zero_copy_min = opts["zero_copy_send_nbytes"]
         self._linger_s = float(opts["linger_s"])
@@ -589,6 +595,9 @@ class UcxEndpoint(PutSide, Endpoint):
             self._take_pull(rid, offset, nbytes, seq, tag_len, length)
         elif op == wire.OP_PULLED:
             self._take_pulled(seq, notify_id, nbytes, offset)
+        elif op == wire.OP_CMA and self._cma_offered and self._cma is None and length == wire.CTRL.size + tag_len + nbytes:
+            start = wire.CTRL.size + tag_len
+            self._cma, self._cma_refused = cma.CmaPeer.verify(bytes(self._ctrl_buf[start:start + nbytes]))
         else:
             self._bad_frame()
 
@@ -607,8 +616,12 @@ class UcxEndpoint(PutSide, Endpoint):
         self._post(frame, size, self._tx_ctrl)
 
     def _wireup(self, deadline: float | None) -> None:
-        """Swap one control frame over UCX so the data path is up (and proven) before use."""
+        """Swap one control frame over UCX so the data path is up (and proven) before use (after
+        OP_CMA, where offered: the peer has taken it when it sees OP_WIREUP)."""
         with self._tx_lock:
+            if self._cma_offered:
+                mine = cma.identity()
+                self._send_ctrl(wire.OP_CMA, nbytes=len(mine), inline=mine)
             self._send_ctrl(wire.OP_WIREUP)
         backoff = Backoff(spin=2000)
         while not (self._wired and not self._tx_pending):
@@ -637,6 +650,8 @@ class UcxEndpoint(PutSide, Endpoint):
             rma_puts=self._rma_puts,
             **({"deferred_puts": self._deferred, "pulled_bytes": self._pulled_bytes,
                 "pulls_refused": self._pull_refused} if self.rma else {}),
+            **({"cma": self._cma is not None, "cma_bytes": self._cma.moved_bytes if self._cma else 0,
+                "cma_refused": self._cma_refused} if self._cma_offered else {}),
             staged_bytes_in_flight=self._tx_bytes,
             ucx_error_reported=self._ucx_error,
             broken=self._broken,
@@ -679,6 +694,8 @@ class UcxEndpoint(PutSide, Endpoint):
             return False
         if self._rkeys is not None:  # unpacked on the UCX endpoint: released before it
             self._rkeys.close()
+        if self._cma is not None:
+            self._cma.close()
         self._abort_ep()
         with self._rx_lock:
             ops = self._ops

@@ -147,6 +147,7 @@ class PutSide:
         self._gathered = 0  # put_many calls sent as vectored puts
         self._rma_puts = 0  # put_many calls written by UCX RMA
         self._mapped: dict[int, rma.MappedRegion] = {}  # region id -> its RMA mapping (FLAG_RMA in force)
+        self._homes: dict[tuple[int, int], tuple] = {}  # (address, nbytes) of a source -> what _home_of found
         self._rkeys = rma.RemoteKeys(self._ep.handle) if self.rma else None
         self._pull_seq = 0  # OP_PULL frames sent (deferred put_many: the target reads part of it)
         self._pull_acked = 0  # ...and answered with OP_PULLED
@@ -167,7 +168,8 @@ class PutSide:
         ok = False
         pulled = 0
         start = wire.CTRL.size + tag_len
-        if self.rma and region is not None and self._peer_alive() and region.kind == "host" and start + nbytes == length \
+        if self.rma and region is not None and (self._cma is not None or self._peer_alive()) and region.kind == "host" \
+                and start + nbytes == length \
                 and nbytes >= wire.PULL_KEY.size:
             buf = self._ctrl_buf
             (key_n,) = wire.PULL_KEY.unpack_from(buf, start)
@@ -179,11 +181,9 @@ class PutSide:
                 so, do, ln = table[:, 0], table[:, 1], table[:, 2]
                 if not ((do > region.nbytes) | (ln > region.nbytes - np.minimum(do, region.nbytes))).any():
                     try:
-                        rkey = self._rkeys.get(src_rid, key[8:])
-                        rma.rma_pieces("get", self._box.handle, self._ep.handle, region.address,
-                                       do, so, ln,  # (local = here, remote = the source)
-                                       int.from_bytes(key[:8], "little"), rkey, deadline=time.monotonic() + 10.0,
-                                       what=f"the pull into region {rid}")
+                        self._rma_move("get", region.address, do, so, ln,  # (local = here, remote = the source)
+                                       int.from_bytes(key[:8], "little"), src_rid, key[8:],
+                                       deadline=time.monotonic() + 10.0, what=f"the pull into region {rid}")
                         ok = True
                         pulled = int(ln.sum())
                         self._pulled_bytes += pulled
@@ -488,6 +488,7 @@ class PutSide:
         the target will see: 1 (one vectored put, ``put_many_gathers``), or one per piece
         towards a peer that does not take vectored puts (see the module docstring). Every
         piece is checked before anything is sent. ``defer`` changes nothing here."""
+        t0 = time.perf_counter_ns()  # a deferred RMA put_many's own share is timed from here (checks included)
         device = type(data) is not bytes and _cuda.is_device(data)
         if device and not self.put_many_gathers:  # device sources: the generic per-piece puts
             return super().put_many(data, remote, src_offsets, dst_offsets, nbytes, notify_id=notify_id, tag=tag,
@@ -512,7 +513,7 @@ class PutSide:
             if addr is not None:
                 src = np.frombuffer(src, dtype=np.uint8)
                 home = self._home_of(src) if defer else None
-                self._rma_put_many(src, so, do, ln, remote, addr, packed, notify_id, tag, deadline, home)
+                self._rma_put_many(src, so, do, ln, remote, addr, packed, notify_id, tag, deadline, home, t0)
                 self._counters.puts += pieces
                 self._counters.put_bytes += total
                 return 1
@@ -550,29 +551,36 @@ class PutSide:
         """``(region id, offset of src in it, its key)`` of the mapped region of this side holding
         all of ``src``, or None."""
         a, n = src.ctypes.data, src.size
+        hit = self._homes.get((a, n))
+        if hit is not None and hit[0] in self._mapped:
+            return hit
         for rid, mapped in self._mapped.items():
             r = self._regions.get(rid)
             if r is not None and r.address <= a and a + n <= r.address + r.nbytes:
-                return rid, a - r.address, r.key[len(self._token):]
+                if len(self._homes) >= 4096:
+                    self._homes.clear()
+                hit = self._homes[(a, n)] = (rid, a - r.address, r.key[len(self._token):])
+                return hit
         return None
 
     def _rma_put_many(self, src: np.ndarray, so, do, ln, remote: RemoteRegion, addr: int, packed: bytes,
-                      notify_id: int, tag: bytes, deadline, home) -> None:
+                      notify_id: int, tag: bytes, deadline, home, t0: int) -> None:
         """Write the pieces straight into the peer's region (UCX RMA, flushed), then announce them
         with one ``OP_PUT_DONE`` spanning the lowest destination to the end of the highest piece.
 
         ``home`` (a deferred put_many whose source lies in a region mapped here): the target is
         first asked to read the first share of the bytes itself (``OP_PULL``; :meth:`_pull_share`),
         so the two sides copy at once, each on its own core, as NIXL's worker threads do; this side
-        writes the rest meanwhile, timed for the next share. The OP_PUT_DONE after both is taken
-        after the pull, in order."""
-        t0 = time.perf_counter_ns()
+        writes the rest meanwhile. This side's rate is timed from ``t0``, when put_many was called:
+        the checks before the copy are this side's time too, and the target reads while they run
+        for the next put_many (the share then gives the target more). The OP_PUT_DONE after both
+        is taken after the pull, in order."""
         rid = remote.region_id
         lo, hi = span(do, ln)
         cut = 0
         if home is not None:
             so, do, ln, cut = _share(so, do, ln, self._pull_share())
-        if not self._peer_alive():  # writing into a dead process is fatal to this one (see _peer_alive)
+        if self._cma is None and not self._peer_alive():  # UCX writing into a dead process is fatal to this
             self._fail("the peer process exited or dropped the connection without closing")
             raise self._broken_error("the put_many was not written")
         with self._tx_lock:
@@ -588,11 +596,9 @@ class PutSide:
                     self._send_ctrl(wire.OP_PULL, rid=rid, offset=home_rid, nbytes=len(payload), seq=self._pull_seq,
                                     inline=payload)
                 self._deferred += 1
-            rkey = self._rkeys.get(rid, packed)
             try:
-                rma.rma_pieces("put", self._box.handle, self._ep.handle, src.ctypes.data,
-                               so[cut:], do[cut:], ln[cut:], addr, rkey, deadline=deadline,
-                               what=f"the put_many into region {rid}")
+                self._rma_move("put", src.ctypes.data, so[cut:], do[cut:], ln[cut:], addr, rid, packed,
+                               deadline=deadline, what=f"the put_many into region {rid}")
             except BrokenLinkError as e:
                 self._fail(str(e))
                 raise
@@ -602,6 +608,18 @@ class PutSide:
                     self._put_rate = _ewma(self._put_rate, mine / max(1, time.perf_counter_ns() - t0))
             self._send_ctrl(wire.OP_PUT_DONE, rid=rid, offset=lo, nbytes=hi - lo, notify_id=notify_id, tag=tag)
         self._rma_puts += 1
+
+    def _rma_move(self, op: str, local_addr: int, local_offsets, remote_offsets, nbytes, remote_addr: int,
+                  remote_rid: int, packed: bytes, *, deadline, what: str) -> None:
+        """Move the pieces to (``op="put"``) or from (``"get"``) the peer's region at ``remote_addr``:
+        all in place when this returns. Same-host CMA, many pieces per call, where it is in force
+        (:mod:`transports._ucx_cma`); else UCX RMA, one call per piece."""
+        if self._cma is not None:
+            self._cma.move(write=op == "put", local_addr=local_addr, local_offsets=local_offsets,
+                           remote_addr=remote_addr, remote_offsets=remote_offsets, nbytes=nbytes, what=what)
+            return
+        rma.rma_pieces(op, self._box.handle, self._ep.handle, local_addr, local_offsets, remote_offsets, nbytes,
+                       remote_addr, self._rkeys.get(remote_rid, packed), deadline=deadline, what=what)
 
     def _issue_putv(self, src: np.ndarray, so, do, ln, rid: int, notify_id: int, tag: bytes, more: bool,
                     deadline, timeout_s) -> None:

@@ -107,6 +107,7 @@ from qlink.access import token_bytes
 from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 
 from . import _ucx_boot as boot
+from . import _ucx_cma as cma
 from . import _ucx_core as core
 from . import _ucx_wire as wire
 from ._accept import AcceptQueue
@@ -159,7 +160,9 @@ def _endpoint(url, sock, box, opts, deadline, *, server: bool) -> UcxEndpoint:
     """Handshake on a connected bootstrap socket, then build the endpoint and bring UCX up."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn_id, token = box.next_conn_id(), os.urandom(8)
-    flags = _offered_flags(opts, server=server) | (boot.FLAG_RMA if opts["rma"] and box.rma else 0)
+    flags = _offered_flags(opts, server=server)
+    if opts["rma"] and box.rma:
+        flags |= boot.FLAG_RMA | (boot.FLAG_CMA if cma.offered() else 0)
     peer_conn, flags, peer_token, peer_addr = boot.handshake(
         sock, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline, server=server,
         shared_token=opts["token"])

@@ -21,12 +21,20 @@ pytest.importorskip("ucxx", reason="the ucx transport needs ucxx-cu12 (pip insta
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def ucx_pair():
-    """A connected pair that opted in to RMA (``rma=True`` on both ends)."""
+@pytest.fixture(params=["cma", "ucx"])
+def ucx_pair(request, monkeypatch):
+    """A connected pair that opted in to RMA (``rma=True`` on both ends), its pieces moved by
+    same-host CMA many per call (``cma``, where transports._cmac is built) or by UCX, one call
+    each (``ucx``: ``QLINK_UCX_CMA=0``)."""
+    from transports import _ucx_cma
+
+    if request.param == "cma" and not _ucx_cma.built():
+        pytest.skip("transports._cmac is not built")
+    monkeypatch.setenv("QLINK_UCX_CMA", "1" if request.param == "cma" else "0")
     lis = transports.listen("ucx://127.0.0.1:0", rma=True)
     a = transports.connect(lis.url, timeout_s=5, rma=True)
     b = lis.accept(timeout_s=5)
+    assert a.statistics().extra.get("cma", False) == (request.param == "cma")
     yield a, b
     a.close()
     b.close()
