@@ -25,7 +25,10 @@ in one run:
   receiving side runs in a process of its own that never loaded UCXX, and no UCXX option
   reaches it: with ``UCX_RNDV_THRESH=8192`` (UCXX's import sets it) NIXL's reads fell from
   zero-copy CMA to software emulation over TCP, 5-7 x slower (``ucx_env`` in its rows
-  says what UCX options it read);
+  says what UCX options it read). qlink's ucx rows with RMA (opt-in) are taken twice: as
+  shipped, where two processes of one host move the pieces themselves by CMA, up to 1024
+  per ``process_vm_writev``/``readv`` (:mod:`transports._ucx_cma`), and with ``QLINK_UCX_CMA=0``,
+  every piece by UCX one call each as NIXL's are (``rma_pieces_by`` says which);
 * **Mooncake** — the Mooncake Transfer Engine over TCP with ``P2PHANDSHAKE`` metadata,
   one ``batch_transfer_sync_write`` of the request's merged block runs, at its default
   TCP slice size (64 KiB) and at the 1 MiB its users set (:mod:`._kv_mooncake`); where
@@ -413,29 +416,38 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
                 })
                 if scheme == "shm" and not nixl:
                     rows[-1]["pull_copy"] = _pull_copy()
+                if scheme == "ucx" and not nixl:
+                    rows[-1]["rma_pieces_by"] = _rma_pieces_by(rx)
                 say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s (best {best_gbps:.2f})  "
                     f"{rec.num_descs} descriptors")
     return rows
 
 
-#: how the rows of qlink ucx with UCX RMA are labelled (opt-in: ``rma=True`` / ``QLINK_UCX_RMA=1``)
+#: how the rows of qlink ucx with UCX RMA are labelled (opt-in: ``rma=True`` / ``QLINK_UCX_RMA=1``);
+#: between two processes of one host its pieces then move by same-host CMA, many per call
+#: (:mod:`transports._ucx_cma`)
 RMA_VARIANT = " (UCX RMA, opt-in)"
+#: the same with ``QLINK_UCX_CMA=0``: every piece by UCX, one call each, as NIXL's UCX backend moves them
+RMA_UCX_VARIANT = " (UCX RMA, opt-in, CMA off)"
 
 
-def _with_ucx_rma(run):
-    """``run()`` with ``QLINK_UCX_RMA=1`` in the environment: the ucx:// endpoints made here and in
-    the processes started meanwhile offer RMA, so it is in force between them."""
+def _with_ucx_rma(run, *, cma: bool = True):
+    """``run()`` with ``QLINK_UCX_RMA=1`` (and ``QLINK_UCX_CMA=0`` unless ``cma``) in the
+    environment: the ucx:// endpoints made here and in the processes started meanwhile offer
+    RMA, so it is in force between them."""
     import os
 
-    old = os.environ.get("QLINK_UCX_RMA")
+    saved = {k: os.environ.get(k) for k in ("QLINK_UCX_RMA", "QLINK_UCX_CMA")}
     os.environ["QLINK_UCX_RMA"] = "1"
+    os.environ["QLINK_UCX_CMA"] = "1" if cma else "0"
     try:
         return run()
     finally:
-        if old is None:
-            del os.environ["QLINK_UCX_RMA"]
-        else:
-            os.environ["QLINK_UCX_RMA"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _nixl_leg(scheme: str, spec_bytes: bytes, fits, patterns, repeats: int, spare_nbytes: int):
@@ -595,6 +607,15 @@ def _mooncake_rows(spec, times: dict, repeats: int, say) -> list[dict]:
     return rows
 
 
+def _rma_pieces_by(rx) -> str | None:
+    """What moved a ucx row's pieces: same-host CMA, many per call, or UCX, one call each (None:
+    no RMA, tagged puts)."""
+    extra = rx.endpoint.statistics().extra
+    if not extra.get("rma_puts") and not extra.get("pulled_bytes"):
+        return None
+    return "CMA, up to 1024 pieces per call" if extra.get("cma") else "UCX, one call per piece"
+
+
 def _pulled_bytes(rx) -> int:
     """Bytes the receiver's endpoint has copied out of the sender's memory (deferred puts)."""
     ep = getattr(rx, "endpoint", None)
@@ -639,7 +660,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
     backends = [(s, "transport") for s in transports]
     moon_times: dict | None = None  # Mooncake rounds taken between qlink's tcp rounds, where both run
     if "ucx" in transports:  # and with UCX RMA, which ucx:// leaves off unless asked (see transports.ucx)
-        backends.insert(backends.index(("ucx", "transport")) + 1, ("ucx", "transport-rma"))
+        at = backends.index(("ucx", "transport")) + 1
+        backends[at:at] = [("ucx", "transport-rma"), ("ucx", "transport-rma-ucx")]
     if nixl:
         backends.append((None, "nixl"))
     if mooncake:
@@ -664,7 +686,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 continue
         else:
             why = transport_unavailable(scheme)
-            name = f"qlink {scheme}" + (RMA_VARIANT if backend == "transport-rma" else "")
+            name = f"qlink {scheme}" + {"transport-rma": RMA_VARIANT, "transport-rma-ucx": RMA_UCX_VARIANT}.get(
+                backend, "")
         if why:
             measured.append({"case": name, "basis": "skipped", "note": why})
             progress(f"  {name}: skipped ({why})")
@@ -675,9 +698,11 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 measured.extend(_measure_mooncake(spec, fits, patterns, repeats, progress))
             elif backend == "nixl":
                 measured.extend(_measure_nixl_apart(scheme, spec, fits, patterns, repeats, progress, floor))
-            elif backend == "transport-rma":
+            elif backend.startswith("transport-rma"):
+                cma = backend == "transport-rma"
                 measured.extend(_with_ucx_rma(lambda: _measure_backend(
-                    scheme, "transport", spec, fits, patterns, repeats, progress, floor, variant=RMA_VARIANT)))
+                    scheme, "transport", spec, fits, patterns, repeats, progress, floor,
+                    variant=RMA_VARIANT if cma else RMA_UCX_VARIANT), cma=cma))
             else:
                 if scheme == "tcp" and mooncake:
                     from ._kv_mooncake import SLICE_SIZES, mooncake_unavailable
@@ -757,7 +782,7 @@ def _above_floor(row: dict) -> str:
     """
     if row.get("moved_by") == "NIXL":
         why = "NIXL's worker threads read on both cores at once"
-    elif RMA_VARIANT in row["case"]:
+    elif "(UCX RMA" in row["case"]:
         why = "both processes copy at once (the target reads a share while the sender writes the rest)"
     else:
         return "above one core's memcpy of the same pieces, and not explained: suspect the measurement"
@@ -802,8 +827,8 @@ def kv_goals(rows: list[dict]) -> list[dict]:
         add(f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy {where}", shm and shm.get("x_memcpy"), GOAL_SHM_X_MEMCPY, True)
         add(f"ucx >= NIXL UCX {where}", ratio(ucx["GBps"], nixl["GBps"]) if ucx and nixl else None,
             GOAL_UCX_X_NIXL, True)
-        if ucx and ucx["case"].endswith(RMA_VARIANT):
-            out[-1]["by"] = ucx["case"]  # the faster qlink ucx row is the opt-in one
+        if ucx and "(UCX RMA" in ucx["case"]:
+            out[-1]["by"] = ucx["case"]  # the faster qlink ucx row is an opt-in one
         add(f"tcp >= {GOAL_TCP_X_MOONCAKE:g} x Mooncake TCP {where}",
             ratio(tcp["GBps"], moon["GBps"]) if tcp and moon else None, GOAL_TCP_X_MOONCAKE, True)
         sock = next((r for r in rows if r.get("basis") == "floor" and r["case"].startswith("TCP socket floor")
