@@ -17,9 +17,12 @@ Flag bit 4 (``FLAG_RMA``): this side maps its registered host regions for UCX RM
 descriptors carry address and remote key) and takes ``OP_PUT_DONE``; in force only when
 both sides set it, so a peer without it gets tagged puts as before.
 
-Flag bit 5 (``FLAG_CMA``, offered only beside ``FLAG_RMA``): this side sends ``OP_CMA`` (its
-pid and a nonce's address) and moves RMA pieces to a peer on the same host itself, many per
-``process_vm_writev``/``readv`` (:mod:`transports._ucx_cma`); in force only when both set it.
+Flag bit 5 (``FLAG_CMA``): this side sends ``OP_CMA`` (its pid and a nonce's address), then
+``OP_CMA_VERDICT`` on the peer's, and moves RMA pieces to a peer on the same host itself, many
+per ``process_vm_writev``/``readv`` (:mod:`transports._ucx_cma`); in force only when both set
+it, used only where both verdicts say yes. Flag bit 6 (``FLAG_RMA_SAME_HOST``, the default):
+RMA is wanted between two processes of one host, where those verdicts say yes, and nowhere
+else; in force only when both set it. ``FLAG_RMA`` (``rma=True``) wants it anywhere.
 
 The vectored-put flag leaves the version at 1: a server that predates it masks the flags
 it answers with to bit 0, and a client that predates it neither sets bit 1 nor looks at
@@ -46,7 +49,7 @@ from qlink.errors import BrokenLinkError, QlinkTimeoutError, WireError
 from ._address import join_host_port, split_host_port
 
 __all__ = ["split_url", "scope_of", "url_of", "handshake", "FLAG_PEER_ERRORS", "FLAG_PUTV", "FLAG_RMA", "FLAG_CMA",
-           "FLAG_AUTH", "PeerRefusedError"]
+           "FLAG_RMA_SAME_HOST", "FLAG_AUTH", "PeerRefusedError"]
 
 _MAGIC = b"QLUX"
 _VERSION = 1
@@ -56,8 +59,9 @@ FLAG_PUTV = 2  # takes vectored puts (OP_PUTV control frames); in force only whe
 FLAG_AUTH = 4  # (client) an HMAC of the hello under the shared token follows the address
 FLAG_REFUSED = 8  # (server) not admitted; the connection id says why
 FLAG_RMA = 16  # maps its regions for UCX RMA and takes OP_PUT_DONE; in force only when both sides set it
-FLAG_CMA = 32  # (with FLAG_RMA) sends OP_CMA and moves same-host RMA pieces itself; in force only when both set it
-_BOTH = FLAG_PUTV | FLAG_RMA | FLAG_CMA  # flags in force only when both sides set them
+FLAG_CMA = 32  # sends OP_CMA and OP_CMA_VERDICT, moves same-host RMA pieces itself; in force only when both set it
+FLAG_RMA_SAME_HOST = 64  # RMA where both CMA verdicts say yes (the default); in force only when both set it
+_BOTH = FLAG_PUTV | FLAG_RMA | FLAG_CMA | FLAG_RMA_SAME_HOST  # flags in force only when both sides set them
 _REFUSALS = {1: ("no_token", "this ucx listener admits only clients holding its shared token; connect with "
                              "token=... (the same token the service was given)"),
              2: ("bad_token", "the token this client proved is not the listener's; connect with the service's "

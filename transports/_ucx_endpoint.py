@@ -21,6 +21,7 @@ from qlink.memory import as_byte_view
 from . import cuda as _cuda
 from . import _ucx_boot as boot
 from . import _ucx_cma as cma
+from . import _ucx_rma as rma
 from . import _ucx_core as core
 from . import _ucx_device as dev
 from . import _ucx_wire as wire
@@ -123,14 +124,21 @@ class UcxEndpoint(PutSide, Endpoint):
         self.put_many_gathers = bool(flags & boot.FLAG_PUTV)
         #: put_many writes straight into the peer's region with UCX RMA, then announces it with
         #: OP_PUT_DONE (both hellos offered FLAG_RMA: regions are mapped, descriptors carry keys)
+        #: (FLAG_RMA: both asked for it anywhere; FLAG_RMA_SAME_HOST: both want it where the CMA
+        #: verdicts of both sides say yes, settled in _wireup, before anything is registered)
         self.rma = bool(flags & boot.FLAG_RMA) and box.rma
+        self._rma_same_host = bool(flags & boot.FLAG_RMA_SAME_HOST) and box.rma
         #: put_many(defer=True) from a region registered here shares the copy with the target
         self.defers_puts = self.rma
         #: both hellos offered FLAG_CMA: each side sends OP_CMA; once the peer's checks out
-        #: (``self._cma``), RMA pieces move by process_vm_writev/readv here (transports._ucx_cma)
-        self._cma_offered = self.rma and bool(flags & boot.FLAG_CMA)
+        #: (``self._cma``) and the peer's OP_CMA_VERDICT says it checked ours, RMA pieces move
+        #: by process_vm_writev/readv here (transports._ucx_cma)
+        self._cma_offered = (self.rma or self._rma_same_host) and bool(flags & boot.FLAG_CMA)
         self._cma: cma.CmaPeer | None = None
         self._cma_refused = ""  # why the peer's OP_CMA did not check out
+        self._cma_verdict_due: int | None = None  # our verdict on the peer's OP_CMA, not sent yet
+        self._peer_verdict: int | None = None  # the peer's on ours
+        self._wired_cma = False  # our verdict has gone
         self._send_budget = int(opts["send_buffer_nbytes"])
         self._zero_copy_min = opts["zero_copy_send_nbytes"]
         self._linger_s = float(opts["linger_s"])
@@ -237,6 +245,8 @@ class UcxEndpoint(PutSide, Endpoint):
             while True:
                 m = ops.probe(self._rx_msg, wire.MASK_MSG_OR_CTRL)
                 if m is None:
+                    if self._acks_due:  # the pulls just taken (one OP_PULLED for a run of them)
+                        self._send_acks()
                     return None
                 if m[2] >> wire.KIND_SHIFT == wire.K_CTRL:
                     self._take_ctrl(m)
@@ -246,6 +256,8 @@ class UcxEndpoint(PutSide, Endpoint):
         while True:
             m = ops.probe(self._rx_ctrl, wire.MASK_FULL)
             if m is None:
+                if self._acks_due:  # the pulls just taken (one OP_PULLED for a run of them)
+                    self._send_acks()
                 return None
             self._take_ctrl(m)
 
@@ -595,9 +607,13 @@ class UcxEndpoint(PutSide, Endpoint):
             self._take_pull(rid, offset, nbytes, seq, tag_len, length)
         elif op == wire.OP_PULLED:
             self._take_pulled(seq, notify_id, nbytes, offset)
-        elif op == wire.OP_CMA and self._cma_offered and self._cma is None and length == wire.CTRL.size + tag_len + nbytes:
+        elif op == wire.OP_CMA and self._cma_offered and self._cma_verdict_due is None and not self._wired_cma \
+                and length == wire.CTRL.size + tag_len + nbytes:
             start = wire.CTRL.size + tag_len
             self._cma, self._cma_refused = cma.CmaPeer.verify(bytes(self._ctrl_buf[start:start + nbytes]))
+            self._cma_verdict_due = int(self._cma is not None)  # sent by _wireup (no lock taken here)
+        elif op == wire.OP_CMA_VERDICT and self._cma_offered and self._peer_verdict is None:
+            self._peer_verdict = int(notify_id == 1)
         else:
             self._bad_frame()
 
@@ -624,9 +640,13 @@ class UcxEndpoint(PutSide, Endpoint):
                 self._send_ctrl(wire.OP_CMA, nbytes=len(mine), inline=mine)
             self._send_ctrl(wire.OP_WIREUP)
         backoff = Backoff(spin=2000)
-        while not (self._wired and not self._tx_pending):
+        while not (self._wired and not self._tx_pending and (not self._cma_offered or self._peer_verdict is not None)):
             with self._rx_lock:
                 self._poll(False)
+            if self._cma_verdict_due is not None and not self._wired_cma:
+                with self._tx_lock:
+                    self._send_ctrl(wire.OP_CMA_VERDICT, notify_id=self._cma_verdict_due)
+                self._wired_cma = True
             now = time.monotonic()
             if now >= self._next_check:
                 self._check_link(now)
@@ -635,7 +655,21 @@ class UcxEndpoint(PutSide, Endpoint):
             if deadline is not None and now >= deadline:
                 raise QlinkTimeoutError(f"ucx: the UCX data path to {self.url} did not come up in time")
             backoff.pause()
+        self._settle_rma()
 
+    def _settle_rma(self) -> None:
+        """After the wireup: same-host CMA in use only where both verdicts said yes; RMA in force
+        where both asked for it anywhere, or both want it on one host and CMA is in use (both
+        sides reach the same answer from the same two verdicts)."""
+        both = self._cma is not None and self._peer_verdict == 1
+        if not both and self._cma is not None:
+            if not self._cma_refused:
+                self._cma_refused = "the peer could not read this process back"
+            self._cma.close()
+            self._cma = None
+        if not self.rma and self._rma_same_host and both:
+            self.rma = self.defers_puts = True
+            self._rkeys = rma.RemoteKeys(self._ep.handle)
     # ----- lifecycle ---------------------------------------------------------------------------
     def statistics(self) -> Statistics:
         s = super().statistics()

@@ -193,7 +193,8 @@ class PutSide:
             self._bad_frame()
             self._pull_failed = True
         self._acks_due.append((seq, 0 if ok else 1, pulled, time.perf_counter_ns() - began_ns if ok else 0))
-        self._send_acks()
+        # answered when this progress round has taken every frame waiting (_poll): the pulls of
+        # several put_many calls taken back to back go in one OP_PULLED
 
     def _peer_alive(self) -> bool:
         """Is the peer's process still there to be read from? (Its bootstrap socket has not seen
@@ -211,10 +212,16 @@ class PutSide:
             return False
 
     def _send_acks(self) -> None:
+        """Answer the pulls taken, in order: a run of pulls done is one OP_PULLED (the last one's
+        seq, their bytes and time summed: the initiator counts seqs as a high-water mark), a
+        refused one an OP_PULLED of its own."""
         if self._acks_due and self._tx_lock.acquire(blocking=False):
             try:
                 while self._acks_due:
                     seq, status, pulled, took_ns = self._acks_due.pop(0)
+                    while not status and self._acks_due and not self._acks_due[0][1]:
+                        seq, _, more, more_ns = self._acks_due.pop(0)
+                        pulled, took_ns = pulled + more, took_ns + more_ns
                     self._send_ctrl(wire.OP_PULLED, seq=seq, notify_id=status, nbytes=pulled, offset=took_ns)
             except QlinkError:
                 self._acks_due.clear()  # the link is gone: nobody waits for them

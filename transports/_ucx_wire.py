@@ -42,6 +42,7 @@ OP_PUT_DONE = 8  # a put_many written by UCX RMA (FLAG_RMA) is all in place: ann
 OP_PULL = 9  # (FLAG_RMA) read these pieces of my region with UCX RMA now: inline PULL_KEY, key, PULL_PIECE table
 OP_PULLED = 10  # (FLAG_RMA) the OP_PULL of this seq is done (notify_id 0) or was refused (1)
 OP_CMA = 11  # (FLAG_CMA) inline: this side's pid and nonce (transports._ucx_cma.IDENTITY), sent before OP_WIREUP
+OP_CMA_VERDICT = 12  # (FLAG_CMA) notify_id 1: the peer's nonce read back (its pieces may move by CMA), 0: not
 PULL_KEY = struct.Struct("<H")  # length of the source region's address + packed remote key that follow
 PULL_PIECE = struct.Struct("<QQQ")  # source offset, destination offset, bytes
 PIECE = struct.Struct("<QQ")  # one entry of a vectored put's piece table

@@ -44,15 +44,37 @@ Device memory (:mod:`transports._ucx_device`)
     (:data:`CUDA_UCX_TLS`) in both processes; with qlink's default ``tcp,sm,self`` a device
     buffer raises :class:`~qlink.errors.CapabilityError`. Host buffers are untouched by this.
 
-One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`)
-    Where both hellos offer RMA (``rma=True``, or ``QLINK_UCX_RMA=1`` in the environment;
-    off by default, for the reason at the end of this paragraph; ``endpoint.rma`` says
-    whether it is in force), a registered host region is mapped with ``ucp_mem_map`` and its
-    descriptor carries its address and packed remote key: ``put_many`` writes every piece
-    straight into the peer's memory with ``ucp_put_nbx`` (zero-copy CMA between local
-    processes, as NIXL's UCX backend does), flushes, and announces the bytes with ONE
+One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`, :mod:`transports._ucx_cma`)
+    Where RMA is in force (``endpoint.rma``), a registered host region is mapped with
+    ``ucp_mem_map`` and its descriptor carries its address and packed remote key: ``put_many``
+    writes every piece straight into the peer's memory, then announces the bytes with ONE
     control frame, so the target's Notification comes after they are all in place.
-    Otherwise put is done over tagged messages: puts up to 4 KiB travel inline in a control
+    ``put_many(..., defer=True)`` from a region registered on this side (the KV sender
+    registers its cache) shares the copy: the target first reads a share of the bytes itself
+    (``OP_PULL``) while this side writes the rest, so both cores copy, as NIXL's worker threads
+    do; the share starts at one half and then follows the two sides' measured rates (the
+    target reports each read's bytes and time) so that both finish together; :meth:`flush`
+    waits until the target confirmed its reads.
+
+    **Between two processes of one host** (the default, ``rma=None`` / ``"same-host"``) RMA is
+    in force when both sides prove they can read each other's memory: each sends its pid and
+    the address of a random nonce (``OP_CMA``), reads the other's nonce back with
+    ``process_vm_readv`` and says whether it could (``OP_CMA_VERDICT``); only where both say
+    yes are the pieces moved, by qlink itself, up to 1024 per ``process_vm_writev``/``readv``
+    (UCX's CMA makes one call per piece, and with 32 KiB pieces the calls, not the copy, took
+    most of the time). A peer that has exited is then an error (:class:`BrokenLinkError`,
+    found by a pidfd polled before each call), never an abort.
+
+    **Anywhere** (``rma=True`` on both ends, or ``QLINK_UCX_RMA=1``): the pieces go by
+    ``ucp_put_nbx``/``ucp_get_nbx`` where CMA is not in use (posted from one C loop; zero-copy
+    CMA between local processes, as NIXL's UCX backend does). Opt-in, because without UCX peer
+    error handling (the default; with it this UCX leaves shared memory and CMA for software
+    emulation over TCP) UCX aborts a process whose RMA read or write meets a dead peer: each
+    side checks that the peer is alive (its bootstrap socket) right before, but a peer killed
+    during the copy takes this process with it.
+
+    Otherwise (``rma=False`` on either end, ``QLINK_UCX_RMA=0``, or another host without
+    ``rma=True``) put is done over tagged messages: puts up to 4 KiB travel inline in a control
     frame and are copied into the region; larger ones send a header, then the bytes, which
     the target receives directly into the region during its progress (the target must be
     calling into its endpoint). The notification is queued only once the bytes are in place.
@@ -61,19 +83,8 @@ One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`)
     (``put_many_gathers``); towards an older peer it is one put per piece. ``put`` always
     goes as a tagged put. A region freed by its owner while an RMA put into it is in flight
     is written anyway, as with any RMA: deregister first (the initiator checks revocations
-    before each put). ``put_many(..., defer=True)`` from a region registered on this side
-    (the KV sender registers its cache) shares the copy: the target first reads a share
-    of the bytes itself (``OP_PULL``, ``ucp_get_nbx``) while this side writes the rest, so both
-    cores copy, as NIXL's worker threads do; the share starts at one half and then follows the
-    two sides' measured rates (the target reports each read's bytes and time) so that both
-    finish together; :meth:`flush` waits until the target confirmed
-    its reads. Why it is opt-in: without UCX peer error handling (the default; with it this
-    UCX leaves shared memory and CMA for software emulation over TCP) UCX aborts a process
-    whose RMA read or write meets a dead peer. Each side checks that the peer is alive (its
-    bootstrap socket) right before, but a peer killed during the copy (a prefill worker
-    killed while its decode peer reads its cache) takes this process with it; the tagged
-    puts survive it (tests/ai/test_engine.py kills a peer mid-transfer). NIXL, on the same
-    host, survives it.
+    before each put). A deferred put's source lives only in the sender's process: the target
+    reads it while the sender lives, so a sender that exits must ``flush`` first.
 
 Sends are staged (:mod:`transports._ucx_endpoint`): the caller's bytes are copied into
 endpoint-owned memory before UCX sees them, so ``send`` returns while a large message waits for the receiver (like a socket
@@ -151,8 +162,10 @@ def _options(opts: dict, where: str) -> dict:
     if out["hot_path"] not in core.HOT_PATHS:
         raise ValueError(f"hot_path must be one of {sorted(core.HOT_PATHS)}, got {out['hot_path']!r}")
     out["token"] = token_bytes(out["token"])
-    if out["rma"] is None:  # opt-in (see the module docstring); QLINK_UCX_RMA=1 opts a process and its children in
-        out["rma"] = os.environ.get("QLINK_UCX_RMA", "") == "1"
+    if out["rma"] is None:  # (see the module docstring) QLINK_UCX_RMA=1: anywhere; =0: never; else same host
+        out["rma"] = {"1": True, "0": False}.get(os.environ.get("QLINK_UCX_RMA", ""), "same-host")
+    elif out["rma"] not in (True, False, "same-host"):
+        raise ValueError(f"rma must be True, False, 'same-host' or None, got {out['rma']!r}")
     return out
 
 
@@ -162,7 +175,8 @@ def _endpoint(url, sock, box, opts, deadline, *, server: bool) -> UcxEndpoint:
     conn_id, token = box.next_conn_id(), os.urandom(8)
     flags = _offered_flags(opts, server=server)
     if opts["rma"] and box.rma:
-        flags |= boot.FLAG_RMA | (boot.FLAG_CMA if cma.offered() else 0)
+        same_host = boot.FLAG_CMA | boot.FLAG_RMA_SAME_HOST if cma.offered() else 0
+        flags |= same_host | (boot.FLAG_RMA if opts["rma"] is True else 0)
     peer_conn, flags, peer_token, peer_addr = boot.handshake(
         sock, conn_id=conn_id, token=token, flags=flags, address=box.address, deadline=deadline, server=server,
         shared_token=opts["token"])

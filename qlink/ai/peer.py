@@ -86,8 +86,18 @@ def serve(conn, target, spec_bytes: bytes, *, seed: int, mode: str = "auto", bac
                 elif op == "partial":
                     _, rid, src, dst, full_layers, extra = cmd
                     req = tx.begin_request(rid, src, dst, timeout_s=30)
-                    for layer in range(full_layers):
-                        req.send_layer(layer, timeout_s=30)
+                    # the whole layers land before the peer dies: written now, not left for the
+                    # receiver to read out of this process later (its memory goes with it; shm's
+                    # mapping outlives it, ucx's same-host reads do not)
+                    deferring = getattr(tx, "_defer", None)  # (NIXL's sender: its reads are the decode side's)
+                    if deferring is not None:
+                        tx._defer = False
+                    try:
+                        for layer in range(full_layers):
+                            req.send_layer(layer, timeout_s=30)
+                    finally:
+                        if deferring is not None:
+                            tx._defer = deferring
                     if extra:
                         _partial_layer(tx, req, full_layers, extra)
                     if backend == "nixl":

@@ -25,10 +25,11 @@ in one run:
   receiving side runs in a process of its own that never loaded UCXX, and no UCXX option
   reaches it: with ``UCX_RNDV_THRESH=8192`` (UCXX's import sets it) NIXL's reads fell from
   zero-copy CMA to software emulation over TCP, 5-7 x slower (``ucx_env`` in its rows
-  says what UCX options it read). qlink's ucx rows with RMA (opt-in) are taken twice: as
-  shipped, where two processes of one host move the pieces themselves by CMA, up to 1024
-  per ``process_vm_writev``/``readv`` (:mod:`transports._ucx_cma`), and with ``QLINK_UCX_CMA=0``,
-  every piece by UCX one call each as NIXL's are (``rma_pieces_by`` says which);
+  says what UCX options it read). qlink's ucx is taken three ways: as shipped (RMA between two
+  processes of one host, the pieces moved by qlink itself by CMA, up to 1024 per
+  ``process_vm_writev``/``readv``: :mod:`transports._ucx_cma`), with RMA whose every piece is
+  UCX's, one call each, as NIXL's are (``QLINK_UCX_RMA=1 QLINK_UCX_CMA=0``), and with no RMA
+  (``QLINK_UCX_RMA=0``: tagged messages); ``rma_pieces_by`` says which;
 * **Mooncake** — the Mooncake Transfer Engine over TCP with ``P2PHANDSHAKE`` metadata,
   one ``batch_transfer_sync_write`` of the request's merged block runs, at its default
   TCP slice size (64 KiB) and at the 1 MiB its users set (:mod:`._kv_mooncake`); where
@@ -423,23 +424,23 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
     return rows
 
 
-#: how the rows of qlink ucx with UCX RMA are labelled (opt-in: ``rma=True`` / ``QLINK_UCX_RMA=1``);
-#: between two processes of one host its pieces then move by same-host CMA, many per call
-#: (:mod:`transports._ucx_cma`)
-RMA_VARIANT = " (UCX RMA, opt-in)"
-#: the same with ``QLINK_UCX_CMA=0``: every piece by UCX, one call each, as NIXL's UCX backend moves them
-RMA_UCX_VARIANT = " (UCX RMA, opt-in, CMA off)"
+#: the ucx rows beside the default one (RMA between two processes of one host, its pieces moved
+#: by same-host CMA many per call: :mod:`transports._ucx_cma`), each with the environment it runs in:
+#: every piece by UCX RMA, one call each, as NIXL's UCX backend moves them; and no RMA at all
+#: (tagged messages, the way to a peer on another host unless ``rma=True``)
+UCX_VARIANTS = {
+    "transport-rma-ucx": (" (UCX RMA, CMA off)", {"QLINK_UCX_RMA": "1", "QLINK_UCX_CMA": "0"}),
+    "transport-tagged": (" (tagged, rma=False)", {"QLINK_UCX_RMA": "0"}),
+}
 
 
-def _with_ucx_rma(run, *, cma: bool = True):
-    """``run()`` with ``QLINK_UCX_RMA=1`` (and ``QLINK_UCX_CMA=0`` unless ``cma``) in the
-    environment: the ucx:// endpoints made here and in the processes started meanwhile offer
-    RMA, so it is in force between them."""
+def _with_env(run, env: dict):
+    """``run()`` with ``env`` in the environment: the ucx:// endpoints made here and in the
+    processes started meanwhile read it."""
     import os
 
-    saved = {k: os.environ.get(k) for k in ("QLINK_UCX_RMA", "QLINK_UCX_CMA")}
-    os.environ["QLINK_UCX_RMA"] = "1"
-    os.environ["QLINK_UCX_CMA"] = "1" if cma else "0"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return run()
     finally:
@@ -661,7 +662,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
     moon_times: dict | None = None  # Mooncake rounds taken between qlink's tcp rounds, where both run
     if "ucx" in transports:  # and with UCX RMA, which ucx:// leaves off unless asked (see transports.ucx)
         at = backends.index(("ucx", "transport")) + 1
-        backends[at:at] = [("ucx", "transport-rma"), ("ucx", "transport-rma-ucx")]
+        backends[at:at] = [("ucx", variant) for variant in UCX_VARIANTS]
     if nixl:
         backends.append((None, "nixl"))
     if mooncake:
@@ -686,8 +687,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 continue
         else:
             why = transport_unavailable(scheme)
-            name = f"qlink {scheme}" + {"transport-rma": RMA_VARIANT, "transport-rma-ucx": RMA_UCX_VARIANT}.get(
-                backend, "")
+            name = f"qlink {scheme}" + UCX_VARIANTS.get(backend, ("",))[0]
         if why:
             measured.append({"case": name, "basis": "skipped", "note": why})
             progress(f"  {name}: skipped ({why})")
@@ -698,11 +698,10 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 measured.extend(_measure_mooncake(spec, fits, patterns, repeats, progress))
             elif backend == "nixl":
                 measured.extend(_measure_nixl_apart(scheme, spec, fits, patterns, repeats, progress, floor))
-            elif backend.startswith("transport-rma"):
-                cma = backend == "transport-rma"
-                measured.extend(_with_ucx_rma(lambda: _measure_backend(
-                    scheme, "transport", spec, fits, patterns, repeats, progress, floor,
-                    variant=RMA_VARIANT if cma else RMA_UCX_VARIANT), cma=cma))
+            elif backend in UCX_VARIANTS:
+                variant, env = UCX_VARIANTS[backend]
+                measured.extend(_with_env(lambda: _measure_backend(
+                    scheme, "transport", spec, fits, patterns, repeats, progress, floor, variant=variant), env))
             else:
                 if scheme == "tcp" and mooncake:
                     from ._kv_mooncake import SLICE_SIZES, mooncake_unavailable
@@ -782,7 +781,7 @@ def _above_floor(row: dict) -> str:
     """
     if row.get("moved_by") == "NIXL":
         why = "NIXL's worker threads read on both cores at once"
-    elif "(UCX RMA" in row["case"]:
+    elif row.get("moved_by") == "both":
         why = "both processes copy at once (the target reads a share while the sender writes the rest)"
     else:
         return "above one core's memcpy of the same pieces, and not explained: suspect the measurement"
@@ -827,8 +826,8 @@ def kv_goals(rows: list[dict]) -> list[dict]:
         add(f"shm >= {GOAL_SHM_X_MEMCPY:g} x memcpy {where}", shm and shm.get("x_memcpy"), GOAL_SHM_X_MEMCPY, True)
         add(f"ucx >= NIXL UCX {where}", ratio(ucx["GBps"], nixl["GBps"]) if ucx and nixl else None,
             GOAL_UCX_X_NIXL, True)
-        if ucx and "(UCX RMA" in ucx["case"]:
-            out[-1]["by"] = ucx["case"]  # the faster qlink ucx row is an opt-in one
+        if ucx and ucx["case"] != "qlink ucx put":
+            out[-1]["by"] = ucx["case"]  # the faster qlink ucx row is not the default one
         add(f"tcp >= {GOAL_TCP_X_MOONCAKE:g} x Mooncake TCP {where}",
             ratio(tcp["GBps"], moon["GBps"]) if tcp and moon else None, GOAL_TCP_X_MOONCAKE, True)
         sock = next((r for r in rows if r.get("basis") == "floor" and r["case"].startswith("TCP socket floor")

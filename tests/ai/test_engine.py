@@ -571,6 +571,9 @@ def test_peer_dying_mid_transfer_never_reports_a_partial_layer_and_the_next_send
         rx, peer = station.attach(_spec(TX_BLOCKS), seed=SEED)
         src, dst = [0, 1, 5, 9], [0, 1, 2, 3]  # 3 descriptors per plane: 6 per layer
         peer.call("send", 1, [2], [7], "all")  # an earlier, small request completes normally
+        # (landed before the peer dies: over ucx between processes of one host the receiver reads
+        # deferred layers out of the sender's memory, which dies with it)
+        assert rx.wait_request(1, timeout_s=30, release=False).num_layers == 4
         peer.call("partial", 2, src, dst, 1, 3)  # layer 0 whole, 3 of 6 parts of layer 1, then gone
         assert rx.wait_layer(2, 0, timeout_s=30) > 0
         with pytest.raises(BrokenLinkError):

@@ -185,7 +185,7 @@ from qlink.bench.kv import run_kv_bench
 if __name__ == "__main__":
     rows = run_kv_bench(transports=("ucx",), tokens=(16,), preset="tiny", repeats=1, patterns=("contiguous",),
                         nixl=True, mooncake=False, memory_budget_nbytes=1 << 22, progress=lambda _: None)
-    keep = ("case", "basis", "ucx_env", "ucxx_in_process", "note")
+    keep = ("case", "basis", "ucx_env", "ucxx_in_process", "note", "rma_pieces_by")
     print(json.dumps({"ucxx_here": "ucxx" in sys.modules,
                       "rows": [{k: r.get(k) for k in keep} for r in rows if r.get("basis") in ("measured", "error")]}))
 """
@@ -220,3 +220,9 @@ def test_importing_ucxx_through_qlink_leaves_the_environment_to_nixl_and_the_ben
     assert nixl and nixl[0]["basis"] == "measured", nixl
     assert nixl[0]["ucxx_in_process"] is False  # ...not in the one NIXL was measured in
     assert "UCX_RNDV_THRESH" not in (nixl[0]["ucx_env"] or "")  # and none of its options reached NIXL
+    by = {r["case"]: r["rma_pieces_by"] for r in ucx}  # what moved each ucx row's pieces
+    from transports import _ucx_cma
+
+    assert by["qlink ucx put (tagged, rma=False)"] is None  # tagged puts
+    assert by["qlink ucx put (UCX RMA, CMA off)"] == "UCX, one call per piece"
+    assert by["qlink ucx put"] == ("CMA, up to 1024 pieces per call" if _ucx_cma.built() else None)

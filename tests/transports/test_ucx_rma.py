@@ -21,6 +21,12 @@ pytest.importorskip("ucxx", reason="the ucx transport needs ucxx-cu12 (pip insta
 pytestmark = pytest.mark.timeout(60)
 
 
+def _cma_built() -> bool:
+    from transports import _ucx_cma
+
+    return _ucx_cma.built()
+
+
 @pytest.fixture(params=["cma", "ucx"])
 def ucx_pair(request, monkeypatch):
     """A connected pair that opted in to RMA (``rma=True`` on both ends), its pieces moved by
@@ -41,16 +47,75 @@ def ucx_pair(request, monkeypatch):
     lis.close()
 
 
-def test_rma_is_opt_in():
-    lis = transports.listen("ucx://127.0.0.1:0")
-    a = transports.connect(lis.url, timeout_s=5, rma=True)  # one side alone does not put it in force
+def _pair(client_rma, server_rma):
+    lis = transports.listen("ucx://127.0.0.1:0", rma=server_rma)
+    a = transports.connect(lis.url, timeout_s=5, rma=client_rma)
     b = lis.accept(timeout_s=5)
+    return lis, a, b
+
+
+def _close(*things) -> None:
+    for t in things:
+        t.close()
+
+
+@pytest.mark.skipif(not _cma_built(), reason="transports._cmac is not built")
+def test_rma_is_in_force_by_default_between_processes_of_one_host_and_off_where_either_says_no(monkeypatch):
+    monkeypatch.delenv("QLINK_UCX_RMA", raising=False)
+    lis, a, b = _pair(None, None)  # the default: same host, both CMA verdicts yes
     try:
-        assert not a.rma and not b.rma and len(b.register(np.zeros(64, np.uint8)).key) == 8
+        assert a.rma and b.rma and a.statistics().extra["cma"] and len(b.register(np.zeros(64, np.uint8)).key) > 8
     finally:
-        a.close()
-        b.close()
-        lis.close()
+        _close(a, b, lis)
+    lis, a, b = _pair(True, None)  # anywhere on one side, same host on the other: same host
+    try:
+        assert a.rma and b.rma and b.statistics().extra["cma"]
+    finally:
+        _close(a, b, lis)
+    for client, server in ((False, None), (None, False), (False, True)):
+        lis, a, b = _pair(client, server)  # either side saying no turns it off
+        try:
+            assert not a.rma and not b.rma and len(b.register(np.zeros(64, np.uint8)).key) == 8
+        finally:
+            _close(a, b, lis)
+    monkeypatch.setenv("QLINK_UCX_RMA", "0")  # the environment's no
+    lis, a, b = _pair(None, None)
+    try:
+        assert not a.rma and not b.rma
+    finally:
+        _close(a, b, lis)
+
+
+@pytest.mark.skipif(not _cma_built(), reason="transports._cmac is not built")
+def test_where_one_side_cannot_read_the_other_neither_uses_rma_by_default(monkeypatch):
+    """The verdicts differ (the listener's side could not read the client back, as under a
+    ptrace policy that lets only one of the two read the other): both sides settle on no RMA,
+    from the same two verdicts, and say why; puts go tagged and land."""
+    import threading
+
+    from transports import _ucx_cma
+
+    real = _ucx_cma.CmaPeer.verify
+
+    def verify(payload):  # refused on the listener's side only (its handshakes run in its accept thread)
+        if threading.current_thread().name.startswith("qlink-ucx-accept"):
+            return None, "refused for the test"
+        return real(payload)
+
+    monkeypatch.setattr(_ucx_cma.CmaPeer, "verify", staticmethod(verify))
+    monkeypatch.delenv("QLINK_UCX_RMA", raising=False)
+    lis, a, b = _pair(None, None)
+    try:
+        assert not a.rma and not b.rma
+        assert b.statistics().extra["cma_refused"] == "refused for the test"
+        assert "could not read this process back" in a.statistics().extra["cma_refused"]
+        assert not a.statistics().extra["cma"] and not b.statistics().extra["cma"]
+        target = np.zeros(1 << 16, np.uint8)
+        d = b.register(target).descriptor()
+        a.put_many(np.full(1 << 16, 3, np.uint8), d, [0, 100], [0, 100], [100, 1000], notify_id=1, timeout_s=10)
+        assert b.wait_notification(timeout_s=10).notify_id == 1 and (target[:1100] == 3).all()
+    finally:
+        _close(a, b, lis)
 
 
 def _no_more_notes(ep) -> None:
@@ -357,3 +422,38 @@ def test_a_short_put_many_is_shared_as_a_long_one_is():
             _ucx_put._FEW = saved
         assert few[3] == many[3]
         assert all(np.array_equal(a, b) for a, b in zip(few[:3], many[:3]))
+
+
+def test_pulls_taken_in_one_progress_round_are_answered_by_one_pulled_frame(ucx_pair):
+    """Three deferred put_many calls whose frames wait at the target together: it reads all
+    three shares in one progress round and answers them with ONE OP_PULLED (the last seq, the
+    bytes summed); the initiator's flush sees every pull confirmed."""
+    a, b = ucx_pair
+    rng = np.random.default_rng(11)
+    unit, count = 32768, 16
+    target = np.zeros(2 * count * unit, np.uint8)
+    d = b.register(target).descriptor()
+    src = rng.integers(0, 256, 2 * count * unit, dtype=np.uint8)
+    a.register(src)
+    so, do, ln = _pieces(rng, count, unit, 2 * count)
+    sent = []
+    real = b._send_ctrl
+
+    def spy(op, **kw):
+        sent.append((op, kw.get("seq"), kw.get("nbytes")))
+        return real(op, **kw)
+
+    b._send_ctrl = spy
+    pulled = b.statistics().extra["pulled_bytes"]
+    for notify_id in (1, 2, 3):
+        a.put_many(src, d, so, do, ln, notify_id=notify_id, timeout_s=10, defer=True)
+    import time
+
+    time.sleep(0.2)  # every frame is at b before it looks
+    assert [b.wait_notification(timeout_s=10).notify_id for _ in range(3)] == [1, 2, 3]
+    a.flush(timeout_s=10)
+    acks = [s for s in sent if s[0] == wire.OP_PULLED]
+    assert len(acks) == 1 and acks[0][1] == a._pull_seq
+    assert acks[0][2] == b.statistics().extra["pulled_bytes"] - pulled > 0
+    for s_, t, n in zip(so, do, ln):
+        assert (target[t:t + n] == src[s_:s_ + n]).all()
