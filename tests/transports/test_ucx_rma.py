@@ -123,6 +123,17 @@ def _no_more_notes(ep) -> None:
         ep.wait_notification(timeout_s=0.1)
 
 
+def _deferred_setup(a, b, *, seed: int, count: int, unit: int = 32768):
+    """A target region on b, a registered source on a (so a's puts from it may be deferred), and
+    ``count`` scattered pieces: ``(target, its descriptor, src, so, do, ln)``."""
+    rng = np.random.default_rng(seed)
+    target = np.zeros(2 * count * unit, np.uint8)
+    d = b.register(target).descriptor()
+    src = rng.integers(0, 256, 2 * count * unit, dtype=np.uint8)
+    a.register(src)
+    return (target, d, src) + tuple(_pieces(rng, count, unit, 2 * count))
+
+
 def _pieces(rng, count: int, unit: int, slots: int):
     so = rng.permutation(slots)[:count] * unit
     do = rng.permutation(slots)[:count] * unit
@@ -285,13 +296,7 @@ def test_the_share_the_target_reads_follows_the_rates_both_sides_measured(ucx_pa
     OP_PULLED reports) and the share it asks the target to read is theirs, within bounds; a
     target reported as 3 x faster is asked for 3/4 of the bytes, and gets them, bit-exact."""
     a, b = ucx_pair
-    rng = np.random.default_rng(5)
-    unit, count = 32768, 64
-    target = np.zeros(2 * count * unit, np.uint8)
-    d = b.register(target).descriptor()
-    src = rng.integers(0, 256, 2 * count * unit, dtype=np.uint8)
-    a.register(src)
-    so, do, ln = _pieces(rng, count, unit, 2 * count)
+    target, d, src, so, do, ln = _deferred_setup(a, b, seed=5, count=64)
     assert a._pull_share() == a.PULL_SHARE  # nothing measured yet
     for notify_id in (1, 2, 3):
         a.put_many(src, d, so, do, ln, notify_id=notify_id, timeout_s=10, defer=True)
@@ -429,13 +434,7 @@ def test_pulls_taken_in_one_progress_round_are_answered_by_one_pulled_frame(ucx_
     three shares in one progress round and answers them with ONE OP_PULLED (the last seq, the
     bytes summed); the initiator's flush sees every pull confirmed."""
     a, b = ucx_pair
-    rng = np.random.default_rng(11)
-    unit, count = 32768, 16
-    target = np.zeros(2 * count * unit, np.uint8)
-    d = b.register(target).descriptor()
-    src = rng.integers(0, 256, 2 * count * unit, dtype=np.uint8)
-    a.register(src)
-    so, do, ln = _pieces(rng, count, unit, 2 * count)
+    target, d, src, so, do, ln = _deferred_setup(a, b, seed=11, count=16)
     sent = []
     real = b._send_ctrl
 
