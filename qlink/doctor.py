@@ -136,6 +136,27 @@ def _ucx() -> Finding:
                    True)
 
 
+def _cma() -> Finding:
+    """Whether two processes of this host can put over ``ucx://`` by RMA (transports._ucx_cma)."""
+    what = "ucx same-host RMA"
+    if util.find_spec("transports._cmac") is None:
+        return Finding(what, "not built (ucx:// puts between local processes go tagged)", False,
+                       "python setup.py build_ext --inplace  (needs a C compiler)")
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    try:
+        level = int(scope.read_text().strip()) if scope.is_file() else 0
+    except (OSError, ValueError):
+        level = 0
+    if level >= 1:
+        return Finding(what, f"built, but Yama ptrace_scope is {level}: processes cannot read each other's "
+                             "memory, so ucx:// puts between them go tagged", False,
+                       "sysctl kernel.yama.ptrace_scope=0 (as root), where that is acceptable on this host")
+    if os.environ.get("QLINK_UCX_CMA", "") == "0" or os.environ.get("QLINK_UCX_RMA", "") == "0":
+        return Finding(what, "built, turned off by QLINK_UCX_CMA=0 / QLINK_UCX_RMA=0 in the environment", True)
+    return Finding(what, "built; RMA by process_vm_writev/readv, up to 1024 pieces per call, between peers "
+                         "that read each other back", True)
+
+
 def findings() -> list[Finding]:
     """Every check, in report order."""
     from . import __version__
@@ -149,7 +170,7 @@ def findings() -> list[Finding]:
                             f"{where})", True),
            Finding("python", f"{sys.version.split()[0]} ({sys.executable})", sys.version_info >= (3, 11),
                    "Python 3.11 or newer"),
-           _cpu(), _gpu(), _ring(), _ucx()]
+           _cpu(), _gpu(), _ring(), _ucx(), _cma()]
     for mod, (dist, gives, fix) in _OPTIONAL.items():
         v = _dist_version(mod, dist)
         out.append(Finding(dist, f"{v}  ({gives})" if v else f"not installed  ({gives})", v is not None, fix))

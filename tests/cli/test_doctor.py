@@ -38,6 +38,8 @@ def test_doctor_reports_the_facts():
     built = importlib.util.find_spec("transports._ringc") is not None
     assert got["shm ring accelerator"].startswith("C extension built" if built else "not built")
     assert "ucx transports" in got
+    cma = importlib.util.find_spec("transports._cmac") is not None
+    assert got["ucx same-host RMA"].startswith("built" if cma else "not built")
     for mod, (dist, _gives, fix) in _OPTIONAL.items():
         v = _dist_version(mod, dist)
         line = got[dist]
