@@ -17,8 +17,9 @@ Flag bit 4 (``FLAG_RMA``): this side maps its registered host regions for UCX RM
 descriptors carry address and remote key) and takes ``OP_PUT_DONE``; in force only when
 both sides set it, so a peer without it gets tagged puts as before.
 
-Flag bit 5 (``FLAG_CMA``): this side sends ``OP_CMA`` (its pid and a nonce's address), then
-``OP_CMA_VERDICT`` on the peer's, and moves RMA pieces to a peer on the same host itself, many
+Flag bit 5 (``FLAG_CMA``): this side challenges the peer and answers its challenge (``OP_CMA``:
+random bytes, then the pid and address where the peer's are shown), says what it found
+(``OP_CMA_VERDICT``), and moves RMA pieces to a peer on the same host itself, many
 per ``process_vm_writev``/``readv`` (:mod:`transports._ucx_cma`); in force only when both set
 it, used only where both verdicts say yes. Flag bit 6 (``FLAG_RMA_SAME_HOST``, the default):
 RMA is wanted between two processes of one host, where those verdicts say yes, and nowhere

@@ -9,14 +9,16 @@ at 64 pieces per call. So where both endpoints offer it (hello flag ``FLAG_CMA``
 (``transports._cmac``), and UCX carries everything else (the frames, and the bytes to a
 peer on another host).
 
-Each side tells the other its process id and where a 16-byte random nonce lies in its
-memory (``OP_CMA``). The other side reads the nonce back with ``process_vm_readv``: only if
-it finds it are the peer's pieces moved this way (same host, same pid namespace, and the
-kernel lets this process read that one: same user, ptrace allowed); otherwise UCX moves them
-as before. Reading a peer's memory this way never aborts the process: a peer that has
-exited is an error (``ProcessLookupError``, then :class:`~qlink.errors.BrokenLinkError`),
-found by polling a pidfd of it before each call, so a pid the kernel has handed to another
-process is never written to.
+Each side proves to the other that the process it names is itself, by a challenge
+(``OP_CMA`` frames, :class:`CmaHandshake`): it sends 16 random bytes; the other side writes
+them into a buffer of its own and answers with its pid and that buffer's address; the first
+reads them back there with ``process_vm_readv``. Only a process that holds the challenge in
+its own memory passes (constant bytes of some other process do not), and only then are the
+peer's pieces moved this way (same host, same pid namespace, and the kernel lets this process
+read that one: same user, ptrace allowed); otherwise UCX moves them as before. Reading a
+peer's memory this way never aborts the process: a peer that has exited is an error
+(``ProcessLookupError``, then :class:`~qlink.errors.BrokenLinkError`), found by polling a pidfd
+of it before each call, so a pid the kernel has handed to another process is never written to.
 
 ``QLINK_UCX_CMA=0`` turns it off (the pieces then go by UCX, one call each).
 
@@ -39,12 +41,11 @@ try:
 except ImportError:  # no C build: UCX moves the pieces
     _cmac = None
 
-__all__ = ["IDENTITY", "built", "offered", "identity", "CmaPeer"]
+__all__ = ["IDENTITY", "built", "offered", "CmaHandshake", "CmaPeer"]
 
-#: OP_CMA's inline payload: pid, address of the nonce, the nonce
+#: an OP_CMA frame's inline payload: pid, address, 16 bytes. A challenge: pid 0, address 0, the
+#: bytes the peer must show; a proof: this side's pid and where it wrote the peer's challenge
 IDENTITY = struct.Struct("<IQ16s")
-
-_nonce = None
 
 
 def built() -> bool:
@@ -57,12 +58,54 @@ def offered() -> bool:
     return built() and os.environ.get("QLINK_UCX_CMA", "") != "0"
 
 
-def identity() -> bytes:
-    """This process's OP_CMA payload: its pid and where its nonce lies."""
-    global _nonce
-    if _nonce is None:
-        _nonce = ctypes.create_string_buffer(os.urandom(16), 16)
-    return IDENTITY.pack(os.getpid(), ctypes.addressof(_nonce), _nonce.raw)
+class CmaHandshake:
+    """One endpoint's side of the challenge: :attr:`outbox` holds the OP_CMA payloads to send
+    (the challenge first, the proof once the peer's challenge came); :meth:`take` handles the
+    peer's frames; :attr:`verdict` (1 or 0) is set once the peer's proof was checked, with
+    :attr:`peer` (a :class:`CmaPeer`, or None and :attr:`refused` saying why).
+
+    >>> a, b = CmaHandshake(), CmaHandshake()
+    >>> ca, cb = a.outbox.pop(0), b.outbox.pop(0)
+    >>> b.take(ca), a.take(cb)  # the challenges cross
+    (True, True)
+    >>> a.take(b.outbox.pop(0)), b.take(a.outbox.pop(0))  # so do the proofs
+    (True, True)
+    >>> (a.verdict, b.verdict, a.peer.pid == b.peer.pid == os.getpid())  # one process: each reads itself
+    (1, 1, True)
+    >>> a.close(); b.close()
+    """
+
+    def __init__(self) -> None:
+        self.challenge = os.urandom(16)
+        self._echo = ctypes.create_string_buffer(16)  # where this side shows the peer's challenge
+        self.outbox: list[bytes] = [IDENTITY.pack(0, 0, self.challenge)]
+        self.peer: CmaPeer | None = None
+        self.refused = ""
+        self.verdict: int | None = None
+        self._answered = False
+
+    def take(self, payload: bytes) -> bool:
+        """Handle one OP_CMA payload of the peer's; False for one that is malformed or unexpected."""
+        if len(payload) != IDENTITY.size:
+            return False
+        pid, addr, data = IDENTITY.unpack(payload)
+        if pid == 0 and addr == 0:  # its challenge: shown in this side's memory, then the proof sent
+            if self._answered:
+                return False
+            ctypes.memmove(self._echo, data, 16)
+            self.outbox.append(IDENTITY.pack(os.getpid(), ctypes.addressof(self._echo), bytes(16)))
+            self._answered = True
+            return True
+        if self.verdict is not None:  # its proof, once
+            return False
+        self.peer, self.refused = CmaPeer.verify(pid, addr, self.challenge)
+        self.verdict = int(self.peer is not None)
+        return True
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
 
 
 class CmaPeer:
@@ -73,14 +116,11 @@ class CmaPeer:
         self.moved_bytes = 0
 
     @classmethod
-    def verify(cls, payload: bytes) -> tuple["CmaPeer | None", str]:
-        """``(peer, "")`` when the nonce named in ``payload`` (the peer's :func:`identity`) reads
-        back from the peer's memory; ``(None, why)`` otherwise."""
+    def verify(cls, pid: int, addr: int, challenge: bytes) -> tuple["CmaPeer | None", str]:
+        """``(peer, "")`` when ``challenge`` reads back from ``addr`` in process ``pid``;
+        ``(None, why)`` otherwise."""
         if not built():
             return None, "transports._cmac is not built"
-        if len(payload) != IDENTITY.size:
-            return None, f"an identity of {len(payload)} bytes (expected {IDENTITY.size})"
-        pid, addr, nonce = IDENTITY.unpack(payload)
         if pid <= 0 or not addr:
             return None, f"pid {pid} / address {addr:#x} cannot be the peer's"
         try:
@@ -93,10 +133,10 @@ class CmaPeer:
             _cmac.cma_pieces(pid, pidfd, False, ctypes.addressof(got), one, addr, one, np.full(1, 16, np.int64))
         except OSError as e:
             os.close(pidfd)
-            return None, f"reading the peer's nonce: {e}"
-        if got.raw != nonce:
+            return None, f"reading the peer's proof: {e}"
+        if got.raw != challenge:
             os.close(pidfd)
-            return None, f"process {pid} here is not the peer (its nonce did not read back)"
+            return None, f"process {pid} does not hold this side's challenge there: it is not the peer"
         return cls(pid, pidfd), ""
 
     def move(self, *, write: bool, local_addr: int, local_offsets, remote_addr: int, remote_offsets, nbytes,

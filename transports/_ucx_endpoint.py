@@ -130,15 +130,15 @@ class UcxEndpoint(PutSide, Endpoint):
         self._rma_same_host = bool(flags & boot.FLAG_RMA_SAME_HOST) and box.rma
         #: put_many(defer=True) from a region registered here shares the copy with the target
         self.defers_puts = self.rma
-        #: both hellos offered FLAG_CMA: each side sends OP_CMA; once the peer's checks out
-        #: (``self._cma``) and the peer's OP_CMA_VERDICT says it checked ours, RMA pieces move
-        #: by process_vm_writev/readv here (transports._ucx_cma)
+        #: both hellos offered FLAG_CMA: each side challenges the other (OP_CMA frames); once the
+        #: peer's proof checks out (``self._cma``) and the peer's OP_CMA_VERDICT says ours did, RMA
+        #: pieces move by process_vm_writev/readv here (transports._ucx_cma)
         self._cma_offered = (self.rma or self._rma_same_host) and bool(flags & boot.FLAG_CMA)
+        self._cmah = cma.CmaHandshake() if self._cma_offered else None
         self._cma: cma.CmaPeer | None = None
-        self._cma_refused = ""  # why the peer's OP_CMA did not check out
-        self._cma_verdict_due: int | None = None  # our verdict on the peer's OP_CMA, not sent yet
+        self._cma_refused = ""  # why the peer's proof did not check out
         self._peer_verdict: int | None = None  # the peer's on ours
-        self._wired_cma = False  # our verdict has gone
+        self._verdict_sent = False
         self._send_budget = int(opts["send_buffer_nbytes"])
         self._zero_copy_min = opts["zero_copy_send_nbytes"]
         self._linger_s = float(opts["linger_s"])
@@ -607,12 +607,11 @@ class UcxEndpoint(PutSide, Endpoint):
             self._take_pull(rid, offset, nbytes, seq, tag_len, length)
         elif op == wire.OP_PULLED:
             self._take_pulled(seq, notify_id, nbytes, offset)
-        elif op == wire.OP_CMA and self._cma_offered and self._cma_verdict_due is None and not self._wired_cma \
-                and length == wire.CTRL.size + tag_len + nbytes:
-            start = wire.CTRL.size + tag_len
-            self._cma, self._cma_refused = cma.CmaPeer.verify(bytes(self._ctrl_buf[start:start + nbytes]))
-            self._cma_verdict_due = int(self._cma is not None)  # sent by _wireup (no lock taken here)
-        elif op == wire.OP_CMA_VERDICT and self._cma_offered and self._peer_verdict is None:
+        elif op == wire.OP_CMA and self._cmah is not None and length == wire.CTRL.size + tag_len + nbytes:
+            start = wire.CTRL.size + tag_len  # (what it makes to send, _wireup sends: no lock taken here)
+            if not self._cmah.take(bytes(self._ctrl_buf[start:start + nbytes])):
+                self._bad_frame()
+        elif op == wire.OP_CMA_VERDICT and self._cmah is not None and self._peer_verdict is None:
             self._peer_verdict = int(notify_id == 1)
         else:
             self._bad_frame()
@@ -634,19 +633,17 @@ class UcxEndpoint(PutSide, Endpoint):
     def _wireup(self, deadline: float | None) -> None:
         """Swap one control frame over UCX so the data path is up (and proven) before use (after
         OP_CMA, where offered: the peer has taken it when it sees OP_WIREUP)."""
+        hs = self._cmah
         with self._tx_lock:
-            if self._cma_offered:
-                mine = cma.identity()
-                self._send_ctrl(wire.OP_CMA, nbytes=len(mine), inline=mine)
+            self._send_cma()
             self._send_ctrl(wire.OP_WIREUP)
         backoff = Backoff(spin=2000)
-        while not (self._wired and not self._tx_pending and (not self._cma_offered or self._peer_verdict is not None)):
+        while not (self._wired and not self._tx_pending and (hs is None or self._peer_verdict is not None)):
             with self._rx_lock:
                 self._poll(False)
-            if self._cma_verdict_due is not None and not self._wired_cma:
+            if hs is not None and (hs.outbox or (hs.verdict is not None and not self._verdict_sent)):
                 with self._tx_lock:
-                    self._send_ctrl(wire.OP_CMA_VERDICT, notify_id=self._cma_verdict_due)
-                self._wired_cma = True
+                    self._send_cma()
             now = time.monotonic()
             if now >= self._next_check:
                 self._check_link(now)
@@ -657,10 +654,28 @@ class UcxEndpoint(PutSide, Endpoint):
             backoff.pause()
         self._settle_rma()
 
+    def _send_cma(self) -> None:
+        """The challenge handshake's frames due (caller holds _tx_lock): OP_CMA payloads, then our
+        verdict once we have one."""
+        hs = self._cmah
+        if hs is None:
+            return
+        while hs.outbox:
+            payload = hs.outbox.pop(0)
+            self._send_ctrl(wire.OP_CMA, nbytes=len(payload), inline=payload)
+        if hs.verdict is not None and not self._verdict_sent:
+            self._send_ctrl(wire.OP_CMA_VERDICT, notify_id=hs.verdict)
+            self._verdict_sent = True
+
     def _settle_rma(self) -> None:
         """After the wireup: same-host CMA in use only where both verdicts said yes; RMA in force
         where both asked for it anywhere, or both want it on one host and CMA is in use (both
         sides reach the same answer from the same two verdicts)."""
+        hs = self._cmah
+        if hs is None:
+            return
+        self._cma, self._cma_refused = hs.peer, hs.refused
+        hs.peer = None  # (the endpoint owns it from here)
         both = self._cma is not None and self._peer_verdict == 1
         if not both and self._cma is not None:
             if not self._cma_refused:
@@ -730,6 +745,8 @@ class UcxEndpoint(PutSide, Endpoint):
             self._rkeys.close()
         if self._cma is not None:
             self._cma.close()
+        if self._cmah is not None:
+            self._cmah.close()
         self._abort_ep()
         with self._rx_lock:
             ops = self._ops

@@ -57,9 +57,10 @@ One-sided put (:mod:`transports._ucx_put`, :mod:`transports._ucx_rma`, :mod:`tra
     waits until the target confirmed its reads.
 
     **Between two processes of one host** (the default, ``rma=None`` / ``"same-host"``) RMA is
-    in force when both sides prove they can read each other's memory: each sends its pid and
-    the address of a random nonce (``OP_CMA``), reads the other's nonce back with
-    ``process_vm_readv`` and says whether it could (``OP_CMA_VERDICT``); only where both say
+    in force when both sides prove they can read each other's memory: each sends 16 random
+    bytes, the other writes them into its own memory and answers with its pid and their
+    address (``OP_CMA``), the first reads them back there with ``process_vm_readv`` and says
+    whether it could (``OP_CMA_VERDICT``); only where both say
     yes are the pieces moved, by qlink itself, up to 1024 per ``process_vm_writev``/``readv``
     (UCX's CMA makes one call per piece, and with 32 KiB pieces the calls, not the copy, took
     most of the time). A peer that has exited is then an error (:class:`BrokenLinkError`,

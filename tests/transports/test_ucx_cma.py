@@ -1,7 +1,8 @@
 """Same-host CMA for ucx:// RMA (transports._ucx_cma, transports._cmac): the pieces of an RMA
 put_many between two processes of one host move by process_vm_writev/readv, up to 1024 per
-call, bit-exact; a peer is used this way only once its nonce reads back; a peer that has
-exited is an error, never a crash; ``QLINK_UCX_CMA=0`` leaves the pieces to UCX."""
+call, bit-exact; a peer is used this way only once it has shown this side's random challenge
+in its own memory; a peer that has exited is an error, never a crash; ``QLINK_UCX_CMA=0``
+leaves the pieces to UCX."""
 
 from __future__ import annotations
 
@@ -24,8 +25,15 @@ pytestmark = [pytest.mark.timeout(60),
 
 
 def _self_peer() -> cma.CmaPeer:
-    peer, why = cma.CmaPeer.verify(cma.identity())  # this very process: CMA works on oneself too
-    assert peer is not None, why
+    """This very process as a peer (CMA works on oneself too), proven by the handshake."""
+    a, b = cma.CmaHandshake(), cma.CmaHandshake()
+    b.outbox.pop(0)  # (b's own challenge: not needed here)
+    b.take(a.outbox.pop(0))  # b shows a's challenge...
+    a.take(b.outbox.pop(0))  # ...and a reads it back
+    peer = a.peer
+    assert peer is not None and a.verdict == 1, a.refused
+    a.peer = None
+    b.close()
     return peer
 
 
@@ -74,15 +82,29 @@ def test_the_c_loop_checks_its_arguments():
     assert e.value.errno == 14 and (buf == 0).all()  # EFAULT
 
 
-def test_an_identity_whose_nonce_does_not_read_back_is_refused():
-    pid, addr, nonce = cma.IDENTITY.unpack(cma.identity())
-    forged = cma.IDENTITY.pack(pid, addr, bytes(16) if nonce != bytes(16) else b"x" * 16)
-    peer, why = cma.CmaPeer.verify(forged)
-    assert peer is None and "nonce" in why
-    peer, why = cma.CmaPeer.verify(cma.identity()[:-1])
-    assert peer is None and "27 bytes" in why
-    peer, why = cma.CmaPeer.verify(cma.IDENTITY.pack(0, addr, nonce))
+def test_a_proof_that_does_not_show_the_challenge_is_refused():
+    """Only a process that holds this side's random challenge at the address it names passes:
+    bytes that happen to be there (another challenge, a constant) do not, nor a bad pid or a
+    malformed or repeated frame."""
+    a, b = cma.CmaHandshake(), cma.CmaHandshake()
+    other = cma.CmaHandshake()
+    b.outbox.pop(0)
+    b.take(other.outbox.pop(0))  # b answers someone else's challenge...
+    proof = b.outbox.pop(0)
+    assert a.take(proof)  # ...and shows that proof to a
+    assert a.verdict == 0 and a.peer is None and "challenge" in a.refused
+    assert not a.take(proof)  # the verdict is given once
+    c = cma.CmaHandshake()
+    assert not c.take(b"short")
+    constant = ctypes.create_string_buffer(c.challenge[:8] + bytes(8), 16)  # not the whole challenge
+    assert c.take(cma.IDENTITY.pack(os.getpid(), ctypes.addressof(constant), bytes(16)))
+    assert c.verdict == 0
+    peer, why = cma.CmaPeer.verify(0, 4096, bytes(16))
     assert peer is None and "pid 0" in why
+    d = cma.CmaHandshake()
+    assert d.take(a.outbox[0]) and not d.take(a.outbox[0])  # a challenge is answered once
+    for h in (a, b, other, c, d):
+        h.close()
 
 
 def _child_target(url: str, n: int, conn) -> None:

@@ -97,10 +97,10 @@ def test_where_one_side_cannot_read_the_other_neither_uses_rma_by_default(monkey
 
     real = _ucx_cma.CmaPeer.verify
 
-    def verify(payload):  # refused on the listener's side only (its handshakes run in its accept thread)
+    def verify(pid, addr, challenge):  # refused on the listener's side only (its handshakes run in its accept thread)
         if threading.current_thread().name.startswith("qlink-ucx-accept"):
             return None, "refused for the test"
-        return real(payload)
+        return real(pid, addr, challenge)
 
     monkeypatch.setattr(_ucx_cma.CmaPeer, "verify", staticmethod(verify))
     monkeypatch.delenv("QLINK_UCX_RMA", raising=False)
