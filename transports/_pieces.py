@@ -40,6 +40,13 @@ def check_pieces(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nb
     few = _few_checked(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes)
     if few is not None:
         return few
+    if _first_bad is not None and type(nbytes) is np.ndarray and nbytes.dtype == np.int64 and nbytes.size \
+            and type(src_offsets) is np.ndarray and src_offsets.dtype == np.int64 and src_offsets.ndim == 1 \
+            and type(dst_offsets) is np.ndarray and dst_offsets.dtype == np.int64 and dst_offsets.ndim == 1 \
+            and nbytes.ndim == 1 and src_offsets.size == dst_offsets.size == nbytes.size \
+            and src_offsets.flags.c_contiguous and dst_offsets.flags.c_contiguous and nbytes.flags.c_contiguous \
+            and _first_bad(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes) < 0:
+        return src_offsets, dst_offsets, nbytes  # int64 arrays, every piece good: one pass in C
     arrays = []
     for name, v in (("src_offsets", src_offsets), ("dst_offsets", dst_offsets), ("nbytes", nbytes)):
         a = np.asarray(v)
@@ -63,6 +70,11 @@ def check_pieces(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nb
 
 
 _FEW = 16  # piece lists up to this long are checked with plain integers (no NumPy call per check)
+
+try:  # the same checks in one pass over int64 arrays (the C ring's build); NumPy's where it is missing
+    from ._ringc import first_bad_piece as _first_bad
+except ImportError:
+    _first_bad = None
 
 
 def _few_ok(src_offsets, dst_offsets, nbytes, src_nbytes: int, region_nbytes: int) -> list | None:

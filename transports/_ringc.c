@@ -967,6 +967,43 @@ static void release_buffers(Py_buffer *bufs, int n) {
         PyBuffer_Release(&bufs[i]);
 }
 
+/* first_bad_piece(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes) -> -1 when every piece
+ * lies inside both (0 <= offset, 0 <= nbytes, offset + nbytes <= the size), else the index of the
+ * first that does not: put_many's checks in one pass over int64 arrays of one length, where NumPy
+ * makes a dozen passes and temporaries (transports._pieces.check_pieces says what is wrong). */
+static PyObject *mod_first_bad_piece(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "first_bad_piece(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes)");
+        return NULL;
+    }
+    long long src_n = PyLong_AsLongLong(args[3]), reg_n = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer bufs[3];
+    static const int flags[3] = {PyBUF_SIMPLE, PyBUF_SIMPLE, PyBUF_SIMPLE};
+    if (get_buffers(args, bufs, flags, 3) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t k = bufs[2].len / 8, bad = -1;
+    if (bufs[0].len != bufs[2].len || bufs[1].len != bufs[2].len || bufs[2].len % 8) {
+        PyErr_SetString(PyExc_ValueError, "first_bad_piece: offsets and nbytes must be int64 arrays of one length");
+        goto out;
+    }
+    const int64_t *a = bufs[0].buf, *b = bufs[1].buf, *n = bufs[2].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (a[i] < 0 || b[i] < 0 || n[i] < 0 || n[i] > src_n || a[i] > src_n - n[i] || n[i] > reg_n ||
+            b[i] > reg_n - n[i]) {
+            bad = i;
+            break;
+        }
+    }
+    res = PyLong_FromSsize_t(bad);
+out:
+    release_buffers(bufs, 3);
+    return res;
+}
+
 /* copy_pieces(dst, src, src_offsets, dst_offsets, nbytes, streaming) -> bytes copied: the pieces of
  * `src` at `src_offsets` into `dst` at `dst_offsets` (int64 arrays of one length), in one C loop
  * without the GIL, with glibc's memcpy or (streaming=True) the non-temporal copy the target uses for
@@ -1101,6 +1138,9 @@ static PyMethodDef module_methods[] = {
      "set_release_gil(flag) -> previous value: release the GIL while spinning (default True)"},
     {"make_note", mod_make_note, METH_VARARGS,
      "make_note(type, region_id, offset, nbytes, notify_id, tag): a Notification as the fast path builds it"},
+    {"first_bad_piece", (PyCFunction)(void (*)(void))mod_first_bad_piece, METH_FASTCALL,
+     "first_bad_piece(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes) -> -1, or the index of the "
+     "first piece outside the source or the region"},
     {"copy_pieces", (PyCFunction)(void (*)(void))mod_copy_pieces, METH_FASTCALL,
      "copy_pieces(dst, src, src_offsets, dst_offsets, nbytes, streaming) -> bytes copied (memcpy or streamed)"},
     {"rma_post", (PyCFunction)(void (*)(void))mod_rma_post, METH_FASTCALL,

@@ -29,12 +29,13 @@ _int = st.integers(min_value=-8, max_value=120)
 
 
 def _numpy_path(*args, **kw):
-    """check_pieces with its few-piece path turned off: the NumPy checks alone."""
+    """check_pieces with its few-piece path and its C pass turned off: the NumPy checks alone."""
     few, _pieces._FEW = _pieces._FEW, 0
+    c, _pieces._first_bad = _pieces._first_bad, None
     try:
         return check_pieces(*args, **kw)
     finally:
-        _pieces._FEW = few
+        _pieces._FEW, _pieces._first_bad = few, c
 
 
 @settings(max_examples=300, deadline=None)
@@ -66,3 +67,13 @@ def test_arrays_and_long_lists_take_the_numpy_path():
     n = 40
     so = np.arange(n, dtype=np.int64)
     assert check_few(so, so, np.ones(n, np.int64), src_nbytes=SRC, region_nbytes=REGION) == [(i, i, 1) for i in range(n)]
+
+
+@pytest.mark.skipif(_pieces._first_bad is None, reason="transports._ringc is not built")
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_int, _int, _int), min_size=17, max_size=60))
+def test_int64_arrays_get_the_numpy_paths_answer_from_the_c_pass(pieces):
+    """Many pieces as int64 arrays take one pass in C (transports._ringc.first_bad_piece): it
+    accepts exactly what the NumPy checks accept, and a refused list still gets their error."""
+    so, do, ln = (np.array(x, np.int64) for x in zip(*pieces))
+    assert _outcome(check_pieces, so, do, ln) == _outcome(_numpy_path, so, do, ln)
