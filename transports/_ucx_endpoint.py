@@ -631,8 +631,9 @@ class UcxEndpoint(PutSide, Endpoint):
         self._post(frame, size, self._tx_ctrl)
 
     def _wireup(self, deadline: float | None) -> None:
-        """Swap one control frame over UCX so the data path is up (and proven) before use (after
-        OP_CMA, where offered: the peer has taken it when it sees OP_WIREUP)."""
+        """Swap one control frame over UCX so the data path is up (and proven) before use; where
+        both offered FLAG_CMA, also the challenge handshake, until the peer's verdict on ours is
+        in (it follows its proof on the same ordered tag, so ours has gone by then too)."""
         hs = self._cmah
         with self._tx_lock:
             self._send_cma()
@@ -685,6 +686,7 @@ class UcxEndpoint(PutSide, Endpoint):
         if not self.rma and self._rma_same_host and both:
             self.rma = self.defers_puts = True
             self._rkeys = rma.RemoteKeys(self._ep.handle)
+
     # ----- lifecycle ---------------------------------------------------------------------------
     def statistics(self) -> Statistics:
         s = super().statistics()
