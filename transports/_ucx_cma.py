@@ -2,12 +2,12 @@
 
 Between two processes of one host UCX moves an RMA piece with its CMA transport: one
 ``process_vm_writev`` (put) or ``process_vm_readv`` (get) per piece. A KV layer scattered in
-32 KiB blocks is then one system call per 32 KiB, and the calls, not the copy, take most of
-the time: 2.1 GB/s for one reader of 32 KiB pieces at one call each on the 2-core VM, 4.4 GB/s
-at 64 pieces per call. So where both endpoints offer it (hello flag ``FLAG_CMA``, beside
-``FLAG_RMA``), qlink makes those same calls itself, up to 1024 pieces each, in C
-(``transports._cmac``), and UCX carries everything else (the frames, and the bytes to a
-peer on another host).
+32 KiB blocks is then one system call per 32 KiB, and the calls, not the copy, take half the
+time: one reader of 32 KiB pieces on the 2-core VM moved 1.65 GB/s at one call each and 2.89
+GB/s at 64 pieces per call in qlink's memfd regions (2.1 and 4.4 GB/s in huge-page memory). So
+where both endpoints offer it (hello flag ``FLAG_CMA``), qlink makes those same calls itself, up
+to 1024 pieces each, in C (``transports._cmac``), and UCX carries everything else (the frames,
+and the bytes to a peer on another host).
 
 Each side proves to the other that the process it names is itself, by a challenge
 (``OP_CMA`` frames, :class:`CmaHandshake`): it sends 16 random bytes; the other side writes
@@ -15,7 +15,8 @@ them into a buffer of its own and answers with its pid and that buffer's address
 reads them back there with ``process_vm_readv``. Only a process that holds the challenge in
 its own memory passes (constant bytes of some other process do not), and only then are the
 peer's pieces moved this way (same host, same pid namespace, and the kernel lets this process
-read that one: same user, ptrace allowed); otherwise UCX moves them as before. Reading a
+read that one: same user, ptrace allowed); otherwise RMA is not used by default (tagged puts),
+and where ``rma=True`` asked for it anyway, UCX moves the pieces. Reading a
 peer's memory this way never aborts the process: a peer that has exited is an error
 (``ProcessLookupError``, then :class:`~qlink.errors.BrokenLinkError`), found by polling a pidfd
 of it before each call, so a pid the kernel has handed to another process is never written to.
