@@ -626,10 +626,10 @@ def _mooncake_rows(spec, times: dict, repeats: int, say) -> list[dict]:
 def _rma_pieces_by(rx) -> str | None:
     """What moved a ucx row's pieces: same-host CMA, many per call, or UCX, one call each (None:
     no RMA, tagged puts)."""
-    extra = rx.endpoint.statistics().extra
-    if not extra.get("rma_puts") and not extra.get("pulled_bytes"):
+    ep = rx.endpoint
+    if not getattr(ep, "rma", False):
         return None
-    return "CMA, up to 1024 pieces per call" if extra.get("cma") else "UCX, one call per piece"
+    return "CMA, up to 1024 pieces per call" if ep.statistics().extra.get("cma") else "UCX, one call per piece"
 
 
 def _pulled_bytes(rx) -> int:
