@@ -45,8 +45,11 @@ in one run:
   source is still in the CPU's cache when it is written next (out of the *next* layer, each
   copy's destination was the previous copy's source, just read: the copy skipped a third of
   its memory traffic, and a 512-token contiguous floor read 1.75 x a copy out of a separate
-  cache), and, where a third cache fits ``memory_budget_nbytes`` beside the two, also out of
-  a separate cache of the same size, as the sender's is; the faster source counts;
+  cache), and, where ``memory_budget_nbytes`` leaves room beside the two caches, also out of
+  a source apart from the receiver's cache, as the sender's is: a third cache where one fits,
+  else the request's pieces alone in buffers of their own (a copy out of the layer half the
+  cache away read 15-25 % below one out of a separate buffer on the 2-core VM); the faster
+  source counts;
 * **TCP socket floor** — where ``tcp`` or Mooncake is measured: the same bytes, layer by
   layer, over a bare loopback TCP socket between two processes, with blocking calls, with
   busy-polling ones, and with the sender's pages spliced into the socket as qlink's deferred
@@ -79,11 +82,13 @@ against is the best of the floor rounds taken beside that backend's own transfer
 read 4.6-5.4 GB/s between two runs), and a backend measured in a busy minute was otherwise set
 against the quietest minute of a twelve-minute run. ``x_memcpy_run_best`` keeps the ratio to the
 run's best floor round, and the floor rows report that best. A transfer is
-taken in its round as many times as the floor's copies were in theirs, for no longer
-than they took (``transfers`` counts them): a best of 2 transfers set against a best of
-dozens of copies read a 64 MiB request 5-10 % low. The floor still has more samples (it
-takes a round before each transfer round of every backend), so the ratio still leans the
-floor's way. Between peers (``x_nixl``, ``x_mooncake``) medians are set against medians.
+taken in its round as many times as the floor's fastest kind of copy was in its round, for
+no longer than that kind took (``transfers`` counts them): a best of 2 transfers set against
+a best of dozens of copies read a 64 MiB request 5-10 % low, and a transfer given as many
+samples as all four kinds of copy together had four times the chances of the copy it is set
+against. The floor still has more samples (it takes a round before each transfer round of
+every backend, and its best kind is the best of four), so the ratio still leans the floor's
+way. Between peers (``x_nixl``, ``x_mooncake``) medians are set against medians.
 
 **Goals** (:func:`kv_goals`, one row each: ``goal``, ``measured``, ``target``, ``met``; the
 CLI prints them and writes ``kv_goals.{json,csv}``): at each token count and block pattern,
@@ -134,27 +139,42 @@ class _Floor:
     same block layout) copied into the receiving process's warm cache, each layer's pieces
     into this layer's destination pieces, in one C loop per layer
     (``transports._ringc.copy_pieces``) with glibc's ``memcpy`` and with the streaming
-    (non-temporal) copy qlink's shm target may use, out of two sources: the layer half the
-    cache away (a distinct source region per layer, none read shortly before it is written:
-    no cache-hot reuse), and, where ``spare_nbytes`` holds one, a separate cache of the same
-    size, as a sender's is (measured here, each source now and then read a few per cent
-    faster than the other). The floor is the fastest of these, best of every round
-    (``best[(tokens, pattern)]``), so a busy moment never lowers it."""
+    (non-temporal) copy qlink's shm target may use, out of two sources:
+
+    * the layer half the cache away (a distinct source region per layer, none read shortly
+      before it is written: no cache-hot reuse);
+    * a source apart from the receiver's cache, as a sender's is, where ``spare_nbytes`` holds
+      one: a separate cache of the same size, or, where that does not fit, the request's
+      source pieces alone, each at its own offset within a page, in buffers of their own (one
+      per layer, or as many as fit, taken in turn, when they pass ``REUSE_MIN_NBYTES``: no
+      cache-hot reuse either).
+
+    The second source matters: on the 2-core EPYC VM a copy out of the layer half the cache
+    away read 15-25 % below the same copy out of a separate buffer, round after round, and
+    qlink's own pull (out of the sender's memory) read above a floor that had only the first.
+    The floor is the fastest of these, best of every round (``best[(tokens, pattern)]``), so
+    a busy moment never lowers it. ``last_copies`` is how many copies of *each kind* the last
+    round made (the transfer beside it takes as many samples: a best of N against a best of
+    N, where counting every kind's copies gave the transfer four times the floor's chances)."""
 
     #: each copy kind is repeated within a round until it has taken ROUND_S (at most
     #: MAX_COPIES_PER_ROUND times): a 64 MiB request's floor is then a best of 3 copies per
     #: round, a 512 MiB one's of 1, as before
     ROUND_S = 0.03
     MAX_COPIES_PER_ROUND = 3
+    #: packed source buffers taken in turn must span at least this much (the CPU's last-level
+    #: cache several times over) before one is read again
+    REUSE_MIN_NBYTES = 256 << 20
 
     def __init__(self, *, spare_nbytes: int = 0):
         self.best: dict[tuple, tuple[float, str]] = {}  # (tokens, pattern) -> (seconds, which copy)
         self.rounds: dict[tuple, int] = {}
         self.best_since_mark: dict[tuple, float] = {}  # the same, of the rounds since mark() (one backend's)
-        self.last_copies, self.last_spent_s = 0, 0.0  # copies made in the last round, and their seconds
+        self.last_copies, self.last_spent_s = 0, 0.0  # copies of each kind in the last round, the fastest's seconds
         self.spare_nbytes = int(spare_nbytes)
         self._shadow = None
         self._separate: list | None = None
+        self._packed: list | None = None
 
     def mark(self) -> None:
         """Start :attr:`best_since_mark` over: the floor of the rounds taken from here on, beside
@@ -177,10 +197,43 @@ class _Floor:
             v.fill(1)
         return self._separate
 
+    def _packed_source(self, num_layers: int, so: np.ndarray, ln: np.ndarray) -> tuple[list, np.ndarray] | None:
+        """The request's source pieces apart from the receiver's cache: ``(one buffer per layer,
+        the pieces' offsets in it)``, each piece at its own offset within a page, the pieces
+        in their order. Fewer buffers than layers (taken in turn) where all would not fit
+        ``spare_nbytes``, as long as they span ``REUSE_MIN_NBYTES``; None where even that
+        does not fit. The buffers are kept for the next request that fits them.
+
+        >>> f = _Floor(spare_nbytes=1 << 20)
+        >>> bufs, at = f._packed_source(4, np.array([4096 * 9 + 10, 0]), np.array([100, 5000]))
+        >>> len(bufs), bufs[0].size, at.tolist()
+        (4, 12288, [10, 4096])
+        >>> _Floor(spare_nbytes=4096)._packed_source(4, np.array([0]), np.array([8192])) is None
+        True
+        """
+        page = 4096
+        lead = so % page
+        spans = (lead + ln + page - 1) // page * page
+        at = np.concatenate([[0], np.cumsum(spans)[:-1]]).astype(np.int64) + lead
+        nbytes = int(spans.sum())
+        count = min(num_layers, self.spare_nbytes // max(nbytes, 1))
+        if count < 1 or (count < num_layers and count * nbytes < self.REUSE_MIN_NBYTES):
+            self._packed = None
+            return None
+        if self._packed is None or len(self._packed) < count or self._packed[0].size < nbytes:
+            from qlink.memory import alloc
+
+            self._packed = None  # the old buffers go before the new ones are made
+            self._packed = [alloc(nbytes, dtype=np.uint8) for _ in range(count)]
+            for v in self._packed:
+                v.fill(1)
+        bufs = self._packed[:count]
+        return [bufs[k % count] for k in range(num_layers)], at
+
     def copy_s(self, cache, plan, *, key: tuple) -> float:
         """Seconds of the fastest copy of ``plan``'s pieces into every layer of ``cache`` (each
-        out of the layer half the cache away, and out of a separate cache where one fits);
-        recorded under ``key`` when it beats the best so far.
+        out of the layer half the cache away, and out of a source apart from the cache where
+        one fits); recorded under ``key`` when it beats the best so far.
 
         >>> from qlink.ai import KVCache, preset
         >>> from qlink.ai import plan_transfer
@@ -192,6 +245,9 @@ class _Floor:
         (True, 1)
         """
         layers = [a.view(np.uint8).reshape(-1) for a in cache.layers]
+        so = np.ascontiguousarray(plan.src_offsets, dtype=np.int64)
+        do = np.ascontiguousarray(plan.dst_offsets, dtype=np.int64)
+        ln = np.ascontiguousarray(plan.nbytes, dtype=np.int64)
         if len(layers) == 1:  # no other layer to copy from: one more buffer like it
             from qlink.memory import alloc
 
@@ -202,29 +258,31 @@ class _Floor:
         else:  # half the cache away: never a source the CPU's cache still holds when it is written
             half = len(layers) // 2
             srcs = layers[half:] + layers[:half]
-        sources = {"the layer half the cache away": srcs}
+        sources = {"the layer half the cache away": (srcs, so)}
         separate = self._separate_cache(layers)
         if separate is not None:
-            sources["a separate cache"] = separate
-        so = np.ascontiguousarray(plan.src_offsets, dtype=np.int64)
-        do = np.ascontiguousarray(plan.dst_offsets, dtype=np.int64)
-        ln = np.ascontiguousarray(plan.nbytes, dtype=np.int64)
-        times, self.last_copies, self.last_spent_s = {}, 0, 0.0
-        for where, srcs in sources.items():
+            sources["a separate cache"] = (separate, so)
+        else:
+            packed = self._packed_source(len(layers), so, ln)
+            if packed is not None:
+                sources["the request's pieces apart"] = packed
+        times, counts, spent_by = {}, {}, {}
+        for where, (srcs, offsets) in sources.items():
             for kind in ("memcpy", "streamed"):
                 which, spent = f"{kind} copy out of {where}", 0.0
                 for _ in range(self.MAX_COPIES_PER_ROUND):  # a short copy is taken a few times: one busy
                     t0 = time.perf_counter_ns()            # moment on a shared host must not set the figure
                     for src, dst in zip(srcs * len(layers), layers):
-                        _copy_pieces(dst, src, so, do, ln, kind == "streamed")
+                        _copy_pieces(dst, src, offsets, do, ln, kind == "streamed")
                     t = (time.perf_counter_ns() - t0) / 1e9
                     times[which] = min(times.get(which, t), t)
+                    counts[which] = counts.get(which, 0) + 1
                     spent += t
-                    self.last_copies += 1
-                    self.last_spent_s += t
                     if spent >= self.ROUND_S:
                         break
+                spent_by[which] = spent
         kind = min(times, key=times.get)
+        self.last_copies, self.last_spent_s = counts[kind], spent_by[kind]
         self.best_since_mark[key] = min(self.best_since_mark.get(key, times[kind]), times[kind])
         self.rounds[key] = self.rounds.get(key, 0) + 1
         if key not in self.best or times[kind] < self.best[key][0]:

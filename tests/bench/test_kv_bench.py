@@ -96,6 +96,38 @@ def test_the_floor_copies_each_layer_out_of_the_layer_half_the_cache_away():
                                                                    for a in cache.layers]) is None
 
 
+
+def test_floor_copies_out_of_the_requests_pieces_apart_where_a_whole_cache_does_not_fit():
+    import numpy as np
+
+    from qlink.ai import KVCache, plan_transfer, preset
+    from qlink.bench.kv import _Floor
+
+    spec = preset("tiny", num_blocks=64)
+    cache = KVCache.allocate(spec)
+    for a in cache.layers:
+        a.view(np.uint8).fill(0)
+    plan = plan_transfer([0, 3], [5, 1], src_num_blocks=64, dst_num_blocks=64, block_nbytes=spec.block_nbytes,
+                         num_planes=spec.num_planes)
+    f = _Floor(spare_nbytes=cache.nbytes - 1)  # no whole separate cache; the pieces alone fit
+    f.copy_s(cache, plan, key=(8, "scattered"))
+    assert f._separate is None and len(f._packed) == spec.num_layers
+    # the packed source is copied last (filled with 1): every destination piece holds it now
+    for a in cache.layers:
+        v = a.view(np.uint8).reshape(-1)
+        for d, nb in zip(plan.dst_offsets, plan.nbytes):
+            assert (v[d:d + nb] == 1).all()
+    assert f.last_copies >= 1 and f.last_spent_s > 0
+    # each piece keeps its offset within a page; fewer buffers than layers only past REUSE_MIN_NBYTES
+    so = np.asarray(plan.src_offsets, dtype=np.int64)
+    _, at = f._packed_source(spec.num_layers, so + 100, np.asarray(plan.nbytes, dtype=np.int64))
+    assert (at % 4096 == (so + 100) % 4096).all()
+    small = _Floor(spare_nbytes=2 * f._packed[0].size)  # two of the layers' buffers
+    assert small._packed_source(spec.num_layers, so, np.asarray(plan.nbytes, dtype=np.int64)) is None
+    small.REUSE_MIN_NBYTES = 1
+    bufs, _ = small._packed_source(spec.num_layers, so, np.asarray(plan.nbytes, dtype=np.int64))
+    assert len({id(b) for b in bufs}) < spec.num_layers == len(bufs)
+
 def test_modeled_rows_follow_the_link_catalog():
     rows = modeled_rows(450 * 10**9, tokens=1)
     nv = next(r for r in rows if r["case"].startswith("NVLink 4"))
