@@ -5,6 +5,7 @@ sends, :mod:`transports._tcp_wait` waits."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import select
@@ -88,6 +89,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._rlock = threading.Lock()
         self._rbuf = bytearray(read_ahead_nbytes)
         self._rmv = memoryview(self._rbuf)
+        self._inq = array.array("i", [0])  # FIONREAD: bytes the socket holds unread
         self._rpos = 0
         self._rend = 0
         self._ra_next = 0  # the next read-ahead's limit (0: the whole buffer)

@@ -11,8 +11,10 @@ method runs with the endpoint's receive lock held.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import termios
 
 import numpy as np
 
@@ -76,7 +78,28 @@ class TcpReceiveSide:
         Returns the size of a message delivered into ``out``, ``NOTE`` when a
         notification was queued, ``NOTHING`` when the socket has no more for now.
         A plain message (no tag) takes no call beyond this one and the socket's.
+        The PUTV_ACKs owed when the socket runs dry go then (see :meth:`_socket_dry`).
         """
+        r = self._pump_frames(out)
+        if self._ack_read > self._ack_told and (r == NOTHING or self._socket_dry()):
+            self._answer_ack()
+        return r
+
+    def _socket_dry(self) -> bool:
+        """Nothing read ahead and nothing more in the socket now. The PUTV_ACKs owed wait
+        while the peer's bytes keep coming: its sender is then still sending, not waiting
+        in ``flush``, and one answer counts every frame read (the count is cumulative),
+        where an answer per frame cost both sides a wake-up and a small send per layer of a
+        KV transfer. The answer goes once the socket is dry, whatever this call returns."""
+        if self._rend > self._rpos:
+            return False
+        try:
+            fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, self._inq)
+        except OSError:
+            return True
+        return self._inq[0] == 0
+
+    def _pump_frames(self, out: memoryview | None) -> int:
         rmv = self._rmv
         while True:
             cur = self._cur
@@ -292,9 +315,8 @@ class TcpReceiveSide:
         self._cur = None
         self._cur_dst = None
         self._cur_got = 0
-        if self._cur_flags & PUTV_ACK:  # its pages were lent to the socket: say they are read
+        if self._cur_flags & PUTV_ACK:  # its pages were lent to the socket: say they are read (_pump)
             self._ack_read += 1
-            self._answer_ack()
         note = self._putv_done(rid, nid, tag, phase != _V_SKIP)
         if note is not None:
             self._noteq.append(note)

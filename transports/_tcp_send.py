@@ -73,12 +73,14 @@ class TcpSendSide:
             self._wait_writable(deadline, what, timeout_s)
 
     def _flush_background(self) -> None:
-        if (self._pending is not None or self._ack_read > self._ack_told) and self._slock.acquire(blocking=False):
+        """Write what is left of a half-written frame (no thread of this side is sending),
+        then the PUTV_ACK it held back. Acks owed otherwise go when the socket runs dry
+        (``_pump``), or after the frame another thread is sending."""
+        if self._pending is not None and self._slock.acquire(blocking=False):
             try:
-                if self._pending is not None:
-                    k = self._write([self._pending])
-                    if k > 0:
-                        self._pending = self._pending[k:] if k < len(self._pending) else None
+                k = self._write([self._pending])
+                if k > 0:
+                    self._pending = self._pending[k:] if k < len(self._pending) else None
                 self._answer_ack_locked()
             finally:
                 self._slock.release()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -210,6 +211,32 @@ def test_the_peer_answers_a_putv_flagged_ack_with_its_count():
                 assert (ack[0], ack[5]) == (_tcp_frames.KIND_PUTV_ACK, k)
             assert bytes(target[8:24]) == b"\x01" * 8 + b"\x02" * 8
 
+
+
+def test_frames_flagged_ack_that_arrive_together_get_one_answer_once_the_socket_is_dry():
+    """Three PUTV frames flagged ACK sent in one write: while the next frame's bytes wait in
+    the socket, no answer goes; once it is dry, one PUTV_ACK counts all three (and nothing
+    else is sent)."""
+    with tcp.listen("tcp://127.0.0.1:0") as lis:
+        with _raw_v3_client(lis) as sock, lis.accept(timeout_s=5) as server:
+            target = np.zeros(64, np.uint8)
+            region = server.register(target)
+            wire = b""
+            for k in (1, 2, 3):
+                table = np.array([[8 * k, 8]], dtype="<u8").tobytes()
+                hdr = bytearray(fr.HEADER.size)
+                fr.HEADER.pack_into(hdr, 0, _tcp_frames.KIND_PUTV, _tcp_frames.PUTV_ACK, 0, region.region_id,
+                                    len(table) + 8, 1, k)
+                wire += bytes(hdr) + table + bytes([k]) * 8
+            sock.sendall(wire)
+            time.sleep(0.2)  # all of it in the server's socket before it reads
+            assert [server.wait_notification(timeout_s=5).notify_id for _ in range(3)] == [1, 2, 3]
+            ack = fr.HEADER.unpack(sock.recv(fr.HEADER.size, socket.MSG_WAITALL))
+            assert (ack[0], ack[5]) == (_tcp_frames.KIND_PUTV_ACK, 3)
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)  # one answer, not three
+            assert bytes(target[8:32]) == b"\x01" * 8 + b"\x02" * 8 + b"\x03" * 8
 
 def test_qlink_tcp_splice_0_has_deferred_puts_copied(monkeypatch):
     monkeypatch.setenv("QLINK_TCP_SPLICE", "0")
