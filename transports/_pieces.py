@@ -37,9 +37,6 @@ def check_pieces(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nb
     different lengths (or none) and pieces outside the source, RegistrationError for
     pieces outside the region.
     """
-    few = _few_checked(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes)
-    if few is not None:
-        return few
     if _first_bad is not None and type(nbytes) is np.ndarray and nbytes.dtype == np.int64 and nbytes.size \
             and type(src_offsets) is np.ndarray and src_offsets.dtype == np.int64 and src_offsets.ndim == 1 \
             and type(dst_offsets) is np.ndarray and dst_offsets.dtype == np.int64 and dst_offsets.ndim == 1 \
@@ -47,6 +44,9 @@ def check_pieces(src_offsets, dst_offsets, nbytes, *, src_nbytes: int, region_nb
             and src_offsets.flags.c_contiguous and dst_offsets.flags.c_contiguous and nbytes.flags.c_contiguous \
             and _first_bad(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes) < 0:
         return src_offsets, dst_offsets, nbytes  # int64 arrays, every piece good: one pass in C
+    few = _few_checked(src_offsets, dst_offsets, nbytes, src_nbytes, region_nbytes)
+    if few is not None:
+        return few
     arrays = []
     for name, v in (("src_offsets", src_offsets), ("dst_offsets", dst_offsets), ("nbytes", nbytes)):
         a = np.asarray(v)
@@ -133,9 +133,9 @@ def message_groups(ln: np.ndarray, *, entry_nbytes: int, max_nbytes: int) -> lis
     >>> message_groups(np.full(5, 1500), entry_nbytes=16, max_nbytes=4000)
     [(0, 2), (2, 4), (4, 5)]
     """
-    cum = np.cumsum(ln + entry_nbytes)
-    if int(cum[-1]) <= max_nbytes:
+    if int(ln.sum()) + entry_nbytes * ln.size <= max_nbytes:  # (one reduction: the usual case)
         return [(0, int(ln.size))]
+    cum = np.cumsum(ln + entry_nbytes)
     out, start, base = [], 0, 0
     while start < ln.size:
         stop = max(start + 1, int(np.searchsorted(cum, base + max_nbytes, side="right")))

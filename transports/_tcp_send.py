@@ -25,6 +25,7 @@ from ._tcp_splice import SplicePipe, rest_of, splice_pieces
 __all__ = ["TcpSendSide", "SMALL_SEND"]
 
 SMALL_SEND = 64 << 10  # payloads up to this are copied behind the header and sent in one call
+HEAD_IN_PIPE_MAX = 64 << 10  # a spliced frame's header and table up to this go into the pipe, ahead of the pieces
 _PEEK_FLAGS = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 try:
     _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
@@ -196,22 +197,64 @@ class TcpSendSide:
             self._sbuf[fr.HEADER.size:hsize] = tag
         parts = [self._smv[:hsize], memoryview(table.reshape(-1).view(np.uint8))]
         if splice:
-            self._send_parts(parts, hsize + count * PIECE_NBYTES, deadline=deadline, timeout_s=timeout_s,
-                             what="put_many", ends_frame=False)  # (the pieces follow: no ack between)
+            head = hsize + count * PIECE_NBYTES
             if not flags:  # the put_many's last frame: the peer answers once it has read it
                 self._ack_asked += 1
+            if head <= HEAD_IN_PIPE_MAX and self._head_into_pipe(parts, head):
+                self._splice_rest(src, so, ln, deadline=deadline, timeout_s=timeout_s, head=head,
+                                  asked=not flags)
+                return
+            try:
+                self._send_parts(parts, head, deadline=deadline, timeout_s=timeout_s,
+                                 what="put_many", ends_frame=False)  # (the pieces follow: no ack between)
+            except BaseException:
+                if not flags:
+                    self._ack_asked -= 1  # nothing of the frame went
+                raise
             self._splice_rest(src, so, ln, deadline=deadline, timeout_s=timeout_s)
             return
         parts += [src[s:s + k] for s, k in zip(so.tolist(), ln.tolist()) if k]
         self._send_parts(parts, hsize + payload, deadline=deadline, timeout_s=timeout_s, what="put_many")
 
-    def _splice_rest(self, src: memoryview, so, ln, *, deadline: float | None, timeout_s) -> None:
-        """The pieces of a PUTV frame whose header and table went: their pages by splice.
+    def _head_into_pipe(self, parts: list, head: int) -> bool:
+        """Write a spliced frame's header and table into the splice pipe (copied there),
+        so one ``splice`` hands TCP the header and the first pieces together: no
+        ``sendmsg`` of its own for the header, which on loopback cost a whole trip through
+        the TCP stack per KV layer. Owed PUTV_ACKs go first; False (nothing written) where
+        a half-written frame is still pending, the pipe is not empty or takes less than all
+        of it: the header then goes by ``sendmsg`` as before."""
+        if self._pending is not None:
+            return False
+        if self._ack_read > self._ack_told:
+            self._answer_ack_locked()
+            if self._pending is not None:
+                return False
+        self._check_peer("put_many")
+        pipe = self._splice_pipe
+        if pipe is None:
+            pipe = self._splice_pipe = SplicePipe.open()
+            if pipe is None:
+                return False
+        try:
+            k = os.writev(pipe.w, parts)
+        except (BlockingIOError, InterruptedError):
+            return False
+        if k != head:
+            pipe.drain(k)  # (a pipe that was not empty: never sent, thrown away)
+            return False
+        return True
+
+    def _splice_rest(self, src: memoryview, so, ln, *, deadline: float | None, timeout_s, head: int = 0,
+                     asked: bool = False) -> None:
+        """The pieces of a PUTV frame whose header and table went (or wait in the pipe:
+        ``head`` bytes, :meth:`_head_into_pipe`): their pages by splice.
         While the socket keeps taking bytes the loop retries at once (for up to the
         endpoint's ``busy_poll_s`` after the last bytes went: a sleeping sender costs the
         receiver a wake-up each time it makes room), then waits for room as a send does.
         Out of time after the frame began, the rest is kept as pending bytes (copied), as
-        :meth:`_send_parts` keeps it."""
+        :meth:`_send_parts` keeps it; out of time before any byte of it went (the header
+        still whole in the pipe), nothing is kept and the timeout is raised, as a send
+        that sent nothing raises it (``asked``: the frame asked for an ack, not owed now)."""
         so = np.ascontiguousarray(so, dtype=np.int64)
         ln = np.ascontiguousarray(ln, dtype=np.int64)
         if self._pending is not None:  # the header itself did not all go: the pieces follow it, copied
@@ -221,8 +264,10 @@ class TcpSendSide:
         if pipe is None:
             pipe = self._splice_pipe = SplicePipe.open()
         state = np.zeros(3, dtype=np.int64)
+        state[2] = head
         fd = self._sock.fileno()
         spin_ns, spin_until = int(self._busy_poll_s * 1e9), 0
+        went = 0
         while True:
             try:
                 k = splice_pieces(fd, pipe, src, so, ln, state)
@@ -236,10 +281,16 @@ class TcpSendSide:
             now = time.perf_counter_ns()
             if k:
                 spin_until = now + spin_ns
+                went += k
             if now < spin_until:
                 continue
             try:
                 self._wait_writable(deadline, "put_many", timeout_s)
             except QlinkTimeoutError:
+                if head and not went:  # nothing of this frame left: it was never sent
+                    pipe.drain(int(state[2]))
+                    if asked:
+                        self._ack_asked -= 1
+                    raise
                 self._pending = memoryview(rest_of(pipe, src, so, ln, state))
                 return

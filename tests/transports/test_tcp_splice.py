@@ -5,6 +5,7 @@ gets copies; malformed acknowledgements break the link."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -136,6 +137,42 @@ def test_a_spliced_put_out_of_time_keeps_the_rest_and_it_still_lands(pair):
     assert bytes(buf[:server.recv_into(buf, timeout_s=5)]) == b"after"
     client.flush(timeout_s=10)
 
+
+
+def test_a_spliced_frame_whose_header_never_left_the_pipe_raises_and_leaves_nothing_behind(pair):
+    """A spliced frame's header and table go into the splice pipe ahead of its pieces. With
+    the socket already full (the peer not reading), nothing of the next put_many leaves
+    before its timeout: it raises, keeps nothing (no pending bytes, the pipe empty, no ack
+    asked for it), and the stream stays whole: the earlier put and a later one land."""
+    from qlink.errors import QlinkTimeoutError
+
+    client, server = pair
+    rng = np.random.default_rng(6)
+    src = rng.integers(0, 256, 48 << 20, dtype=np.uint8)
+    target = np.zeros(src.size, np.uint8)
+    region = server.register(target)
+    client.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=1, timeout_s=0.3, defer=True)
+    assert client._pending is not None  # the socket is full; the first frame's rest is kept
+    tail = client._pending
+    client._pending = None  # (held back for a moment: the socket stays full for the next frame)
+    asked = client._ack_asked
+    small = np.full(1 << 20, 7, np.uint8)
+    with pytest.raises(QlinkTimeoutError):
+        client.put_many(small, region.descriptor(), [0], [0], [small.size], notify_id=9, timeout_s=0.2, defer=True)
+    assert client._pending is None and client._ack_asked == asked
+    with pytest.raises(BlockingIOError):
+        os.read(client._splice_pipe.r, 1)  # the header did not stay behind in the pipe
+    client._pending = tail
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("notes", [server.wait_notification(timeout_s=20).notify_id
+                                                                 for _ in range(2)]))
+    t.start()
+    src2 = np.full(src.size, 3, np.uint8)
+    client.put_many(src2, region.descriptor(), [0], [0], [4 << 20], notify_id=2, timeout_s=20, defer=True)
+    t.join(30)
+    assert got["notes"] == [1, 2]
+    assert (target[:4 << 20] == 3).all() and np.array_equal(target[4 << 20:], src[4 << 20:])
+    client.flush(timeout_s=10)
 
 def test_a_version_2_peer_gets_copies_and_flush_returns_at_once():
     with tcp.listen("tcp://127.0.0.1:0") as lis:
