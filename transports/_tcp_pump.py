@@ -42,6 +42,19 @@ _unpack_header = fr.HEADER.unpack_from
 _HSIZE = fr.HEADER.size
 
 
+try:  # one C pass over the table (the C ring's build); NumPy's where it is missing
+    from ._ringc import first_bad_piece as _first_bad
+except ImportError:
+    _first_bad = None
+
+
+def _outside(do: np.ndarray, ln: np.ndarray, limit: int) -> bool:
+    """Whether some piece ``[do[i], do[i] + ln[i])`` (int64 arrays) falls outside ``[0, limit)``."""
+    if _first_bad is not None:
+        return _first_bad(do, do, ln, limit, limit) >= 0
+    return bool(((do < 0) | (ln < 0) | (ln > limit) | (do > limit - ln)).any())
+
+
 class TcpReceiveSide:
     """Frames in: the read-ahead buffer, the frame in progress, the queues set aside."""
 
@@ -329,7 +342,7 @@ class TcpReceiveSide:
         rid, count = self._cur[1], self._cur[3]
         table = np.frombuffer(self._cur_dst, dtype="<u8", count=2 * count).reshape(count, 2)
         do, ln = table[:, 0], table[:, 1]
-        if (ln > fr.MAX_FRAME_PAYLOAD).any() or int(ln.sum()) != n - tab_n:
+        if int(ln.max()) > fr.MAX_FRAME_PAYLOAD or int(ln.sum()) != n - tab_n:
             self._bad_frame(WireError(f"PUTV frame of {n} bytes: its {count} pieces add up to {int(ln.sum())} "
                                       f"bytes, not the {n - tab_n} after the table"))
             self._cur = self._cur_dst = self._vspan = None
@@ -337,13 +350,13 @@ class TcpReceiveSide:
         entry = self._regions.get(rid)
         limit = 0 if entry is None else entry[0].nbytes
         self._cur_got = tab_n
-        if entry is None or ((do > limit) | (ln > limit - np.minimum(do, limit))).any():
+        do, ln = do.astype(np.int64), ln.astype(np.int64)  # (an offset of 2**63 or more turns negative: refused)
+        if entry is None or _outside(do, ln, limit):
             self._puts_rejected += 1  # deregistered while the put was in flight, or a bad peer
             self._counters.errors += 1
             self._cur_dst = None
             self._vphase = _V_SKIP
             return _V_SKIP
-        do, ln = do.astype(np.int64), ln.astype(np.int64)  # (checked above, while still unsigned)
         self._vlo, self._vhi = span(do, ln)
         if recv_pieces is not None and n - tab_n >= _NATIVE_PIECE * count:
             self._vdo, self._vln = do, ln
