@@ -200,21 +200,26 @@ class _Floor:
     def _packed_source(self, num_layers: int, so: np.ndarray, ln: np.ndarray) -> tuple[list, np.ndarray] | None:
         """The request's source pieces apart from the receiver's cache: ``(one buffer per layer,
         the pieces' offsets in it)``, each piece at its own offset within a page, the pieces
-        in their order. Fewer buffers than layers (taken in turn) where all would not fit
+        in the order of their source offsets (a copy of scattered pieces jumps about as it
+        does in the sender's cache, not along one stream). Fewer buffers than layers (taken
+        in turn) where all would not fit
         ``spare_nbytes``, as long as they span ``REUSE_MIN_NBYTES``; None where even that
         does not fit. The buffers are kept for the next request that fits them.
 
         >>> f = _Floor(spare_nbytes=1 << 20)
         >>> bufs, at = f._packed_source(4, np.array([4096 * 9 + 10, 0]), np.array([100, 5000]))
         >>> len(bufs), bufs[0].size, at.tolist()
-        (4, 12288, [10, 4096])
+        (4, 12288, [8202, 0])
         >>> _Floor(spare_nbytes=4096)._packed_source(4, np.array([0]), np.array([8192])) is None
         True
         """
         page = 4096
         lead = so % page
         spans = (lead + ln + page - 1) // page * page
-        at = np.concatenate([[0], np.cumsum(spans)[:-1]]).astype(np.int64) + lead
+        order = np.argsort(so, kind="stable")  # laid out in the order of their source offsets: the copy
+        at = np.empty_like(so)                  # visits them in the same pattern of jumps as the original
+        at[order] = np.concatenate([[0], np.cumsum(spans[order])[:-1]])
+        at += lead
         nbytes = int(spans.sum())
         count = min(num_layers, self.spare_nbytes // max(nbytes, 1))
         if count < 1 or (count < num_layers and count * nbytes < self.REUSE_MIN_NBYTES):
