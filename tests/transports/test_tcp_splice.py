@@ -115,17 +115,23 @@ def test_a_put_many_not_deferred_is_copied_and_a_small_one_too(pair):
     client.flush(timeout_s=0.01)  # nothing to wait for
 
 
+
+def _put_out_of_time(client, server, *, seed: int, notify_id: int):
+    """A 48 MiB deferred put_many into a peer that does not read: it returns at its timeout
+    with the frame begun and the rest kept (the socket full). ``(src, target, region)``."""
+    src = np.random.default_rng(seed).integers(0, 256, 48 << 20, dtype=np.uint8)
+    target = np.zeros(src.size, np.uint8)
+    region = server.register(target)
+    client.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=notify_id, timeout_s=0.3, defer=True)
+    assert client._pending is not None  # the rest is kept
+    return src, target, region
+
 def test_a_spliced_put_out_of_time_keeps_the_rest_and_it_still_lands(pair):
     """The socket fills while the peer does not read: put_many returns at its timeout with the
     frame begun, keeps the rest (the pipe's bytes and the pieces not yet sent), and the next
     call writes it; every byte lands in order."""
     client, server = pair
-    rng = np.random.default_rng(5)
-    src = rng.integers(0, 256, 48 << 20, dtype=np.uint8)
-    target = np.zeros(src.size, np.uint8)
-    region = server.register(target)
-    client.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=2, timeout_s=0.3, defer=True)
-    assert client._pending is not None  # the rest is kept
+    src, target, region = _put_out_of_time(client, server, seed=5, notify_id=2)
     got = {}
     t = threading.Thread(target=lambda: got.setdefault("note", server.wait_notification(timeout_s=20)))
     t.start()
@@ -147,12 +153,7 @@ def test_a_spliced_frame_whose_header_never_left_the_pipe_raises_and_leaves_noth
     from qlink.errors import QlinkTimeoutError
 
     client, server = pair
-    rng = np.random.default_rng(6)
-    src = rng.integers(0, 256, 48 << 20, dtype=np.uint8)
-    target = np.zeros(src.size, np.uint8)
-    region = server.register(target)
-    client.put_many(src, region.descriptor(), [0], [0], [src.size], notify_id=1, timeout_s=0.3, defer=True)
-    assert client._pending is not None  # the socket is full; the first frame's rest is kept
+    src, target, region = _put_out_of_time(client, server, seed=6, notify_id=1)
     tail = client._pending
     client._pending = None  # (held back for a moment: the socket stays full for the next frame)
     asked = client._ack_asked
