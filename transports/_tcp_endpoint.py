@@ -365,8 +365,8 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
 
     def flush(self, *, timeout_s: float | None = None) -> None:
         """Wait until the peer has read every spliced (deferred) put_many so far: the last
-        frame of each asks the peer to say so (a PUTV_ACK) as soon as it has read it. Returns
-        at once when every such put_many was confirmed already."""
+        frame of each asks the peer to say so (a PUTV_ACK, sent once the peer's socket runs
+        dry). Returns at once when every such put_many was confirmed already."""
         self._check_open()
         if self._ack_heard >= self._ack_asked:
             return

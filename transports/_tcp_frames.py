@@ -5,7 +5,8 @@ put_many larger than one frame goes as several PUTV frames, all but the last fla
 Protocol version 3 adds the PUTV flag ACK and the frame PUTV_ACK (kind 6, header only): a side
 that has read a PUTV frame flagged ACK answers with a PUTV_ACK whose ``offset`` counts the ACK
 frames it has read so far; that is how a sender learns that the pages of its spliced
-(deferred) puts are free again.
+(deferred) puts are free again. The count is cumulative, so one answer may cover several
+frames: qlink answers once its socket runs dry, not while the next frame's bytes are there.
 
 >>> import socket
 
