@@ -198,19 +198,16 @@ class TcpSendSide:
         parts = [self._smv[:hsize], memoryview(table.reshape(-1).view(np.uint8))]
         if splice:
             head = hsize + count * PIECE_NBYTES
-            if not flags:  # the put_many's last frame: the peer answers once it has read it
-                self._ack_asked += 1
             if head <= HEAD_IN_PIPE_MAX and self._head_into_pipe(parts, head):
+                if not flags:  # the put_many's last frame: the peer answers once it has read it
+                    self._ack_asked += 1
                 self._splice_rest(src, so, ln, deadline=deadline, timeout_s=timeout_s, head=head,
                                   asked=not flags)
                 return
-            try:
-                self._send_parts(parts, head, deadline=deadline, timeout_s=timeout_s,
-                                 what="put_many", ends_frame=False)  # (the pieces follow: no ack between)
-            except BaseException:
-                if not flags:
-                    self._ack_asked -= 1  # nothing of the frame went
-                raise
+            self._send_parts(parts, head, deadline=deadline, timeout_s=timeout_s,
+                             what="put_many", ends_frame=False)  # (the pieces follow: no ack between)
+            if not flags:
+                self._ack_asked += 1
             self._splice_rest(src, so, ln, deadline=deadline, timeout_s=timeout_s)
             return
         parts += [src[s:s + k] for s, k in zip(so.tolist(), ln.tolist()) if k]
@@ -221,8 +218,10 @@ class TcpSendSide:
         so one ``splice`` hands TCP the header and the first pieces together: no
         ``sendmsg`` of its own for the header, which on loopback cost a whole trip through
         the TCP stack per KV layer. Owed PUTV_ACKs go first; False (nothing written) where
-        a half-written frame is still pending, the pipe is not empty or takes less than all
-        of it: the header then goes by ``sendmsg`` as before."""
+        a half-written frame is still pending: the header then goes by ``sendmsg`` as
+        before. The pipe is empty between frames (what a frame out of time leaves in it is
+        taken back out), so it takes all of it at once; a pipe that does not breaks the
+        link (BrokenLinkError) rather than let bytes go out of order."""
         if self._pending is not None:
             return False
         if self._ack_read > self._ack_told:
@@ -237,11 +236,13 @@ class TcpSendSide:
                 return False
         try:
             k = os.writev(pipe.w, parts)
-        except (BlockingIOError, InterruptedError):
-            return False
-        if k != head:
-            pipe.drain(k)  # (a pipe that was not empty: never sent, thrown away)
-            return False
+        except InterruptedError:
+            return False  # (nothing written)
+        except BlockingIOError:
+            k = 0
+        if k != head:  # only a pipe holding bytes already could: the stream's order is lost
+            self._mark_dead(f"the splice pipe took {k} of a {head}-byte frame header; it was not empty", None)
+            self._raise_broken("put_many")
         return True
 
     def _splice_rest(self, src: memoryview, so, ln, *, deadline: float | None, timeout_s, head: int = 0,

@@ -175,6 +175,21 @@ def test_a_spliced_frame_whose_header_never_left_the_pipe_raises_and_leaves_noth
     assert (target[:4 << 20] == 3).all() and np.array_equal(target[4 << 20:], src[4 << 20:])
     client.flush(timeout_s=10)
 
+
+def test_a_splice_pipe_found_holding_bytes_breaks_the_link_rather_than_send_out_of_order(pair):
+    """Between frames the splice pipe is empty. Should it hold bytes when a frame's header goes
+    in (and so take only part of it), the stream's order is lost: the link is marked broken
+    with that reason and the put raises BrokenLinkError; nothing is sent out of order."""
+    client, server = pair
+    client._splice_pipe = pipe = _tcp_splice.SplicePipe.open()
+    os.write(pipe.w, bytes(pipe.nbytes - 8))  # all but 8 bytes of room: a header does not fit
+    target = np.zeros(_tcp_splice.ZERO_COPY_MIN_NBYTES, np.uint8)
+    region = server.register(target)
+    src = np.ones(target.size, np.uint8)
+    with pytest.raises(BrokenLinkError, match="splice pipe took 0 of a .*-byte frame header; it was not empty"):
+        client.put_many(src, region.descriptor(), [0], [0], [src.size], timeout_s=5, defer=True)
+    assert client.closed or client._dead is not None
+
 def test_a_version_2_peer_gets_copies_and_flush_returns_at_once():
     with tcp.listen("tcp://127.0.0.1:0") as lis:
         host, port = lis.url.removeprefix("tcp://").rsplit(":", 1)
