@@ -202,9 +202,9 @@ class _Floor:
         the pieces' offsets in it)``, each piece at its own offset within a page, the pieces
         in the order of their source offsets (a copy of scattered pieces jumps about as it
         does in the sender's cache, not along one stream). Fewer buffers than layers (taken
-        in turn) where all would not fit
-        ``spare_nbytes``, as long as they span ``REUSE_MIN_NBYTES``; None where even that
-        does not fit. The buffers are kept for the next request that fits them.
+        in turn) where all would not fit ``spare_nbytes``, as long as they span
+        ``REUSE_MIN_NBYTES``; None where even that does not fit. The buffers are kept for the
+        next request that fits them.
 
         >>> f = _Floor(spare_nbytes=1 << 20)
         >>> bufs, at = f._packed_source(4, np.array([4096 * 9 + 10, 0]), np.array([100, 5000]))
