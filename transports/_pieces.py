@@ -77,6 +77,18 @@ except ImportError:
     _first_bad = None
 
 
+def outside(do: np.ndarray, ln: np.ndarray, limit: int) -> bool:
+    """Whether some piece ``[do[i], do[i] + ln[i])`` (int64 arrays of one length) falls outside
+    ``[0, limit)``: a received table's check against its region (one C pass where built).
+
+    >>> outside(np.array([0, 8]), np.array([8, 8]), 16), outside(np.array([-1]), np.array([1]), 16)
+    (False, True)
+    """
+    if _first_bad is not None:
+        return _first_bad(do, do, ln, limit, limit) >= 0
+    return bool(((do < 0) | (ln < 0) | (ln > limit) | (do > limit - ln)).any())
+
+
 def _few_ok(src_offsets, dst_offsets, nbytes, src_nbytes: int, region_nbytes: int) -> list | None:
     """The pieces as ``(src_offset, dst_offset, nbytes)`` int tuples when they are few
     (up to ``_FEW``, Python ints or a short integer array each) and all good; else None

@@ -22,7 +22,7 @@ from qlink.errors import WireError
 
 from . import framing as fr
 from ._base import BufferTooSmallError, Notification
-from ._pieces import copy_pieces, span
+from ._pieces import copy_pieces, outside, span
 from ._tcp_frames import (KIND_PUTV, KIND_PUTV_ACK, PIECE_NBYTES, PUTV_ACK, PUTV_MORE, check_ack_header,
                           check_putv_header)
 from ._tcp_splice import recv_pieces
@@ -40,19 +40,6 @@ _V_TABLE, _V_DIRECT, _V_STAGED, _V_SKIP, _V_NATIVE = range(5)  # the phases of a
 
 _unpack_header = fr.HEADER.unpack_from
 _HSIZE = fr.HEADER.size
-
-
-try:  # one C pass over the table (the C ring's build); NumPy's where it is missing
-    from ._ringc import first_bad_piece as _first_bad
-except ImportError:
-    _first_bad = None
-
-
-def _outside(do: np.ndarray, ln: np.ndarray, limit: int) -> bool:
-    """Whether some piece ``[do[i], do[i] + ln[i])`` (int64 arrays) falls outside ``[0, limit)``."""
-    if _first_bad is not None:
-        return _first_bad(do, do, ln, limit, limit) >= 0
-    return bool(((do < 0) | (ln < 0) | (ln > limit) | (do > limit - ln)).any())
 
 
 class TcpReceiveSide:
@@ -351,7 +338,7 @@ class TcpReceiveSide:
         limit = 0 if entry is None else entry[0].nbytes
         self._cur_got = tab_n
         do, ln = do.astype(np.int64), ln.astype(np.int64)  # (an offset of 2**63 or more turns negative: refused)
-        if entry is None or _outside(do, ln, limit):
+        if entry is None or outside(do, ln, limit):
             self._puts_rejected += 1  # deregistered while the put was in flight, or a bad peer
             self._counters.errors += 1
             self._cur_dst = None
