@@ -131,6 +131,23 @@ class TcpSendSide:
             parts = [self._smv[:hsize], src]
         self._send_parts(parts, hsize + n, deadline=deadline, timeout_s=timeout_s, nowait=nowait, what=what)
 
+    def _before_frame(self, deadline: float | None, timeout_s, nowait: bool, what: str) -> None:
+        """What must go before a new frame (the caller holds _slock): the rest of a
+        half-written one, then an owed PUTV_ACK; then the check that the peer is still there."""
+        if self._pending is not None:
+            self._flush_pending(deadline, timeout_s, nowait, what)
+        if self._ack_read > self._ack_told:
+            self._answer_ack_locked()
+            if self._pending is not None:
+                self._flush_pending(deadline, timeout_s, nowait, what)
+        self._check_peer(what)
+
+    def _pipe(self) -> SplicePipe | None:
+        """The endpoint's splice pipe, opened on first use (None where splice is not built)."""
+        if self._splice_pipe is None:
+            self._splice_pipe = SplicePipe.open()
+        return self._splice_pipe
+
     def _send_parts(self, parts: list, total: int, *, deadline: float | None, timeout_s, what: str,
                     nowait: bool = False, ends_frame: bool = True) -> None:
         """Write one frame given as a list of buffers (sendmsg, at most IOV_MAX at a time);
@@ -139,13 +156,7 @@ class TcpSendSide:
         the caller may reuse its buffers) in _pending and written before anything else;
         any later call on this endpoint flushes it. An owed PUTV_ACK goes before the frame,
         and after it unless ``ends_frame`` is False (a spliced frame's pieces follow)."""
-        if self._pending is not None:
-            self._flush_pending(deadline, timeout_s, nowait, what)
-        if self._ack_read > self._ack_told:
-            self._answer_ack_locked()
-            if self._pending is not None:
-                self._flush_pending(deadline, timeout_s, nowait, what)
-        self._check_peer(what)
+        self._before_frame(deadline, timeout_s, nowait, what)
         i, sent = 0, 0
         while True:
             batch = parts[i:i + _IOV_MAX]
@@ -198,7 +209,8 @@ class TcpSendSide:
         parts = [self._smv[:hsize], memoryview(table.reshape(-1).view(np.uint8))]
         if splice:
             head = hsize + count * PIECE_NBYTES
-            if head <= HEAD_IN_PIPE_MAX and self._head_into_pipe(parts, head):
+            if head <= HEAD_IN_PIPE_MAX and self._head_into_pipe(parts, head, deadline=deadline,
+                                                                  timeout_s=timeout_s):
                 if not flags:  # the put_many's last frame: the peer answers once it has read it
                     self._ack_asked += 1
                 self._splice_rest(src, so, ln, deadline=deadline, timeout_s=timeout_s, head=head,
@@ -213,27 +225,20 @@ class TcpSendSide:
         parts += [src[s:s + k] for s, k in zip(so.tolist(), ln.tolist()) if k]
         self._send_parts(parts, hsize + payload, deadline=deadline, timeout_s=timeout_s, what="put_many")
 
-    def _head_into_pipe(self, parts: list, head: int) -> bool:
+    def _head_into_pipe(self, parts: list, head: int, *, deadline: float | None, timeout_s) -> bool:
         """Write a spliced frame's header and table into the splice pipe (copied there),
         so one ``splice`` hands TCP the header and the first pieces together: no
         ``sendmsg`` of its own for the header, which on loopback cost a whole trip through
-        the TCP stack per KV layer. Owed PUTV_ACKs go first; False (nothing written) where
-        a half-written frame is still pending: the header then goes by ``sendmsg`` as
-        before. The pipe is empty between frames (what a frame out of time leaves in it is
-        taken back out), so it takes all of it at once; a pipe that does not breaks the
+        the TCP stack per KV layer. What goes before any frame goes first (a half-written
+        frame's rest, an owed PUTV_ACK: :meth:`_before_frame`); False (nothing of this frame
+        written) where there is no pipe or the write was interrupted: the header then goes by
+        ``sendmsg``. The pipe is empty between frames (what a frame out of time leaves in it
+        is taken back out), so it takes all of it at once; a pipe that does not breaks the
         link (BrokenLinkError) rather than let bytes go out of order."""
-        if self._pending is not None:
-            return False
-        if self._ack_read > self._ack_told:
-            self._answer_ack_locked()
-            if self._pending is not None:
-                return False
-        self._check_peer("put_many")
-        pipe = self._splice_pipe
+        self._before_frame(deadline, timeout_s, False, "put_many")
+        pipe = self._pipe()
         if pipe is None:
-            pipe = self._splice_pipe = SplicePipe.open()
-            if pipe is None:
-                return False
+            return False
         try:
             k = os.writev(pipe.w, parts)
         except InterruptedError:
@@ -261,9 +266,7 @@ class TcpSendSide:
         if self._pending is not None:  # the header itself did not all go: the pieces follow it, copied
             self._pending = memoryview(bytes(self._pending) + rest_of(None, src, so, ln, np.zeros(3, np.int64)))
             return
-        pipe = self._splice_pipe
-        if pipe is None:
-            pipe = self._splice_pipe = SplicePipe.open()
+        pipe = self._pipe()
         state = np.zeros(3, dtype=np.int64)
         state[2] = head
         fd = self._sock.fileno()
