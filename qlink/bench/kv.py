@@ -190,11 +190,7 @@ class _Floor:
         self._separate = None
         if sum(sizes) > self.spare_nbytes:
             return None
-        from qlink.memory import alloc
-
-        self._separate = [alloc(n, dtype=np.uint8) for n in sizes]
-        for v in self._separate:
-            v.fill(1)
+        self._separate = [_faulted_in(n) for n in sizes]
         return self._separate
 
     def _packed_source(self, num_layers: int, so: np.ndarray, ln: np.ndarray) -> tuple[list, np.ndarray] | None:
@@ -226,12 +222,8 @@ class _Floor:
             self._packed = None
             return None
         if self._packed is None or len(self._packed) < count or self._packed[0].size < nbytes:
-            from qlink.memory import alloc
-
             self._packed = None  # the old buffers go before the new ones are made
-            self._packed = [alloc(nbytes, dtype=np.uint8) for _ in range(count)]
-            for v in self._packed:
-                v.fill(1)
+            self._packed = [_faulted_in(nbytes) for _ in range(count)]
         bufs = self._packed[:count]
         return [bufs[k % count] for k in range(num_layers)], at
 
@@ -254,11 +246,8 @@ class _Floor:
         do = np.ascontiguousarray(plan.dst_offsets, dtype=np.int64)
         ln = np.ascontiguousarray(plan.nbytes, dtype=np.int64)
         if len(layers) == 1:  # no other layer to copy from: one more buffer like it
-            from qlink.memory import alloc
-
             if self._shadow is None or self._shadow.size != layers[0].size:
-                self._shadow = alloc(layers[0].size, dtype=np.uint8)
-                self._shadow.fill(1)
+                self._shadow = _faulted_in(layers[0].size)
             srcs = [self._shadow]
         else:  # half the cache away: never a source the CPU's cache still holds when it is written
             half = len(layers) // 2
@@ -295,6 +284,16 @@ class _Floor:
         return times[kind]
 
 
+def _faulted_in(nbytes: int, *, value: int = 1) -> np.ndarray:
+    """``nbytes`` of :func:`qlink.memory.alloc` memory (as the KV caches are), every page
+    faulted in (filled with ``value``) before anything is timed on it."""
+    from qlink.memory import alloc
+
+    buf = alloc(nbytes, dtype=np.uint8)
+    buf.fill(value)
+    return buf
+
+
 def _copy_pieces(dst, src, so, do, ln, streaming: bool) -> None:
     try:
         from transports._ringc import copy_pieces
@@ -311,13 +310,8 @@ def memcpy_layers_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3) -> 
     distinct destinations with NumPy: the same bytes, buffers and page footprint as one
     request moved layer by layer (no cache-hot reuse of one pair). The best round, so a
     busy moment never lowers the floor a transfer is set against."""
-    from qlink.memory import alloc
-
-    src = [alloc(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
-    dst = [alloc(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
-    for s, d in zip(src, dst):  # fault every page in before timing
-        s.fill(1)
-        d.fill(0)
+    src = [_faulted_in(layer_nbytes) for _ in range(num_layers)]  # every page faulted in before timing
+    dst = [_faulted_in(layer_nbytes, value=0) for _ in range(num_layers)]
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter_ns()
@@ -336,11 +330,7 @@ def crc32_layers_s(*, layer_nbytes: int, num_layers: int, repeats: int = 3) -> f
     """
     import zlib
 
-    from qlink.memory import alloc
-
-    bufs = [alloc(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
-    for b in bufs:
-        b.fill(1)
+    bufs = [_faulted_in(layer_nbytes) for _ in range(num_layers)]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter_ns()
