@@ -227,10 +227,11 @@ class _Floor:
         bufs = self._packed[:count]
         return [bufs[k % count] for k in range(num_layers)], at
 
-    def copy_s(self, cache, plan, *, key: tuple) -> float:
+    def copy_s(self, cache, plan, *, key: tuple, record: bool = True) -> float:
         """Seconds of the fastest copy of ``plan``'s pieces into every layer of ``cache`` (each
         out of the layer half the cache away, and out of a source apart from the cache where
-        one fits); recorded under ``key`` when it beats the best so far.
+        one fits); recorded under ``key`` when it beats the best so far (``record`` False: a
+        warm-up round, beside the transfer's own warm-up, counted in neither).
 
         >>> from qlink.ai import KVCache, preset
         >>> from qlink.ai import plan_transfer
@@ -277,6 +278,8 @@ class _Floor:
                 spent_by[which] = spent
         kind = min(times, key=times.get)
         self.last_copies, self.last_spent_s = counts[kind], spent_by[kind]
+        if not record:
+            return times[kind]
         self.best_since_mark[key] = min(self.best_since_mark.get(key, times[kind]), times[kind])
         self.rounds[key] = self.rounds.get(key, 0) + 1
         if key not in self.best or times[kind] < self.best[key][0]:
@@ -405,91 +408,122 @@ def _measure_backend(scheme: str, backend: str, spec, token_list, patterns, repe
 
 def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, floor, variant, rng, sock,
                     tcp_floor, moon=(), moon_times=None) -> list[dict]:
-    """The rounds of :func:`_measure_backend`, over one link."""
+    """The rounds of :func:`_measure_backend`, over one link. The cases (token counts x patterns)
+    take their rounds in turn (round 1 of every case, then round 2...), not all of one case's
+    rounds back to back: a slow spell of the shared host (seconds long, here) then costs one
+    round of several cases, which their best round leaves out, instead of every round of one."""
     from qlink.ai.peer import open_link
 
     from ._kv_tcp_floor import modes as floor_modes
 
-    rows = []
     nixl = backend == "nixl"
     sock_modes = floor_modes()
     floor.mark()
+    cases = []
+    for n_tokens in token_list:
+        nblocks = spec.blocks_for(num_tokens=n_tokens)
+        for pattern in patterns:
+            src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
+            cases.append({"tokens": n_tokens, "pattern": pattern, "nblocks": nblocks, "src": src, "dst": dst,
+                          "plan": _plan(spec, src, dst), "times_us": [], "subs": [], "pulled": []})
     with open_link(scheme, spec, seed=0, backend=backend, fill="touch") as (rx, cache, peer):
         for a in cache.layers:  # fault the receiver's pages in before any timing
             a.view(np.uint8).fill(0)
         rid = 0
-        for n_tokens in token_list:
-            nblocks = spec.blocks_for(num_tokens=n_tokens)
-            for pattern in patterns:
-                src, dst = _blocks(pattern, nblocks, spec.num_blocks, rng)
-                plan = _plan(spec, src, dst)
-                times_us, subs, pulled = [], [], []
-                for rep in range(repeats + 1):  # the first is a warm-up
-                    floor.copy_s(cache, plan, key=(n_tokens, pattern))
-                    if sock is not None and rep:  # as many samples as the transfer takes (below), per end kind
-                        for k in range(len(sock_modes) * max(1, floor.last_copies)):  # each kind of ends in turn
-                            sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers,
-                                               mode=sock_modes[k % len(sock_modes)])
-                            tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
-                    for pair in list(moon):  # the first round of each is its warm-up, as the transfer's
-                        try:
-                            sec = pair.write(plan, range(spec.num_layers))
-                        except (RuntimeError, TimeoutError, OSError, EOFError) as e:  # the peer's failure, not qlink's
-                            moon.remove(pair)  # measured no further; qlink's rounds go on
-                            moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(
-                                f"{type(e).__name__}: {e}")
-                            say(f"  Mooncake, slice {pair.slice_nbytes // 1024} KiB, {n_tokens} tok {pattern}: "
-                                f"{type(e).__name__}: {e}; not measured further in this run")
-                            continue
-                        if rep:
-                            moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(sec)
-                    spent_s = 0.0
-                    for _ in range(floor.last_copies if rep else 1):  # as many samples as the floor's round
-                        rid += 1
-                        before = _pulled_bytes(rx)
-                        if nixl:
-                            sub, rec = None, rx.read_request(rid, src, dst, timeout_s=600)
-                        else:
-                            sub, rec = peer.transfer(rx, rid, src, dst, timeout_s=600)
-                        if not rep:
-                            break
-                        times_us.append(rec.submit_to_last_us)
-                        subs.append(sub)
-                        pulled.append((_pulled_bytes(rx) - before) / max(1, rec.nbytes))
-                        spent_s += rec.submit_to_last_us / 1e6
-                        if spent_s >= floor.last_spent_s:  # and no longer than they took (a slow peer: fewer)
-                            break
+        for rep in range(repeats + 1):  # the first is a warm-up
+            for case in cases:
+                rid, rec, sub = _one_round(case, rep, rid, spec=spec, rx=rx, cache=cache, peer=peer, nixl=nixl,
+                                           floor=floor, sock=sock, sock_modes=sock_modes, tcp_floor=tcp_floor,
+                                           moon=moon, moon_times=moon_times, say=say)
+                case["rec"], case["sub"] = rec, sub
                 if nixl:  # the bytes really moved: the sender fills layer k with k % 251 + 1
-                    _check_landed(cache, plan)
-                nbytes = rec.nbytes
-                t_us = float(np.median(times_us))
-                gbps = nbytes / (t_us * 1e3)
-                best_gbps = nbytes / (min(times_us) * 1e3)
-                blocks = 2 * nblocks * spec.num_layers
-                label = "NIXL UCX READ" if nixl else f"qlink {scheme} {sub.mode}{variant}"
-                rows.append({
-                    "case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
-                    "p50_ms": float(f"{t_us / 1e3:.4g}"), "GBps": float(f"{gbps:.4g}"),
-                    "best_GBps": float(f"{best_gbps:.4g}"),
-                    "num_descs": rec.num_descs, "transport": rec.transport,
-                    "moved_by": "NIXL" if nixl else "receiver" if min(pulled) >= 1 else
-                    "both" if max(pulled) > 0 else "sender",
-                    "read_by_receiver": None if nixl else round(float(np.median(pulled)), 3),
-                    "prep_us_per_block": None if nixl else
-                    round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
-                    "submit_us_per_block": None if nixl else
-                    round(float(np.median([s.submit_us for s in subs])) / blocks, 4),
-                    "repeats": repeats, "transfers": len(times_us),
-                })
-                same = floor.best_since_mark.get((n_tokens, pattern))
-                rows[-1]["floor_GBps_same_minutes"] = float(f"{nbytes / same / 1e9:.4g}") if same else None
-                if scheme == "shm" and not nixl:
-                    rows[-1]["pull_copy"] = _pull_copy()
-                if scheme == "ucx" and not nixl:
-                    rows[-1]["rma_pieces_by"] = _rma_pieces_by(rx)
-                say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s (best {best_gbps:.2f})  "
-                    f"{rec.num_descs} descriptors")
+                    _check_landed(cache, case["plan"])
+            if rep:
+                say(f"  {'NIXL UCX READ' if nixl else f'qlink {scheme}{variant}'}: round {rep} of {repeats} done")
+        rows = [_round_row(case, scheme=scheme, nixl=nixl, variant=variant, spec=spec, floor=floor, rx=rx,
+                           repeats=repeats, say=say)
+                for case in cases]
     return rows
+
+
+def _one_round(case: dict, rep: int, rid: int, *, spec, rx, cache, peer, nixl: bool, floor: _Floor, sock,
+               sock_modes, tcp_floor, moon, moon_times, say):
+    """One round of one case: the floor's copies of its pieces, the bare socket's and each
+    Mooncake pair's rounds where given, then as many transfers as the floor's fastest kind of
+    copy took samples (``rep`` 0: one warm-up of each, nothing recorded). Returns ``(the last
+    request id used, the last transfer's record, its submit record)``."""
+    n_tokens, pattern, plan = case["tokens"], case["pattern"], case["plan"]
+    floor.copy_s(cache, plan, key=(n_tokens, pattern), record=bool(rep))
+    if sock is not None and rep:  # as many samples as the transfer takes (below), per end kind
+        for k in range(len(sock_modes) * max(1, floor.last_copies)):  # each kind of ends in turn
+            sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers,
+                               mode=sock_modes[k % len(sock_modes)])
+            tcp_floor[n_tokens] = min(tcp_floor.get(n_tokens, sec), sec)
+    for pair in list(moon):  # the first round of each is its warm-up, as the transfer's
+        try:
+            sec = pair.write(plan, range(spec.num_layers))
+        except (RuntimeError, TimeoutError, OSError, EOFError) as e:  # the peer's failure, not qlink's
+            moon.remove(pair)  # measured no further; qlink's rounds go on
+            moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(
+                f"{type(e).__name__}: {e}")
+            say(f"  Mooncake, slice {pair.slice_nbytes // 1024} KiB, {n_tokens} tok {pattern}: "
+                f"{type(e).__name__}: {e}; not measured further in this run")
+            continue
+        if rep:
+            moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(sec)
+    spent_s, sub, rec = 0.0, None, None
+    for _ in range(floor.last_copies if rep else 1):  # as many samples as the floor's round
+        rid += 1
+        before = _pulled_bytes(rx)
+        if nixl:
+            sub, rec = None, rx.read_request(rid, case["src"], case["dst"], timeout_s=600)
+        else:
+            sub, rec = peer.transfer(rx, rid, case["src"], case["dst"], timeout_s=600)
+        if not rep:
+            break
+        case["times_us"].append(rec.submit_to_last_us)
+        case["subs"].append(sub)
+        case["pulled"].append((_pulled_bytes(rx) - before) / max(1, rec.nbytes))
+        spent_s += rec.submit_to_last_us / 1e6
+        if spent_s >= floor.last_spent_s:  # and no longer than they took (a slow peer: fewer)
+            break
+    return rid, rec, sub
+
+
+def _round_row(case: dict, *, scheme, nixl: bool, variant: str, spec, floor: _Floor, rx, repeats: int,
+               say) -> dict:
+    """The row of one case once its rounds are done (GB/s: median and best of its transfers)."""
+    n_tokens, pattern, times_us, subs, pulled = (case[k] for k in ("tokens", "pattern", "times_us", "subs", "pulled"))
+    rec, sub = case["rec"], case["sub"]
+    nbytes = rec.nbytes
+    t_us = float(np.median(times_us))
+    gbps = nbytes / (t_us * 1e3)
+    best_gbps = nbytes / (min(times_us) * 1e3)
+    blocks = 2 * case["nblocks"] * spec.num_layers
+    label = "NIXL UCX READ" if nixl else f"qlink {scheme} {sub.mode}{variant}"
+    row = {
+        "case": label, "basis": "measured", "tokens": n_tokens, "nbytes": nbytes, "pattern": pattern,
+        "p50_ms": float(f"{t_us / 1e3:.4g}"), "GBps": float(f"{gbps:.4g}"),
+        "best_GBps": float(f"{best_gbps:.4g}"),
+        "num_descs": rec.num_descs, "transport": rec.transport,
+        "moved_by": "NIXL" if nixl else "receiver" if min(pulled) >= 1 else
+        "both" if max(pulled) > 0 else "sender",
+        "read_by_receiver": None if nixl else round(float(np.median(pulled)), 3),
+        "prep_us_per_block": None if nixl else
+        round(float(np.median([s.plan_us for s in subs])) / blocks, 4),
+        "submit_us_per_block": None if nixl else
+        round(float(np.median([s.submit_us for s in subs])) / blocks, 4),
+        "repeats": repeats, "transfers": len(times_us),
+    }
+    same = floor.best_since_mark.get((n_tokens, pattern))
+    row["floor_GBps_same_minutes"] = float(f"{nbytes / same / 1e9:.4g}") if same else None
+    if scheme == "shm" and not nixl:
+        row["pull_copy"] = _pull_copy()
+    if scheme == "ucx" and not nixl:
+        row["rma_pieces_by"] = _rma_pieces_by(rx)
+    say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s (best {best_gbps:.2f})  "
+        f"{rec.num_descs} descriptors")
+    return row
 
 
 #: the ucx rows beside the default one (RMA between two processes of one host, its pieces moved

@@ -37,7 +37,7 @@ def test_kv_bench_rows_on_a_tiny_layout():
         assert r["x_nixl"] is None and r["x_mooncake"] is None  # no peer ran: no ratio against one
     floor = {(r["tokens"], r["pattern"]): r for r in by_basis["floor"]}
     assert set(floor) == {(t, p) for t in (16, 64) for p in ("contiguous", "scattered")}
-    assert all(r["repeats"] == 2 for r in floor.values())  # one floor copy per round: warm-up + 1 repeat
+    assert all(r["repeats"] == 1 for r in floor.values())  # one floor round per repeat; the warm-up's not counted
     for r in measured:  # each row's best round over the floor (a best of rounds) of its own tokens and pattern:
         f = floor[(r["tokens"], r["pattern"])]["GBps"]  # the run's best floor round...
         same = r["floor_GBps_same_minutes"]  # ...and the best of those taken beside this row's own rounds
@@ -62,6 +62,35 @@ def test_kv_bench_rows_on_a_tiny_layout():
     skipped = {r["case"]: r for r in by_basis["skipped"]}
     assert skipped["all"]["tokens"] == 1 << 20  # too big for the memory budget
     assert "nosuch" in skipped["qlink nosuch"]["note"]
+
+
+@pytest.mark.timeout(120)
+def test_cases_take_their_rounds_in_turn_and_warm_ups_count_for_neither_side(monkeypatch):
+    """Round 1 of every case, then round 2...: a slow spell of the host costs one round of
+    several cases, not every round of one. The warm-up round's floor copy is not recorded,
+    as the warm-up transfer is not."""
+    from qlink.bench import kv
+
+    scheme = next((s for s in ("shm", "tcp") if not transport_unavailable(s)), None)
+    if scheme is None:
+        pytest.skip("no cross-process transport (shm, tcp) available")
+    calls = []
+    real = kv._Floor.copy_s
+
+    def spy(self, cache, plan, *, key, record=True):
+        calls.append((key, record))
+        return real(self, cache, plan, key=key, record=record)
+
+    monkeypatch.setattr(kv._Floor, "copy_s", spy)
+    rows = run_kv_bench(transports=(scheme,), tokens=(16, 64), preset="tiny", repeats=2, nixl=False,
+                        mooncake=False, memory_budget_nbytes=1 << 20, progress=lambda _: None)
+    cases = [(16, "contiguous"), (16, "scattered"), (64, "contiguous"), (64, "scattered")]
+    assert calls == [(c, rep > 0) for rep in range(3) for c in cases]
+    floor = {(r["tokens"], r["pattern"]): r for r in rows if r["basis"] == "floor"}
+    assert {k: r["repeats"] for k, r in floor.items()} == {c: 2 for c in cases}
+    measured = [r for r in rows if r["basis"] == "measured"]
+    assert [(r["tokens"], r["pattern"]) for r in measured] == cases
+    assert all(r["transfers"] >= 2 for r in measured)  # at least one transfer a recorded round
 
 
 def test_the_floor_copies_each_layer_out_of_the_layer_half_the_cache_away():
