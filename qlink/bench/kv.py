@@ -88,7 +88,12 @@ a best of dozens of copies read a 64 MiB request 5-10 % low, and a transfer give
 samples as all four kinds of copy together had four times the chances of the copy it is set
 against. The floor still has more samples (it takes a round before each transfer round of
 every backend, and its best kind is the best of four), so the ratio still leans the floor's
-way. Between peers (``x_nixl``, ``x_mooncake``) medians are set against medians.
+way. Neither side's warm-up round is recorded. The cases (token counts x patterns) take
+their rounds in turn, round 1 of every case, then round 2: slow spells of this shared host
+last seconds, and with each case's rounds back to back one spell took every round of one
+case (a 4096-token shm row read 0.60 x its floor in one run, 0.97 in the next, the transfers
+of the low one all within five seconds). Between peers (``x_nixl``, ``x_mooncake``) medians
+are set against medians.
 
 **Goals** (:func:`kv_goals`, one row each: ``goal``, ``measured``, ``target``, ``met``; the
 CLI prints them and writes ``kv_goals.{json,csv}``): at each token count and block pattern,
