@@ -44,6 +44,8 @@ def test_kv_bench_rows_on_a_tiny_layout():
         assert r["best_GBps"] >= r["GBps"] * 0.999 and 0 < same <= f * 1.001
         assert r["x_memcpy"] == pytest.approx(r["best_GBps"] / same, rel=0.02, abs=1e-3)
         assert r["x_memcpy_run_best"] == pytest.approx(r["best_GBps"] / f, rel=0.02, abs=1e-3)
+        # one recorded round: its floor copy beside its own transfers is the same-minutes floor
+        assert r["x_memcpy_paired"] == pytest.approx(r["x_memcpy"], rel=0.02, abs=1e-3)
         if scheme == "shm":
             assert r["pull_copy"] is None or r["pull_copy"].startswith("auto")  # how the receiver copied
     goals = kv_goals(rows)
