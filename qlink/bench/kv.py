@@ -40,7 +40,7 @@ in one run:
 * **floor** — the same pieces (merged descriptors, same block layout) copied inside the
   receiver's warm cache, one C loop per layer with glibc's ``memcpy`` and with a streaming
   copy, the faster of the two, best of every round (one right before each transfer round
-  of every backend; a copy shorter than 30 ms taken up to 3 times in its round): a busy
+  of every backend; a copy taken up to 5 times in its round, until 0.3 s have gone): a busy
   moment never lowers it. Each layer is copied out of the layer half the cache away, so no
   source is still in the CPU's cache when it is written next (out of the *next* layer, each
   copy's destination was the previous copy's source, just read: the copy skipped a third of
@@ -166,10 +166,12 @@ class _Floor:
     N, where counting every kind's copies gave the transfer four times the floor's chances)."""
 
     #: each copy kind is repeated within a round until it has taken ROUND_S (at most
-    #: MAX_COPIES_PER_ROUND times): a 64 MiB request's floor is then a best of 3 copies per
-    #: round, a 512 MiB one's of 1, as before
-    ROUND_S = 0.03
-    MAX_COPIES_PER_ROUND = 3
+    #: MAX_COPIES_PER_ROUND times), and the transfer beside it as often: a 64 MiB request's
+    #: floor is a best of 5 copies per round, a 512 MiB one's of 3, a 4 GiB one's of 1 (with
+    #: 0.03 s and 3, a 512 MiB row was a best of 3 transfers in all, and two runs of the same
+    #: code read it at 0.60 and 0.97 x its floor)
+    ROUND_S = 0.3
+    MAX_COPIES_PER_ROUND = 5
     #: packed source buffers taken in turn must span at least this much (the CPU's last-level
     #: cache several times over) before one is read again
     REUSE_MIN_NBYTES = 256 << 20
