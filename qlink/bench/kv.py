@@ -442,10 +442,9 @@ def _measure_rounds(scheme, backend, spec, token_list, patterns, repeats, say, f
         rid = 0
         for rep in range(repeats + 1):  # the first is a warm-up
             for case in cases:
-                rid, rec, sub = _one_round(case, rep, rid, spec=spec, rx=rx, cache=cache, peer=peer, nixl=nixl,
-                                           floor=floor, sock=sock, sock_modes=sock_modes, tcp_floor=tcp_floor,
-                                           moon=moon, moon_times=moon_times, say=say)
-                case["rec"], case["sub"] = rec, sub
+                rid = _one_round(case, rep, rid, spec=spec, rx=rx, cache=cache, peer=peer, nixl=nixl, floor=floor,
+                                 sock=sock, sock_modes=sock_modes, tcp_floor=tcp_floor, moon=moon,
+                                 moon_times=moon_times, say=say)
                 if nixl:  # the bytes really moved: the sender fills layer k with k % 251 + 1
                     _check_landed(cache, case["plan"])
             if rep:
@@ -460,11 +459,10 @@ def _one_round(case: dict, rep: int, rid: int, *, spec, rx, cache, peer, nixl: b
                sock_modes, tcp_floor, moon, moon_times, say):
     """One round of one case: the floor's copies of its pieces, the bare socket's and each
     Mooncake pair's rounds where given, then as many transfers as the floor's fastest kind of
-    copy took samples (``rep`` 0: one warm-up of each, nothing recorded). Returns ``(the last
-    request id used, the last transfer's record, its submit record)``."""
+    copy took samples (``rep`` 0: one warm-up of each, nothing recorded); the recorded ones go
+    into ``case``. Returns the last request id used."""
     n_tokens, pattern, plan = case["tokens"], case["pattern"], case["plan"]
     floor_s = floor.copy_s(cache, plan, key=(n_tokens, pattern), record=bool(rep))
-    first = len(case["times_us"])
     if sock is not None and rep:  # as many samples as the transfer takes (below), per end kind
         for k in range(len(sock_modes) * max(1, floor.last_copies)):  # each kind of ends in turn
             sec = sock.round_s(spec.kv_nbytes(num_tokens=n_tokens) // spec.num_layers,
@@ -482,7 +480,7 @@ def _one_round(case: dict, rep: int, rid: int, *, spec, rx, cache, peer, nixl: b
             continue
         if rep:
             moon_times.setdefault((pair.slice_nbytes, n_tokens, pattern), []).append(sec)
-    spent_s, sub, rec = 0.0, None, None
+    spent_s, round_us = 0.0, []
     for _ in range(floor.last_copies if rep else 1):  # as many samples as the floor's round
         rid += 1
         before = _pulled_bytes(rx)
@@ -492,22 +490,24 @@ def _one_round(case: dict, rep: int, rid: int, *, spec, rx, cache, peer, nixl: b
             sub, rec = peer.transfer(rx, rid, case["src"], case["dst"], timeout_s=600)
         if not rep:
             break
-        case["times_us"].append(rec.submit_to_last_us)
+        round_us.append(rec.submit_to_last_us)
+        case["rec"] = rec
         case["subs"].append(sub)
         case["pulled"].append((_pulled_bytes(rx) - before) / max(1, rec.nbytes))
         spent_s += rec.submit_to_last_us / 1e6
         if spent_s >= floor.last_spent_s:  # and no longer than they took (a slow peer: fewer)
             break
     if rep:  # this round's floor beside this round's best transfer: the same seconds
-        case["pairs"].append((floor_s, min(case["times_us"][first:]) / 1e6))
-    return rid, rec, sub
+        case["times_us"] += round_us
+        case["pairs"].append((floor_s, min(round_us) / 1e6))
+    return rid
 
 
 def _round_row(case: dict, *, scheme, nixl: bool, variant: str, spec, floor: _Floor, rx, repeats: int,
                say) -> dict:
     """The row of one case once its rounds are done (GB/s: median and best of its transfers)."""
     n_tokens, pattern, times_us, subs, pulled = (case[k] for k in ("tokens", "pattern", "times_us", "subs", "pulled"))
-    rec, sub = case["rec"], case["sub"]
+    rec, sub = case["rec"], subs[-1]  # the last recorded transfer
     nbytes = rec.nbytes
     t_us = float(np.median(times_us))
     gbps = nbytes / (t_us * 1e3)
@@ -903,14 +903,14 @@ def _above_floor(row: dict) -> str:
     >>> _above_floor({"case": "qlink shm put", "moved_by": "receiver", "x_memcpy_paired": 0.97})
     "above the floor's best round only: the best rounds of each came in different seconds; round by round (each round's floor beside its own transfers) the transfer read 0.97 x the floor"
     """
-    paired = row.get("x_memcpy_paired")
-    if paired is not None and paired <= 1.0 and row.get("moved_by") not in ("NIXL", "both"):
-        return ("above the floor's best round only: the best rounds of each came in different seconds; round by "
-                f"round (each round's floor beside its own transfers) the transfer read {paired:.2f} x the floor")
     if row.get("moved_by") == "NIXL":
         why = "NIXL's worker threads read on both cores at once"
     elif row.get("moved_by") == "both":
         why = "both processes copy at once (the target reads a share while the sender writes the rest)"
+    elif row.get("x_memcpy_paired") is not None and row["x_memcpy_paired"] <= 1.0:
+        return ("above the floor's best round only: the best rounds of each came in different seconds; round by "
+                f"round (each round's floor beside its own transfers) the transfer read {row['x_memcpy_paired']:.2f} "
+                "x the floor")
     else:
         return "above one core's memcpy of the same pieces, and not explained: suspect the measurement"
     return f"above one core's memcpy of the same pieces: {why}; the floor is one core's"
