@@ -76,6 +76,7 @@ FN_EXPECT = wire.register_function("kv_expect", min_payload_nbytes=_EXPECT.size 
 _ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered
 _IDLE_SLEEP_MAX_S = 2e-4
 _ENGINE_POLLS_S = 2e-3  # poll() called this recently: the client's own thread stands by
+_QUIET_WAIT_S = 0.02  # nothing outstanding: a link thread waits this long for work (_Idle)
 _PULLS_PER_TURN = 64  # one link's frames handled before the next link's turn
 _LINK_TIMERS_S = 0.05  # how often the links' idle and half-frame clocks are looked at
 CLOSE_RID = 0xFFFFFFFF  # the request id of a close notice (see the module docstring)
@@ -145,6 +146,39 @@ def unpack_expect(frame) -> tuple[int, int, int, list[int]]:
 def _backoff() -> Backoff:
     """Spin a little, then sleep with a doubling pause (an idle link costs no core)."""
     return Backoff(spin=200, min_sleep_s=1e-5, max_sleep_s=_IDLE_SLEEP_MAX_S)
+
+
+class _Idle:
+    """How a link thread waits between turns. With work outstanding (a load in flight, an
+    offer not yet pulled, a stream), :func:`_backoff`'s short sleeps: a frame is seen
+    within 200 µs. With none, a wait of up to ``_QUIET_WAIT_S`` on ``wake``, which the
+    engine's thread sets when it hands work over (a load, an offer, a stream, a new
+    link). A quiet link thread then neither takes a core's time slices nor contends for
+    the GIL with the engine's forward pass: several engines on a few cores (a bench, a
+    test) no longer slow each other down while they wait.
+
+    >>> import threading
+    >>> idle = _Idle(threading.Event())
+    >>> idle.wake.set(); idle.pause(outstanding=False)  # work handed over: no wait
+    >>> idle.wake.is_set()
+    False
+    """
+
+    __slots__ = ("wake", "_backoff")
+
+    def __init__(self, wake: threading.Event) -> None:
+        self.wake = wake
+        self._backoff = _backoff()
+
+    def worked(self) -> None:
+        self._backoff.reset()
+
+    def pause(self, *, outstanding: bool) -> None:
+        if outstanding:
+            self._backoff.pause(self.wake)
+        elif self.wake.wait(_QUIET_WAIT_S):
+            self.wake.clear()
+            self._backoff.reset()
 
 
 @dataclass
@@ -262,6 +296,7 @@ class PrefillServer:
         with self._lock:
             self._offers[int(xfer_id)] = _Offer([int(b) for b in block_ids], key,
                                                time.monotonic() + self.offer_ttl_s)
+        self._wake.set()
 
     def take_done(self) -> list[str]:
         with self._lock:
@@ -292,6 +327,7 @@ class PrefillServer:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._accept_thread.join(5)
         self._serve_thread.join(5)
         for link in self._links + self._new_links:
@@ -344,11 +380,12 @@ class PrefillServer:
         with self._lock:
             self._handshaking -= 1
             self._new_links.append(_Link(ep, tx))
+        self._wake.set()
 
     def _serve_loop(self) -> None:
         buf = bytearray(_PULL.size + 8 * _MAX_PULL_BLOCKS)
         mv = memoryview(buf)
-        backoff = _backoff()
+        idle = _Idle(self._wake)
         next_expiry = next_timers = 0.0
         while not self._stop.is_set():
             with self._lock:
@@ -373,9 +410,14 @@ class PrefillServer:
                 self._link_timers(now)
                 next_timers = now + _LINK_TIMERS_S
             if busy:
-                backoff.reset()
+                idle.worked()
             else:
-                backoff.pause(self._wake)
+                idle.pause(outstanding=self._outstanding())
+
+    def _outstanding(self) -> bool:
+        """Work the serve thread holds: offers, expectations, streams, pulls waiting for their offer."""
+        return bool(self._offers or self._expects or self._streams or self._streamed or self._cmds
+                    or any(link.pending for link in self._links))
 
     # ----- streams (push during the forward pass) ---------------------------------------
     def _run_commands(self) -> bool:
@@ -688,6 +730,7 @@ class DecodeClient:
         self._work = threading.Lock()  # held by whoever does the client's work (its thread or poll())
         self._polled = 0.0  # when poll() was last called
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by load(): the thread's quiet wait ends
         self._thread = threading.Thread(target=self._loop, name="qlink-kv-load", daemon=True)
         self._thread.start()
 
@@ -700,6 +743,7 @@ class DecodeClient:
                    [int(b) for b in dst_block_ids], time.monotonic() + self.load_timeout_s, skip=int(skip_blocks))
         with self._lock:
             self._queue.append(ld)
+        self._wake.set()
 
     def take_results(self) -> list[LoadResult]:
         with self._lock:
@@ -713,6 +757,7 @@ class DecodeClient:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(5)
         with self._work:
             self._close_links()
@@ -779,17 +824,19 @@ class DecodeClient:
             self._work.release()
 
     def _loop(self) -> None:
-        backoff = _backoff()
+        idle = _Idle(self._wake)
         while not self._stop.is_set():
+            if not self.busy:  # nothing asked for: wait for a load (the links' notices keep till then)
+                idle.pause(outstanding=False)
             if time.monotonic() - self._polled < _ENGINE_POLLS_S:
                 time.sleep(_ENGINE_POLLS_S)  # the engine's thread is doing the work: do not contend for the GIL
                 continue
             with self._work:
                 busy = self._step()
             if busy:
-                backoff.reset()
+                idle.worked()
             else:
-                backoff.pause()
+                idle.pause(outstanding=self.busy)
 
     def _step(self) -> bool:
         with self._lock:

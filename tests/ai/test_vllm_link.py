@@ -295,3 +295,44 @@ def test_layers_stream_out_while_the_forward_pass_runs(scheme):
     finally:
         client.close()
         server.close()
+
+
+def test_a_link_thread_with_nothing_outstanding_waits_on_its_wake_event():
+    import threading
+
+    from qlink.ai import _vllm_link as vl
+
+    wake = threading.Event()
+    idle = vl._Idle(wake)
+    t0 = time.monotonic()
+    idle.pause(outstanding=False)
+    assert time.monotonic() - t0 >= 0.5 * vl._QUIET_WAIT_S, "nothing outstanding: the long wait"
+    t0 = time.monotonic()
+    for _ in range(50):
+        idle.pause(outstanding=True)
+    assert time.monotonic() - t0 < 25 * vl._QUIET_WAIT_S, "work outstanding: short sleeps, never the long wait"
+    threading.Timer(0.01, wake.set).start()  # work handed over mid-wait: the wait ends, the event is taken
+    t0 = time.monotonic()
+    idle.pause(outstanding=False)
+    assert not wake.is_set()
+
+
+def test_loads_after_a_quiet_spell_land_bit_exact(scheme):
+    from qlink.ai._vllm_link import _QUIET_WAIT_S
+
+    src = KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=5)
+    dst = KVCache.allocate(SPEC, shared=False)
+    server = PrefillServer(loopback_url(scheme), src)
+    client = DecodeClient(dst, load_timeout_s=20)
+    try:
+        for i, (s, d) in enumerate((([1, 2], [5, 6]), ([7], [9])), start=1):
+            time.sleep(3 * _QUIET_WAIT_S)  # both threads in their quiet wait (the first time: no link open yet)
+            server.offer(i, s, key=f"r{i}")
+            client.load(f"r{i}", url=server.url, xfer_id=i, src_block_ids=s, dst_block_ids=d)
+            res = _results(client, 1)
+            assert res[f"r{i}"].ok, res[f"r{i}"].error
+            assert (dst.block_checksums(d) == src.block_checksums(s)).all()
+    finally:
+        client.close()
+        server.close()
