@@ -11,7 +11,10 @@ float32 Llama: hidden 256, 4 layers, 4 heads of 64, block size 32):
   decode engine has the request first (``qlink_push``), so each layer leaves the prefill
   engine as its forward pass writes it; its decode-side TTFT is counted from the prefill
   engine's answer (the bench process's clock: the decode request was already in), which
-  also counts the decode engine's answer getting back to this process;
+  also counts the decode engine's answer getting back to this process; its exposed
+  transfer is measured, not inferred: the last layer landed (the decode connector's
+  clock) minus the end of the prefill's forward pass (``wait_for_save``, the prefill
+  connector's clock; both ``CLOCK_MONOTONIC`` of this host), 0 when it landed before;
 * ``example``: vLLM's ``ExampleConnector`` (safetensors files in a temporary directory);
 * ``nixl``: vLLM's ``NixlConnector`` (``kv_buffer_device="cpu"``, UCX backend, the decode
   side READs). Set up as fairly as this host allows, and said so in the output: NIXL's
@@ -26,7 +29,10 @@ token out, pull included), and the **exposed transfer**: ``decode_ttft_ms`` minu
 decode engine's time to first token for a one-token prompt measured in the same run (its
 fixed per-request cost; the transfer after the prefill is not overlapped with anything,
 so all of it is exposed; the floor is measured once, on an engine with no connector work
-to do). For qlink the decode connector's own transfer time (pull asked
+to do). That difference is kept for every case as ``ttft_minus_floor_ms``; in the push
+flow it is not a transfer (every layer may have landed before the prefill ended) but the
+decode engine's own step for the prompt's last token after a prefill answered, so there
+``exposed_ms`` is the measured one above. For qlink the decode connector's own transfer time (pull asked
 -> last layer landed) is given too (``transfer_ms``). Medians over ``repeats`` distinct
 prompts per length; the table gives ratios against the prefill time and against the
 best other connector.
@@ -139,7 +145,10 @@ def _push_request(prefill, decode, p) -> dict:
     ok = d["outputs"][0]["finish_reason"] == "length" and bool(loads) and all(ld["ok"] for ld in loads)
     # transfer: what was still moving after the prefill engine answered (0: all landed before)
     xfer = max(0, loads[-1]["done_ns"] - t_pre) / 1e9 if loads else None
-    return dict(pre=_ttft_s(r), ttft=max(0, t_dec - t_pre) / 1e9, ok=ok, xfer=xfer if ok else None)
+    ended = [st["ended_ns"] for st in prefill.call("streams") if st["xfer_id"] == k and st["ended_ns"]]
+    exposed = max(0, loads[-1]["done_ns"] - ended[-1]) / 1e9 if loads and ended else None
+    return dict(pre=_ttft_s(r), ttft=max(0, t_dec - t_pre) / 1e9, ok=ok and exposed is not None,
+                xfer=xfer if ok else None, exposed=exposed if ok else None)
 
 
 def _one_request(case: str, prefill, decode, p) -> dict:
@@ -221,7 +230,9 @@ def run_vllm_bench(*, lengths=(128, 512, 2048), repeats: int = 3, cases=CASES,
              "that floor is measured on the qlink decode engine with requests that carry no transfer params",
              "all engines run at once and the cases take turns, request by request, in an order that rotates",
              "qlink-shm-push: decode-side TTFT counted from the prefill engine's answer (the decode request was "
-             "in before the prefill); transfer_ms = what was still moving after that answer"]
+             "in before the prefill); transfer_ms = what was still moving after that answer; exposed_ms = last "
+             "layer landed minus the prefill's forward pass end (0 if before), measured; ttft_minus_floor_ms "
+             "beside it is the other cases' exposed_ms formula"]
     ps_by_len = {n: prompts([n] * repeats, seed=100 + n) for n in lengths}
     samples: dict = {}
     floor_ms = None
@@ -258,8 +269,14 @@ def run_vllm_bench(*, lengths=(128, 512, 2048), repeats: int = 3, cases=CASES,
         ttft = 1e3 * _median([x["ttft"] for x in xs])
         pre = 1e3 * _median([x["pre"] for x in xs])
         xf = _median([x.get("xfer") for x in xs])
+        minus_floor = None if c == "recompute" or floor_ms is None else max(0.0, ttft - floor_ms)
+        if c.endswith("-push"):
+            ex = _median([x.get("exposed") for x in xs])
+            exposed = None if ex is None else 1e3 * ex
+        else:
+            exposed = minus_floor
         row = dict(case=c, prompt_tokens=n, requests=len(xs), prefill_ms=pre, decode_ttft_ms=ttft,
-                   exposed_ms=None if c == "recompute" or floor_ms is None else max(0.0, ttft - floor_ms),
+                   exposed_ms=exposed, ttft_minus_floor_ms=minus_floor,
                    transfer_ms=None if xf is None else 1e3 * xf, decode_floor_ms=floor_ms,
                    all_answered=all(x["ok"] for x in xs))
         if row["exposed_ms"] is not None and pre:
@@ -306,7 +323,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
                 load_avg=os.getloadavg(), wall_s=time.time() - t0)
     write_results(res["rows"], out_dir=out, name="vllm", meta=meta)
     cols = ["case", "prompt_tokens", "prefill_ms", "decode_ttft_ms", "exposed_ms", "exposed_x_prefill",
-            "transfer_ms", "ttft_x_best_peer", "all_answered"]
+            "ttft_minus_floor_ms", "transfer_ms", "ttft_x_best_peer", "all_answered"]
     print(f"\nvLLM disaggregated prefill -> decode on this CPU ({os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}); "
           f"medians of {repeats} prompts")
     print(format_table(res["rows"], columns=cols))

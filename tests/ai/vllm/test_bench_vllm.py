@@ -21,5 +21,10 @@ def test_pull_and_push_flows_answer_every_request_and_report_their_times():
     for r in rows.values():
         assert r["all_answered"] and r["requests"] == 2, r
         assert r["prefill_ms"] > 0 and r["decode_ttft_ms"] >= 0 and math.isfinite(r["decode_ttft_ms"])
-        assert r["exposed_ms"] is not None and r["transfer_ms"] is not None
+        assert r["exposed_ms"] is not None and r["transfer_ms"] is not None and r["ttft_minus_floor_ms"] is not None
+    assert rows["qlink-shm"]["exposed_ms"] == rows["qlink-shm"]["ttft_minus_floor_ms"]
+    push = rows["qlink-shm-push"]
+    # measured from the end of the prefill's forward pass, which comes before its answer reaches the bench:
+    # never less than what was still moving once that answer came
+    assert push["exposed_ms"] >= push["transfer_ms"] >= 0, push
     assert any("qlink-shm-push" in n for n in res["notes"])
