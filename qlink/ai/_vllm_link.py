@@ -77,6 +77,7 @@ _ABORT_REFUSED = 2  # BAD_REQUEST: the pull names blocks that were not offered
 _IDLE_SLEEP_MAX_S = 2e-4
 _ENGINE_POLLS_S = 2e-3  # poll() called this recently: the client's own thread stands by
 _QUIET_WAIT_S = 0.02  # nothing outstanding: a link thread waits this long for work (_Idle)
+_HELD_WAIT_S = 1e-3  # work held that the engine's thread wakes it for (a stream): this long between progress calls
 _PULLS_PER_TURN = 64  # one link's frames handled before the next link's turn
 _LINK_TIMERS_S = 0.05  # how often the links' idle and half-frame clocks are looked at
 CLOSE_RID = 0xFFFFFFFF  # the request id of a close notice (see the module docstring)
@@ -149,17 +150,21 @@ def _backoff() -> Backoff:
 
 
 class _Idle:
-    """How a link thread waits between turns. With work outstanding (a load in flight, an
-    offer not yet pulled, a stream), :func:`_backoff`'s short sleeps: a frame is seen
-    within 200 µs. With none, a wait of up to ``_QUIET_WAIT_S`` on ``wake``, which the
-    engine's thread sets when it hands work over (a load, an offer, a stream, a new
-    link). A quiet link thread then neither takes a core's time slices nor contends for
-    the GIL with the engine's forward pass: several engines on a few cores (a bench, a
-    test) no longer slow each other down while they wait.
+    """How a link thread waits between turns. While frames are due over its links (a load
+    in flight, an offer waiting for its pull), :func:`_backoff`'s short sleeps: a frame is
+    seen within 200 µs. While it holds only work that the engine's thread hands over
+    through ``wake`` (a stream's next layer, an expectation waiting for its prefill), a
+    wait of up to ``_HELD_WAIT_S`` on ``wake``; with nothing at all, up to
+    ``_QUIET_WAIT_S``. A waiting link thread then neither takes a core's time slices nor
+    holds the GIL against the engine's forward pass: a thread that polls in Python while
+    the forward pass runs holds the GIL for a whole switch interval (5 ms) each time a
+    torch op wants it back. Several engines on a few cores (a bench, a test) no longer
+    slow each other down while they wait, and a streamed prefill no longer slows down
+    its own forward pass.
 
     >>> import threading
     >>> idle = _Idle(threading.Event())
-    >>> idle.wake.set(); idle.pause(outstanding=False)  # work handed over: no wait
+    >>> idle.wake.set(); idle.pause(frames_due=False)  # work handed over: no wait
     >>> idle.wake.is_set()
     False
     """
@@ -173,10 +178,10 @@ class _Idle:
     def worked(self) -> None:
         self._backoff.reset()
 
-    def pause(self, *, outstanding: bool) -> None:
-        if outstanding:
+    def pause(self, *, frames_due: bool, work_held: bool = False) -> None:
+        if frames_due:
             self._backoff.pause(self.wake)
-        elif self.wake.wait(_QUIET_WAIT_S):
+        elif self.wake.wait(_HELD_WAIT_S if work_held else _QUIET_WAIT_S):
             self.wake.clear()
             self._backoff.reset()
 
@@ -412,12 +417,8 @@ class PrefillServer:
             if busy:
                 idle.worked()
             else:
-                idle.pause(outstanding=self._outstanding())
-
-    def _outstanding(self) -> bool:
-        """Work the serve thread holds: offers, expectations, streams, pulls waiting for their offer."""
-        return bool(self._offers or self._expects or self._streams or self._streamed or self._cmds
-                    or any(link.pending for link in self._links))
+                idle.pause(frames_due=bool(self._offers) or any(link.pending for link in self._links),
+                           work_held=bool(self._expects or self._streams or self._streamed or self._cmds))
 
     # ----- streams (push during the forward pass) ---------------------------------------
     def _run_commands(self) -> bool:
@@ -827,7 +828,7 @@ class DecodeClient:
         idle = _Idle(self._wake)
         while not self._stop.is_set():
             if not self.busy:  # nothing asked for: wait for a load (the links' notices keep till then)
-                idle.pause(outstanding=False)
+                idle.pause(frames_due=False)
             if time.monotonic() - self._polled < _ENGINE_POLLS_S:
                 time.sleep(_ENGINE_POLLS_S)  # the engine's thread is doing the work: do not contend for the GIL
                 continue
@@ -836,7 +837,7 @@ class DecodeClient:
             if busy:
                 idle.worked()
             else:
-                idle.pause(outstanding=self.busy)
+                idle.pause(frames_due=self.busy)
 
     def _step(self) -> bool:
         with self._lock:

@@ -305,15 +305,18 @@ def test_a_link_thread_with_nothing_outstanding_waits_on_its_wake_event():
     wake = threading.Event()
     idle = vl._Idle(wake)
     t0 = time.monotonic()
-    idle.pause(outstanding=False)
+    idle.pause(frames_due=False)
     assert time.monotonic() - t0 >= 0.5 * vl._QUIET_WAIT_S, "nothing outstanding: the long wait"
     t0 = time.monotonic()
     for _ in range(50):
-        idle.pause(outstanding=True)
-    assert time.monotonic() - t0 < 25 * vl._QUIET_WAIT_S, "work outstanding: short sleeps, never the long wait"
-    threading.Timer(0.01, wake.set).start()  # work handed over mid-wait: the wait ends, the event is taken
+        idle.pause(frames_due=True)
+    assert time.monotonic() - t0 < 25 * vl._QUIET_WAIT_S, "frames due: short sleeps, never the long wait"
     t0 = time.monotonic()
-    idle.pause(outstanding=False)
+    for _ in range(3):
+        idle.pause(frames_due=False, work_held=True)
+    assert time.monotonic() - t0 < 3 * vl._QUIET_WAIT_S, "work held: the engine's wake or the short wait"
+    threading.Timer(0.01, wake.set).start()  # work handed over mid-wait: the wait ends, the event is taken
+    idle.pause(frames_due=False)
     assert not wake.is_set()
 
 
