@@ -4,6 +4,7 @@ client, over real transports. Bytes are compared block by block."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -29,6 +30,21 @@ def _results(client, n, timeout_s=30.0):
         time.sleep(0.002)
     assert len(out) == n, f"{len(out)} of {n} loads finished within {timeout_s} s"
     return {r.key: r for r in out}
+
+
+@contextlib.contextmanager
+def _link_ends(scheme: str, *, seed: int):
+    """A prefill server over a random cache and a decode client over an empty one; closed after."""
+    src = KVCache.allocate(SPEC, shared=False)
+    src.fill_random(seed=seed)
+    dst = KVCache.allocate(SPEC, shared=False)
+    server = PrefillServer(loopback_url(scheme), src)
+    client = DecodeClient(dst, load_timeout_s=20)
+    try:
+        yield src, dst, server, client
+    finally:
+        client.close()
+        server.close()
 
 
 @pytest.fixture(params=["shm", "tcp", "ucx"])
@@ -59,12 +75,7 @@ def test_pull_frame_round_trip_and_bad_frames():
 
 
 def test_offer_pull_push_bit_exact(scheme):
-    src = KVCache.allocate(SPEC, shared=False)
-    src.fill_random(seed=3)
-    dst = KVCache.allocate(SPEC, shared=False)
-    server = PrefillServer(loopback_url(scheme), src)
-    client = DecodeClient(dst, load_timeout_s=20)
-    try:
+    with _link_ends(scheme, seed=3) as (src, dst, server, client):
         server.offer(1, [4, 5, 11], key="a")
         server.offer(2, [0, 20], key="b")
         client.load("a", url=server.url, xfer_id=1, src_block_ids=[4, 5, 11], dst_block_ids=[2, 3, 9])
@@ -81,9 +92,6 @@ def test_offer_pull_push_bit_exact(scheme):
             done += server.take_done()
             time.sleep(0.002)
         assert sorted(done) == ["a", "b"]
-    finally:
-        client.close()
-        server.close()
 
 
 def test_pull_of_blocks_not_offered_fails_clearly():
@@ -323,12 +331,7 @@ def test_a_link_thread_with_nothing_outstanding_waits_on_its_wake_event():
 def test_loads_after_a_quiet_spell_land_bit_exact(scheme):
     from qlink.ai._vllm_link import _QUIET_WAIT_S
 
-    src = KVCache.allocate(SPEC, shared=False)
-    src.fill_random(seed=5)
-    dst = KVCache.allocate(SPEC, shared=False)
-    server = PrefillServer(loopback_url(scheme), src)
-    client = DecodeClient(dst, load_timeout_s=20)
-    try:
+    with _link_ends(scheme, seed=5) as (src, dst, server, client):
         for i, (s, d) in enumerate((([1, 2], [5, 6]), ([7], [9])), start=1):
             time.sleep(3 * _QUIET_WAIT_S)  # both threads in their quiet wait (the first time: no link open yet)
             server.offer(i, s, key=f"r{i}")
@@ -336,6 +339,3 @@ def test_loads_after_a_quiet_spell_land_bit_exact(scheme):
             res = _results(client, 1)
             assert res[f"r{i}"].ok, res[f"r{i}"].error
             assert (dst.block_checksums(d) == src.block_checksums(s)).all()
-    finally:
-        client.close()
-        server.close()
