@@ -833,11 +833,11 @@ class DecodeClient:
                 time.sleep(_ENGINE_POLLS_S)  # the engine's thread is doing the work: do not contend for the GIL
                 continue
             with self._work:
-                busy = self._step()
-            if busy:
+                moved = self._step()
+            if moved:
                 idle.worked()
-            else:
-                idle.pause(frames_due=self.busy)
+            elif self.busy:  # (with nothing in flight the next turn waits at the top)
+                idle.pause(frames_due=True)
 
     def _step(self) -> bool:
         with self._lock:
