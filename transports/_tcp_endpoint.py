@@ -27,7 +27,8 @@ from ._tcp_frames import MAX_PIECE_NBYTES, PUTV_MORE, frame_groups
 from ._tcp_handshake import PUTV_VERSION, ACK_VERSION
 from ._tcp_pump import TcpReceiveSide
 from ._tcp_send import SMALL_SEND, TcpSendSide
-from ._tcp_splice import ZERO_COPY_MIN_NBYTES, available as _can_splice
+from ._tcp_splice import ZERO_COPY_MIN_NBYTES
+from ._tcp_way import way as _tcp_way
 from ._tcp_wait import TcpRecvWait, TcpSendWait
 
 __all__ = ["CAPABILITIES", "DEFAULT_BUSY_POLL_S", "RBUF_NBYTES", "TcpEndpoint"]
@@ -70,11 +71,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         #: put_many sends one PUTV frame and the target sees one Notification (the peer takes
         #: PUTV frames, protocol version 2); else one PUT frame and one Notification per piece
         self.put_many_gathers = self.version >= PUTV_VERSION
-        #: ``put_many(..., defer=True)`` of any source (registered or not) hands its pieces'
-        #: pages to the socket by splice, without copying them, and :meth:`flush` waits for
-        #: the peer to have read them (version 3, Linux, the C module built)
-        self.defers_puts_in_place = self.version >= ACK_VERSION and _can_splice()
-        self.defers_puts = self.defers_puts_in_place
+        self._in_place: bool | None = None  # defers_puts_in_place, decided when first asked
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -321,6 +318,21 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
                              tag=tag, deadline=deadline, timeout_s=timeout_s, nowait=False, what="put")
         self._counters.puts += 1
         self._counters.put_bytes += n
+
+    @property
+    def defers_puts_in_place(self) -> bool:
+        """``put_many(..., defer=True)`` of any source (registered or not) hands its pieces'
+        pages to the socket by splice, without copying them, and :meth:`flush` waits for
+        the peer to have read them: protocol version 3, the C module built, and splice the
+        faster way on this host (:mod:`transports._tcp_way`, measured once per process the
+        first time an endpoint is asked)."""
+        if self._in_place is None:
+            self._in_place = self.version >= ACK_VERSION and _tcp_way().kind == "splice"
+        return self._in_place
+
+    @property
+    def defers_puts(self) -> bool:
+        return self.defers_puts_in_place
 
     def put_many(self, data, remote: RemoteRegion, src_offsets, dst_offsets, nbytes, *, notify_id: int = 0,
                  tag: bytes = b"", timeout_s: float | None = None, defer: bool = False) -> int:

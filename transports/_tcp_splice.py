@@ -43,10 +43,10 @@ def built() -> bool:
 
 
 def available() -> bool:
-    """Whether tcp endpoints made from now on send deferred pieces by splice: the C module is
-    there and ``QLINK_TCP_SPLICE`` is not ``0`` (set it to have deferred puts copied, as a
-    put that is not deferred is; the peer's side does not change)."""
-    return _tcpc is not None and os.environ.get("QLINK_TCP_SPLICE", "1") != "0"
+    """Whether splice can send deferred pieces here (the C module is built). Whether tcp
+    endpoints do send them so is :func:`transports._tcp_way.way`'s choice: measured on the host,
+    or forced by ``QLINK_TCP_SPLICE``."""
+    return _tcpc is not None
 
 
 class SplicePipe:

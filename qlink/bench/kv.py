@@ -14,7 +14,10 @@ in one run:
   side copied: the receiver's ``pulled_bytes`` grew by the request's bytes, by part of them
   (``both``: ucx RMA's deferred puts, the share in ``read_by_receiver``), or not;
   ``pull_copy`` how the receiver copied: glibc's ``memcpy`` or the streaming copy,
-  whichever its own large pulls have shown faster on this host, with both rates);
+  whichever its own large pulls have shown faster on this host, with both rates; over
+  ``tcp``, ``tcp_way`` how the sender sent a layer: its pages lent to the socket by splice
+  or copied by ``sendmsg``, whichever this host moved faster between two processes when
+  the bench began, with both rates: :mod:`transports._tcp_way`);
 * **NIXL** — the same blocks moved by NIXL's UCX backend between two processes, set up
   as vLLM's ``NixlConnector`` runs it (:mod:`qlink.ai.nixl_backend`): UCX choosing its own
   transports, one registered region per layer cache, descriptor lists of every block
@@ -534,6 +537,8 @@ def _round_row(case: dict, *, scheme, nixl: bool, variant: str, spec, floor: _Fl
         row["x_memcpy_paired"] = float(f"{np.median([f / t for f, t in case['pairs']]):.3g}")
     if scheme == "shm" and not nixl:
         row["pull_copy"] = _pull_copy()
+    if scheme == "tcp" and not nixl:
+        row["tcp_way"] = _tcp_way()
     if scheme == "ucx" and not nixl:
         row["rma_pieces_by"] = _rma_pieces_by(rx)
     say(f"  {label:<18} {n_tokens:>6} tok {pattern:<10} {gbps:7.2f} GB/s (best {best_gbps:.2f})  "
@@ -642,6 +647,14 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress,
             if r.get("basis") == "measured" and r.get("tokens") == t and r["case"].startswith(("qlink tcp", "Mooncake")):
                 r["x_tcp_floor"] = float(f"{r.get('best_GBps', r['GBps']) / gbps:.3g}")
     return rows
+
+
+def _tcp_way() -> str:
+    """How this process's tcp senders (and the senders it starts) move large deferred puts:
+    by splice or copied, and on what basis (:mod:`transports._tcp_way`)."""
+    from transports._tcp_way import way
+
+    return way().describe()
 
 
 def _pull_copy() -> str | None:
@@ -784,6 +797,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
         backends.append((None, "nixl"))
     if mooncake:
         backends.append((None, "mooncake"))
+    if ("tcp", "transport") in backends:  # measured here, before any sender starts: the senders inherit it
+        progress(f"tcp: large deferred puts go by {_tcp_way()}")
     floor = _Floor(spare_nbytes=memory_budget_nbytes - 2 * spec.nbytes)  # a sender-like source where it fits
     tcp_floor: dict[int, float] = {}  # tokens -> best bare-socket round taken between qlink's tcp rounds
     measured: list[dict] = []

@@ -337,14 +337,16 @@ def test_layer_k_is_readable_while_later_layers_move(pair, mode):
 _BIG = KVCacheSpec(num_layers=4, num_kv_heads=8, head_size=128, block_size=16, num_blocks=64)
 
 
-def test_over_tcp_the_layers_go_by_splice_unregistered_and_flush_waits_for_the_reader():
-    """A cache's layers over tcp (version 3) are deferred in place: nothing is registered on
-    the sender, each layer's pages go to the socket by splice, the blocks land bit-exact, and
-    the sender's flush returns once the receiver has read them all."""
+def test_over_tcp_the_layers_go_by_splice_unregistered_and_flush_waits_for_the_reader(monkeypatch):
+    """A cache's layers over tcp (version 3, splice asked for: ``QLINK_TCP_SPLICE=1``) are
+    deferred in place: nothing is registered on the sender, each layer's pages go to the
+    socket by splice, the blocks land bit-exact, and the sender's flush returns once the
+    receiver has read them all."""
     from transports import _tcp_splice
 
     if not _tcp_splice.available():
         pytest.skip("transports._tcpc is not built here")
+    monkeypatch.setenv("QLINK_TCP_SPLICE", "1")
     with transports.listen("tcp://127.0.0.1:0") as lis:
         a = transports.connect(lis.url, timeout_s=5)
         b = lis.accept(timeout_s=5)
