@@ -25,7 +25,7 @@ def test_the_measurement_times_both_ways_between_two_processes_and_keeps_the_fas
     w = _tcp_way.measure(nbytes=8 << 20, piece_nbytes=1 << 20, rounds=3)
     assert w.basis == "measured", w.reason
     assert w.splice_GBps > 0 and w.copy_GBps > 0
-    assert w.kind == ("splice" if w.splice_GBps > w.copy_GBps else "copy")
+    assert w.kind == "copy" or w.splice_GBps > _tcp_way.SPLICE_MARGIN * w.copy_GBps  # splice only by a margin
     assert w.kind in w.describe() and "GB/s" in w.describe()
 
 
