@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,7 +29,6 @@ from ._tcp_handshake import PUTV_VERSION, ACK_VERSION
 from ._tcp_pump import TcpReceiveSide
 from ._tcp_send import SMALL_SEND, TcpSendSide
 from ._tcp_splice import ZERO_COPY_MIN_NBYTES
-from ._tcp_way import way as _tcp_way
 from ._tcp_wait import TcpRecvWait, TcpSendWait
 
 __all__ = ["CAPABILITIES", "DEFAULT_BUSY_POLL_S", "RBUF_NBYTES", "TcpEndpoint"]
@@ -63,7 +63,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
 
     def __init__(self, sock: socket.socket, *, url: str, local_key: int, peer_key: int,
                  busy_poll_s: float = DEFAULT_BUSY_POLL_S, version: int = 1,
-                 read_ahead_nbytes: int = RBUF_NBYTES) -> None:
+                 read_ahead_nbytes: int = RBUF_NBYTES, way_of_host: Callable[[], object] | None = None) -> None:
         super().__init__()
         #: the protocol version in force (1: PUT frames; 2: + PUTV; 3: + PUTV_ACK, the flush of
         #: deferred puts)
@@ -72,6 +72,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         #: PUTV frames, protocol version 2); else one PUT frame and one Notification per piece
         self.put_many_gathers = self.version >= PUTV_VERSION
         self._in_place: bool | None = None  # defers_puts_in_place, decided when first asked
+        self._way_of_host = way_of_host  # () -> the host's way for large deferred puts (.kind "splice"/"copy")
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -324,10 +325,11 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         """``put_many(..., defer=True)`` of any source (registered or not) hands its pieces'
         pages to the socket by splice, without copying them, and :meth:`flush` waits for
         the peer to have read them: protocol version 3, the C module built, and splice the
-        faster way on this host (:mod:`transports._tcp_way`, measured once per process the
-        first time an endpoint is asked)."""
+        faster way on this host (:func:`transports.tcp.deferred_put_way`, measured once per
+        process the first time an endpoint is asked)."""
         if self._in_place is None:
-            self._in_place = self.version >= ACK_VERSION and _tcp_way().kind == "splice"
+            self._in_place = (self.version >= ACK_VERSION and self._way_of_host is not None
+                              and self._way_of_host().kind == "splice")
         return self._in_place
 
     @property

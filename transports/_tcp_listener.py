@@ -29,8 +29,9 @@ class TcpListener(Listener):
     """Listens on a TCP address; a background thread answers handshakes so ``connect`` never waits for ``accept``."""
 
     def __init__(self, sock: socket.socket, *, busy_poll_s: float, handshake_timeout_s: float,
-                 token: bytes | None = None, read_ahead_nbytes: int = RBUF_NBYTES) -> None:
+                 token: bytes | None = None, read_ahead_nbytes: int = RBUF_NBYTES, way_of_host=None) -> None:
         self._sock = sock
+        self._way_of_host = way_of_host  # handed to every endpoint accepted
         self._token = token
         self._read_ahead_nbytes = read_ahead_nbytes
         #: refused handshakes by reason: bad_hello, no_token, bad_token, hung_up, handshake_timeout
@@ -132,7 +133,7 @@ class TcpListener(Listener):
         try:
             conn.send(hs.accept_reply(local_key, version=version), SEND_FLAGS)
             ep = TcpEndpoint(conn, url=self.url, local_key=local_key, peer_key=peer_key, busy_poll_s=self._busy_poll_s,
-                             version=version, read_ahead_nbytes=self._read_ahead_nbytes)
+                             version=version, read_ahead_nbytes=self._read_ahead_nbytes, way_of_host=self._way_of_host)
         except OSError:
             self.refused_handshakes += 1
             conn.close()

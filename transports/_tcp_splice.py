@@ -44,7 +44,7 @@ def built() -> bool:
 
 def available() -> bool:
     """Whether splice can send deferred pieces here (the C module is built). Whether tcp
-    endpoints do send them so is :func:`transports._tcp_way.way`'s choice: measured on the host,
+    endpoints do send them so is :func:`transports.tcp.deferred_put_way`'s choice: measured on the host,
     or forced by ``QLINK_TCP_SPLICE``."""
     return _tcpc is not None
 

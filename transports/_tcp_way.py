@@ -21,9 +21,13 @@ The result is left in the environment (``QLINK_TCP_WAY_MEASURED``) so that proce
 one starts later take it instead of measuring again. ``QLINK_TCP_SPLICE=1`` forces splice,
 ``QLINK_TCP_SPLICE=0`` forces copies (the receiving side is the same either way).
 
->>> w = way()
->>> w.kind in ("splice", "copy") and w.basis in ("measured", "inherited", "forced", "unavailable", "failed")
-True
+The public call is :func:`transports.tcp.deferred_put_way`; this module holds the choice and
+the measurement, given tcp's ``listen`` (it imports no endpoint itself).
+
+>>> Way.from_env("copy 1.94 3.71")
+Way(kind='copy', basis='inherited', splice_GBps=1.94, copy_GBps=3.71, reason='')
+>>> Way.from_env("copy 1.94 3.71").describe()
+'copy (inherited: splice 1.94 GB/s, copy 3.71 GB/s)'
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,8 +93,9 @@ class Way:
         return cls(parts[0], "inherited", s or None, c or None)
 
 
-def way() -> Way:
-    """The way this process's tcp endpoints send large deferred puts (measured on first call)."""
+def way(*, measure: Callable[[], Way]) -> Way:
+    """The way this process's tcp endpoints send large deferred puts: forced, inherited, or
+    ``measure()``'s (called once per process, the first time it is needed)."""
     global _chosen
     forced = os.environ.get(FORCE_ENV, "").strip()
     if not _tcp_splice.built():
@@ -104,17 +110,15 @@ def way() -> Way:
         return _chosen
 
 
-def read_for_calibration(url: str, nbytes: int, piece_nbytes: int, timeout_s: float) -> None:
+def read_for_calibration(connect, url: str, nbytes: int, piece_nbytes: int, timeout_s: float) -> None:
     """The reading end of :func:`measure`, run in a process of its own as a receiving peer is:
     connect to ``url``, register ``nbytes`` of warm memory, send its descriptor; then, for
     every round, wait for the ``nbytes // piece_nbytes`` puts' notifications and answer
     ``b"k"``, until the other side closes."""
     from qlink.errors import QlinkError
 
-    from . import tcp
-
     dst = np.ones(nbytes, np.uint8)
-    with tcp.connect(url, timeout_s=timeout_s) as ep:
+    with connect(url, timeout_s=timeout_s) as ep:
         ep.send(ep.register(dst).descriptor().to_bytes(), timeout_s=timeout_s)
         try:
             while True:
@@ -126,10 +130,10 @@ def read_for_calibration(url: str, nbytes: int, piece_nbytes: int, timeout_s: fl
             return
 
 
-def measure(*, nbytes: int = _NBYTES, piece_nbytes: int = _PIECE_NBYTES, rounds: int = _ROUNDS,
+def measure(*, listen, nbytes: int = _NBYTES, piece_nbytes: int = _PIECE_NBYTES, rounds: int = _ROUNDS,
             timeout_s: float = 10.0) -> Way:
-    """Time ``nbytes`` (deferred puts of ``piece_nbytes``) from a tcp endpoint here to one in a
-    reading process over loopback, spliced and copied, ``rounds`` times each (alternated),
+    """Time ``nbytes`` (deferred puts of ``piece_nbytes``) from a tcp endpoint here (``listen``:
+    :func:`transports.tcp.listen`) to one in a reading process over loopback, spliced and copied, ``rounds`` times each (alternated),
     each from the first put to the reader's answer: splice where it beat the copy by
     ``SPLICE_MARGIN`` in every pair of rounds, else copy; the median rate of each way with it."""
     if not _tcp_splice.built():
@@ -140,16 +144,14 @@ def measure(*, nbytes: int = _NBYTES, piece_nbytes: int = _PIECE_NBYTES, rounds:
     from qlink.errors import QlinkError
     from qlink.memory import RemoteRegion
 
-    from . import tcp
-
     src = np.empty(nbytes, np.uint8)
     src.fill(0x5A)
     rates: dict[str, list[float]] = {"splice": [], "copy": []}
     reader = None
     try:
-        with tcp.listen("tcp://127.0.0.1:0") as lis:
-            code = (f"from transports._tcp_way import read_for_calibration as r; "
-                    f"r({lis.url!r}, {nbytes}, {piece_nbytes}, {timeout_s!r})")
+        with listen("tcp://127.0.0.1:0") as lis:
+            code = (f"from transports.tcp import connect; from transports._tcp_way import read_for_calibration as r; "
+                    f"r(connect, {lis.url!r}, {nbytes}, {piece_nbytes}, {timeout_s!r})")
             reader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             with lis.accept(timeout_s=timeout_s) as ep:

@@ -89,10 +89,23 @@ from ._base import deadline_of
 from ._tcp_endpoint import CAPABILITIES, DEFAULT_BUSY_POLL_S, RBUF_NBYTES, TcpEndpoint
 from ._tcp_splice import SplicePipe, splice_pieces
 from ._tcp_splice import built as splice_built
+from . import _tcp_way
 from ._tcp_listener import TcpListener
 
-__all__ = ["CAPABILITIES", "listen", "connect", "TcpEndpoint", "TcpListener", "SplicePipe", "splice_built",
-           "splice_pieces"]
+__all__ = ["CAPABILITIES", "listen", "connect", "deferred_put_way", "TcpEndpoint", "TcpListener", "SplicePipe",
+           "splice_built", "splice_pieces"]
+
+
+def deferred_put_way() -> _tcp_way.Way:
+    """How this process's tcp endpoints send a large deferred ``put_many``: by splice (the pages
+    lent to the socket) or copied, whichever this host moved faster between two processes,
+    measured the first time it is asked (about 0.4 s), inherited by processes started
+    afterwards, or forced by ``QLINK_TCP_SPLICE=1``/``0`` (:mod:`transports._tcp_way`)."""
+    return _tcp_way.way(measure=_measure_way)
+
+
+def _measure_way() -> _tcp_way.Way:
+    return _tcp_way.measure(listen=listen)
 
 
 def listen(url: str, *, busy_poll_s: float = DEFAULT_BUSY_POLL_S, backlog: int = 128,
@@ -122,7 +135,7 @@ def listen(url: str, *, busy_poll_s: float = DEFAULT_BUSY_POLL_S, backlog: int =
         sock.listen(backlog)
         sock.setblocking(False)
         return TcpListener(sock, busy_poll_s=busy_poll_s, handshake_timeout_s=handshake_timeout_s, token=token,
-                           read_ahead_nbytes=read_ahead_nbytes)
+                           read_ahead_nbytes=read_ahead_nbytes, way_of_host=deferred_put_way)
     except BaseException:
         sock.close()
         raise
@@ -159,7 +172,7 @@ def connect(url: str, *, timeout_s: float | None = 10.0, busy_poll_s: float = DE
     try:
         local_key, peer_key, version = hs.client_handshake(sock, token=token, left=left, where=where)
         return TcpEndpoint(sock, url=where, local_key=local_key, peer_key=peer_key, busy_poll_s=busy_poll_s,
-                           version=version)
+                           version=version, way_of_host=deferred_put_way)
     except BaseException as e:
         sock.close()
         if isinstance(e, TimeoutError):

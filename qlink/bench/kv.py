@@ -16,8 +16,8 @@ in one run:
   ``pull_copy`` how the receiver copied: glibc's ``memcpy`` or the streaming copy,
   whichever its own large pulls have shown faster on this host, with both rates; over
   ``tcp``, ``tcp_way`` how the sender sent a layer: its pages lent to the socket by splice
-  or copied by ``sendmsg``, whichever this host moved faster between two processes when
-  the bench began, with both rates: :mod:`transports._tcp_way`);
+  or copied by ``sendmsg``, as this host measured it between two processes when the bench
+  began, with both rates: :func:`transports.tcp.deferred_put_way`);
 * **NIXL** — the same blocks moved by NIXL's UCX backend between two processes, set up
   as vLLM's ``NixlConnector`` runs it (:mod:`qlink.ai.nixl_backend`): UCX choosing its own
   transports, one registered region per layer cache, descriptor lists of every block
@@ -651,10 +651,10 @@ def _tcp_floor_rows(spec, fits, repeats: int, measured: list[dict], progress,
 
 def _tcp_way() -> str:
     """How this process's tcp senders (and the senders it starts) move large deferred puts:
-    by splice or copied, and on what basis (:mod:`transports._tcp_way`)."""
-    from transports._tcp_way import way
+    by splice or copied, and on what basis (:func:`transports.tcp.deferred_put_way`)."""
+    from transports.tcp import deferred_put_way
 
-    return way().describe()
+    return deferred_put_way().describe()
 
 
 def _pull_copy() -> str | None:

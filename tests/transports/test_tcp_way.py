@@ -22,7 +22,7 @@ def fresh(monkeypatch):
 
 
 def test_the_measurement_times_both_ways_between_two_processes_and_keeps_the_faster(fresh):
-    w = _tcp_way.measure(nbytes=8 << 20, piece_nbytes=1 << 20, rounds=3)
+    w = _tcp_way.measure(listen=tcp.listen, nbytes=8 << 20, piece_nbytes=1 << 20, rounds=3)
     assert w.basis == "measured", w.reason
     assert w.splice_GBps > 0 and w.copy_GBps > 0
     assert w.kind == "copy" or w.splice_GBps > _tcp_way.SPLICE_MARGIN * w.copy_GBps  # splice only by a margin
@@ -39,11 +39,11 @@ def test_the_first_choice_is_kept_and_left_to_the_processes_started_later(fresh,
         return _tcp_way.Way("copy", "measured", 1.5, 3.25)
 
     monkeypatch.setattr(_tcp_way, "measure", once)
-    assert _tcp_way.way() == _tcp_way.way() == _tcp_way.Way("copy", "measured", 1.5, 3.25)
+    assert tcp.deferred_put_way() == tcp.deferred_put_way() == _tcp_way.Way("copy", "measured", 1.5, 3.25)
     assert len(calls) == 1
     assert os.environ[_tcp_way.MEASURED_ENV] == "copy 1.5 3.25"
     monkeypatch.setattr(_tcp_way, "_chosen", None)  # as a process started now finds it
-    assert _tcp_way.way() == _tcp_way.Way("copy", "inherited", 1.5, 3.25) and len(calls) == 1
+    assert tcp.deferred_put_way() == _tcp_way.Way("copy", "inherited", 1.5, 3.25) and len(calls) == 1
 
 
 @pytest.mark.parametrize("text", ["", "fast 1 2", "copy x 2", "splice 1"])
@@ -55,7 +55,7 @@ def test_an_inherited_way_that_does_not_parse_is_measured_again(text):
 def test_qlink_tcp_splice_forces_the_way_and_every_endpoint_follows_it(fresh, monkeypatch, forced, kind):
     monkeypatch.setenv(_tcp_way.FORCE_ENV, forced)
     monkeypatch.setattr(_tcp_way, "measure", lambda **kw: pytest.fail("a forced way is not measured"))
-    assert _tcp_way.way() == _tcp_way.Way(kind, "forced", reason=f"QLINK_TCP_SPLICE={forced}")
+    assert tcp.deferred_put_way() == _tcp_way.Way(kind, "forced", reason=f"QLINK_TCP_SPLICE={forced}")
     with tcp.listen("tcp://127.0.0.1:0") as lis:
         with tcp.connect(lis.url, timeout_s=5) as client, lis.accept(timeout_s=5) as server:
             assert client.defers_puts_in_place == client.defers_puts == (kind == "splice")
@@ -71,6 +71,6 @@ def test_qlink_tcp_splice_forces_the_way_and_every_endpoint_follows_it(fresh, mo
 
 def test_bad_measurement_sizes_are_refused():
     with pytest.raises(ValueError, match="multiple of piece_nbytes"):
-        _tcp_way.measure(nbytes=3 << 20, piece_nbytes=2 << 20)
+        _tcp_way.measure(listen=tcp.listen, nbytes=3 << 20, piece_nbytes=2 << 20)
     with pytest.raises(ValueError, match="positive"):
-        _tcp_way.measure(rounds=0)
+        _tcp_way.measure(listen=tcp.listen, rounds=0)
