@@ -214,9 +214,10 @@ def test_the_cli_path_writes_rows_and_goals(tmp_path, monkeypatch):
     assert seen["transports"] == ("shm", "tcp") and seen["nixl"] is False and seen["mooncake"] is False
 
 
-def test_tcp_rows_are_set_against_the_bare_socket_floor_taken_between_their_rounds():
+def test_tcp_rows_are_set_against_the_bare_socket_floor_taken_between_their_rounds(monkeypatch):
     if transport_unavailable("tcp"):
         pytest.skip("tcp transport unavailable")
+    monkeypatch.setenv("QLINK_TCP_SPLICE", "0")  # (the way is said in every row; forced: nothing to measure)
     rows = run_kv_bench(transports=("tcp",), tokens=(16, 64), preset="tiny", repeats=1, nixl=False, mooncake=False,
                         memory_budget_nbytes=1 << 20, progress=lambda _: None)
     sock = {r["tokens"]: r for r in rows if r["basis"] == "floor" and r["case"].startswith("TCP socket floor")}
@@ -226,6 +227,7 @@ def test_tcp_rows_are_set_against_the_bare_socket_floor_taken_between_their_roun
     assert len(tcp) == 4
     for r in tcp:
         assert r["x_tcp_floor"] == pytest.approx(r["best_GBps"] / sock[r["tokens"]]["GBps"], rel=0.02)
+        assert r["tcp_way"] == "copy (forced: QLINK_TCP_SPLICE=0)" and r["moved_by"] == "sender"
     # a Mooncake row beside it: the tcp goal says what the socket allows
     moon = {"case": "Mooncake TE TCP, slice 1024 KiB", "basis": "measured", "tokens": 16, "pattern": "contiguous",
             "GBps": sock[16]["GBps"] / 4}
