@@ -132,10 +132,13 @@ def read_for_calibration(connect, url: str, nbytes: int, piece_nbytes: int, time
 
 def measure(*, listen, nbytes: int = _NBYTES, piece_nbytes: int = _PIECE_NBYTES, rounds: int = _ROUNDS,
             timeout_s: float = 10.0) -> Way:
-    """Time ``nbytes`` (deferred puts of ``piece_nbytes``) from a tcp endpoint here (``listen``:
-    :func:`transports.tcp.listen`) to one in a reading process over loopback, spliced and copied, ``rounds`` times each (alternated),
-    each from the first put to the reader's answer: splice where it beat the copy by
-    ``SPLICE_MARGIN`` in every pair of rounds, else copy; the median rate of each way with it."""
+    """Time ``nbytes`` (deferred puts of ``piece_nbytes``) from a tcp endpoint here (made by
+    ``listen``, :func:`transports.tcp.listen`) to one in a reading process over loopback,
+    spliced and copied, ``rounds`` times each (alternated), each from the first put to the
+    reader's answer: splice where it beat the copy by ``SPLICE_MARGIN`` in every pair of
+    rounds, else copy; the median rate of each way with it. A measurement that cannot run
+    (no loopback, the reader gone) gives copy, ``basis="failed"`` and the reason: it never
+    breaks the endpoint that asked."""
     if not _tcp_splice.built():
         return Way("copy", "unavailable", reason="transports._tcpc is not built")
     if nbytes <= 0 or rounds <= 0 or piece_nbytes <= 0 or nbytes % piece_nbytes:
@@ -152,7 +155,8 @@ def measure(*, listen, nbytes: int = _NBYTES, piece_nbytes: int = _PIECE_NBYTES,
         with listen("tcp://127.0.0.1:0") as lis:
             code = (f"from transports.tcp import connect; from transports._tcp_way import read_for_calibration as r; "
                     f"r(connect, {lis.url!r}, {nbytes}, {piece_nbytes}, {timeout_s!r})")
-            reader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # imports as here
+            reader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             with lis.accept(timeout_s=timeout_s) as ep:
                 remote = RemoteRegion.from_bytes(ep.recv(timeout_s=timeout_s))
@@ -167,7 +171,7 @@ def measure(*, listen, nbytes: int = _NBYTES, piece_nbytes: int = _PIECE_NBYTES,
                         if r >= _WARMUP_ROUNDS:
                             rates[kind].append(nbytes / (time.perf_counter_ns() - t0))
                         ep.flush(timeout_s=timeout_s)
-    except (QlinkError, OSError) as e:
+    except (QlinkError, OSError, ValueError) as e:  # (ValueError: a reader that sent no descriptor)
         why = ""
         if reader is not None and reader.poll() is not None and reader.stderr is not None:
             why = reader.stderr.read().decode(errors="replace").strip().splitlines()[-1:] or [""]

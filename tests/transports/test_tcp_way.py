@@ -74,3 +74,24 @@ def test_bad_measurement_sizes_are_refused():
         _tcp_way.measure(listen=tcp.listen, nbytes=3 << 20, piece_nbytes=2 << 20)
     with pytest.raises(ValueError, match="positive"):
         _tcp_way.measure(listen=tcp.listen, rounds=0)
+
+
+def test_a_measurement_whose_reader_never_comes_gives_copies_and_says_why():
+    class Elsewhere:  # a listener whose url sends the reading process where nobody listens
+        def __init__(self, url):
+            self._lis = tcp.listen(url)
+            with tcp.listen("tcp://127.0.0.1:0") as gone:
+                self.url = gone.url
+
+        def accept(self, **kw):
+            return self._lis.accept(**kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._lis.close()
+
+    w = _tcp_way.measure(listen=Elsewhere, nbytes=1 << 20, piece_nbytes=1 << 20, rounds=1, timeout_s=2)
+    assert (w.kind, w.basis, w.splice_GBps, w.copy_GBps) == ("copy", "failed", None, None)
+    assert "measurement broke" in w.reason and "nobody listens" in w.reason  # the reader's own error with it
