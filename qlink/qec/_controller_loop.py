@@ -10,6 +10,7 @@ is :mod:`qlink.qec.hotpath`'s C core.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -21,6 +22,8 @@ from qlink.wire import FrameError, Status
 
 from ._controller_result import ControllerResult, _status_name
 from .timeline import CONTROLLER_SHOT_FIELDS, ShotRecords, StageRecorder
+
+_FULL_NAP_S = 20e-6  # between tries to send into a full transport (see Controller._send)
 
 __all__ = ["CONTROLLER_STAGES", "ControllerLoop"]
 
@@ -127,7 +130,12 @@ class ControllerLoop:
 
     # ------------------------------------------------------------------ helpers
     def _send(self, mv, deadline_ns: int) -> None:
-        """Send without ever blocking on a full transport while answers wait to be read."""
+        """Send without ever blocking on a full transport while answers wait to be read.
+
+        While the transport stays full the loop naps ``_FULL_NAP_S`` between tries: the service
+        is a whole transport's worth of frames behind, and a service thread in this process (an
+        ``inproc`` or threaded service) would otherwise get the GIL back only once per switch
+        interval per call it makes."""
         ep = self.ep
         while True:
             try:
@@ -135,6 +143,7 @@ class ControllerLoop:
                 return
             except WouldBlock:
                 self._poll_once()
+                time.sleep(_FULL_NAP_S)
                 if now_ns() > deadline_ns:
                     raise QlinkTimeoutError("the controller could not send a frame before its run deadline "
                                             "(the transport stayed full: is the decoder service reading?)")
