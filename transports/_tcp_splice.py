@@ -29,8 +29,7 @@ try:
 except ImportError:  # not built (not Linux, or no compiler at install): deferred puts are copied
     _tcpc = None
 
-__all__ = ["PIPE_NBYTES", "ZERO_COPY_MIN_NBYTES", "SplicePipe", "available", "built", "recv_pieces", "rest_of",
-           "splice_pieces"]
+__all__ = ["PIPE_NBYTES", "ZERO_COPY_MIN_NBYTES", "SplicePipe", "built", "recv_pieces", "rest_of", "splice_pieces"]
 
 PIPE_NBYTES = 1 << 20  # the pipe's size (pipe-max-size, 1 MiB by default, is what a user may ask for)
 ZERO_COPY_MIN_NBYTES = 256 << 10  # a put_many smaller than this is copied: the copy costs less than the calls
@@ -38,14 +37,9 @@ _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def built() -> bool:
-    """Whether the C module is there (splice and the pieces' reader can run at all)."""
-    return _tcpc is not None
-
-
-def available() -> bool:
-    """Whether splice can send deferred pieces here (the C module is built). Whether tcp
-    endpoints do send them so is :func:`transports.tcp.deferred_put_way`'s choice: measured on the host,
-    or forced by ``QLINK_TCP_SPLICE``."""
+    """Whether the C module is there (splice and the pieces' reader can run at all). Whether
+    tcp endpoints do send deferred pieces by splice is :func:`transports.tcp.deferred_put_way`'s
+    choice: measured on the host, or forced by ``QLINK_TCP_SPLICE``."""
     return _tcpc is not None
 
 

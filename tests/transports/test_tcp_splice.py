@@ -18,7 +18,7 @@ from transports import _tcp_frames, _tcp_handshake, _tcp_splice, tcp
 from transports import framing as fr
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not _tcp_splice.available(), reason="transports._tcpc is not built here")]
+              pytest.mark.skipif(not _tcp_splice.built(), reason="transports._tcpc is not built here")]
 
 
 @pytest.fixture(autouse=True)

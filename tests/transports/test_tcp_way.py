@@ -10,7 +10,7 @@ import pytest
 from transports import _tcp_splice, _tcp_way, tcp
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not _tcp_splice.available(), reason="transports._tcpc is not built here")]
+              pytest.mark.skipif(not _tcp_splice.built(), reason="transports._tcpc is not built here")]
 
 
 @pytest.fixture
