@@ -50,7 +50,7 @@ in one run:
   its memory traffic, and a 512-token contiguous floor read 1.75 x a copy out of a separate
   cache), and, where ``memory_budget_nbytes`` leaves room beside the two caches, also out of
   a source apart from the receiver's cache, as the sender's is: a third cache where one fits,
-  else the request's pieces alone in buffers of their own (a copy out of the layer half the
+  else the request's pieces alone, at their own offsets, in buffers of their own (a copy out of the layer half the
   cache away read 15-25 % below one out of a separate buffer on the 2-core VM); the faster
   source counts;
 * **TCP socket floor** — where ``tcp`` or Mooncake is measured: the same bytes, layer by
@@ -155,8 +155,8 @@ class _Floor:
     * the layer half the cache away (a distinct source region per layer, none read shortly
       before it is written: no cache-hot reuse);
     * a source apart from the receiver's cache, as a sender's is, where ``spare_nbytes`` holds
-      one: a separate cache of the same size, or, where that does not fit, the request's
-      source pieces alone, each at its own offset within a page, in buffers of their own (one
+      one: a separate cache of the same size, or, where that does not fit, buffers with the
+      request's source pieces alone, at their own offsets (the sender's layout; one buffer
       per layer, or as many as fit, taken in turn, when they pass ``REUSE_MIN_NBYTES``: no
       cache-hot reuse either).
 
@@ -187,7 +187,7 @@ class _Floor:
         self.spare_nbytes = int(spare_nbytes)
         self._shadow = None
         self._separate: list | None = None
-        self._packed: list | None = None
+        self._apart: tuple | None = None  # (layout key, buffers)
 
     def mark(self) -> None:
         """Start :attr:`best_since_mark` over: the floor of the rounds taken from here on, beside
@@ -206,39 +206,48 @@ class _Floor:
         self._separate = [_faulted_in(n) for n in sizes]
         return self._separate
 
-    def _packed_source(self, num_layers: int, so: np.ndarray, ln: np.ndarray) -> tuple[list, np.ndarray] | None:
-        """The request's source pieces apart from the receiver's cache: ``(one buffer per layer,
-        the pieces' offsets in it)``, each piece at its own offset within a page, the pieces
-        in the order of their source offsets (a copy of scattered pieces jumps about as it
-        does in the sender's cache, not along one stream). Fewer buffers than layers (taken
-        in turn) where all would not fit ``spare_nbytes``, as long as they span
+    def _apart_source(self, layer_nbytes: int, num_layers: int, so: np.ndarray, ln: np.ndarray) -> list | None:
+        """The request's source pieces apart from the receiver's cache, in the sender's very
+        layout: buffers as large as a source layer, each piece at its own source offset, only
+        the pages under pieces faulted in (memfd memory: the pages between them take no
+        memory, as they take no time in a copy). One buffer per layer, or fewer (taken in
+        turn) where all would not fit ``spare_nbytes``, as long as their pages span
         ``REUSE_MIN_NBYTES``; None where even that does not fit. The buffers are kept for the
-        next request that fits them.
+        next request, which faults in the pages it adds (the pages of every request so far
+        count against ``spare_nbytes``).
+
+        (Packing the pieces into pages of their own made a denser source than the sender's:
+        on the 2-core EPYC VM a scattered 32k-token copy ran 2-5 % faster out of it, a floor
+        no transfer out of the sender's layout could reach.)
 
         >>> f = _Floor(spare_nbytes=1 << 20)
-        >>> bufs, at = f._packed_source(4, np.array([4096 * 9 + 10, 0]), np.array([100, 5000]))
-        >>> len(bufs), bufs[0].size, at.tolist()
-        (4, 12288, [8202, 0])
-        >>> _Floor(spare_nbytes=4096)._packed_source(4, np.array([0]), np.array([8192])) is None
+        >>> bufs = f._apart_source(65536, 4, np.array([4096 * 9 + 10, 0]), np.array([100, 5000]))
+        >>> len(bufs), bufs[0].size, int(bufs[0][4096 * 9 + 10]), int(bufs[0][6000]), int(bufs[0][4096 * 5])
+        (4, 65536, 1, 1, 0)
+        >>> _Floor(spare_nbytes=4096)._apart_source(65536, 4, np.array([0]), np.array([8192])) is None
         True
         """
         page = 4096
-        lead = so % page
-        spans = (lead + ln + page - 1) // page * page
-        order = np.argsort(so, kind="stable")  # laid out in the order of their source offsets: the copy
-        at = np.empty_like(so)                  # visits them in the same pattern of jumps as the original
-        at[order] = np.concatenate([[0], np.cumsum(spans[order])[:-1]])
-        at += lead
-        nbytes = int(spans.sum())
-        count = min(num_layers, self.spare_nbytes // max(nbytes, 1))
-        if count < 1 or (count < num_layers and count * nbytes < self.REUSE_MIN_NBYTES):
-            self._packed = None
+        needed = np.zeros((layer_nbytes + page - 1) // page, dtype=bool)
+        for a, b in zip((so // page).tolist(), ((so + ln + page - 1) // page).tolist()):
+            needed[a:b] = True  # the pages under each piece
+        bufs, touched = self._apart if self._apart is not None else ([], needed & False)
+        if touched.size != needed.size:  # another layer size: start again
+            bufs, touched = [], needed & False
+        union = touched | needed
+        count = min(num_layers, self.spare_nbytes // max(int(union.sum()) * page, 1))
+        if count < 1 or (count < num_layers and count * int(union.sum()) * page < self.REUSE_MIN_NBYTES):
+            self._apart = None
             return None
-        if self._packed is None or len(self._packed) < count or self._packed[0].size < nbytes:
-            self._packed = None  # the old buffers go before the new ones are made
-            self._packed = [_faulted_in(nbytes) for _ in range(count)]
-        bufs = self._packed[:count]
-        return [bufs[k % count] for k in range(num_layers)], at
+        fresh = union & ~touched  # the pages the kept buffers still lack
+        bufs = bufs[:count]
+        self._apart = None  # (the buffers dropped go before new ones are made)
+        for buf in bufs:
+            _fault_in_pages(buf, fresh)
+        while len(bufs) < count:
+            bufs.append(_fault_in_pages(_alloc(union.size * page), union))
+        self._apart = (bufs, union)
+        return [bufs[k % count] for k in range(num_layers)]
 
     def copy_s(self, cache, plan, *, key: tuple, record: bool = True) -> float:
         """Seconds of the fastest copy of ``plan``'s pieces into every layer of ``cache`` (each
@@ -271,9 +280,9 @@ class _Floor:
         if separate is not None:
             sources["a separate cache"] = (separate, so)
         else:
-            packed = self._packed_source(len(layers), so, ln)
-            if packed is not None:
-                sources["the request's pieces apart"] = packed
+            apart = self._apart_source(layers[0].size, len(layers), so, ln)
+            if apart is not None:
+                sources["the request's pieces apart, in the sender's layout"] = (apart, so)
         times, counts, spent_by = {}, {}, {}
         for where, (srcs, offsets) in sources.items():
             for kind in ("memcpy", "streamed"):
@@ -308,6 +317,26 @@ def _faulted_in(nbytes: int, *, value: int = 1) -> np.ndarray:
     buf = alloc(nbytes, dtype=np.uint8)
     buf.fill(value)
     return buf
+
+
+def _fault_in_pages(buf: np.ndarray, pages: np.ndarray, *, value: int = 1) -> np.ndarray:
+    """Fill the 4 KiB pages of ``buf`` where the mask ``pages`` is set (faulting them in);
+    return ``buf``.
+
+    >>> _fault_in_pages(np.zeros(3 * 4096, np.uint8), np.array([False, True, True]))[4095:4097].tolist()
+    [0, 1]
+    """
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], pages.astype(np.int8), [0]])))
+    for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist()):
+        buf[a * 4096:b * 4096] = value
+    return buf
+
+
+def _alloc(nbytes: int) -> np.ndarray:
+    """``nbytes`` of :func:`qlink.memory.alloc` memory, no page touched yet."""
+    from qlink.memory import alloc
+
+    return alloc(nbytes, dtype=np.uint8)
 
 
 def _copy_pieces(dst, src, so, do, ln, streaming: bool) -> None:

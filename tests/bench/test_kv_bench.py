@@ -142,22 +142,36 @@ def test_floor_copies_out_of_the_requests_pieces_apart_where_a_whole_cache_does_
                          num_planes=spec.num_planes)
     f = _Floor(spare_nbytes=cache.nbytes - 1)  # no whole separate cache; the pieces alone fit
     f.copy_s(cache, plan, key=(8, "scattered"))
-    assert f._separate is None and len(f._packed) == spec.num_layers
-    # the packed source is copied last (filled with 1): every destination piece holds it now
+    bufs, touched = f._apart
+    assert f._separate is None and len(bufs) == spec.num_layers
+    assert f.best[(8, "scattered")][1].split(" out of ")[1] in (
+        "the layer half the cache away", "the request's pieces apart, in the sender's layout")
+    # the source apart is copied last (filled with 1): every destination piece holds it now
     for a in cache.layers:
         v = a.view(np.uint8).reshape(-1)
         for d, nb in zip(plan.dst_offsets, plan.nbytes):
             assert (v[d:d + nb] == 1).all()
     assert f.last_copies >= 1 and f.last_spent_s > 0
-    # each piece keeps its offset within a page; fewer buffers than layers only past REUSE_MIN_NBYTES
+    # the sender's layout: each piece at its own source offset, in a buffer as large as a layer,
+    # only the pages under the pieces touched (block 0 and block 3, not the blocks between)
+    layer_nbytes = cache.layers[0].nbytes
+    assert all(b.size == layer_nbytes for b in bufs)
+    for s0, nb in zip(plan.src_offsets, plan.nbytes):
+        assert touched[s0 // 4096:(s0 + nb - 1) // 4096 + 1].all()
+    assert int(touched.sum()) * 4096 < layer_nbytes
+    # a later request adds its pages to the kept buffers (no new buffers)
     so = np.asarray(plan.src_offsets, dtype=np.int64)
-    _, at = f._packed_source(spec.num_layers, so + 100, np.asarray(plan.nbytes, dtype=np.int64))
-    assert (at % 4096 == (so + 100) % 4096).all()
-    small = _Floor(spare_nbytes=2 * f._packed[0].size)  # two of the layers' buffers
-    assert small._packed_source(spec.num_layers, so, np.asarray(plan.nbytes, dtype=np.int64)) is None
+    ln = np.asarray(plan.nbytes, dtype=np.int64)
+    again = f._apart_source(layer_nbytes, spec.num_layers, so + 4096, ln)
+    assert {id(b) for b in again} == {id(b) for b in bufs} and f._apart[1].sum() > touched.sum()
+    assert (again[0][so[0] + 4096:][:ln[0]] == 1).all()
+    # fewer buffers than layers only past REUSE_MIN_NBYTES
+    small = _Floor(spare_nbytes=2 * int(touched.sum()) * 4096)  # two of the layers' buffers
+    assert small._apart_source(layer_nbytes, spec.num_layers, so, ln) is None
     small.REUSE_MIN_NBYTES = 1
-    bufs, _ = small._packed_source(spec.num_layers, so, np.asarray(plan.nbytes, dtype=np.int64))
-    assert len({id(b) for b in bufs}) < spec.num_layers == len(bufs)
+    bufs2 = small._apart_source(layer_nbytes, spec.num_layers, so, ln)
+    assert len({id(b) for b in bufs2}) == 2 and len(bufs2) == spec.num_layers
+
 
 def test_modeled_rows_follow_the_link_catalog():
     rows = modeled_rows(450 * 10**9, tokens=1)
