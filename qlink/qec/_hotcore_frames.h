@@ -190,6 +190,8 @@ static void svc_enqueue(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint
     }
 }
 
+/* The answered shot's row, while the rows take one; t_out: when its answer left (0: now, the
+ * clock read only where a row takes it). */
 static void svc_record(ServiceCore *s, SvcDecoder *d, int64_t slot, int32_t status, int64_t t_out) {
     if (!s->has_rows)
         return;
@@ -199,7 +201,7 @@ static void svc_record(ServiceCore *s, SvcDecoder *d, int64_t slot, int32_t stat
     }
     int64_t *r = (int64_t *)s->rows.buf + s->row_n * SVC_FIELDS;
     memcpy(r, d->rec + slot * SVC_FIELDS, SVC_FIELDS * sizeof(int64_t));
-    r[6] = t_out;
+    r[6] = t_out ? t_out : mono_ns();
     r[8] = status;
     s->row_n++;
 }
@@ -265,7 +267,7 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
         }
         svc_answer(s, W.st_internal, rid, ptp, NULL, 0);
         if (consume)
-            svc_record(s, d, slot, W.st_internal, mono_ns());
+            svc_record(s, d, slot, W.st_internal, 0);
         return;
     }
     uint8_t out[4096 + 8];
@@ -279,7 +281,7 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
     }
     svc_answer(s, W.st_ok, rid, ptp, out, nres);
     if (consume)
-        svc_record(s, d, slot, W.st_ok, mono_ns());
+        svc_record(s, d, slot, W.st_ok, 0);
 }
 
 static inline int is_addressed(ServiceCore *s, SvcDecoder *d, int consume, uint32_t rid) {
