@@ -8,9 +8,11 @@ speaks from a plain socket (signing each datagram when given a token, each with 
 sequence number of its own, see :mod:`qlink.access`) and, as a UDP
 controller must, sends a shot's two frames again when no answer came within
 ``retry_s`` (the same counter, request ids and ``ptp_timestamp``: the service answers
-a repeated get_corrections from what it kept, so nothing is decoded twice); over other
-URLs through a qlink endpoint. Close frames from the service are counted, never taken
-for answers.
+a repeated get_corrections from what it kept, so nothing is decoded twice). A get answered
+``NOT_READY`` means its shot's syndromes were lost: both frames go again at once, the get as a
+new request (a new ``ptp_timestamp``), since a service keeps a consuming get's NOT_READY for its
+very same request. Over other URLs it speaks through a qlink endpoint. Close frames from the
+service are counted, never taken for answers.
 
 >>> import numpy as np
 >>> _pack(np.array([1, 0, 1, 1], np.uint8)).tobytes()
@@ -127,8 +129,18 @@ class LockstepController:
                     self.close_frames += 1
                     continue
                 if got_rid == rid + 1:
-                    if status == _NOT_READY and self._sock is not None:  # its syndromes were lost on the way
-                        r = None
+                    if status == _NOT_READY and self._sock is not None:  # its syndromes were lost on the way:
+                        # both frames again, the get as a new request (a new ptp_timestamp). The native
+                        # service keeps a consuming get's NOT_READY, so the very same get sent again is
+                        # answered NOT_READY again, even once its shot has come; only a new one consumes it
+                        if time.monotonic() > give_up:
+                            raise QlinkTimeoutError(f"{self.url} answered NOT_READY for {self.timeout_s} s")
+                        self.retries += 1
+                        k = wire.encode_get_corrections_into(mv[n:], request_id=rid + 1, decoder_id=did,
+                                                             return_size=self.num_obs, reset=True,
+                                                             ptp_timestamp=ptp_now_ns())
+                        self._send(mv[:n])
+                        self._send(mv[n:n + k])
                         continue
                     break
             reaction[i] = time.perf_counter_ns() - t0
