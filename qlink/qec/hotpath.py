@@ -54,7 +54,10 @@ after 16 repairs is reported ``SYNDROMES_DROPPED`` in its row. Before its first 
 controller sends a peek and plays nothing until it is answered, so no burst lands in a
 socket the service does not read yet. Gets with other request ids keep the first come,
 first served answer, kept at the request id (the very same request again is answered
-again and consumes nothing).
+again and consumes nothing). A ``NOT_READY`` is kept too: the very same get sent again is
+answered ``NOT_READY`` even once a shot is ready, and a client whose syndromes were lost asks
+again as a new request (a new ``ptp_timestamp``, as :class:`qlink.bench._lockstep.LockstepController`
+does). The Python engine keeps no answer for a ``NOT_READY``.
 
 >>> available() is None
 True
