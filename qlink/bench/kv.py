@@ -50,9 +50,9 @@ in one run:
   its memory traffic, and a 512-token contiguous floor read 1.75 x a copy out of a separate
   cache), and, where ``memory_budget_nbytes`` leaves room beside the two caches, also out of
   a source apart from the receiver's cache, as the sender's is: a third cache where one fits,
-  else the request's pieces alone, at their own offsets, in buffers of their own (a copy out of the layer half the
-  cache away read 15-25 % below one out of a separate buffer on the 2-core VM); the faster
-  source counts;
+  else the request's pieces alone, at their own offsets, in buffers of their own (a copy out
+  of the layer half the cache away read 15-25 % below one out of a separate buffer on the
+  2-core VM); the faster source counts;
 * **TCP socket floor** — where ``tcp`` or Mooncake is measured: the same bytes, layer by
   layer, over a bare loopback TCP socket between two processes, with blocking calls, with
   busy-polling ones, and with the sender's pages spliced into the socket as qlink's deferred
@@ -187,7 +187,7 @@ class _Floor:
         self.spare_nbytes = int(spare_nbytes)
         self._shadow = None
         self._separate: list | None = None
-        self._apart: tuple | None = None  # (layout key, buffers)
+        self._apart: tuple | None = None  # (buffers, the mask of their pages faulted in)
 
     def mark(self) -> None:
         """Start :attr:`best_since_mark` over: the floor of the rounds taken from here on, beside
@@ -217,8 +217,8 @@ class _Floor:
         count against ``spare_nbytes``).
 
         (Packing the pieces into pages of their own made a denser source than the sender's:
-        on the 2-core EPYC VM a scattered 32k-token copy ran 2-5 % faster out of it, a floor
-        no transfer out of the sender's layout could reach.)
+        on the 2-core EPYC VM a scattered copy ran 4-8 % faster out of it at 512 tokens and
+        2-5 % at 32k, a floor no transfer out of the sender's layout could reach.)
 
         >>> f = _Floor(spare_nbytes=1 << 20)
         >>> bufs = f._apart_source(65536, 4, np.array([4096 * 9 + 10, 0]), np.array([100, 5000]))

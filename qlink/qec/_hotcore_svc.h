@@ -178,8 +178,8 @@ typedef struct {
 } ServiceCore;
 
 /* Whether a shot's stamps can still reach a row (the rows given and not full). The stamps are
- * read only then: a clock read costs ~30 ns, a sixth of a d=5 shot's whole share of the service
- * when the loop runs flat out, and past the kept rows nothing reads them. */
+ * read only then: a clock read costs ~30 ns, about a fifth of what a d=5 shot costs the service
+ * beyond its decode when the loop runs flat out, and past the kept rows nothing reads them. */
 static inline int svc_rows_open(const ServiceCore *s) { return s->has_rows && s->row_n < s->nrows; }
 
 static void win_free(WinState *w) {
