@@ -119,30 +119,28 @@ class LockstepController:
             give_up = time.monotonic() + self.timeout_s
             while True:
                 r = self._recv(give_up)
-                if r is None:  # (datagrams) lost on the way: both frames again, as they were
-                    self.retries += 1
-                    self._send(mv[:n])
-                    self._send(mv[n:n + k])
-                    continue
-                magic, status, rlen, got_rid, _ptp = wire.RESPONSE_HEADER.unpack_from(r)
-                if got_rid == _CLOSE_RID:
-                    self.close_frames += 1
-                    continue
-                if got_rid == rid + 1:
-                    if status == _NOT_READY and self._sock is not None:  # its syndromes were lost on the way:
-                        # both frames again, the get as a new request (a new ptp_timestamp). The native
-                        # service keeps a consuming get's NOT_READY, so the very same get sent again is
-                        # answered NOT_READY again, even once its shot has come; only a new one consumes it
-                        if time.monotonic() > give_up:
-                            raise QlinkTimeoutError(f"{self.url} answered NOT_READY for {self.timeout_s} s")
-                        self.retries += 1
-                        k = wire.encode_get_corrections_into(mv[n:], request_id=rid + 1, decoder_id=did,
-                                                             return_size=self.num_obs, reset=True,
-                                                             ptp_timestamp=ptp_now_ns())
-                        self._send(mv[:n])
-                        self._send(mv[n:n + k])
+                if r is not None:
+                    magic, status, rlen, got_rid, _ptp = wire.RESPONSE_HEADER.unpack_from(r)
+                    if got_rid == _CLOSE_RID:
+                        self.close_frames += 1
                         continue
-                    break
+                    if got_rid != rid + 1:
+                        continue
+                    if status != _NOT_READY or self._sock is None:
+                        break
+                    # NOT_READY over udp: its syndromes were lost on the way. The get goes again as a new
+                    # request (a new ptp_timestamp): the native service keeps a consuming get's NOT_READY,
+                    # so the very same get sent again is answered NOT_READY again, even once its shot has
+                    # come; only a new one consumes it
+                    if time.monotonic() > give_up:
+                        raise QlinkTimeoutError(f"{self.url} answered NOT_READY for {self.timeout_s} s")
+                    k = wire.encode_get_corrections_into(mv[n:], request_id=rid + 1, decoder_id=did,
+                                                         return_size=self.num_obs, reset=True,
+                                                         ptp_timestamp=ptp_now_ns())
+                # (datagrams) no answer, or NOT_READY: both frames again (the get as it was after a silence)
+                self.retries += 1
+                self._send(mv[:n])
+                self._send(mv[n:n + k])
             reaction[i] = time.perf_counter_ns() - t0
             statuses[i] = status
             if status == 0 and got_rid == rid + 1:
