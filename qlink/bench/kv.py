@@ -227,16 +227,19 @@ class _Floor:
         >>> _Floor(spare_nbytes=4096)._apart_source(65536, 4, np.array([0]), np.array([8192])) is None
         True
         """
+        from qlink.memory import alloc
+
         page = 4096
         needed = np.zeros((layer_nbytes + page - 1) // page, dtype=bool)
         for a, b in zip((so // page).tolist(), ((so + ln + page - 1) // page).tolist()):
             needed[a:b] = True  # the pages under each piece
-        bufs, touched = self._apart if self._apart is not None else ([], needed & False)
+        bufs, touched = self._apart if self._apart is not None else ([], np.zeros_like(needed))
         if touched.size != needed.size:  # another layer size: start again
-            bufs, touched = [], needed & False
+            bufs, touched = [], np.zeros_like(needed)
         union = touched | needed
-        count = min(num_layers, self.spare_nbytes // max(int(union.sum()) * page, 1))
-        if count < 1 or (count < num_layers and count * int(union.sum()) * page < self.REUSE_MIN_NBYTES):
+        nbytes = int(union.sum()) * page  # what one buffer holds in memory
+        count = min(num_layers, self.spare_nbytes // max(nbytes, 1))
+        if count < 1 or (count < num_layers and count * nbytes < self.REUSE_MIN_NBYTES):
             self._apart = None
             return None
         fresh = union & ~touched  # the pages the kept buffers still lack
@@ -245,7 +248,7 @@ class _Floor:
         for buf in bufs:
             _fault_in_pages(buf, fresh)
         while len(bufs) < count:
-            bufs.append(_fault_in_pages(_alloc(union.size * page), union))
+            bufs.append(_fault_in_pages(alloc(union.size * page, dtype=np.uint8), union))
         self._apart = (bufs, union)
         return [bufs[k % count] for k in range(num_layers)]
 
@@ -330,13 +333,6 @@ def _fault_in_pages(buf: np.ndarray, pages: np.ndarray, *, value: int = 1) -> np
     for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist()):
         buf[a * 4096:b * 4096] = value
     return buf
-
-
-def _alloc(nbytes: int) -> np.ndarray:
-    """``nbytes`` of :func:`qlink.memory.alloc` memory, no page touched yet."""
-    from qlink.memory import alloc
-
-    return alloc(nbytes, dtype=np.uint8)
 
 
 def _copy_pieces(dst, src, so, do, ln, streaming: bool) -> None:
