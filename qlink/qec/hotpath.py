@@ -56,8 +56,8 @@ socket the service does not read yet. Gets with other request ids keep the first
 first served answer, kept at the request id (the very same request again is answered
 again and consumes nothing). A ``NOT_READY`` is kept too: the very same get sent again is
 answered ``NOT_READY`` even once a shot is ready, and a client whose syndromes were lost asks
-again as a new request (a new ``ptp_timestamp``, as :class:`qlink.bench._lockstep.LockstepController`
-does). The Python engine keeps no answer for a ``NOT_READY``.
+again as a new request (a new ``ptp_timestamp``, as the benches' lock-step controller does). The
+Python engine keeps no answer for a ``NOT_READY``.
 
 >>> available() is None
 True
