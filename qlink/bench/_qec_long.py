@@ -78,6 +78,14 @@ def udp_floor(*, num_datagrams: int = 200_000, nbytes: int = 64, periods_ns=(0, 
             "floor_runs": runs}
 
 
+def _behind(key: str, r) -> dict:
+    """How far a udp run's controller fell behind its clock: the frames it sent late joined
+    the datagram before them (``frames_joined``), and its p99 emit lag."""
+    frames = max(1, r.num_shots * r.frames_per_shot)
+    return {f"{key}_frames_joined_share": r.controller.frames_joined / frames,
+            f"{key}_emit_lag_p99_us": r.emit_lag_p99_ns / 1e3, f"{key}_clock_on_time": r.clock_on_time}
+
+
 def udp_rows(*, floor: dict, d: int = 5, p: float = 0.001, decoder: str = "pymatching", cycle_ns: int = 1100,
              rounds: int = 300_000, seed: int = 1, say=lambda m: None) -> dict:
     """The native path over udp against the floor: one round per datagram at 1.2 × the floor's
@@ -97,9 +105,12 @@ def udp_rows(*, floor: dict, d: int = 5, p: float = 0.001, decoder: str = "pymat
                   timeout_s=600)
     row.update({"udp_rpf1_keeps_up": r1.keeps_up, "udp_rpf1_rate_share": r1.decoded_rounds_per_s * cyc1 / 1e9,
                 "udp_rpf1_p50_us": r1.reaction_p50_ns / 1e3, "udp_rpf1_p99_us": r1.reaction_p99_ns / 1e3,
-                "udp_rpf1_backlog_max_rounds": r1.backlog_max_rounds, "udp_rpf1_dropped": r1.shots_dropped})
+                "udp_rpf1_backlog_max_rounds": r1.backlog_max_rounds, "udp_rpf1_dropped": r1.shots_dropped,
+                **_behind("udp_rpf1", r1)})
     say(f"  udp d={d}, one round per datagram at {cyc1} ns (1.2 x the floor's period): keeps up {r1.keeps_up} "
-        f"({row['udp_rpf1_rate_share']:.1%} of its cycle rate), reaction p50 {row['udp_rpf1_p50_us']:.1f} us")
+        f"({row['udp_rpf1_rate_share']:.1%} of its cycle rate), reaction p50 {row['udp_rpf1_p50_us']:.1f} us; "
+        f"{row['udp_rpf1_frames_joined_share']:.0%} of frames joined a datagram, emit lag p99 "
+        f"{row['udp_rpf1_emit_lag_p99_us']:.1f} us")
     # at the cycle: the fewest rounds per datagram whose datagrams fit under the floor (the gets
     # ride in the last frames' datagrams)
     rpf = ticks
@@ -114,10 +125,12 @@ def udp_rows(*, floor: dict, d: int = 5, p: float = 0.001, decoder: str = "pymat
     row.update({"udp_cycle_rounds_per_datagram": rpf, "udp_cycle_datagrams_per_s_needed": need,
                 "udp_cycle_keeps_up": r2.keeps_up, "udp_cycle_rate_share": r2.decoded_rounds_per_s * cycle_ns / 1e9,
                 "udp_cycle_p50_us": r2.reaction_p50_ns / 1e3, "udp_cycle_p99_us": r2.reaction_p99_ns / 1e3,
-                "udp_cycle_backlog_max_rounds": r2.backlog_max_rounds, "udp_cycle_dropped": r2.shots_dropped})
+                "udp_cycle_backlog_max_rounds": r2.backlog_max_rounds, "udp_cycle_dropped": r2.shots_dropped,
+                **_behind("udp_cycle", r2)})
     say(f"  udp d={d} at {cycle_ns} ns, {rpf} rounds per datagram ({need / 1e3:.0f} k datagrams/s needed, floor "
         f"{floor['floor_datagrams_per_s'] / 1e3:.0f} k): keeps up {r2.keeps_up} ({row['udp_cycle_rate_share']:.1%}), "
-        f"reaction p50 {row['udp_cycle_p50_us']:.1f} us")
+        f"reaction p50 {row['udp_cycle_p50_us']:.1f} us; {row['udp_cycle_frames_joined_share']:.0%} of frames joined "
+        f"a datagram, emit lag p99 {row['udp_cycle_emit_lag_p99_us']:.1f} us")
     return row
 
 

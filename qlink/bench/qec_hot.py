@@ -411,6 +411,16 @@ def _ratio(a, b) -> float:
     return a / b if a is not None and b else math.nan
 
 
+def _joined(r: dict, key: str) -> str:
+    """A udp row's note on its controller behind its clock: the share of frames that went
+    late, joined to the datagram before them, and the p99 emit lag ('' where none did)."""
+    share = r.get(f"{key}_frames_joined_share", 0.0)
+    if not share:
+        return ""
+    return f"; the controller behind its clock: {share:.0%} of frames joined a datagram, emit lag p99 " \
+           f"{r[f'{key}_emit_lag_p99_us']:.0f} us"
+
+
 def goal_rows(rows: list[dict], *, distance: int = 5) -> list[dict]:
     """One row per goal: the goal, the figure, the floor it is held to, met or not."""
     out = []
@@ -459,14 +469,14 @@ def goal_rows(rows: list[dict], *, distance: int = 5) -> list[dict]:
             out.append({"goal": GOALS["udp_rpf1_keeps_up"], "figure_us": r["udp_rpf1_cycle_ns"] / 1e3,
                         "target_us": math.nan, "met": bool(r["udp_rpf1_keeps_up"]),
                         "floor": f"{r['udp_rpf1_rate_share']:.1%} of its cycle rate, backlog max "
-                                 f"{r['udp_rpf1_backlog_max_rounds']} rounds"})
+                                 f"{r['udp_rpf1_backlog_max_rounds']} rounds" + _joined(r, "udp_rpf1")})
             out.append({"goal": GOALS["udp_cycle_keeps_up"], "figure_us": math.nan, "target_us": math.nan,
                         "met": bool(r["udp_cycle_keeps_up"]),
                         "floor": f"{r['udp_cycle_rounds_per_datagram']} rounds/datagram"
                                  + ("" if r["udp_cycle_datagrams_per_s_needed"] <= r["udp_floor_datagrams_per_s"]
                                     else f" (even so {r['udp_cycle_datagrams_per_s_needed'] / 1e3:.0f} k/s needed: "
                                          "above the floor)")
-                                 + f", {r['udp_cycle_rate_share']:.1%} of the cycle rate"})
+                                 + f", {r['udp_cycle_rate_share']:.1%} of the cycle rate" + _joined(r, "udp_cycle")})
         if "long_lengths" in r:
             ls = r["long_lengths"]
             a, b = (r.get(f"long_{n}_final_reaction_p50_us", math.nan) for n in (ls[0], ls[-1]))

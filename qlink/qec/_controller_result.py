@@ -94,6 +94,9 @@ class ControllerResult:
     # answers ignored (bad_frame.<fault>, unknown_request_id, echo_mismatch, status_length_mismatch),
     # held for an older get's answer, and gets asked again (reasked, reask_found_nothing_kept, ...)
     answer_faults: dict = field(default_factory=dict)
+    # datagrams: frames sent behind another frame in one datagram (a controller behind its clock
+    # catching up: whole frames back to back, each still stamped at its own emit)
+    frames_joined: int = 0
 
     @property
     def logical_error_rate(self) -> float:

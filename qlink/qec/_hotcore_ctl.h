@@ -41,9 +41,13 @@ typedef struct {
     int64_t repairs, resent_frames, max_repairs;
     int ready;     /* the service answered the first look (datagrams: nothing is played before) */
     int pack_get;  /* datagrams: a shot's get rides in the datagram of its last frame (two whole frames) */
+    uint32_t join_nbytes; /* datagrams: a frame emitted behind its clock joins the datagram before it, up to
+                           * this many bytes (0: one frame a datagram, besides a packed get) */
     int64_t ping_t, pings;
 } ControllerCore;
 
+#define EMIT_BURST 32 /* frames emitted back to back, at most, between two looks for answers */
+#define DG_JOIN_NBYTES 1472 /* join_nbytes by default: an Ethernet MTU's UDP payload */
 #define PING_RID 0x7FFFFFFFu /* the look before a datagram run: a peek, answered whatever the state */
 
 static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
@@ -96,19 +100,20 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
         *backlog = Py_None;
     long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
     long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0, get_timeout_ns = 50000000;
-    long long max_repairs = 16, get_in_last_datagram = 0;
+    long long max_repairs = 16, get_in_last_datagram = 0, join_nbytes = DG_JOIN_NBYTES;
     static char *kwlist[] = {"link", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
                              "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
                              "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
                              "request_id_start", "get_request_id_start", "late_ns", "lag", "backlog",
-                             "backlog_every", "get_timeout_ns", "max_repairs", "get_in_last_datagram", NULL};
+                             "backlog_every", "get_timeout_ns", "max_repairs", "get_in_last_datagram", "join_nbytes",
+                             NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLLLL:ControllerCore", kwlist, &link,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|$LLLLLLLLLLLLLOOLLLLL:ControllerCore", kwlist, &link,
                                      &frames, &offs, &lens, &last_round, &get_frame, &rows, &corr, &S, &F, &R, &nbo,
                                      &cycle_ns, &gap_cycles, &lockstep, &stall_ns, &deadline_ns, &counter, &rid,
                                      &get_rid, &late_ns, &lag, &backlog, &backlog_every, &get_timeout_ns,
-                                     &max_repairs, &get_in_last_datagram))
+                                     &max_repairs, &get_in_last_datagram, &join_nbytes))
         return -1;
     if (S < 1 || F < 1 || R < 1 || nbo < 1 || nbo > 4096 || cycle_ns < 1 || gap_cycles < 0) {
         PyErr_SetString(PyExc_ValueError, "num_shots, frames_per_shot, rounds_per_shot, cycle_ns must be >= 1, "
@@ -182,6 +187,8 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     c->max_repairs = max_repairs >= 0 ? max_repairs : 0;
     c->ready = c->io.kind != IO_DGRAM;
     c->pack_get = c->io.kind == IO_DGRAM && get_in_last_datagram != 0;
+    /* (joined frames need a service that takes a datagram frame by frame, as a packed get does) */
+    c->join_nbytes = c->pack_get && join_nbytes > 0 ? (uint32_t)(join_nbytes < DG_PAYLOAD_MAX ? join_nbytes : DG_PAYLOAD_MAX) : 0;
     /* touched now, not on the clock: a page first written mid-run costs a fault (~1 us) */
     prefault(c->corr.buf, (size_t)c->corr.len);
     prefault(c->get_rid_of, (size_t)S * 8);
@@ -488,7 +495,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
         c->t0 = t_call + 20 * cyc; /* the first tick, a little ahead */
         c->shot_t0 = c->t0;
     }
-    unsigned idle = 0;
+    unsigned idle = 0, burst = 0;
     int64_t now = t_call;
     for (;;) {
         int progress = 0;
@@ -531,6 +538,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 if (f == F - 1) /* (a datagram get names its shot by this counter) */
                     c->ctr_of[s] = c->counter - 1;
                 int src;
+                c->io.dg_join_nbytes = burst > 0 ? c->join_nbytes : 0;
                 if (packed) {
                     uint32_t gn = ctl_prep_get(c, s, now);
                     src = ctl_send2(c, fr, (uint32_t)lens[i], c->get_frame.buf, gn);
@@ -539,6 +547,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 } else {
                     src = ctl_send(c, fr, (uint32_t)lens[i]);
                 }
+                c->io.dg_join_nbytes = 0;
                 if (src == -2) { /* not sent: emitted again when run() is called again */
                     c->rid--;
                     c->counter--;
@@ -587,9 +596,14 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 }
                 t_progress = t_sent;
                 idle = 0;
-                continue; /* the next frame may be due already */
+                /* the next frame may be due already; a controller behind its clock still reads
+                 * its answers every EMIT_BURST frames (a datagram socket's buffer, left unread
+                 * through a long catch-up, drops answers: each then waits out get_timeout_ns) */
+                if (++burst < EMIT_BURST)
+                    continue;
             }
         }
+        burst = 0;
         /* nothing more due now: what was gathered goes out (stream links; rings sent already) */
         if (c->io.out_n && io_flush(&c->io) < 0) {
             code = -1;
@@ -678,7 +692,7 @@ out:
 
 static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)sLsLsLsLsL}", "shots_emitted", (long long)c->s_emit, "shots_answered",
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsy#s(LLLLLLLL)sLsLsLsLsLsL}", "shots_emitted", (long long)c->s_emit, "shots_answered",
         (long long)c->s_ans, "frames_sent", (long long)c->frames_sent, "late_frames", (long long)c->late,
         "max_lag_ns", (long long)c->max_lag, "reasks", (long long)c->reasks, "deadline_misses", (long long)c->misses,
         "bad_answers", (long long)c->bad_answers, "full_waits", (long long)c->full_waits, "t0_ns", (long long)c->t0,
@@ -687,7 +701,8 @@ static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
         (long long)c->statuses[0], (long long)c->statuses[1], (long long)c->statuses[2], (long long)c->statuses[3],
         (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7],
         "resent_gets", (long long)c->resends, "stale_answers", (long long)c->stale, "repairs", (long long)c->repairs,
-        "resent_frames", (long long)c->resent_frames, "looks", (long long)c->pings);
+        "resent_frames", (long long)c->resent_frames, "looks", (long long)c->pings, "frames_joined",
+        (long long)c->io.dg_joined);
 }
 
 /* start_ids(counter, request_id, get_request_id): where this run's ids start (before it runs) */

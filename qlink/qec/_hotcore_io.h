@@ -44,6 +44,11 @@ typedef struct {
     struct iovec *dg_in_iov, *dg_out_iov;
     struct sockaddr_storage *dg_in_addr;
     int dg_nslots, dg_r, dg_n, dg_out, dg_sent;
+    /* datagrams: a message sent while dg_join_nbytes > 0 goes behind the last gathered datagram
+     * (not yet sent) where the two fit in that many bytes -- whole frames back to back, as a
+     * stream carries them; dg_joined counts them */
+    uint32_t dg_join_nbytes;
+    uint64_t dg_joined;
     struct sockaddr_storage peer;
     socklen_t peer_len;
     int has_peer;
@@ -518,6 +523,18 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
             return QLINK_RING_TOO_BIG;
         if (io->eof)
             return QLINK_RING_PEER_CLOSED;
+        if (io->dg_join_nbytes && io->dg_out > io->dg_sent && io->out_n + n <= IO_OUT_NBYTES &&
+            io->dg_out_iov[io->dg_out - 1].iov_len + n <= io->dg_join_nbytes) {
+            uint8_t *h = io->out + io->out_n; /* (the last gathered datagram ends here) */
+            if (n1)
+                memcpy(h, p1, n1);
+            if (n2)
+                memcpy(h + n1, p2, n2);
+            io->dg_out_iov[io->dg_out - 1].iov_len += n;
+            io->out_n += n;
+            io->dg_joined++;
+            return QLINK_RING_SENT;
+        }
         if (io->dg_out == DG_SLOTS || io->out_n + n > IO_OUT_NBYTES) {
             int rc = dg_flush(io);
             if (rc < 0)
