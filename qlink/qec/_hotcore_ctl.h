@@ -41,13 +41,13 @@ typedef struct {
     int64_t repairs, resent_frames, max_repairs;
     int ready;     /* the service answered the first look (datagrams: nothing is played before) */
     int pack_get;  /* datagrams: a shot's get rides in the datagram of its last frame (two whole frames) */
-    uint32_t join_nbytes; /* datagrams: a frame emitted behind its clock joins the datagram before it, up to
-                           * this many bytes (0: one frame a datagram, besides a packed get) */
+    uint32_t join_nbytes; /* datagrams and rings: a frame emitted behind its clock joins the message before
+                           * it, up to this many bytes (0: one frame a message, besides a packed get) */
     int64_t ping_t, pings;
 } ControllerCore;
 
 #define EMIT_BURST 32 /* frames emitted back to back, at most, between two looks for answers */
-#define DG_JOIN_NBYTES 1472 /* join_nbytes by default: an Ethernet MTU's UDP payload */
+#define JOIN_NBYTES 1472 /* join_nbytes by default: an Ethernet MTU's UDP payload */
 #define PING_RID 0x7FFFFFFFu /* the look before a datagram run: a peek, answered whatever the state */
 
 static int ctl_traverse(ControllerCore *c, visitproc visit, void *arg) {
@@ -100,7 +100,7 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
         *backlog = Py_None;
     long long S = -1, F = -1, R = -1, nbo = -1, cycle_ns = -1, gap_cycles = 0, lockstep = 0, stall_ns = 1000000, deadline_ns = 0;
     long long counter = 0, rid = 0, get_rid = 0, late_ns = -1, backlog_every = 0, get_timeout_ns = 50000000;
-    long long max_repairs = 16, get_in_last_datagram = 0, join_nbytes = DG_JOIN_NBYTES;
+    long long max_repairs = 16, get_in_last_datagram = 0, join_nbytes = JOIN_NBYTES;
     static char *kwlist[] = {"link", "frames", "offsets", "lengths", "last_round", "get_frame", "rows",
                              "corrections", "num_shots", "frames_per_shot", "rounds_per_shot", "obs_nbytes",
                              "cycle_ns", "gap_cycles", "lockstep", "stall_ns", "deadline_ns", "counter_start",
@@ -187,8 +187,13 @@ static int ctl_init(ControllerCore *c, PyObject *args, PyObject *kwds) {
     c->max_repairs = max_repairs >= 0 ? max_repairs : 0;
     c->ready = c->io.kind != IO_DGRAM;
     c->pack_get = c->io.kind == IO_DGRAM && get_in_last_datagram != 0;
-    /* (joined frames need a service that takes a datagram frame by frame, as a packed get does) */
-    c->join_nbytes = c->pack_get && join_nbytes > 0 ? (uint32_t)(join_nbytes < DG_PAYLOAD_MAX ? join_nbytes : DG_PAYLOAD_MAX) : 0;
+    /* (joined frames need a service that takes a message frame by frame, as a packed get does:
+     * over udp they go with it; a stream gathers its frames anyway) */
+    if (join_nbytes > IO_JOIN_MAX)
+        join_nbytes = IO_JOIN_MAX;
+    if (c->io.kind == IO_RING && (uint64_t)join_nbytes > c->io.max_payload) /* (a small ring's records) */
+        join_nbytes = (long long)c->io.max_payload;
+    c->join_nbytes = (c->io.kind == IO_RING || c->pack_get) && join_nbytes > 0 ? (uint32_t)join_nbytes : 0;
     /* touched now, not on the clock: a page first written mid-run costs a fault (~1 us) */
     prefault(c->corr.buf, (size_t)c->corr.len);
     prefault(c->get_rid_of, (size_t)S * 8);
@@ -538,7 +543,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 if (f == F - 1) /* (a datagram get names its shot by this counter) */
                     c->ctr_of[s] = c->counter - 1;
                 int src;
-                c->io.dg_join_nbytes = burst > 0 ? c->join_nbytes : 0;
+                c->io.join_nbytes = burst > 0 ? c->join_nbytes : 0; /* (the shot's get too, below) */
                 if (packed) {
                     uint32_t gn = ctl_prep_get(c, s, now);
                     src = ctl_send2(c, fr, (uint32_t)lens[i], c->get_frame.buf, gn);
@@ -547,7 +552,6 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 } else {
                     src = ctl_send(c, fr, (uint32_t)lens[i]);
                 }
-                c->io.dg_join_nbytes = 0;
                 if (src == -2) { /* not sent: emitted again when run() is called again */
                     c->rid--;
                     c->counter--;
@@ -594,6 +598,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 } else {
                     c->f_emit++;
                 }
+                c->io.join_nbytes = 0;
                 t_progress = t_sent;
                 idle = 0;
                 /* the next frame may be due already; a controller behind its clock still reads
@@ -685,6 +690,7 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
         CPU_RELAX();
     }
 out:
+    c->io.join_nbytes = 0;
     io_flush(&c->io);
     Py_END_ALLOW_THREADS;
     return PyLong_FromLong(code);
@@ -702,7 +708,7 @@ static PyObject *ctl_stats(ControllerCore *c, PyObject *Py_UNUSED(ig)) {
         (long long)c->statuses[4], (long long)c->statuses[5], (long long)c->statuses[6], (long long)c->statuses[7],
         "resent_gets", (long long)c->resends, "stale_answers", (long long)c->stale, "repairs", (long long)c->repairs,
         "resent_frames", (long long)c->resent_frames, "looks", (long long)c->pings, "frames_joined",
-        (long long)c->io.dg_joined);
+        (long long)c->io.joined);
 }
 
 /* start_ids(counter, request_id, get_request_id): where this run's ids start (before it runs) */

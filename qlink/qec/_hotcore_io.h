@@ -29,6 +29,7 @@ static struct {
 #define DG_MAX 65536 /* holds any datagram */
 #define DG_PAYLOAD_MAX (DG_MAX - 29) /* (65,507: an IPv4 datagram's most) */
 #define DG_SOCKBUF_NBYTES (4 << 20)
+#define IO_JOIN_MAX 65536 /* the most join_nbytes can be */
 
 typedef struct {
     int kind;
@@ -44,11 +45,12 @@ typedef struct {
     struct iovec *dg_in_iov, *dg_out_iov;
     struct sockaddr_storage *dg_in_addr;
     int dg_nslots, dg_r, dg_n, dg_out, dg_sent;
-    /* datagrams: a message sent while dg_join_nbytes > 0 goes behind the last gathered datagram
-     * (not yet sent) where the two fit in that many bytes -- whole frames back to back, as a
-     * stream carries them; dg_joined counts them */
-    uint32_t dg_join_nbytes;
-    uint64_t dg_joined;
+    /* datagrams and rings: a message sent while join_nbytes > 0 goes behind the message before
+     * it, not yet sent, where the two fit in that many bytes -- whole frames back to back, as a
+     * stream carries them (a ring's are gathered at `out` and sent as one record at io_flush);
+     * joined counts them */
+    uint32_t join_nbytes;
+    uint64_t joined;
     struct sockaddr_storage peer;
     socklen_t peer_len;
     int has_peer;
@@ -61,7 +63,7 @@ typedef struct {
     /* IO_FD: the read-ahead buffer's size (in); the longest message taken (longer: refused
      * from its header, nothing read); since when a message has been half received (0: none) */
     size_t in_cap;
-    uint64_t max_payload;
+    uint64_t max_payload; /* (IO_RING: the largest record of its tx ring) */
     int64_t partial_since;
 } Io;
 
@@ -386,6 +388,16 @@ static int io_init(Io *io, PyObject *link) {
     if (get_ring(a, "tx") || get_ring(b, "rx"))
         return -1;
     io->kind = IO_RING;
+    io->out = PyMem_Malloc(IO_JOIN_MAX); /* (records gathered: see join_nbytes) */
+    if (io->out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject *mp = PyObject_GetAttrString(a, "max_payload");
+    io->max_payload = mp != NULL ? PyLong_AsUnsignedLongLong(mp) : 0;
+    Py_XDECREF(mp);
+    if (PyErr_Occurred())
+        return -1;
     Py_INCREF(a);
     Py_INCREF(b);
     io->tx = a;
@@ -418,8 +430,22 @@ static int dg_flush(Io *io) {
     return 0;
 }
 
+/* a ring's gathered record out; 0 sent (or none), 1 the ring is full, -1 the peer is gone */
+static int ring_flush(Io *io) {
+    if (io->out_n == 0)
+        return 0;
+    int rc = RAPI->send(io->tx, io->out, io->out_n, NULL, 0);
+    if (rc == QLINK_RING_SENT) {
+        io->out_n = 0;
+        return 0;
+    }
+    return rc == QLINK_RING_FULL ? 1 : -1;
+}
+
 /* write what is gathered; 0 all written, 1 some left (the socket is full), -1 the peer is gone */
 static int io_flush(Io *io) {
+    if (io->kind == IO_RING)
+        return ring_flush(io);
     if (io->kind == IO_DGRAM)
         return io->dg_out ? dg_flush(io) : 0;
     if (io->kind == IO_UCX) { /* sends are posted at once: move them along */
@@ -513,8 +539,28 @@ static int ux_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
 }
 
 static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
-    if (io->kind == IO_RING)
+    if (io->kind == IO_RING) {
+        uint64_t n = n1 + n2;
+        if (io->join_nbytes && io->out_n && io->out_n + n <= io->join_nbytes) { /* behind the gathered ones */
+            memcpy(io->out + io->out_n, p1, n1);
+            if (n2)
+                memcpy(io->out + io->out_n + n1, p2, n2);
+            io->out_n += n;
+            io->joined++;
+            return QLINK_RING_SENT;
+        }
+        int rc = ring_flush(io); /* (what was gathered goes first) */
+        if (rc != 0)
+            return rc > 0 ? QLINK_RING_FULL : QLINK_RING_PEER_CLOSED;
+        if (io->join_nbytes && n <= io->join_nbytes) { /* the first of a record to be gathered */
+            memcpy(io->out, p1, n1);
+            if (n2)
+                memcpy(io->out + n1, p2, n2);
+            io->out_n = n;
+            return QLINK_RING_SENT;
+        }
         return RAPI->send(io->tx, p1, n1, p2, n2);
+    }
     if (io->kind == IO_UCX)
         return ux_send(io, p1, n1, p2, n2);
     if (io->kind == IO_DGRAM) {
@@ -523,8 +569,8 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
             return QLINK_RING_TOO_BIG;
         if (io->eof)
             return QLINK_RING_PEER_CLOSED;
-        if (io->dg_join_nbytes && io->dg_out > io->dg_sent && io->out_n + n <= IO_OUT_NBYTES &&
-            io->dg_out_iov[io->dg_out - 1].iov_len + n <= io->dg_join_nbytes) {
+        if (io->join_nbytes && io->dg_out > io->dg_sent && io->out_n + n <= IO_OUT_NBYTES &&
+            io->dg_out_iov[io->dg_out - 1].iov_len + n <= io->join_nbytes) {
             uint8_t *h = io->out + io->out_n; /* (the last gathered datagram ends here) */
             if (n1)
                 memcpy(h, p1, n1);
@@ -532,7 +578,7 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
                 memcpy(h + n1, p2, n2);
             io->dg_out_iov[io->dg_out - 1].iov_len += n;
             io->out_n += n;
-            io->dg_joined++;
+            io->joined++;
             return QLINK_RING_SENT;
         }
         if (io->dg_out == DG_SLOTS || io->out_n + n > IO_OUT_NBYTES) {

@@ -647,25 +647,26 @@ class NativeController:
     with ``get_in_last_datagram`` (the default) a shot's get rides in the datagram of its last
     frame, two whole frames back to back, so a shot costs as many datagrams as it has frames
     (qlink's services take such a datagram frame by frame; a service that takes one frame per
-    datagram needs it off). A controller behind its clock over udp (its sends cost more than
-    a cycle) catches up with the frames due back to back in one datagram, whole frames up to
-    ``join_datagram_nbytes`` (an Ethernet MTU's UDP payload by default; 0: never), each still
-    stamped when it was emitted, as a stream carries them; the result's ``frames_joined``
-    counts them. That too needs a service that takes a datagram frame by frame, and is off
-    with ``get_in_last_datagram`` off.
+    datagram needs it off). A controller behind its clock (flat out; over udp whenever its
+    sends cost more than a cycle) catches up with the frames and gets due back to back in one
+    message -- a datagram, an shm ring record -- whole frames up to ``join_nbytes`` (an
+    Ethernet MTU's UDP payload by default, a small ring's largest record at most; 0: never),
+    each stamped when it was emitted, as a tcp stream carries them anyway; the result's
+    ``frames_joined`` counts them. That needs a service that takes a message frame by frame
+    (qlink's do); over udp it is off with ``get_in_last_datagram`` off.
     """
 
     def __init__(self, endpoint, stream, *, decoder_id: int = 0, cycle_ns: int = 1100, rounds_per_frame: int = 1,
                  lockstep: bool = False, feed_forward_deadline_ns: int | None = None, gap_cycles: int = 0,
                  counter_start: int = 0, request_id_start: int = 0, get_request_id_start: int = 0,
                  keep_lag_frames: int = 0, backlog_samples: int = 4096, get_in_last_datagram: bool = True,
-                 join_datagram_nbytes: int = 1472) -> None:
+                 join_nbytes: int = 1472) -> None:
         _need()
         from ._checks import knob
 
         knob("cycle_ns", cycle_ns, 1)
         knob("rounds_per_frame", rounds_per_frame, 0)  # 0: the whole shot in one frame
-        knob("join_datagram_nbytes", join_datagram_nbytes, 0)
+        knob("join_nbytes", join_nbytes, 0)
         self.endpoint = endpoint
         self.stream = stream
         self.decoder_id = int(decoder_id)
@@ -696,7 +697,7 @@ class NativeController:
             request_id_start=int(request_id_start), get_request_id_start=int(get_request_id_start),
             lag=self._lag if len(self._lag) else None, backlog=self._backlog, backlog_every=every,
             late_ns=self.cycle_ns * max(1, int(rounds_per_frame)), get_in_last_datagram=int(bool(get_in_last_datagram)),
-            join_nbytes=int(join_datagram_nbytes))
+            join_nbytes=int(join_nbytes))
 
     def continue_after(self, other: "NativeController") -> None:
         """Start this run's counter and request ids where ``other`` (a run over the same

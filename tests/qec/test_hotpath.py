@@ -470,6 +470,26 @@ def test_udp_a_shots_get_rides_in_its_last_frames_datagram(packed):
     assert packed or res.frames_joined == 0
 
 
+@pytest.mark.parametrize("join_nbytes", [1472, 0])
+def test_shm_a_controller_behind_its_clock_joins_whole_frames_in_a_ring_record(join_nbytes):
+    """A 1 ns cycle keeps the controller behind its clock: over shm the frames (and gets) it
+    catches up with go back to back in one ring record, which the service takes frame by
+    frame; none joined with ``join_nbytes=0``; bit-exact both ways, every frame taken once."""
+    stream, dem = _stream(_surface("Z", 3, 3), 400, 8)
+    served = _Served(dem, frames_per_shot=len(stream.frames(rounds_per_frame=1)), scheme="shm")
+    try:
+        res = NativeController(served.ep, stream, rounds_per_frame=1, cycle_ns=1,
+                               join_nbytes=join_nbytes).run(timeout_s=60)
+    finally:
+        rep = served.close()
+    assert res.shots_ok == stream.num_shots
+    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+    frames = stream.num_shots * len(stream.frames(rounds_per_frame=1))
+    assert rep["counts"]["requests"] == frames + stream.num_shots  # (each frame and get once)
+    assert rep["counts"]["frames_packed"] == res.frames_joined
+    assert (res.frames_joined > frames // 2) if join_nbytes else res.frames_joined == 0
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_udp_a_controller_behind_its_clock_joins_whole_frames_in_a_datagram(packed):
     """A 1 ns cycle keeps the controller behind its clock: over udp the frames it catches up

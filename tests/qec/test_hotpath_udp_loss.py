@@ -112,7 +112,7 @@ def _lossy_run(stream, dem, F, drop, *, lockstep=False, packed=False):
         served.ep = ep
         # (one frame a datagram, as the drops name them: no frames joined when behind the clock)
         res = NativeController(ep, stream, cycle_ns=1100, lockstep=lockstep, get_in_last_datagram=packed,
-                               join_datagram_nbytes=0).run(timeout_s=120)
+                               join_nbytes=0).run(timeout_s=120)
     finally:
         rep = served.close()
         relay.close()
