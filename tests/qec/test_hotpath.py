@@ -470,6 +470,27 @@ def test_udp_a_shots_get_rides_in_its_last_frames_datagram(packed):
     assert packed or res.frames_joined == 0
 
 
+def test_udp_a_controller_behind_its_clock_still_reads_its_answers():
+    """Flat out over udp the controller is behind its clock from the first shot to the last;
+    it still reads its answers between bursts of frames, so its socket never overflows and no
+    get waits out the 50 ms get timeout to be asked again (before, this run answered fewer
+    than half its shots: the full socket dropped their answers). One frame a datagram
+    (``join_nbytes=0``): datagrams of joined frames, sent flat out, can outpace the service
+    and overflow its socket instead -- udp has no flow control; repairs recover those."""
+    import transports
+
+    stream, dem = _stream(_surface("Z", 3, 3), 60000, 9)
+    served = _Served(dem, frames_per_shot=1, scheme="udp", connect=False)
+    served.ep = transports.connect(served.lis.url, timeout_s=10)
+    try:
+        res = NativeController(served.ep, stream, rounds_per_frame=0, cycle_ns=1, join_nbytes=0).run(timeout_s=120)
+    finally:
+        served.close()
+    assert res.shots_ok == stream.num_shots
+    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
+    assert res.answer_faults.get("resent_gets", 0) == 0, res.answer_faults
+
+
 @pytest.mark.parametrize("join_nbytes", [1472, 0])
 def test_shm_a_controller_behind_its_clock_joins_whole_frames_in_a_ring_record(join_nbytes):
     """A 1 ns cycle keeps the controller behind its clock: over shm the frames (and gets) it
