@@ -491,51 +491,49 @@ def test_udp_a_controller_behind_its_clock_still_reads_its_answers():
     assert res.answer_faults.get("resent_gets", 0) == 0, res.answer_faults
 
 
-@pytest.mark.parametrize("join_nbytes", [1472, 0])
-def test_shm_a_controller_behind_its_clock_joins_whole_frames_in_a_ring_record(join_nbytes):
-    """A 1 ns cycle keeps the controller behind its clock: over shm the frames (and gets) it
-    catches up with go back to back in one ring record, which the service takes frame by
-    frame; none joined with ``join_nbytes=0``; bit-exact both ways, every frame taken once."""
-    stream, dem = _stream(_surface("Z", 3, 3), 400, 8)
-    served = _Served(dem, frames_per_shot=len(stream.frames(rounds_per_frame=1)), scheme="shm")
+def _behind_its_clock(scheme: str, num_shots: int, seed: int, **kw):
+    """A run at a 1 ns cycle (the controller behind its clock all the way), one frame a round,
+    checked bit-exact; (frames sent, controller result, service report)."""
+    import transports
+
+    stream, dem = _stream(_surface("Z", 3, 3), num_shots, seed)
+    frames = num_shots * len(stream.frames(rounds_per_frame=1))
+    served = _Served(dem, frames_per_shot=frames // num_shots, scheme=scheme, connect=scheme != "udp")
+    if scheme == "udp":
+        served.ep = transports.connect(served.lis.url, timeout_s=10)
     try:
-        res = NativeController(served.ep, stream, rounds_per_frame=1, cycle_ns=1,
-                               join_nbytes=join_nbytes).run(timeout_s=60)
+        res = NativeController(served.ep, stream, rounds_per_frame=1, cycle_ns=1, **kw).run(timeout_s=60)
     finally:
         rep = served.close()
-    assert res.shots_ok == stream.num_shots
+    assert res.shots_ok == num_shots
     np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
-    frames = stream.num_shots * len(stream.frames(rounds_per_frame=1))
-    assert rep["counts"]["requests"] == frames + stream.num_shots  # (each frame and get once)
+    return frames, res, rep
+
+
+@pytest.mark.parametrize("join_nbytes", [1472, 0])
+def test_shm_a_controller_behind_its_clock_joins_whole_frames_in_a_ring_record(join_nbytes):
+    """Over shm the frames (and gets) a controller behind its clock catches up with go back to
+    back in one ring record, which the service takes frame by frame; none joined with
+    ``join_nbytes=0``; bit-exact both ways, every frame taken once."""
+    frames, res, rep = _behind_its_clock("shm", 400, 8, join_nbytes=join_nbytes)
+    assert rep["counts"]["requests"] == frames + 400  # (each frame and get once)
     assert rep["counts"]["frames_packed"] == res.frames_joined
     assert (res.frames_joined > frames // 2) if join_nbytes else res.frames_joined == 0
 
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_udp_a_controller_behind_its_clock_joins_whole_frames_in_a_datagram(packed):
-    """A 1 ns cycle keeps the controller behind its clock: over udp the frames it catches up
-    with go back to back in one datagram (up to 1,472 bytes) where the service takes a
-    datagram frame by frame, and one frame a datagram where it does not; bit-exact both ways."""
-    import transports
-
-    stream, dem = _stream(_surface("Z", 3, 3), 300, 7)
-    served = _Served(dem, frames_per_shot=len(stream.frames(rounds_per_frame=1)), scheme="udp", connect=False)
-    served.ep = transports.connect(served.lis.url, timeout_s=10)
-    try:
-        res = NativeController(served.ep, stream, rounds_per_frame=1, cycle_ns=1,
-                               get_in_last_datagram=packed).run(timeout_s=60)
-    finally:
-        rep = served.close()
-    assert res.shots_ok == stream.num_shots
-    np.testing.assert_array_equal(res.corrections, _direct("pymatching", dem, stream.detectors))
-    frames = stream.num_shots * len(stream.frames(rounds_per_frame=1))
+    """Over udp the frames a controller behind its clock catches up with go back to back in one
+    datagram (up to 1,472 bytes) where the service takes a datagram frame by frame, and one
+    frame a datagram where it does not; bit-exact both ways."""
+    frames, res, rep = _behind_its_clock("udp", 300, 7, get_in_last_datagram=packed)
     if packed:
         assert res.frames_joined > frames // 2  # (behind all the way)
-        assert rep["counts"]["frames_packed"] == stream.num_shots + res.frames_joined
+        assert rep["counts"]["frames_packed"] == 300 + res.frames_joined
     else:
         assert res.frames_joined == 0 and rep["counts"]["frames_packed"] == 0
     resent = res.answer_faults.get("resent_gets", 0) + res.answer_faults.get("resent_frames", 0)
-    assert rep["counts"]["requests"] == frames + stream.num_shots + resent + 1  # (+ the look before the run)
+    assert rep["counts"]["requests"] == frames + 300 + resent + 1  # (+ the look before the run)
 
 
 def test_udp_a_lost_get_is_asked_again_and_its_kept_answer_replayed():
