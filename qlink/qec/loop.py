@@ -145,6 +145,7 @@ class LoopResult:
             "backlog_growth_rounds": self.backlog_growth_rounds, "emit_lag_p99_us": self.emit_lag_p99_ns / 1e3,
             "keeps_up": self.keeps_up, "backlog_flat": self.backlog_flat, "clock_on_time": self.clock_on_time,
             "deadline_misses": self.deadline_misses,
+            "frames_joined": self.controller.frames_joined,  # sent behind another frame, the controller behind its clock
         }
         if self.source.get("kind") in ("stim_file", "stim_circuit"):  # a user's own circuit
             out["circuit"] = self.source.get("path", "stim.Circuit")
