@@ -155,10 +155,10 @@ class _Floor:
     * the layer half the cache away (a distinct source region per layer, none read shortly
       before it is written: no cache-hot reuse);
     * a source apart from the receiver's cache, as a sender's is, where ``spare_nbytes`` holds
-      one: a separate cache of the same size, or, where that does not fit, buffers with the
-      request's source pieces alone, at their own offsets (the sender's layout; one buffer
-      per layer, or as many as fit, taken in turn, when they pass ``REUSE_MIN_NBYTES``: no
-      cache-hot reuse either).
+      one: a separate cache of the same size, or, where that does not fit, layer-sized
+      buffers backed all through as a sender's cache is, each piece at its own source offset
+      (one buffer per layer, or as many as fit, taken in turn, when they pass
+      ``REUSE_MIN_NBYTES``: no cache-hot reuse either).
 
     The second source matters: on the 2-core EPYC VM a copy out of the layer half the cache
     away read 15-25 % below the same copy out of a separate buffer, round after round, and
@@ -175,7 +175,7 @@ class _Floor:
     #: code read it at 0.60 and 0.97 x its floor)
     ROUND_S = 0.3
     MAX_COPIES_PER_ROUND = 5
-    #: packed source buffers taken in turn must span at least this much (the CPU's last-level
+    #: source buffers taken in turn must span at least this much (the CPU's last-level
     #: cache several times over) before one is read again
     REUSE_MIN_NBYTES = 256 << 20
 
@@ -187,7 +187,7 @@ class _Floor:
         self.spare_nbytes = int(spare_nbytes)
         self._shadow = None
         self._separate: list | None = None
-        self._apart: tuple | None = None  # (buffers, the mask of their pages faulted in)
+        self._apart: list | None = None  # layer-sized buffers, every page faulted in
 
     def mark(self) -> None:
         """Start :attr:`best_since_mark` over: the floor of the rounds taken from here on, beside
@@ -206,50 +206,37 @@ class _Floor:
         self._separate = [_faulted_in(n) for n in sizes]
         return self._separate
 
-    def _apart_source(self, layer_nbytes: int, num_layers: int, so: np.ndarray, ln: np.ndarray) -> list | None:
-        """The request's source pieces apart from the receiver's cache, in the sender's very
-        layout: buffers as large as a source layer, each piece at its own source offset, only
-        the pages under pieces faulted in (memfd memory: the pages between them take no
-        memory, as they take no time in a copy). One buffer per layer, or fewer (taken in
-        turn) where all would not fit ``spare_nbytes``, as long as their pages span
-        ``REUSE_MIN_NBYTES``; None where even that does not fit. The buffers are kept for the
-        next request, which faults in the pages it adds (the pages of every request so far
-        count against ``spare_nbytes``).
+    def _apart_source(self, layer_nbytes: int, num_layers: int) -> list | None:
+        """A source apart from the receiver's cache, in the sender's very layout, where a whole
+        separate cache does not fit: buffers as large as a source layer, every page faulted in
+        (a sender's cache is backed all through: its other blocks hold other requests' KV), each
+        piece at its own source offset. One buffer per layer, or fewer (taken in turn) where
+        all would not fit ``spare_nbytes``, as long as they span ``REUSE_MIN_NBYTES``; None
+        where even that does not fit. The buffers are kept for the next request.
 
-        (Packing the pieces into pages of their own made a denser source than the sender's:
-        on the 2-core EPYC VM a scattered copy ran 4-8 % faster out of it at 512 tokens and
-        2-5 % at 32k, a floor no transfer out of the sender's layout could reach.)
+        (Two sources were denser than a sender's, and read high: the pieces packed into pages
+        of their own, 4-8 % faster at 512 tokens scattered; and the pieces at their own offsets
+        with only the pages under them faulted in, the memory between them unbacked, 4 %
+        faster at 512 tokens scattered on the 2-core EPYC VM, 13.28 against 12.72 GB/s at the
+        median of six alternated rounds, the same at 512 contiguous.)
 
         >>> f = _Floor(spare_nbytes=1 << 20)
-        >>> bufs = f._apart_source(65536, 4, np.array([4096 * 9 + 10, 0]), np.array([100, 5000]))
-        >>> len(bufs), bufs[0].size, int(bufs[0][4096 * 9 + 10]), int(bufs[0][6000]), int(bufs[0][4096 * 5])
-        (4, 65536, 1, 1, 0)
-        >>> _Floor(spare_nbytes=4096)._apart_source(65536, 4, np.array([0]), np.array([8192])) is None
+        >>> bufs = f._apart_source(65536, 4)
+        >>> len(bufs), bufs[0].size, int(bufs[0].min()), len({id(b) for b in bufs})
+        (4, 65536, 1, 4)
+        >>> _Floor(spare_nbytes=4096)._apart_source(65536, 4) is None
         True
         """
-        from qlink.memory import alloc
-
-        page = 4096
-        needed = np.zeros((layer_nbytes + page - 1) // page, dtype=bool)
-        for a, b in zip((so // page).tolist(), ((so + ln + page - 1) // page).tolist()):
-            needed[a:b] = True  # the pages under each piece
-        bufs, touched = self._apart if self._apart is not None else ([], np.zeros_like(needed))
-        if touched.size != needed.size:  # another layer size: start again
-            bufs, touched = [], np.zeros_like(needed)
-        union = touched | needed
-        nbytes = int(union.sum()) * page  # what one buffer holds in memory
-        count = min(num_layers, self.spare_nbytes // max(nbytes, 1))
-        if count < 1 or (count < num_layers and count * nbytes < self.REUSE_MIN_NBYTES):
+        count = min(num_layers, self.spare_nbytes // max(layer_nbytes, 1))
+        if count < 1 or (count < num_layers and count * layer_nbytes < self.REUSE_MIN_NBYTES):
             self._apart = None
             return None
-        fresh = union & ~touched  # the pages the kept buffers still lack
-        bufs = bufs[:count]
+        bufs = self._apart if self._apart is not None and self._apart[0].size == layer_nbytes else []
         self._apart = None  # (the buffers dropped go before new ones are made)
-        for buf in bufs:
-            _fault_in_pages(buf, fresh)
+        bufs = bufs[:count]
         while len(bufs) < count:
-            bufs.append(_fault_in_pages(alloc(union.size * page, dtype=np.uint8), union))
-        self._apart = (bufs, union)
+            bufs.append(_faulted_in(layer_nbytes))
+        self._apart = bufs
         return [bufs[k % count] for k in range(num_layers)]
 
     def copy_s(self, cache, plan, *, key: tuple, record: bool = True) -> float:
@@ -283,9 +270,9 @@ class _Floor:
         if separate is not None:
             sources["a separate cache"] = (separate, so)
         else:
-            apart = self._apart_source(layers[0].size, len(layers), so, ln)
+            apart = self._apart_source(layers[0].size, len(layers))
             if apart is not None:
-                sources["the request's pieces apart, in the sender's layout"] = (apart, so)
+                sources["layers apart, in the sender's layout"] = (apart, so)
         times, counts, spent_by = {}, {}, {}
         for where, (srcs, offsets) in sources.items():
             for kind in ("memcpy", "streamed"):
@@ -319,19 +306,6 @@ def _faulted_in(nbytes: int, *, value: int = 1) -> np.ndarray:
 
     buf = alloc(nbytes, dtype=np.uint8)
     buf.fill(value)
-    return buf
-
-
-def _fault_in_pages(buf: np.ndarray, pages: np.ndarray, *, value: int = 1) -> np.ndarray:
-    """Fill the 4 KiB pages of ``buf`` where the mask ``pages`` is set (faulting them in);
-    return ``buf``.
-
-    >>> _fault_in_pages(np.zeros(3 * 4096, np.uint8), np.array([False, True, True]))[4095:4097].tolist()
-    [0, 1]
-    """
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], pages.astype(np.int8), [0]])))
-    for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist()):
-        buf[a * 4096:b * 4096] = value
     return buf
 
 

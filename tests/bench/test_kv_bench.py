@@ -128,7 +128,7 @@ def test_the_floor_copies_each_layer_out_of_the_layer_half_the_cache_away():
 
 
 
-def test_floor_copies_out_of_the_requests_pieces_apart_where_a_whole_cache_does_not_fit():
+def test_floor_copies_out_of_layers_apart_where_a_whole_cache_does_not_fit():
     import numpy as np
 
     from qlink.ai import KVCache, plan_transfer, preset
@@ -140,36 +140,30 @@ def test_floor_copies_out_of_the_requests_pieces_apart_where_a_whole_cache_does_
         a.view(np.uint8).fill(0)
     plan = plan_transfer([0, 3], [5, 1], src_num_blocks=64, dst_num_blocks=64, block_nbytes=spec.block_nbytes,
                          num_planes=spec.num_planes)
-    f = _Floor(spare_nbytes=cache.nbytes - 1)  # no whole separate cache; the pieces alone fit
+    layer_nbytes = cache.layers[0].nbytes
+    f = _Floor(spare_nbytes=cache.nbytes - 1)  # no whole separate cache: all but one layer
+    f.REUSE_MIN_NBYTES = 1
     f.copy_s(cache, plan, key=(8, "scattered"))
-    bufs, touched = f._apart
-    assert f._separate is None and len(bufs) == spec.num_layers
+    bufs = f._apart
+    assert f._separate is None and len(bufs) == spec.num_layers - 1
     assert f.best[(8, "scattered")][1].split(" out of ")[1] in (
-        "the layer half the cache away", "the request's pieces apart, in the sender's layout")
+        "the layer half the cache away", "layers apart, in the sender's layout")
     # the source apart is copied last (filled with 1): every destination piece holds it now
     for a in cache.layers:
         v = a.view(np.uint8).reshape(-1)
         for d, nb in zip(plan.dst_offsets, plan.nbytes):
             assert (v[d:d + nb] == 1).all()
     assert f.last_copies >= 1 and f.last_spent_s > 0
-    # the sender's layout: each piece at its own source offset, in a buffer as large as a layer,
-    # only the pages under the pieces touched (block 0 and block 3, not the blocks between)
-    layer_nbytes = cache.layers[0].nbytes
-    assert all(b.size == layer_nbytes for b in bufs)
-    for s0, nb in zip(plan.src_offsets, plan.nbytes):
-        assert touched[s0 // 4096:(s0 + nb - 1) // 4096 + 1].all()
-    assert int(touched.sum()) * 4096 < layer_nbytes
-    # a later request adds its pages to the kept buffers (no new buffers)
-    so = np.asarray(plan.src_offsets, dtype=np.int64)
-    ln = np.asarray(plan.nbytes, dtype=np.int64)
-    again = f._apart_source(layer_nbytes, spec.num_layers, so + 4096, ln)
-    assert {id(b) for b in again} == {id(b) for b in bufs} and f._apart[1].sum() > touched.sum()
-    assert (again[0][so[0] + 4096:][:ln[0]] == 1).all()
+    # the sender's layout, backed all through as a sender's cache is: layer-sized, every page
+    # faulted in (the blocks between the pieces too), kept for the next request
+    assert all(b.size == layer_nbytes and int(b.min()) == 1 for b in bufs)
+    again = f._apart_source(layer_nbytes, spec.num_layers)
+    assert {id(b) for b in again} == {id(b) for b in bufs} and len(again) == spec.num_layers
     # fewer buffers than layers only past REUSE_MIN_NBYTES
-    small = _Floor(spare_nbytes=2 * int(touched.sum()) * 4096)  # two of the layers' buffers
-    assert small._apart_source(layer_nbytes, spec.num_layers, so, ln) is None
+    small = _Floor(spare_nbytes=2 * layer_nbytes)  # two layers' buffers
+    assert small._apart_source(layer_nbytes, spec.num_layers) is None
     small.REUSE_MIN_NBYTES = 1
-    bufs2 = small._apart_source(layer_nbytes, spec.num_layers, so, ln)
+    bufs2 = small._apart_source(layer_nbytes, spec.num_layers)
     assert len({id(b) for b in bufs2}) == 2 and len(bufs2) == spec.num_layers
 
 
