@@ -17,7 +17,10 @@ in one run:
   whichever its own large pulls have shown faster on this host, with both rates; over
   ``tcp``, ``tcp_way`` how the sender sent a layer: its pages lent to the socket by splice
   or copied by ``sendmsg``, as this host measured it between two processes when the bench
-  began, with both rates: :func:`transports.tcp.deferred_put_way`);
+  began, with both rates: :func:`transports.tcp.deferred_put_way`); qlink's tcp is also
+  taken the other way (``QLINK_TCP_SPLICE``), as Mooncake is at both its slice sizes: that
+  measurement takes one minute of a host whose loopback rate moves by 2 x over tens of
+  seconds, and it chose splice in slow minutes where the copy won the rest of the run;
 * **NIXL** — the same blocks moved by NIXL's UCX backend between two processes, set up
   as vLLM's ``NixlConnector`` runs it (:mod:`qlink.ai.nixl_backend`): UCX choosing its own
   transports, one registered region per layer cache, descriptor lists of every block
@@ -554,6 +557,11 @@ UCX_VARIANTS = {
     "transport-tagged": (" (tagged, rma=False)", {"QLINK_UCX_RMA": "0"}),
 }
 
+#: the tcp row beside the default one: large deferred puts the way the host's measurement did
+#: not choose (see the module docstring), by the environment that forces it
+TCP_OTHER_WAY = {"splice": (" (copied)", {"QLINK_TCP_SPLICE": "0"}),
+                 "copy": (" (spliced)", {"QLINK_TCP_SPLICE": "1"})}
+
 
 def _with_env(run, env: dict):
     """``run()`` with ``env`` in the environment: the ucx:// endpoints made here and in the
@@ -796,8 +804,16 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
         backends.append((None, "nixl"))
     if mooncake:
         backends.append((None, "mooncake"))
+    variants = dict(UCX_VARIANTS)
     if ("tcp", "transport") in backends:  # measured here, before any sender starts: the senders inherit it
-        progress(f"tcp: large deferred puts go by {_tcp_way()}")
+        from transports.tcp import deferred_put_way
+
+        way = deferred_put_way()
+        progress(f"tcp: large deferred puts go by {way.describe()}")
+        if way.basis in ("measured", "inherited"):  # (not forced by the user, and splice built)
+            variants["transport-tcp-other-way"] = TCP_OTHER_WAY[way.kind]
+            at = backends.index(("tcp", "transport")) + 1
+            backends[at:at] = [("tcp", "transport-tcp-other-way")]
     floor = _Floor(spare_nbytes=memory_budget_nbytes - 2 * spec.nbytes)  # a sender-like source where it fits
     tcp_floor: dict[int, float] = {}  # tokens -> best bare-socket round taken between qlink's tcp rounds
     measured: list[dict] = []
@@ -818,7 +834,7 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 continue
         else:
             why = transport_unavailable(scheme)
-            name = f"qlink {scheme}" + UCX_VARIANTS.get(backend, ("",))[0]
+            name = f"qlink {scheme}" + variants.get(backend, ("",))[0]
         if why:
             measured.append({"case": name, "basis": "skipped", "note": why})
             progress(f"  {name}: skipped ({why})")
@@ -829,8 +845,8 @@ def run_kv_bench(*, transports: Iterable[str] = ("shm", "tcp", "ucx"), tokens: I
                 measured.extend(_measure_mooncake(spec, fits, patterns, repeats, progress))
             elif backend == "nixl":
                 measured.extend(_measure_nixl_apart(scheme, spec, fits, patterns, repeats, progress, floor))
-            elif backend in UCX_VARIANTS:
-                variant, env = UCX_VARIANTS[backend]
+            elif backend in variants:
+                variant, env = variants[backend]
                 measured.extend(_with_env(lambda: _measure_backend(
                     scheme, "transport", spec, fits, patterns, repeats, progress, floor, variant=variant), env))
             else:
@@ -977,6 +993,8 @@ def kv_goals(rows: list[dict]) -> list[dict]:
             out[-1]["by"] = ucx["case"]  # the faster qlink ucx row is not the default one
         add(f"tcp >= {GOAL_TCP_X_MOONCAKE:g} x Mooncake TCP {where}",
             ratio(tcp["GBps"], moon["GBps"]) if tcp and moon else None, GOAL_TCP_X_MOONCAKE, True)
+        if tcp and tcp["case"] != "qlink tcp put":
+            out[-1]["by"] = tcp["case"]  # the way the host's measurement did not choose was faster
         sock = next((r for r in rows if r.get("basis") == "floor" and r["case"].startswith("TCP socket floor")
                      and r.get("tokens") == t), None)
         if sock and moon:  # what the host allows: no TCP transport beats the bare socket

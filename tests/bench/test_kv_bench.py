@@ -243,6 +243,32 @@ def test_tcp_rows_are_set_against_the_bare_socket_floor_taken_between_their_roun
     assert "4.00 x Mooncake" in goal["floor"]
 
 
+def test_tcp_is_also_taken_the_way_the_hosts_measurement_did_not_choose(monkeypatch):
+    """The tcp way is measured in one minute of a host whose loopback rate drifts: qlink tcp
+    runs the other way too, and the tcp goal takes the faster (as Mooncake's faster slice)."""
+    from transports.tcp import deferred_put_way, splice_built
+
+    if transport_unavailable("tcp") or not splice_built():
+        pytest.skip("tcp transport or its splice module unavailable")
+    monkeypatch.delenv("QLINK_TCP_SPLICE", raising=False)
+    monkeypatch.setenv("QLINK_TCP_WAY_MEASURED", "copy 2.07 3.61")  # (a process that measured: no new measurement)
+    chosen = deferred_put_way()
+    other = "splice" if chosen.kind == "copy" else "copy"
+    rows = run_kv_bench(transports=("tcp",), tokens=(16, 64), preset="tiny", repeats=1, nixl=False, mooncake=False,
+                        memory_budget_nbytes=1 << 20, progress=lambda _: None)
+    tcp = [r for r in rows if r["basis"] == "measured"]
+    label = {"splice": "qlink tcp put (spliced)", "copy": "qlink tcp put (copied)"}[other]
+    assert sorted(r["case"] for r in tcp) == sorted(["qlink tcp put"] * 4 + [label] * 4)
+    assert all(r["tcp_way"].startswith(f"{other} (forced") for r in tcp if r["case"] == label)
+    assert all(r["tcp_way"].startswith(chosen.kind) for r in tcp if r["case"] == "qlink tcp put")
+    moon = {"case": "Mooncake TE TCP, slice 1024 KiB", "basis": "measured", "tokens": 16, "pattern": "contiguous",
+            "GBps": 0.001}
+    goal = next(g for g in kv_goals(rows + [moon]) if g["goal"].startswith("tcp >= 2 x Mooncake TCP at 16 tokens"))
+    fastest = max((r for r in tcp if r["tokens"] == 16 and r["pattern"] == "contiguous"), key=lambda r: r["GBps"])
+    assert goal["measured"] == pytest.approx(fastest["GBps"] / 0.001, rel=0.01)
+    assert goal.get("by") == (None if fastest["case"] == "qlink tcp put" else label)
+
+
 def test_a_mooncake_round_that_failed_beside_qlink_tcp_becomes_an_error_row_and_the_others_stay():
     from qlink.ai import preset
     from qlink.bench.kv import _mooncake_rows
