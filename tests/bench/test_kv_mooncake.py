@@ -41,12 +41,13 @@ def test_a_request_of_more_runs_than_one_batch_takes_goes_as_several_calls_and_l
         assert pair.write(plan, range(spec.num_layers)) > 0  # and the target found every piece in place
 
 
-def test_bench_kv_takes_mooncake_rounds_between_qlink_tcp_rounds():
+def test_bench_kv_takes_mooncake_rounds_between_qlink_tcp_rounds(monkeypatch):
     from qlink.ai.peer import transport_unavailable
     from qlink.bench.kv import kv_goals, run_kv_bench
 
     if transport_unavailable("tcp"):
         pytest.skip("tcp transport unavailable")
+    monkeypatch.setenv("QLINK_TCP_SPLICE", "0")  # (one way, forced: no second qlink tcp leg beside Mooncake's)
     rows = run_kv_bench(transports=("tcp",), tokens=(16, 64), preset="tiny", repeats=2, nixl=False, mooncake=True,
                         memory_budget_nbytes=1 << 20, progress=lambda _: None)
     moon = [r for r in rows if r["case"].startswith("Mooncake") and r["basis"] == "measured"]
@@ -59,13 +60,14 @@ def test_bench_kv_takes_mooncake_rounds_between_qlink_tcp_rounds():
     assert len(goals) == 4 and all(g["measured"] is not None for g in goals)
 
 
-def test_bench_kv_measures_mooncake_in_rounds_of_its_own_where_its_caches_beside_qlinks_exceed_the_budget():
+def test_bench_kv_measures_mooncake_in_rounds_of_its_own_where_its_caches_beside_qlinks_exceed_the_budget(monkeypatch):
     from qlink.ai.peer import transport_unavailable
     from qlink.bench.kv import run_kv_bench
 
     if transport_unavailable("tcp"):
         pytest.skip("tcp transport unavailable")
     spec_nbytes = 64 * 512  # the tiny preset's cache at 64 tokens
+    monkeypatch.setenv("QLINK_TCP_SPLICE", "0")  # (one way, forced: no second qlink tcp leg)
     rows = run_kv_bench(transports=("tcp",), tokens=(16, 64), preset="tiny", repeats=1, nixl=False, mooncake=True,
                         memory_budget_nbytes=3 * spec_nbytes, progress=lambda _: None)  # 2 caches fit, 4 more do not
     moon = [r for r in rows if r["case"].startswith("Mooncake") and r["basis"] == "measured"]
