@@ -487,6 +487,14 @@ static int ux_wait(UcxIo *u, void *r) {
     return st;
 }
 
+/* n1 bytes of p1 at `at`, then n2 of p2 (may be NULL when n2 is 0) right behind them */
+static inline void put_two(uint8_t *at, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
+    if (n1)
+        memcpy(at, p1, n1);
+    if (n2)
+        memcpy(at + n1, p2, n2);
+}
+
 static int ux_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
     UcxIo *u = io->ux;
     uint64_t n = n1 + n2;
@@ -509,10 +517,7 @@ static int ux_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
     } else if ((buf = big = malloc(n)) == NULL) {
         return QLINK_RING_FULL;
     }
-    if (n1)
-        memcpy(buf, p1, n1);
-    if (n2)
-        memcpy(buf + n1, p2, n2);
+    put_two(buf, p1, n1, p2, n2);
     void *r = u->send(u->ep, buf, n, u->tx_tag, u->param);
     if (r != NULL && ux_is_err(r)) {
         free(big);
@@ -541,22 +546,15 @@ static int ux_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
 static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t n2) {
     if (io->kind == IO_RING) {
         uint64_t n = n1 + n2;
-        if (io->join_nbytes && io->out_n && io->out_n + n <= io->join_nbytes) { /* behind the gathered ones */
-            memcpy(io->out + io->out_n, p1, n1);
-            if (n2)
-                memcpy(io->out + io->out_n + n1, p2, n2);
-            io->out_n += n;
-            io->joined++;
-            return QLINK_RING_SENT;
+        if (!io->join_nbytes || io->out_n + n > io->join_nbytes) { /* what was gathered goes first */
+            int rc = ring_flush(io);
+            if (rc != 0)
+                return rc > 0 ? QLINK_RING_FULL : QLINK_RING_PEER_CLOSED;
         }
-        int rc = ring_flush(io); /* (what was gathered goes first) */
-        if (rc != 0)
-            return rc > 0 ? QLINK_RING_FULL : QLINK_RING_PEER_CLOSED;
-        if (io->join_nbytes && n <= io->join_nbytes) { /* the first of a record to be gathered */
-            memcpy(io->out, p1, n1);
-            if (n2)
-                memcpy(io->out + n1, p2, n2);
-            io->out_n = n;
+        if (io->join_nbytes && io->out_n + n <= io->join_nbytes) { /* gathered: behind the others, or first */
+            io->joined += io->out_n > 0;
+            put_two(io->out + io->out_n, p1, n1, p2, n2);
+            io->out_n += n;
             return QLINK_RING_SENT;
         }
         return RAPI->send(io->tx, p1, n1, p2, n2);
@@ -571,11 +569,7 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
             return QLINK_RING_PEER_CLOSED;
         if (io->join_nbytes && io->dg_out > io->dg_sent && io->out_n + n <= IO_OUT_NBYTES &&
             io->dg_out_iov[io->dg_out - 1].iov_len + n <= io->join_nbytes) {
-            uint8_t *h = io->out + io->out_n; /* (the last gathered datagram ends here) */
-            if (n1)
-                memcpy(h, p1, n1);
-            if (n2)
-                memcpy(h + n1, p2, n2);
+            put_two(io->out + io->out_n, p1, n1, p2, n2); /* (the last gathered datagram ends there) */
             io->dg_out_iov[io->dg_out - 1].iov_len += n;
             io->out_n += n;
             io->joined++;
@@ -589,10 +583,7 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
                 return QLINK_RING_FULL; /* (the batch stays whole: sent on the next flush) */
         }
         uint8_t *h = io->out + io->out_n;
-        if (n1)
-            memcpy(h, p1, n1);
-        if (n2)
-            memcpy(h + n1, p2, n2);
+        put_two(h, p1, n1, p2, n2);
         io->dg_out_iov[io->dg_out].iov_base = h;
         io->dg_out_iov[io->dg_out].iov_len = n;
         io->dg_out++;
@@ -619,10 +610,7 @@ static int io_send(Io *io, const void *p1, uint64_t n1, const void *p2, uint64_t
     h[0] = TW.kind_msg;
     uint64_t n = n1 + n2;
     memcpy(h + 8, &n, 8);
-    if (n1)
-        memcpy(h + 32, p1, n1);
-    if (n2)
-        memcpy(h + 32 + n1, p2, n2);
+    put_two(h + 32, p1, n1, p2, n2);
     io->out_n += need;
     return QLINK_RING_SENT;
 }
