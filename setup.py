@@ -42,7 +42,7 @@ setup(
             sources=["qlink/qec/_hotcore.c"],
             include_dirs=["transports"],
             depends=["transports/_ring_api.h"] + [f"qlink/qec/_hotcore_{part}.h" for part in  # included by _hotcore.c
-                                                  ("io", "svc", "window", "frames", "sessions", "ctl", "floor")],
+                                                  ("io", "svc", "window", "frames", "pipe", "sessions", "ctl", "floor")],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         ),

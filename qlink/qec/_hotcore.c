@@ -26,6 +26,7 @@
  *   _hotcore_svc.h      the service core's state, shot records, answers, decoder calls
  *   _hotcore_window.h   sliding windows with commit (a long memory experiment)
  *   _hotcore_frames.h   the service's frames, its run loop and its Python type
+ *   _hotcore_pipe.h     a pipelined run: frames taken in by a thread of their own, decoding here
  *   _hotcore_sessions.h many sessions (a ServiceCore each) served at once from one thread
  *   _hotcore_ctl.h      the controller core
  *   _hotcore_floor.h    the floors measured beside the loop
@@ -191,6 +192,7 @@ static int get_rows(PyObject *obj, Py_buffer *b, int64_t ncols, const char *name
 #include "_hotcore_svc.h"
 #include "_hotcore_window.h"
 #include "_hotcore_frames.h"
+#include "_hotcore_pipe.h"
 #include "_hotcore_sessions.h"
 #include "_hotcore_ctl.h"
 #include "_hotcore_floor.h"

@@ -234,7 +234,10 @@ static int ctl_send2(ControllerCore *c, const uint8_t *p, uint32_t n, const uint
             }
             if ((++k & 255) == 0 && mono_ns() - t0 > c->stall_ns)
                 return -2;
-            CPU_RELAX();
+            if ((k & 31) == 0 && io_yield_hint(&c->io))
+                sched_yield(); /* the service's side that would make room runs on this CPU */
+            else
+                CPU_RELAX();
             rc = io_send(&c->io, p, n, p2, n2);
         }
     }
@@ -666,6 +669,8 @@ static PyObject *ctl_run(ControllerCore *c, PyObject *arg) {
                 code = 1;
                 break;
             }
+            if (c->s_ans < c->s_emit && io_yield_hint(&c->io))
+                sched_yield(); /* what would answer runs on this CPU (a pipelined service's ingest thread) */
             if (io_peer_closed(&c->io) || io_flush(&c->io) < 0) {
                 code = -1;
                 break;

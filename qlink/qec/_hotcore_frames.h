@@ -249,7 +249,7 @@ static void svc_get_now(ServiceCore *s, SvcDecoder *d, int64_t rs, int consume, 
         svc_answer(s, W.st_not_ready, rid, ptp, NULL, 0);
         return;
     }
-    if (d->decoded == d->head) /* the oldest shot still waits for the decoder: decode now */
+    if (ld_acq64(&d->decoded) == d->head) /* the oldest shot still waits for the decoder: decode now */
         svc_flush_decoder(s, d);
     int64_t slot = (int64_t)(d->head % (uint64_t)d->cap);
     if (d->drops_before[slot] > 0) {
@@ -335,7 +335,7 @@ static void svc_get_addressed(ServiceCore *s, SvcDecoder *d, int64_t rs, uint32_
 /* Answer the gets held back while shots waited for the decoder, in the order they came. */
 static void svc_settle(ServiceCore *s) {
     svc_flush(s);
-    for (int i = 0; i < s->n_defer; i++) {
+    for (int i = s->defer_first; i < s->n_defer; i++) {
         DeferredGet *g = &s->defer[i];
         if (is_addressed(s, &s->dec[g->did], g->consume, g->rid)) {
             svc_get_addressed(s, &s->dec[g->did], g->rs, g->rid, g->ptp);
@@ -346,7 +346,26 @@ static void svc_settle(ServiceCore *s) {
             continue;
         svc_get_now(s, &s->dec[g->did], g->rs, g->consume, g->rid, g->ptp);
     }
-    s->n_defer = 0;
+    s->n_defer = s->defer_first = 0;
+}
+
+/* Pipelined: answer the gets held back whose shots are decoded, in the order they came, up to
+ * the first whose shot still waits for the decoding thread. The number answered. (No
+ * datagram link is pipelined: no get here is addressed or a request sent again.) */
+static int svc_settle_ready(ServiceCore *s) {
+    int i = s->defer_first;
+    for (; i < s->n_defer; i++) {
+        DeferredGet *g = &s->defer[i];
+        SvcDecoder *d = &s->dec[g->did];
+        if (d->head != d->tail && ld_acq64(&d->decoded) == d->head)
+            break;
+        svc_get_now(s, d, g->rs, g->consume, g->rid, g->ptp);
+    }
+    int answered = i - s->defer_first;
+    s->defer_first = i;
+    if (s->defer_first == s->n_defer)
+        s->n_defer = s->defer_first = 0;
+    return answered;
 }
 
 static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t rid, int64_t ptp) {
@@ -368,7 +387,12 @@ static void svc_get(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32_t
     /* The oldest shot still waits for the decoder (or earlier gets wait): hold this get back
      * while frames are still queued, so the waiting shots go to the decoder in one call. The
      * run loop decodes and answers as soon as nothing else waits (at once in lock-step). */
-    if (s->n_defer > 0 || (d->decoded == d->head && d->head != d->tail)) {
+    if (s->n_defer > s->defer_first || (ld_acq64(&d->decoded) == d->head && d->head != d->tail)) {
+        if (s->n_defer >= s->defer_cap && s->defer_first > 0) { /* (pipelined: the answered ones make room) */
+            memmove(s->defer, s->defer + s->defer_first, (size_t)(s->n_defer - s->defer_first) * sizeof(DeferredGet));
+            s->n_defer -= s->defer_first;
+            s->defer_first = 0;
+        }
         if (s->n_defer >= s->defer_cap)
             svc_settle(s);
         else {
@@ -397,7 +421,13 @@ static void svc_reset(ServiceCore *s, const uint8_t *p, uint32_t arg_len, uint32
     if (!d->configured)
         return svc_refuse(s, C_F_DECODER_NOT_CONFIGURED, W.st_invalid, rid, ptp);
     svc_settle(s); /* the gets held back answer what they asked before the reset */
+    if (tl_ingest) { /* (as a single-threaded service: what was queued is decoded, then let go) */
+        svc_flush_decoder(s, d);
+        pipe_hold(s);
+    }
     dec_reset(d);
+    if (tl_ingest)
+        pipe_go_on(s);
     svc_answer(s, W.st_ok, rid, ptp, NULL, 0);
 }
 
@@ -455,6 +485,9 @@ static inline int svc_decode_now(ServiceCore *s) {
     return n >= 8 && rd32(data + 4) == W.fn_get && io_queued(&s->io) <= 96;
 }
 
+static const char *svc_pipe_refusal(const ServiceCore *s);
+static PyObject *svc_run_piped(ServiceCore *s, long long idle_ns, long long max_frames);
+
 /* run(idle_ns, max_frames=0) -> 0 idle for idle_ns (look at the peer), 1 the head of the
  * ring needs the Python path, 2 the peer closed its side, 3 max_frames handled, -3 released */
 static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -466,6 +499,8 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
     long long max_frames = nargs > 1 ? PyLong_AsLongLong(args[1]) : 0;
     if (PyErr_Occurred())
         return NULL;
+    if (s->ingest_cpu >= 0 && svc_pipe_refusal(s) == NULL)
+        return svc_run_piped(s, idle_ns, max_frames);
     /* Clock reads cost ~35 ns each: none per frame. The time a frame came is read when it
      * ends a wait (the service was idle: that read is also when it became ready again) and
      * otherwise only where a shot completes (svc_complete). */
@@ -598,7 +633,7 @@ static PyObject *svc_reset_all(ServiceCore *s, PyObject *Py_UNUSED(ig)) {
         if (s->dec[i].configured)
             dec_reset(&s->dec[i]);
     s->pending = 0;
-    s->n_defer = 0;
+    s->n_defer = s->defer_first = 0;
     s->row_n = s->rows_dropped = 0;
     Py_RETURN_NONE;
 }
@@ -634,7 +669,17 @@ static PyMethodDef svc_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *svc_get_pipe(ServiceCore *s, void *Py_UNUSED(c)) {
+    const char *why = s->ingest_cpu < 0 ? "no ingest_cpu given" : svc_pipe_refusal(s);
+    return Py_BuildValue("{s:i,s:K,s:K,s:s}", "ingest_cpu", s->ingest_cpu, "piped_runs",
+                         (unsigned long long)s->piped_runs, "ingest_waits", (unsigned long long)s->pipe_waits,
+                         "not_piped_because", why ? why : "");
+}
+
 static PyGetSetDef svc_getset[] = {
+    {"pipe", (getter)svc_get_pipe, NULL,
+     "the pipelined runs (an ingest thread on ingest_cpu): how many, the ingest thread's waits for the decoder, "
+     "and why a run is not pipelined ('' when it is)", NULL},
     {"rows_used", (getter)svc_get_rows_used, NULL, "shot rows recorded", NULL},
     {"rows_dropped", (getter)svc_get_rows_dropped, NULL, "shots answered past the rows' capacity", NULL},
     {"first_error", (getter)svc_get_first_error, NULL, "the first decoder failure (repr), or None", NULL},

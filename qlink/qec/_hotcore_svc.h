@@ -154,6 +154,7 @@ typedef struct {
     int ack; /* 0 none, 1 errors, 2 all */
     DeferredGet *defer; /* defer_cap: the gets held back while their shots wait for the decoder */
     int n_defer, defer_cap;
+    int defer_first; /* [defer_first, n_defer) still held (a pipelined run answers from the front) */
     int ndec;
     SvcDecoder dec[64];
     uint64_t counts[C_N];
@@ -175,7 +176,39 @@ typedef struct {
     /* a datagram sender most of whose frames were malformed (its address may be forged) gets
      * at most ration_per_s answers a second (0: no ration); the rest are counted, not sent */
     int64_t ration_per_s, ration_since_ns, ration_n;
+    /* a pipelined run (_hotcore_pipe.h): frames taken in by a thread of their own on CPU
+     * ingest_cpu (-1: no such thread) while this thread only decodes */
+    int ingest_cpu;
+    int piped;                     /* a pipelined run is on */
+    int pipe_pause, pipe_paused;   /* the ingest thread asks the decoding thread to stand still */
+    int pipe_done, pipe_code;      /* the ingest thread ended (with svc_run's code) */
+    uint64_t piped_runs, pipe_waits;
+    int64_t pipe_idle_ns;
+    long long pipe_max_frames;
 } ServiceCore;
+
+/* 1 in the ingest thread of a pipelined run: it never calls into Python, it waits for the
+ * decoding thread where a single-threaded service would decode, and it gives its CPU away
+ * while it waits (it shares that CPU with others). */
+static _Thread_local int tl_ingest;
+static inline uint64_t ld_acq64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void st_rel64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline int ld_acq_int(const int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void st_rel_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+/* The ingest thread has the decoding thread stand still (between two decoder calls) while
+ * it changes a decoder's queue under it (a reset), then lets it go on. */
+static void pipe_hold(ServiceCore *s) {
+    st_rel_int(&s->pipe_pause, 1);
+    while (!ld_acq_int(&s->pipe_paused))
+        sched_yield();
+}
+static void pipe_go_on(ServiceCore *s) {
+    st_rel_int(&s->pipe_pause, 0);
+    while (ld_acq_int(&s->pipe_paused))
+        sched_yield();
+}
+static int svc_settle_ready(ServiceCore *s);
 
 /* Whether a shot's stamps can still reach a row (the rows given and not full). The stamps are
  * read only then: a clock read costs ~30 ns, about a fifth of what a d=5 shot costs the service
@@ -386,7 +419,7 @@ static int svc_clear(ServiceCore *s) {
     s->kept = NULL;
     PyMem_Free(s->defer);
     s->defer = NULL;
-    s->n_defer = s->defer_cap = 0;
+    s->n_defer = s->defer_cap = s->defer_first = 0;
     return 0;
 }
 
@@ -551,13 +584,18 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     int ack = 1;
     double block_s = 1.0;
     long long max_batch = 256, read_ahead = 0, max_frame = 0, ration = 0;
+    int ingest_cpu = -1;
     static char *kwlist[] = {"link", "decoders", "ack", "rows", "answer_block_s", "max_batch", "read_ahead_nbytes",
-                             "max_frame_nbytes", "ration_answers_per_s", NULL};
+                             "max_frame_nbytes", "ration_answers_per_s", "ingest_cpu", NULL};
     if (need_layout())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iOdLLLL:ServiceCore", kwlist, &link, &decoders, &ack, &rows,
-                                     &block_s, &max_batch, &read_ahead, &max_frame, &ration))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iOdLLLLi:ServiceCore", kwlist, &link, &decoders, &ack, &rows,
+                                     &block_s, &max_batch, &read_ahead, &max_frame, &ration, &ingest_cpu))
         return -1;
+    if (ingest_cpu < -1 || ingest_cpu >= CPU_SETSIZE) {
+        PyErr_Format(PyExc_ValueError, "ingest_cpu must be -1 (no ingest thread) or a CPU number, got %d", ingest_cpu);
+        return -1;
+    }
     if (read_ahead < 0 || max_frame < 0 || ration < 0) {
         PyErr_SetString(PyExc_ValueError, "read_ahead_nbytes, max_frame_nbytes and ration_answers_per_s must be >= 0 "
                                           "(0: the default)");
@@ -569,6 +607,9 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     }
     svc_clear(s);
     memset(s->counts, 0, sizeof(s->counts));
+    s->ingest_cpu = ingest_cpu;
+    s->piped = 0;
+    s->piped_runs = s->pipe_waits = 0;
     if (io_init(&s->io, link) < 0)
         return -1;
     if (max_frame > 0 && (uint64_t)max_frame < s->io.max_payload)
@@ -621,7 +662,7 @@ static int svc_init(ServiceCore *s, PyObject *args, PyObject *kwds) {
     s->row_n = s->rows_dropped = 0;
     s->t_ready = mono_ns();
     s->pending = 0;
-    s->n_defer = 0;
+    s->n_defer = s->defer_first = 0;
     s->n_kept = 0;
     if (s->io.kind == IO_DGRAM) {
         s->kept = PyMem_Calloc(KEEP_N, sizeof(KeptAnswer));
@@ -697,12 +738,16 @@ static void svc_answer(ServiceCore *s, int32_t status, uint32_t rid, int64_t ptp
     int rc = io_send(&s->io, h, 24, res, nres);
     if (rc == QLINK_RING_FULL) { /* the controller is not reading: wait a bounded time */
         int64_t t0 = mono_ns();
-        PyThreadState *ts = PyEval_SaveThread();
+        PyThreadState *ts = tl_ingest ? NULL : PyEval_SaveThread();
         while (rc == QLINK_RING_FULL && mono_ns() - t0 < s->answer_block_ns && !io_peer_closed(&s->io)) {
-            CPU_RELAX();
+            if (tl_ingest)
+                sched_yield(); /* (the reader may be waiting for this CPU) */
+            else
+                CPU_RELAX();
             rc = io_send(&s->io, h, 24, res, nres);
         }
-        PyEval_RestoreThread(ts);
+        if (ts)
+            PyEval_RestoreThread(ts);
     }
     if (rc == QLINK_RING_SENT)
         s->counts[C_ANSWERS]++;
@@ -840,6 +885,13 @@ static int64_t svc_admit(ServiceCore *s, SvcDecoder *d, int64_t *status_out) {
 /* A completed shot: queue it (BUSY when the queue is full) and decode it at once. */
 static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uint32_t rid, int64_t ptp, int64_t t_in,
                          int64_t *status_out) {
+    /* pipelined: a full queue whose gets wait for the decoding thread makes room as it answers
+     * them (a single-threaded service decodes before its queue fills) */
+    while (tl_ingest && (int64_t)(d->tail - d->head) >= d->cap && s->n_defer > s->defer_first)
+        if (!svc_settle_ready(s)) {
+            s->pipe_waits++;
+            sched_yield();
+        }
     int64_t slot = svc_admit(s, d, status_out);
     if (slot < 0)
         return;
@@ -857,8 +909,12 @@ static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uin
     r[10] = s->t_ready ? s->t_ready : t_in; /* busy back to back: ready when it took this frame */
     if (d->batch_fn != NULL) { /* decoded by svc_flush: at once when nothing else waits, else in one call */
         memcpy(d->pend_data + slot * d->nbd, bits, (size_t)d->nbd);
-        d->tail++;
-        s->pending++;
+        if (s->piped) { /* the decoding thread takes it from here */
+            st_rel64(&d->tail, d->tail + 1);
+        } else {
+            d->tail++;
+            s->pending++;
+        }
         return;
     }
     int64_t t0 = mono_ns();
@@ -876,12 +932,12 @@ static void svc_complete(ServiceCore *s, SvcDecoder *d, const uint8_t *bits, uin
     d->decoded = d->tail;
 }
 
-/* Decode every waiting shot of d: one shot through the single-shot call, several through
- * the batch call (split where the ring of slots wraps). */
-static void svc_flush_decoder(ServiceCore *s, SvcDecoder *d) {
-    while (d->decoded < d->tail) {
+/* Decode d's waiting shots up to `upto`: one shot through the single-shot call, several
+ * through the batch call (split where the ring of slots wraps). */
+static void svc_decode_upto(ServiceCore *s, SvcDecoder *d, uint64_t upto) {
+    while (d->decoded < upto) {
         int64_t first = (int64_t)(d->decoded % (uint64_t)d->cap);
-        int64_t k = (int64_t)(d->tail - d->decoded);
+        int64_t k = (int64_t)(upto - d->decoded);
         if (first + k > d->cap)
             k = d->cap - first;
         int64_t t0 = mono_ns();
@@ -927,9 +983,24 @@ static void svc_flush_decoder(ServiceCore *s, SvcDecoder *d) {
             d->failed[first + i] = rc < 0;
         }
         s->counts[rc < 0 ? C_DECODER_FAILED : C_SHOTS_DECODED] += (uint64_t)k;
-        d->decoded += (uint64_t)k;
-        s->pending -= k;
+        st_rel64(&d->decoded, d->decoded + (uint64_t)k); /* (what the ingest thread of a pipelined run waits for) */
+        if (!s->piped)
+            s->pending -= k;
     }
+}
+
+/* Decode every waiting shot of d; in the ingest thread of a pipelined run, wait until the
+ * decoding thread has. */
+static void svc_flush_decoder(ServiceCore *s, SvcDecoder *d) {
+    if (tl_ingest) {
+        uint64_t want = d->tail;
+        while (ld_acq64(&d->decoded) < want) {
+            s->pipe_waits++;
+            sched_yield();
+        }
+        return;
+    }
+    svc_decode_upto(s, d, d->tail);
 }
 
 static void svc_flush(ServiceCore *s) {

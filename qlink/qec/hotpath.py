@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -395,15 +396,26 @@ class NativeDecoderService:
     service that is behind decodes its waiting shots in one call once this many wait, even with
     frames still queued (as the Python service's option of that name; a throughput run sets it
     to the offline batch size, a real-time one keeps the default: a shorter wait for the oldest).
+
+    ``ingest_cpu``: a CPU number, and a served shm link takes its frames in on a thread of its
+    own pinned there while the serving thread only calls the decoder (a pipelined run: the
+    decoder never waits for frames to be parsed, nor frames for the decoder; see
+    ``_hotcore_pipe.h``). Batch decoders over shm only; any other run is served
+    single-threaded and ``report()["ingest_thread"]`` says why. ``None`` (the default): one
+    thread, as a real-time run wants it (no hand-over between threads on a shot's path).
     """
 
     def __init__(self, configs: Mapping[int, Any], *, ack_enqueue: str = "errors", keep_samples: int = 0,
-                 max_batch_requests: int = 256, **_python_path_options) -> None:
+                 max_batch_requests: int = 256, ingest_cpu: int | None = None, **_python_path_options) -> None:
         _need()
         if ack_enqueue not in _ACK:
             raise ValueError(f"ack_enqueue must be one of {tuple(_ACK)}, got {ack_enqueue!r}")
         if not 1 <= int(max_batch_requests) <= 65536:
             raise ValueError(f"max_batch_requests must be in [1, 65536], got {max_batch_requests!r}")
+        if ingest_cpu is not None and (isinstance(ingest_cpu, bool) or not isinstance(ingest_cpu, int)
+                                       or not 0 <= ingest_cpu < (os.cpu_count() or 1)):
+            raise ValueError(f"ingest_cpu must be None or a CPU number in [0, {os.cpu_count()}), got {ingest_cpu!r}")
+        self.ingest_cpu = ingest_cpu
         self.max_batch_requests = int(max_batch_requests)
         if not configs:
             raise ValueError("NativeDecoderService needs at least one decoder config")
@@ -439,7 +451,8 @@ class NativeDecoderService:
             self._fold_counts(self._core)
         self._core = _hotcore.ServiceCore(link, decs, ack=_ACK[self.ack_enqueue],
                                           rows=self._rows if len(self._rows) else None,
-                                          max_batch=self.max_batch_requests)
+                                          max_batch=self.max_batch_requests,
+                                          ingest_cpu=-1 if self.ingest_cpu is None else self.ingest_cpu)
         self._keep = keep
 
     def session_core(self, link: tuple, *, read_ahead_nbytes: int = 0, max_frame_nbytes: int = 0,
@@ -596,6 +609,8 @@ class NativeDecoderService:
                          for did, (cfg, dec) in self._decoders.items()},
             "first_decoder_error": self._core.first_error if self._core is not None else None,
         }
+        if self._core is not None and self.ingest_cpu is not None:
+            out["ingest_thread"] = self._core.pipe
         if len(self._rows):
             out["shots"] = {name: rows[name].tolist() for name in rows.dtype.names}
             out["shots_not_kept"] = self._core.rows_dropped if self._core is not None else 0

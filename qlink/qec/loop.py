@@ -222,7 +222,7 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
              stream: SyndromeStream | None = None, max_batch_requests: int = 256,
              max_in_flight_shots: int | None = None, controller_query: str | None = None,
              controller_options: Mapping[str, Any] | None = None, pin_cpus: bool = False,
-             service_url: str | None = None, engine: str = "auto") -> LoopResult:
+             service_url: str | None = None, engine: str = "auto", service_ingest_cpu: int | None = None) -> LoopResult:
     """Run the closed loop: service in a child process (or thread), controller here.
 
     ``transport`` is a name (``tcp``, ``shm``, ``ucx``, ``udp``, ``inproc``) or a URL;
@@ -252,7 +252,9 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
     shm, tcp and udp, one shot per frame group, no ``max_in_flight_shots``): each round its own
     frame on the cycle (``rounds_per_frame``), the shot decoded the moment its last round
     lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
-    ``"python"`` runs the Python service and controller (every transport and option);
+    With ``service_ingest_cpu`` (native, shm) the service takes frames in on a thread of its own
+    pinned to that CPU while its first thread only decodes (a throughput run's pipeline; see
+    :class:`~qlink.qec.hotpath.NativeDecoderService`). ``"python"`` runs the Python service and controller (every transport and option);
     ``"auto"`` (the default) takes the native engine wherever it can serve the run over shm,
     tcp and udp (``result.engine`` says which ran).
     """
@@ -274,6 +276,9 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
         engine = "native" if refusal is None and rounds_per_frame >= 1 and not controller_options else "python"
     if engine == "native" and refusal is not None:
         raise ValueError(refusal)
+    if service_ingest_cpu is not None and engine != "native":
+        raise ValueError(f"service_ingest_cpu={service_ingest_cpu!r} needs engine='native' (the ingest thread is the "
+                         f"native service's)")
     spec, src = spec_and_source(source)
     if stream is None:
         stream = sample_stream(src, num_shots=num_shots, seed=seed)
@@ -294,6 +299,8 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
                        "max_batch_requests": int(max_batch_requests)}
     if engine == "native":
         service_options["engine"] = "native"
+        if service_ingest_cpu is not None:
+            service_options["ingest_cpu"] = service_ingest_cpu
     proc = thread = None
     thread_out: dict = {}
     if service_url is not None:

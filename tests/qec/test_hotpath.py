@@ -52,12 +52,13 @@ class _Served:
 
     def __init__(self, dem, *, decoder="pymatching", frames_per_shot=None, capacity_shots=1024, keep=0,
                  ack="errors", scheme="shm", connect=True, rcvbuf_nbytes=None, accept_delay_s=0.0,
-                 serve_delay_s=0.0, max_batch_requests=256):
+                 serve_delay_s=0.0, max_batch_requests=256, ingest_cpu=None):
         import transports
 
         self.svc = NativeDecoderService({0: DecoderConfig(decoder=decoder, dem=dem, frames_per_shot=frames_per_shot,
                                                           capacity_shots=capacity_shots)},
-                                        ack_enqueue=ack, keep_samples=keep, max_batch_requests=max_batch_requests)
+                                        ack_enqueue=ack, keep_samples=keep, max_batch_requests=max_batch_requests,
+                                        ingest_cpu=ingest_cpu)
         self.scheme = scheme
         url = f"shm://qlink-hot-test-{os.getpid()}-{next(_ids)}" if scheme == "shm" else f"{scheme}://127.0.0.1:0"
         self.lis = transports.listen(url, rcvbuf_nbytes=rcvbuf_nbytes) if rcvbuf_nbytes else transports.listen(url)
