@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -83,5 +84,7 @@ def test_native_real_time_rows_and_goal_table(tmp_path):
     assert {GOALS["udp_floor"], GOALS["udp_rpf1_keeps_up"], GOALS["udp_cycle_keeps_up"], GOALS["long_flat"]} <= goals
     assert all(isinstance(g["met"], bool) for g in out["goals"])
     assert row["offline_rounds_per_s"] > 0 and row["flat_vs_offline"] > 0  # flat out beside offline
+    # (pipelined: frames taken in on a CPU of the host; the single-threaded service beside it)
+    assert 0 <= row["flat_ingest_cpu"] < (os.cpu_count() or 1) and row["flat_single_thread_vs_offline"] > 0
     ev = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in ev if e["ph"] == "X"} >= {"reaction", "decode", "wire_in", "wire_out"}
