@@ -485,6 +485,28 @@ static inline int svc_decode_now(ServiceCore *s) {
     return n >= 8 && rd32(data + 4) == W.fn_get && io_queued(&s->io) <= 96;
 }
 
+/* What ended a wait for a message (io_peek's rc, no message), as run()'s code: 1 the ring's
+ * head needs the Python path, -3 the ring went away, 2 the peer closed; RUN_GO_ON: nothing
+ * of those (the link is empty). */
+#define RUN_GO_ON 99
+static inline int svc_stop_code(int rc) {
+    return rc == QLINK_RING_OTHER ? 1 : rc == QLINK_RING_RELEASED ? -3 : rc == IO_CLOSED ? 2 : RUN_GO_ON;
+}
+
+/* A frame has come: its time (read only when it ended a wait, `*spins` nonzero: then the service
+ * was idle, and ready since t_idle0), 0 when it came while the service was busy. */
+static inline int64_t svc_frame_time(ServiceCore *s, unsigned *spins, int64_t t_idle0) {
+    int64_t t_in = 0;
+    if (*spins) {
+        t_in = mono_ns();
+        s->t_ready = t_idle0;
+    } else {
+        s->t_ready = 0;
+    }
+    *spins = 0;
+    return t_in;
+}
+
 static const char *svc_pipe_refusal(const ServiceCore *s);
 static PyObject *svc_run_piped(ServiceCore *s, long long idle_ns, long long max_frames);
 
@@ -521,15 +543,7 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
                 PyEval_RestoreThread(ts);
                 ts = NULL;
             }
-            int64_t t_in = 0;
-            if (spins) { /* it ended a wait */
-                t_in = mono_ns();
-                s->t_ready = t_idle0;
-            } else {
-                s->t_ready = 0;
-            }
-            spins = 0;
-            svc_handle(s, data, n, t_in);
+            svc_handle(s, data, n, svc_frame_time(s, &spins, t_idle0));
             io_consume(&s->io);
             if ((++busy_frames & 255) == 0) { /* busy a long while: let a thread waiting for the GIL in */
                 int64_t now = mono_ns();
@@ -555,17 +569,9 @@ static PyObject *svc_run(ServiceCore *s, PyObject *const *args, Py_ssize_t nargs
             }
             continue;
         }
-        if (rc == QLINK_RING_OTHER) {
-            code = 1;
-            break;
-        }
-        if (rc == QLINK_RING_RELEASED) {
-            code = -3;
-            break;
-        }
-        if (rc == IO_CLOSED) {
-            io_flush(&s->io);
-            code = 2;
+        if ((code = svc_stop_code(rc)) != RUN_GO_ON) {
+            if (code == 2)
+                io_flush(&s->io);
             break;
         }
         if (spins++ == 0) {

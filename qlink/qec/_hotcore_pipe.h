@@ -72,15 +72,7 @@ static void *svc_ingest_main(void *arg) {
         uint32_t n;
         int rc = io_peek(&s->io, &data, &n);
         if (rc == QLINK_RING_MSG) {
-            int64_t t_in = 0;
-            if (spins) {
-                t_in = mono_ns();
-                s->t_ready = t_idle0;
-            } else {
-                s->t_ready = 0;
-            }
-            spins = 0;
-            svc_handle(s, data, n, t_in);
+            svc_handle(s, data, n, svc_frame_time(s, &spins, t_idle0));
             io_consume(&s->io);
             if (s->n_defer > s->defer_first)
                 svc_settle_ready(s);
@@ -90,18 +82,8 @@ static void *svc_ingest_main(void *arg) {
             }
             continue;
         }
-        if (rc == QLINK_RING_OTHER) {
-            code = 1;
+        if ((code = svc_stop_code(rc)) != RUN_GO_ON)
             break;
-        }
-        if (rc == QLINK_RING_RELEASED) {
-            code = -3;
-            break;
-        }
-        if (rc == IO_CLOSED) {
-            code = 2;
-            break;
-        }
         int waiting = s->n_defer > s->defer_first;
         if (waiting && svc_settle_ready(s))
             spins = 1; /* answers went out: the clock of idleness starts again */

@@ -97,10 +97,11 @@ class _Served:
 
 
 def _run(circuit, *, num_shots=300, seed=1, decoder="pymatching", lockstep=False, rounds_per_frame=1,
-         cycle_ns=1100, scheme="shm"):
+         cycle_ns=1100, scheme="shm", **served):
+    """``served``: the service's other options (see _Served)."""
     stream, dem = _stream(circuit, num_shots, seed)
     F = len(stream.frames(rounds_per_frame=rounds_per_frame))
-    served = _Served(dem, decoder=decoder, frames_per_shot=F, keep=num_shots, scheme=scheme)
+    served = _Served(dem, decoder=decoder, frames_per_shot=F, keep=num_shots, scheme=scheme, **served)
     try:
         res = NativeController(served.ep, stream, lockstep=lockstep, rounds_per_frame=rounds_per_frame,
                                cycle_ns=cycle_ns).run(timeout_s=60)

@@ -14,7 +14,7 @@ from qlink.qec.hotpath import NativeController, NativeDecoderService, available
 from qlink.qec.service import DecoderConfig
 from qlink.wire import Status
 
-from .test_hotpath import _answers, _direct, _frame_enqueue, _frame_get, _Served, _stream, _surface
+from .test_hotpath import _answers, _direct, _frame_enqueue, _frame_get, _run, _Served, _stream, _surface
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"native path not built: {available()}")
 
@@ -26,18 +26,10 @@ def _Piped(dem, *, ingest_cpu=_CPU, **kw):
     return _Served(dem, ingest_cpu=ingest_cpu, **kw)
 
 
-def _piped_run(circuit, *, num_shots, seed, cycle_ns=1, rounds_per_frame=1, capacity_shots=4096,
-               max_batch_requests=4096, lockstep=False, decoder="pymatching"):
-    stream, dem = _stream(circuit, num_shots, seed)
-    F = len(stream.frames(rounds_per_frame=rounds_per_frame))
-    served = _Piped(dem, decoder=decoder, frames_per_shot=F, keep=num_shots, capacity_shots=capacity_shots,
-                    max_batch_requests=max_batch_requests)
-    try:
-        res = NativeController(served.ep, stream, rounds_per_frame=rounds_per_frame, cycle_ns=cycle_ns,
-                               lockstep=lockstep).run(timeout_s=60)
-    finally:
-        rep = served.close()
-    return stream, dem, res, rep
+def _piped_run(circuit, *, num_shots, seed, cycle_ns=1, capacity_shots=4096, max_batch_requests=4096, **kw):
+    """_run with an ingest thread on _CPU, flat out unless told, a queue and batch bound of 4096."""
+    return _run(circuit, num_shots=num_shots, seed=seed, cycle_ns=cycle_ns, ingest_cpu=_CPU,
+                capacity_shots=capacity_shots, max_batch_requests=max_batch_requests, **kw)
 
 
 @pytest.mark.parametrize("d,rounds,rounds_per_frame", [(5, 5, 1), (3, 3, 0), (7, 4, 1)])
