@@ -83,6 +83,7 @@ class TcpEndpoint(TcpReceiveSide, TcpSendSide, Endpoint):
         self._key = local_key.to_bytes(8, "little")
         self._peer_key = peer_key.to_bytes(8, "little")
         self._busy_poll_s = float(busy_poll_s)
+        self._pieces_spin_ns = int(self._busy_poll_s * 1e9)  # a frame's pieces: the C reader's wait for more
         # receive side (guarded by _rlock)
         self._rlock = threading.Lock()
         self._rbuf = bytearray(read_ahead_nbytes)

@@ -381,7 +381,9 @@ class TcpReceiveSide:
             st[0], st[1] = (i + 1, 0) if got + take == k else (i, got + take)
         if st[0] < count:
             try:
-                k = recv_pieces(self._sock.fileno(), view, do, ln, st)
+                # (spinning in C for the next segment while the frame is unfinished, as long as
+                # a receive spins before it sleeps: not back through Python for each 64 KiB)
+                k = recv_pieces(self._sock.fileno(), view, do, ln, st, self._pieces_spin_ns)
                 if st[0] >= count:  # the next frame is likely one like it: read its head, not its pieces, ahead
                     self._ra_next = _HEAD_AHEAD
             except OSError as e:

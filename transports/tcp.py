@@ -88,13 +88,13 @@ from . import _tcp_handshake as hs
 from ._address import join_host_port, split_host_port
 from ._base import deadline_of
 from ._tcp_endpoint import CAPABILITIES, DEFAULT_BUSY_POLL_S, RBUF_NBYTES, TcpEndpoint
-from ._tcp_splice import SplicePipe, splice_pieces
+from ._tcp_splice import SplicePipe, recv_pieces, splice_pieces
 from ._tcp_splice import built as splice_built
 from . import _tcp_way
 from ._tcp_listener import TcpListener
 
 __all__ = ["CAPABILITIES", "listen", "connect", "deferred_put_way", "TcpEndpoint", "TcpListener", "SplicePipe",
-           "splice_built", "splice_pieces"]
+           "splice_built", "splice_pieces", "recv_pieces"]
 
 
 def deferred_put_way() -> _tcp_way.Way:

@@ -387,3 +387,32 @@ def test_an_ack_that_comes_due_while_a_spliced_frame_begins_goes_after_the_frame
             break
         threading.Event().wait(0.01)
     assert client._ack_heard == 1 and client.statistics().errors == 0
+
+
+def test_the_c_reader_waits_for_the_rest_of_a_frame_for_as_long_as_it_is_told():
+    """recv_pieces with spin_ns: bytes that come 20 ms after the first are read in the same call
+    when it may wait 2 s for them, and not when it may not wait (it returns what was there)."""
+    from transports import _tcpc
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        dst = np.zeros(8, np.uint8)
+        at, ln = np.array([0, 4], np.int64), np.array([4, 4], np.int64)
+        for spin_ns, want in ((0, 4), (2_000_000_000, 8)):
+            dst[:] = 0
+            st = np.zeros(2, np.int64)
+            a.sendall(bytes([1, 2, 3, 4]))
+            later = threading.Timer(0.02, lambda: a.sendall(bytes([5, 6, 7, 8])))
+            later.start()
+            got = _tcpc.recv_pieces(b.fileno(), dst, at, ln, st, spin_ns)
+            later.join()
+            assert got == want, spin_ns
+            if want == 4:  # the rest, read once it is there
+                time.sleep(0.05)
+                assert _tcpc.recv_pieces(b.fileno(), dst, at, ln, st) == 4
+            assert dst.tolist() == [1, 2, 3, 4, 5, 6, 7, 8] and st.tolist() == [2, 0]
+        a.close()  # the end of the stream, nothing read: -1 at once, however long it may wait
+        assert _tcpc.recv_pieces(b.fileno(), dst, at, ln, np.zeros(2, np.int64), 2_000_000_000) == -1
+    finally:
+        a.close()
+        b.close()
