@@ -163,8 +163,9 @@ class _Floor:
     * a source apart from the receiver's cache, as a sender's is, where ``spare_nbytes`` holds
       one: a separate cache of the same size, or, where that does not fit, layer-sized
       buffers backed all through as a sender's cache is, each piece at its own source offset
-      (one buffer per layer, or as many as fit, taken in turn, when they pass
-      ``REUSE_MIN_NBYTES``: no cache-hot reuse either).
+      (one buffer per layer, or as many as fit, taken in turn, when a copy reads
+      ``REUSE_MIN_NBYTES`` out of them before it reads the same bytes again: no cache-hot
+      reuse either).
 
     The second source matters: on the 2-core EPYC VM a copy out of the layer half the cache
     away read 15-25 % below the same copy out of a separate buffer, round after round, and
@@ -181,8 +182,8 @@ class _Floor:
     #: code read it at 0.60 and 0.97 x its floor)
     ROUND_S = 0.3
     MAX_COPIES_PER_ROUND = 5
-    #: source buffers taken in turn must span at least this much (the CPU's last-level
-    #: cache several times over) before one is read again
+    #: source buffers taken in turn: a copy must read at least this much out of them (the
+    #: CPU's last-level cache several times over) before it reads the same bytes again
     REUSE_MIN_NBYTES = 256 << 20
 
     def __init__(self, *, spare_nbytes: int = 0):
