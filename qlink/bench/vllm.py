@@ -48,11 +48,17 @@ import tempfile
 import time
 from typing import Callable
 
-__all__ = ["run_vllm_bench", "main_from_cli", "nixl_fair", "CASES", "NIXL_PROGRESS_DELAY_US"]
+__all__ = ["run_vllm_bench", "vllm_goals", "main_from_cli", "nixl_fair", "CASES", "NIXL_PROGRESS_DELAY_US",
+           "GOAL_EXPOSED_X_PREFILL", "GOAL_TTFT_X_BEST_PEER"]
 
 CASES = ("recompute", "qlink-shm", "qlink-shm-push", "qlink-tcp", "qlink-ucx", "example", "nixl")
 _PUSH_IDS = itertools.count(1 << 31)  # transfer ids of the push flow (the connector's own stay below 2**31)
 NIXL_PROGRESS_DELAY_US = 100
+#: qlink over shm: the transfer the decode side waits for, at most this share of the prefill's time
+GOAL_EXPOSED_X_PREFILL = 0.10
+#: qlink over shm: decode-side TTFT at most this times the best other connector's (NIXL's, the example's)
+GOAL_TTFT_X_BEST_PEER = 1.0
+_SHM_FLOWS = ("qlink-shm", "qlink-shm-push")
 
 
 def nixl_fair():
@@ -299,11 +305,45 @@ def _add_ratios(rows: list[dict]) -> None:
             r["ttft_x_best_peer"] = r["decode_ttft_ms"] / min(others) if others and r["decode_ttft_ms"] else None
 
 
+def vllm_goals(rows: list[dict]) -> list[dict]:
+    """The two goals per prompt length, judged on qlink over shm in whichever of its flows
+    (``qlink-shm``: the decode side pulls after the prefill, as NixlConnector's does;
+    ``qlink-shm-push``: each layer leaves as the prefill writes it) did better, that flow
+    named in ``by`` and the other flow's figure in ``note``: the exposed transfer at most
+    :data:`GOAL_EXPOSED_X_PREFILL` of the prefill's time, and the decode-side TTFT at most
+    :data:`GOAL_TTFT_X_BEST_PEER` x the best other connector's (vLLM's NixlConnector and
+    ExampleConnector; recompute is no connector, qlink over tcp and ucx are the same one).
+    ``met`` is None where a figure is missing.
+
+    >>> rows = [{"case": "qlink-shm", "prompt_tokens": 512, "exposed_x_prefill": 0.18, "ttft_x_best_peer": 0.91},
+    ...         {"case": "qlink-shm-push", "prompt_tokens": 512, "exposed_x_prefill": 0.0, "ttft_x_best_peer": 0.35},
+    ...         {"case": "nixl", "prompt_tokens": 512, "exposed_x_prefill": 0.18, "ttft_x_best_peer": 1.1}]
+    >>> [(g["goal"], g["measured"], g["met"], g["by"]) for g in vllm_goals(rows)]  # doctest: +NORMALIZE_WHITESPACE
+    [('qlink shm exposed transfer <= 0.1 x prefill at 512 prompt tokens', 0.0, True, 'qlink-shm-push'),
+     ('qlink shm decode TTFT <= 1 x the best other connector at 512 prompt tokens', 0.35, True, 'qlink-shm-push')]
+    """
+    out: list[dict] = []
+    for n in sorted({r["prompt_tokens"] for r in rows}):
+        flows = {r["case"]: r for r in rows if r["prompt_tokens"] == n and r["case"] in _SHM_FLOWS}
+        for key, target, goal in (
+                ("exposed_x_prefill", GOAL_EXPOSED_X_PREFILL, f"qlink shm exposed transfer <= {GOAL_EXPOSED_X_PREFILL:g} x prefill"),
+                ("ttft_x_best_peer", GOAL_TTFT_X_BEST_PEER, f"qlink shm decode TTFT <= {GOAL_TTFT_X_BEST_PEER:g} x the best other connector")):
+            have = {c: r[key] for c, r in flows.items() if r.get(key) is not None}
+            by = min(have, key=have.get) if have else None
+            row = {"goal": f"{goal} at {n} prompt tokens", "measured": None if by is None else round(have[by], 4),
+                   "target": target, "met": None if by is None else have[by] <= target, "by": by}
+            others = [f"{c}: {v:.3g}" for c, v in have.items() if c != by]
+            if others:
+                row["note"] = "the other flow, " + "; ".join(others)
+            out.append(row)
+    return out
+
+
 def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     """``qlink bench vllm [--quick] [--out DIR]``: run, print a table, write JSON/CSV."""
     from pathlib import Path
 
-    from .report import format_table, write_results
+    from .report import format_goals, format_table, write_results
     from .floor import cpu_availability
 
     import importlib.util
@@ -322,6 +362,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
                 "4 heads of 64, block 32", notes=res["notes"], errors=res["errors"], cpu_availability=avail,
                 load_avg=os.getloadavg(), wall_s=time.time() - t0)
     write_results(res["rows"], out_dir=out, name="vllm", meta=meta)
+    goals = vllm_goals(res["rows"])
+    write_results(goals, out_dir=out, name="vllm_goals", meta=meta)
     cols = ["case", "prompt_tokens", "prefill_ms", "decode_ttft_ms", "exposed_ms", "exposed_x_prefill",
             "ttft_minus_floor_ms", "transfer_ms", "ttft_x_best_peer", "all_answered"]
     print(f"\nvLLM disaggregated prefill -> decode on this CPU ({os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}); "
@@ -331,5 +373,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
         print(f"  note: {n}")
     for e in res["errors"]:
         print(f"  not measured: {e}")
-    print(f"\nwritten: {out}/vllm.{{json,csv}}")
+    print("\nvLLM goals (measured in this run, on qlink over shm's better flow, named after it)")
+    print(format_goals([dict(g, note=f"{g['by']}" + (f"; {g['note']}" if g.get("note") else "")) for g in goals],
+                       note="note"))
+    print(f"\nwritten: {out}/vllm.{{json,csv}}, {out}/vllm_goals.{{json,csv}}")
     return res["rows"]
