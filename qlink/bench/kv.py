@@ -113,7 +113,9 @@ qlink over ``shm`` at least ``GOAL_SHM_X_MEMCPY`` (0.9) x the warm memcpy floor;
 qlink over ``tcp`` at least ``GOAL_TCP_X_MOONCAKE`` (2) x Mooncake over TCP; descriptor
 preparation + submission over ``shm`` at most ``GOAL_PREP_SUBMIT_US_PER_BLOCK`` (1 us)
 per block, amortized. ``met`` is None where a figure is missing (a peer not installed,
-a transport skipped).
+a transport skipped). A tcp goal row carries ``host_bound``, the bare socket's rate over
+Mooncake's in the same run: where it is below 2, the row says that no TCP sender could have
+met the goal on that host in that run.
 
 Memory: each of the two processes holds one cache sized for the largest N that fits
 ``memory_budget_nbytes`` (both caches together); a larger N is reported as skipped.
@@ -1055,8 +1057,12 @@ def kv_goals(rows: list[dict]) -> list[dict]:
         sock = next((r for r in rows if r.get("basis") == "floor" and r["case"].startswith("TCP socket floor")
                      and r.get("tokens") == t), None)
         if sock and moon:  # what the host allows: no TCP transport beats the bare socket
+            bound = sock["GBps"] / moon["GBps"]
+            out[-1]["host_bound"] = round(bound, 3)
             out[-1]["floor"] = (f"the bare TCP socket moves these bytes at {sock['GBps']:.2f} GB/s here, "
-                               f"{sock['GBps'] / moon['GBps']:.2f} x Mooncake")
+                               f"{bound:.2f} x Mooncake" + ("" if bound >= GOAL_TCP_X_MOONCAKE else
+                                                            ": below the goal, which no TCP sender could meet "
+                                                            "on this host in this run"))
         per_block = None if shm is None else round(shm["prep_us_per_block"] + shm["submit_us_per_block"], 4)
         add(f"shm prep + submit <= {GOAL_PREP_SUBMIT_US_PER_BLOCK:g} us/block {where}", per_block,
             GOAL_PREP_SUBMIT_US_PER_BLOCK, False)

@@ -240,7 +240,12 @@ def test_tcp_rows_are_set_against_the_bare_socket_floor_taken_between_their_roun
     moon = {"case": "Mooncake TE TCP, slice 1024 KiB", "basis": "measured", "tokens": 16, "pattern": "contiguous",
             "GBps": sock[16]["GBps"] / 4}
     goal = next(g for g in kv_goals(rows + [moon]) if g["goal"].startswith("tcp >= 2 x Mooncake TCP at 16 tokens"))
-    assert "4.00 x Mooncake" in goal["floor"]
+    assert "4.00 x Mooncake" in goal["floor"] and goal["host_bound"] == pytest.approx(4.0, rel=0.01)
+    assert "below the goal" not in goal["floor"]
+    # a Mooncake at more than half the socket: the row says that the host, not the sender, bounds it
+    moon["GBps"] = sock[16]["GBps"] / 1.5
+    goal = next(g for g in kv_goals(rows + [moon]) if g["goal"].startswith("tcp >= 2 x Mooncake TCP at 16 tokens"))
+    assert goal["host_bound"] == pytest.approx(1.5, rel=0.01) and "below the goal" in goal["floor"]
 
 
 def test_tcp_is_also_taken_the_way_the_hosts_measurement_did_not_choose(monkeypatch):
