@@ -131,6 +131,32 @@ def fig_kv_exposed(rows: list[dict], *, ttft_ms: float = 250.0, kv_target_ms: fl
     return fig
 
 
+def fig_vllm_requests(rows: list[dict]):
+    """Real engines (rows of :func:`qlink.scenarios.kv_disagg.run_vllm`: vLLM prefill and decode
+    engines, the qlink connector between them): per request, the prefill engine's time to its
+    one token, the decode engine's time to first token with the KV moved, and the
+    connector's transfer inside it, against the prompt length; hollow markers where the
+    decode tokens differed from the decode engine computing the prompt itself."""
+    fig, ax = _figure(6, 4)
+    if rows:
+        tok = np.array([r["prompt_tokens"] for r in rows])
+        same = np.array([bool(r.get("tokens_match")) for r in rows])
+        for key, label, marker in (("prefill_ms", "prefill engine: its one token", "o"),
+                                   ("decode_ttft_ms", "decode engine: first token, KV moved", "s"),
+                                   ("transfer_ms", "qlink connector: pull asked -> last layer landed", "^")):
+            y = np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=float)
+            dots = ax.scatter(tok[same], y[same], s=22, marker=marker, label=label)
+            if (~same).any():
+                ax.scatter(tok[~same], y[~same], s=22, marker=marker, facecolors="none",
+                           edgecolors=dots.get_facecolor())
+        ax.set_title(f"vLLM on this CPU (tiny random Llama), qlink over {rows[0].get('transport', '?')}", fontsize=9)
+        ax.legend(fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("ms")
+    return fig
+
+
 def fig_kv_bandwidth(rows: list[dict]):
     """KV-transfer bandwidth per case (rows of :func:`qlink.bench.kv.run_kv_bench`):
     measured bars solid, the memcpy floor grey, modeled links hatched."""

@@ -43,12 +43,13 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ._paper_figures import (fig_backlog, fig_kv_bandwidth, fig_kv_exposed, fig_layer_arrival, fig_ler_deadline,
-                             fig_link_times, fig_reaction_cdf, fig_stage_shares)
+                             fig_link_times, fig_reaction_cdf, fig_stage_shares, fig_vllm_requests)
 from ._paper_tables import _columns, to_latex, to_markdown, write_csv
 
 __all__ = ["build", "verify", "load_scenario", "SCENARIOS", "to_latex", "to_markdown", "write_csv", "PROFILES", "STEPS",
            "PAPER_DIR", "DEFAULT_OUT_DIR", "main_from_cli", "fig_reaction_cdf", "fig_backlog", "fig_ler_deadline",
-           "fig_stage_shares", "fig_kv_exposed", "fig_kv_bandwidth", "fig_layer_arrival", "fig_link_times"]
+           "fig_stage_shares", "fig_kv_exposed", "fig_kv_bandwidth", "fig_layer_arrival", "fig_link_times",
+           "fig_vllm_requests"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 PAPER_DIR = _ROOT / "papers" / "cross-domain-latency"
@@ -230,6 +231,8 @@ def _step_cross_domain(a: _Artifact, cfg: dict) -> dict:
         a.table("kv_vllm", vrows or [{"note": note}], timing=True,
                 caption="A real engine: vLLM prefill and decode engines (tiny random Llama, this CPU), the qlink "
                         "connector between them, per request")
+        if vrows:
+            a.figure("kv_vllm", fig_vllm_requests(vrows))
     a.table("cross_domain", rows, timing=True,
             caption="Cross-domain budget table: every figure against its own budget (measured here, or modeled)")
     # Modeled rows take no measured input (crossdomain keeps the two bases apart; the filter on

@@ -48,3 +48,21 @@ def test_the_leg_runs_real_engines_where_the_vllm_environment_exists(tmp_path):
     assert "failed" not in note and "skipped" not in note, note
     assert len(rows) == 2 and all(r["tokens_match"] and r["loaded"] for r in rows), rows
     assert {r["engine"] for r in _vllm_leg.vllm_rows(rows)} == {_vllm_leg.ENGINE}
+
+
+def test_the_requests_figure_draws_every_figure_and_marks_a_differing_decode():
+    pytest.importorskip("matplotlib")
+    from qlink.paper import fig_vllm_requests
+
+    reqs = [dict(transport="shm", prompt_tokens=n, prefill_ms=p, decode_ttft_ms=t, transfer_ms=x, tokens_match=m)
+            for n, p, t, x, m in ((100, 20.0, 9.0, 0.4, True), (300, 40.0, 11.0, None, True),
+                                  (200, 30.0, 10.0, 0.6, False))]
+    fig = fig_vllm_requests(reqs)
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert len(labels) == 3 and any("qlink connector" in s for s in labels) and "over shm" in ax.get_title()
+    filled = [c for c in ax.collections if len(c.get_facecolors())]
+    hollow = [c for c in ax.collections if not len(c.get_facecolors())]
+    assert sum(len(c.get_offsets()) for c in filled) == 3 * 2  # the matching requests, each figure
+    assert sum(len(c.get_offsets()) for c in hollow) == 3  # the differing one, hollow
+    assert len(fig_vllm_requests([]).axes) == 1  # no rows: an empty figure, not an error

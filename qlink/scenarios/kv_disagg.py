@@ -44,6 +44,10 @@ itself; the CSV (``kv_disagg_vllm.csv``) has the prefill time, the decode-side T
 connector's transfer time per request. It needs the vLLM environment (``make vllm-env``):
 
     .venv-vllm/bin/python scenarios/kv_disagg.py --engine vllm --transport shm --quick
+
+From an environment without vLLM (a notebook's, ``qlink run``'s), :func:`run_vllm_leg` runs
+that command with the vLLM environment's interpreter and returns its rows, or none and the
+reason it could not run (:mod:`qlink._vllm_leg`).
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["run", "run_vllm", "main", "prefill_ns_per_token", "modeled_exposed_ns", "H100_BF16_DENSE_FLOPS", "LLAMA3_8B_PARAMS"]
+from qlink._vllm_leg import run_vllm_leg
+
+__all__ = ["run", "run_vllm", "run_vllm_leg", "main", "prefill_ns_per_token", "modeled_exposed_ns", "H100_BF16_DENSE_FLOPS", "LLAMA3_8B_PARAMS"]
 
 LLAMA3_8B_PARAMS = 8.03e9  # Llama-3-8B model card
 LLAMA3_70B_PARAMS = 70.6e9  # Llama-3-70B model card
