@@ -316,11 +316,19 @@ class CrossDomainResult:
     kv: list[dict] = field(default_factory=list)  # per transport: bench-style rows (floor, modeled, measured)
     qec_measurements: list[QecMeasurement] = field(default_factory=list)
     kv_measurements: list[KvMeasurement] = field(default_factory=list)
+    vllm: list[dict] = field(default_factory=list)  # per request through real vLLM engines (the vLLM leg)
+    vllm_note: str = ""  # what the vLLM leg ran, or why it did not ("" where it was not asked for)
 
     def rows(self) -> list[dict]:
-        """Table rows; each AI row's ``engine`` says what produced it (here: qlink's KV engine
-        moving the blocks, prefill compute modeled; a real engine's rows name it)."""
-        return [dict(r, engine=AI_ENGINE if r["domain"] == "ai" else "") for r in budget_rows(self.lines)]
+        """Table rows; each AI row's ``engine`` says what produced it (qlink's KV engine moving
+        the blocks with prefill compute modeled, or the real engine of the vLLM leg, whose rows
+        stand beside the other AI rows, before the stage rows)."""
+        from ._vllm_leg import vllm_rows
+
+        rows = [dict(r, engine=AI_ENGINE if r["domain"] == "ai" else "") for r in budget_rows(self.lines)]
+        at = next((i for i, r in enumerate(rows) if r.get("stage")), len(rows))
+        rows[at:at] = vllm_rows(self.vllm)
+        return rows
 
 
 def _measure_qec(res: CrossDomainResult, transports: Iterable[str], distances: Iterable[int], *, num_shots: int,
@@ -418,12 +426,28 @@ def _measure_kv(res: CrossDomainResult, transports: Iterable[str], presets: Iter
 
 def run_cross_domain(*, transports=("shm", "tcp", "ucx"), distances=(5, 11), presets=("llama-3-8b", "llama-3-70b"),
                      kv_tokens: int = 4096, num_shots: int = 2000, seed: int = 0, kv_repeats: int = 1,
+                     vllm_requests: int = 0, vllm_out_dir=None,
                      say: Callable[[str], None] = print) -> CrossDomainResult:
     """Measure both domains on ``transports`` and set every figure against its budget
-    (:func:`build_lines`); what could not be measured is said in ``notes``."""
+    (:func:`build_lines`); what could not be measured is said in ``notes``.
+
+    ``vllm_requests`` > 0 also runs the vLLM leg (:func:`qlink._vllm_leg.run_vllm_leg`: that
+    many requests through real vLLM engines, the qlink connector over shm between them, in
+    the vLLM environment's interpreter; its CSV in ``vllm_out_dir``, a temporary folder
+    when None); its rows join the table, and its note (what ran, or why not) ``notes``."""
     res = CrossDomainResult()
     _measure_qec(res, transports, distances, num_shots=num_shots, seed=seed, say=say)
     _measure_kv(res, transports, presets, tokens=kv_tokens, repeats=kv_repeats, say=say)
+    if vllm_requests > 0:
+        import tempfile
+
+        from ._vllm_leg import run_vllm_leg
+
+        with tempfile.TemporaryDirectory(prefix="qlink-vllm-leg-") as tmp:
+            res.vllm, res.vllm_note = run_vllm_leg(vllm_out_dir if vllm_out_dir is not None else tmp,
+                                                   transport="shm", num_requests=vllm_requests, seed=seed, say=say)
+        say(f"  {res.vllm_note}")
+        res.notes.append(res.vllm_note)
     res.lines = build_lines(qec=res.qec_measurements, kv=res.kv_measurements, distances=distances, presets=presets,
                             kv_tokens=kv_tokens)
     return res

@@ -217,22 +217,14 @@ def _step_catalog(a: _Artifact, cfg: dict) -> dict:
 def _step_cross_domain(a: _Artifact, cfg: dict) -> dict:
     from .crossdomain import plot_cross_domain, run_cross_domain
 
-    from ._vllm_leg import run_vllm_leg, vllm_rows
-
-    cfg = dict(cfg)
-    n_vllm = cfg.pop("vllm_requests", 0)
-    res = run_cross_domain(**cfg, seed=a.seed, say=a.say)
-    rows = res.rows()
-    if n_vllm:  # the real engine's rows (vLLM in its own environment), beside the emulated ones
-        vrows, note = run_vllm_leg(a.out / "data" / "kv_vllm", num_requests=n_vllm, seed=a.seed, say=a.say)
-        res.notes.append(note)
-        at = next((i for i, r in enumerate(rows) if r.get("stage")), len(rows))
-        rows[at:at] = vllm_rows(vrows)
-        a.table("kv_vllm", vrows or [{"note": note}], timing=True,
+    res = run_cross_domain(**cfg, seed=a.seed, vllm_out_dir=a.out / "data" / "kv_vllm", say=a.say)
+    rows = res.rows()  # the real engine's rows (vLLM in its own environment) beside the emulated ones
+    if cfg.get("vllm_requests"):
+        a.table("kv_vllm", res.vllm or [{"note": res.vllm_note}], timing=True,
                 caption="A real engine: vLLM prefill and decode engines (tiny random Llama, this CPU), the qlink "
                         "connector between them, per request")
-        if vrows:
-            a.figure("kv_vllm", fig_vllm_requests(vrows))
+        if res.vllm:
+            a.figure("kv_vllm", fig_vllm_requests(res.vllm))
     a.table("cross_domain", rows, timing=True,
             caption="Cross-domain budget table: every figure against its own budget (measured here, or modeled)")
     # Modeled rows take no measured input (crossdomain keeps the two bases apart; the filter on

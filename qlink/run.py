@@ -76,21 +76,15 @@ def main_job(*, out_dir: Path, quick: bool = False, config=None, say: Callable[[
     say(f"step 1/3: QEC loop and KV transfer on {', '.join(transports)} (results in {out_dir}; "
         f"settings from {cfg.source})")
     res = run_cross_domain(transports=transports, distances=cfg.distances, presets=cfg.presets,
-                           kv_tokens=cfg.kv_tokens, num_shots=cfg.num_shots, seed=cfg.seed, say=say)
-    rows = res.rows()
-    from ._vllm_leg import run_vllm_leg, vllm_rows
-
-    if cfg.scenarios:
-        vrows, vnote = run_vllm_leg(out_dir / "kv_disagg_vllm", transport="shm", num_requests=3 if quick else 6,
-                                    seed=cfg.seed, say=say)
-    else:
-        vrows, vnote = [], "vLLM leg skipped ([run] scenarios = false)"
-    say(f"  {vnote}")
-    res.notes.append(vnote)
-    if "failed" in vnote:
-        failures.append(vnote)
-    stage_at = next((i for i, r in enumerate(rows) if r.get("stage")), len(rows))
-    rows[stage_at:stage_at] = vllm_rows(vrows)  # beside the other AI rows, before the stage rows
+                           kv_tokens=cfg.kv_tokens, num_shots=cfg.num_shots, seed=cfg.seed,
+                           vllm_requests=(3 if quick else 6) if cfg.scenarios else 0,
+                           vllm_out_dir=out_dir / "kv_disagg_vllm", say=say)
+    if not cfg.scenarios:
+        res.notes.append("vLLM leg skipped ([run] scenarios = false)")
+        say(f"  {res.notes[-1]}")
+    if "failed" in res.vllm_note:
+        failures.append(res.vllm_note)
+    rows = res.rows()  # the vLLM leg's rows beside the other AI rows, before the stage rows
     say("step 2/3: cross-domain budget table")
     write_results(rows, out_dir=out_dir, name="cross_domain", meta={"notes": res.notes})
     write_results(res.qec, out_dir=out_dir, name="qec_loop")

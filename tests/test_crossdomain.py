@@ -209,3 +209,32 @@ def test_the_plot_leaves_stage_rows_out_unless_asked(tmp_path):
     from matplotlib.image import imread
 
     assert imread(str(small)).shape[0] < imread(str(big)).shape[0]  # fewer bars, a shorter figure
+
+
+def test_the_vllm_legs_rows_stand_with_the_ai_rows_before_the_stage_rows_and_name_their_engine():
+    from qlink._vllm_leg import ENGINE
+    from qlink.crossdomain import AI_ENGINE, CrossDomainResult
+
+    reqs = [dict(transport="shm", prompt_tokens=n, prefill_ms=p, decode_ttft_ms=t, transfer_ms=x, loaded=True,
+                 tokens_match=True) for n, p, t, x in ((100, 20.0, 9.0, 0.4), (300, 40.0, 11.0, 0.8))]
+    plain = CrossDomainResult(lines=_table()).rows()
+    rows = CrossDomainResult(lines=_table(), vllm=reqs).rows()
+    assert len(rows) == len(plain) + 3
+    engines = [r["engine"] for r in rows]
+    first, last = engines.index(ENGINE), len(engines) - 1 - engines[::-1].index(ENGINE)
+    assert last - first == 2 and all(not r["stage"] for r in rows[:last + 1])  # together, before any stage row
+    assert rows[last + 1]["stage"]  # the stage rows follow
+    assert {r["engine"] for r in rows if r["domain"] == "ai"} == {AI_ENGINE, ENGINE}
+    assert {r["engine"] for r in rows if r["domain"] == "qec"} == {""}
+
+
+def test_asking_for_the_vllm_leg_without_its_environment_says_why_and_measures_the_rest(tmp_path, monkeypatch):
+    from qlink.crossdomain import run_cross_domain
+
+    monkeypatch.setenv("QLINK_VLLM_PYTHON", str(tmp_path / "no-such-venv" / "bin" / "python"))
+    said = []
+    res = run_cross_domain(transports=("shm",), distances=(3,), presets=("llama-3-8b",), kv_tokens=16, num_shots=20,
+                           vllm_requests=2, say=said.append)
+    assert res.vllm == [] and res.vllm_note.startswith("vLLM leg skipped") and res.vllm_note in res.notes
+    assert any(res.vllm_note in s for s in said)
+    assert any(r["domain"] == "qec" and r["basis"] == "measured" for r in res.rows())
