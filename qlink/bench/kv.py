@@ -1102,5 +1102,9 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
             print(wrap(f"  note ({r.get('case')}, {r.get('tokens')} tokens): {r['note']}", indent="    "))
     print("\nKV goals (measured in this run; met is empty where a figure is missing)")
     print(format_goals(goals))
-    print(wrap(f"\nwritten under {out}/: kv (every column), kv_goals (.json, .csv)"))
+    from .plots import fig_kv_peers, save_figure
+
+    save_figure(fig_kv_peers(rows), out / "kv.png")
+    print(wrap(f"\nwritten under {out}/: kv (every column), kv_goals (.json, .csv), kv.png (each transport "
+               "beside its floor and peer)"))
     return rows

@@ -376,5 +376,8 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     print("\nvLLM goals (measured in this run, on qlink over shm's better flow, named after it)")
     print(format_goals([dict(g, note=f"{g['by']}" + (f"; {g['note']}" if g.get("note") else "")) for g in goals],
                        note="note"))
-    print(f"\nwritten: {out}/vllm.{{json,csv}}, {out}/vllm_goals.{{json,csv}}")
+    from .plots import fig_vllm_connectors, save_figure
+
+    save_figure(fig_vllm_connectors(res["rows"]), out / "vllm.png")
+    print(f"\nwritten: {out}/vllm.{{json,csv}}, {out}/vllm_goals.{{json,csv}}, {out}/vllm.png")
     return res["rows"]

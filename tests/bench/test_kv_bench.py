@@ -215,6 +215,7 @@ def test_the_cli_path_writes_rows_and_goals(tmp_path, monkeypatch):
     goals = json.loads((tmp_path / "kv_goals.json").read_text())["rows"]
     assert [g["met"] for g in goals] == [True, None, None, True]
     assert (tmp_path / "kv_goals.csv").read_text().startswith("goal,measured,target,met")
+    assert (tmp_path / "kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot beside the table
     seen = {}
     monkeypatch.setattr(kv, "run_kv_bench", lambda **kw: seen.update(kw) or fake)
     kv.main_from_cli(SimpleNamespace(quick=True, out=str(tmp_path), transports="shm,tcp", no_peers=True),

@@ -710,4 +710,6 @@ def test_the_held_round_trip_floor_holds_each_answer_as_long_as_it_is_told():
         lis.close()
     rt = got["rt"]
     assert (rt >= holds[np.arange(30) % 3]).all(), rt
-    assert rt[0::3].min() > rt[1::3].max()  # the 300 µs holds are the long ones, in their turn
+    # the 300 µs holds are the long ones, in their turn (medians: on a loaded host one 20 µs hold's
+    # round trip was once preempted for 7.9 ms, past every 300 µs one)
+    assert np.median(rt[0::3]) > np.median(rt[2::3]) > np.median(rt[1::3])
