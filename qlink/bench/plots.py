@@ -35,6 +35,16 @@ def _figure(w: float, h: float):
     return fig, fig.subplots(1, 1)
 
 
+def _grouped_axes(ax, x, ticks: list[str], *, ylabel: str, title: str, legend_below: float | None) -> None:
+    """Groups of bars on a log axis: their ticks, labels and (with bars drawn) the legend under it."""
+    ax.set_xticks(x, ticks, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if legend_below is not None:
+        ax.legend(fontsize=7, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -legend_below))
+
+
 def _best(rows: list[dict], prefix: str, basis: str, tokens, pattern) -> float:
     """The fastest row of a series at one case (several qlink ucx/tcp ways, Mooncake's slices:
     the one its goal takes); the socket floor has one row per token count, whatever the pattern."""
@@ -60,12 +70,9 @@ def fig_kv_peers(rows: list[dict]):
         floor = label.endswith("floor")
         ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label,
                color="lightgrey" if floor else None, edgecolor="black", linewidth=0.4, hatch="//" if floor else None)
-    ax.set_xticks(x, [f"{t} tok\n{p}" for t, p in cases], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("GB/s (median; floors: best round)")
-    ax.set_title("KV transfer between two processes: qlink beside its floors and peers", fontsize=9)
-    if series:
-        ax.legend(fontsize=7, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    _grouped_axes(ax, x, [f"{t} tok\n{p}" for t, p in cases], ylabel="GB/s (median; floors: best round)",
+                  title="KV transfer between two processes: qlink beside its floors and peers",
+                  legend_below=0.16 if series else None)
     return fig
 
 
@@ -89,12 +96,9 @@ def fig_vllm_connectors(rows: list[dict]):
             ax.bar([a for a, _ in shown], [e for _, e in shown], width * 0.5, color="black", alpha=0.55,
                    label=None if labelled else "exposed transfer (in the TTFT)")
             labelled = True
-    ax.set_xticks(x, [f"{n} prompt tokens" for n in lengths], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("decode-side TTFT, ms (median)")
-    ax.set_title("vLLM prefill -> decode on this CPU: each KV connector on the same prompts", fontsize=9)
-    if cases:
-        ax.legend(fontsize=7, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    _grouped_axes(ax, x, [f"{n} prompt tokens" for n in lengths], ylabel="decode-side TTFT, ms (median)",
+                  title="vLLM prefill -> decode on this CPU: each KV connector on the same prompts",
+                  legend_below=0.12 if cases else None)
     return fig
 
 
