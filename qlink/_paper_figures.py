@@ -15,18 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .bench.plots import new_figure as _figure
+
 __all__ = ["fig_reaction_cdf", "fig_backlog", "fig_ler_deadline", "fig_stage_shares", "fig_kv_exposed",
            "fig_kv_bandwidth", "fig_layer_arrival", "fig_link_times"]
 
 STAGE_ORDER = ("send", "wire_in", "queue", "decode", "respond", "wire_out", "apply")
-
-
-def _figure(w: float = 6.0, h: float = 4.0, ncols: int = 1):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(w, h), layout="constrained")
-    axes = fig.subplots(1, ncols)
-    return fig, axes
 
 
 def fig_reaction_cdf(results: dict, *, title: str = ""):

@@ -47,10 +47,17 @@ def vllm_python() -> Path | None:
     return p if p.exists() else None
 
 
-def run_vllm_leg(out_dir, *, transport: str = "shm", num_requests: int = 4, seed: int = 0, timeout_s: float = 600,
-                 say: Callable[[str], None] = print) -> tuple[list[dict], str]:
+def run_vllm_leg(out_dir=None, *, transport: str = "shm", num_requests: int = 4, seed: int = 0,
+                 timeout_s: float = 600, say: Callable[[str], None] = print) -> tuple[list[dict], str]:
     """Run the leg; ``(rows of kv_disagg_vllm.csv, note)``. No rows and a note saying why
-    where it cannot run or failed; the note otherwise says what ran."""
+    where it cannot run or failed; the note otherwise says what ran. ``out_dir``: where the
+    CSV stays (None: a temporary folder, removed once the rows are read)."""
+    if out_dir is None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="qlink-vllm-leg-") as tmp:
+            return run_vllm_leg(tmp, transport=transport, num_requests=num_requests, seed=seed,
+                                timeout_s=timeout_s, say=say)
     py = vllm_python()
     script = _ROOT / "scenarios" / "kv_disagg.py"
     if py is None or not py.exists():

@@ -439,13 +439,10 @@ def run_cross_domain(*, transports=("shm", "tcp", "ucx"), distances=(5, 11), pre
     _measure_qec(res, transports, distances, num_shots=num_shots, seed=seed, say=say)
     _measure_kv(res, transports, presets, tokens=kv_tokens, repeats=kv_repeats, say=say)
     if vllm_requests > 0:
-        import tempfile
-
         from ._vllm_leg import run_vllm_leg
 
-        with tempfile.TemporaryDirectory(prefix="qlink-vllm-leg-") as tmp:
-            res.vllm, res.vllm_note = run_vllm_leg(vllm_out_dir if vllm_out_dir is not None else tmp,
-                                                   transport="shm", num_requests=vllm_requests, seed=seed, say=say)
+        res.vllm, res.vllm_note = run_vllm_leg(vllm_out_dir, transport="shm", num_requests=vllm_requests, seed=seed,
+                                               say=say)
         say(f"  {res.vllm_note}")
         res.notes.append(res.vllm_note)
     res.lines = build_lines(qec=res.qec_measurements, kv=res.kv_measurements, distances=distances, presets=presets,

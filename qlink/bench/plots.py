@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["fig_kv_peers", "fig_vllm_connectors", "save_figure", "KV_SERIES"]
+__all__ = ["fig_kv_peers", "fig_vllm_connectors", "save_figure", "new_figure", "KV_SERIES"]
 
 #: the bars of :func:`fig_kv_peers`, each a qlink transport beside its floor and its peer, in
 #: that order: (label, case prefix, basis)
@@ -28,11 +28,13 @@ KV_SERIES = (("memcpy floor", "memcpy floor", "floor"), ("qlink shm", "qlink shm
              ("Mooncake TCP", "Mooncake", "measured"))
 
 
-def _figure(w: float, h: float):
+def new_figure(w: float = 6.0, h: float = 4.0, ncols: int = 1):
+    """``(figure, axes)``: a constrained-layout :class:`matplotlib.figure.Figure` of ``w`` x ``h``
+    inches and ``ncols`` axes side by side, made without pyplot (the paper's figures use it too)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(w, h), layout="constrained")
-    return fig, fig.subplots(1, 1)
+    return fig, fig.subplots(1, ncols)
 
 
 def _grouped_axes(ax, x, ticks: list[str], *, ylabel: str, title: str, legend_below: float | None) -> None:
@@ -61,7 +63,7 @@ def fig_kv_peers(rows: list[dict]):
     and Mooncake (its faster slice). Log scale; a series not measured is left out."""
     cases = sorted({(r["tokens"], r["pattern"]) for r in rows
                     if r.get("basis") == "measured" and r.get("tokens") is not None and r.get("pattern")})
-    fig, ax = _figure(max(6.0, 1.6 * len(cases) + 2), 4.2)
+    fig, ax = new_figure(max(6.0, 1.6 * len(cases) + 2), 4.2)
     series = [(label, [_best(rows, prefix, basis, t, p) for t, p in cases]) for label, prefix, basis in KV_SERIES]
     series = [(label, v) for label, v in series if not np.all(np.isnan(v))]
     width = 0.8 / max(1, len(series))
@@ -82,7 +84,7 @@ def fig_vllm_connectors(rows: list[dict]):
     takes 100 x longer than loading it)."""
     lengths = sorted({r["prompt_tokens"] for r in rows if r.get("decode_ttft_ms") is not None})
     cases = list(dict.fromkeys(r["case"] for r in rows if r.get("decode_ttft_ms") is not None))
-    fig, ax = _figure(max(6.0, 2.2 * len(lengths) + 2), 4.2)
+    fig, ax = new_figure(max(6.0, 2.2 * len(lengths) + 2), 4.2)
     width = 0.8 / max(1, len(cases))
     x = np.arange(len(lengths))
     by = {(r["case"], r["prompt_tokens"]): r for r in rows}

@@ -374,7 +374,7 @@ def main_from_cli(args, *, say: Callable[[str], None] = print) -> list[dict]:
     for e in res["errors"]:
         print(f"  not measured: {e}")
     print("\nvLLM goals (measured in this run, on qlink over shm's better flow, named after it)")
-    print(format_goals([dict(g, note=f"{g['by']}" + (f"; {g['note']}" if g.get("note") else "")) for g in goals],
+    print(format_goals([dict(g, note="; ".join(x for x in (g["by"], g.get("note")) if x)) for g in goals],
                        note="note"))
     from .plots import fig_vllm_connectors, save_figure
 

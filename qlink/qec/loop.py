@@ -254,7 +254,8 @@ def run_loop(*, transport: str = "tcp", source, decoder: str = "pymatching",
     lands, and with ``feed_forward_deadline_ns`` the lock-step (feed-forward) loop.
     With ``service_ingest_cpu`` (native, shm) the service takes frames in on a thread of its own
     pinned to that CPU while its first thread only decodes (a throughput run's pipeline; see
-    :class:`~qlink.qec.hotpath.NativeDecoderService`). ``"python"`` runs the Python service and controller (every transport and option);
+    :class:`~qlink.qec.hotpath.NativeDecoderService`).
+    ``"python"`` runs the Python service and controller (every transport and option);
     ``"auto"`` (the default) takes the native engine wherever it can serve the run over shm,
     tcp and udp (``result.engine`` says which ran).
     """
